@@ -1,0 +1,79 @@
+"""The one aggregation formula of SPEC §1, and the server optimizer step.
+
+For every element: ``new = Σ_k w_k m_k θ_k / Σ_k w_k m_k``; where nobody uploaded
+the element (``Σ_k w_k m_k = 0``) the previous global value is kept.  Every method
+aggregates through :func:`aggregate`; they differ only in the masks and weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedpartial import masks as masks_lib
+from fedpartial.structure import ModelStructure
+
+
+def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any, weights: jax.Array) -> Any:
+    """The SPEC §1 formula on already-expanded masks.
+
+    Args:
+      global_tree: previous global values (no client axis).
+      cohort_tree: client values ``[K, ...]``.
+      element_masks: booleans ``[K, ...]`` (same structure), True where uploaded.
+      weights: ``[K]`` non-negative client weights (``n_k`` by default).
+
+    Returns:
+      The aggregated tree; elements with zero total weight keep the global value.
+    """
+
+    def leaf(g, theta, m):
+        w = weights.reshape((-1,) + (1,) * (theta.ndim - 1)).astype(theta.dtype)
+        wm = jnp.where(m, w, jnp.zeros_like(w))
+        den = jnp.sum(wm, axis=0)
+        num = jnp.sum(wm * theta, axis=0)
+        safe = jnp.where(den > 0, den, jnp.ones_like(den))
+        return jnp.where(den > 0, num / safe, g)
+
+    return jax.tree.map(leaf, global_tree, cohort_tree, element_masks)
+
+
+def aggregate(
+    structure: ModelStructure,
+    global_vars: dict,
+    cohort_vars: dict,
+    upload: masks_lib.Mask,
+    weights: jax.Array,
+    collections: Sequence[str] = ("params", "batch_stats"),
+) -> dict:
+    """Aggregates the named collections under structured upload masks ``[K]``.
+
+    Collections not named are returned unchanged from ``global_vars``.  The masks
+    are expanded client by client (vmapped) right where they are consumed.
+    """
+    out = dict(global_vars)
+    for collection in collections:
+        g = global_vars.get(collection)
+        if not g:
+            continue
+        element_masks = jax.vmap(lambda m: masks_lib.expand(structure, m, g, collection))(upload)
+        out[collection] = masked_weighted_mean(g, cohort_vars[collection], element_masks, weights)
+    return out
+
+
+class ServerOptState(NamedTuple):
+    inner: optax.OptState
+
+
+def server_update(optimizer: optax.GradientTransformation, opt_state: Any, global_params: Any, aggregated: Any):
+    """Applies ``optimizer`` to the pseudo-gradient ``global - aggregated``.
+
+    With ``optax.sgd(1.0)`` this returns ``aggregated`` (FedAvg); FedAdam/FedYogi
+    are ``optax.adam`` / ``optax.yogi`` here.
+    """
+    pseudo_grad = jax.tree.map(jnp.subtract, global_params, aggregated)
+    updates, opt_state = optimizer.update(pseudo_grad, opt_state, global_params)
+    return optax.apply_updates(global_params, updates), opt_state

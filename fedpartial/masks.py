@@ -1,0 +1,181 @@
+"""Structured per-client masks and their transient expansion to parameter shape.
+
+A :class:`Mask` holds one boolean per layer and one boolean per output unit of
+each layer, with any number of leading axes (normally the cohort axis ``[K]``).
+An element of a kernel is *on* iff its layer is on, its output unit is on and the
+input unit feeding it (the previous layer's output unit) is on — so a neuron
+mask says at once "this neuron's parameters" and "the weights reading from it".
+
+Masks are never stored expanded: :func:`expand` builds the parameter-shaped
+boolean tree for one client inside the per-client computation, and
+:func:`count_elements` counts the on-elements exactly without expanding.
+
+The three kinds of SPEC §1 are all :class:`Mask` values; what differs is how the
+engine uses them (see :mod:`fedpartial.client` and :mod:`fedpartial.aggregation`):
+
+* train mask — elements a client may change (frozen otherwise, bit-identical);
+* dropout mask — neurons that exist in the client's sub-model (only the neuron
+  part is used; a dropped unit's outgoing weights are zeroed in the forward pass);
+* upload mask — elements the server aggregates from the client.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial.structure import ModelStructure, leaf_paths
+
+
+class Mask(NamedTuple):
+    """Layer and neuron booleans; leading axes (e.g. ``[K]``) are shared by all fields.
+
+    Attributes:
+      layers: ``[..., L]`` bool, one per layer.
+      neurons: tuple of ``[..., units_l]`` bool, one array per layer.
+    """
+
+    layers: jax.Array
+    neurons: tuple[jax.Array, ...]
+
+
+def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool = True) -> Mask:
+    """A mask with every layer and neuron set to ``value``."""
+    batch_shape = tuple(batch_shape)
+    return Mask(
+        layers=jnp.full((*batch_shape, structure.num_layers), value, bool),
+        neurons=tuple(jnp.full((*batch_shape, u), value, bool) for u in structure.units),
+    )
+
+
+def from_layers(structure: ModelStructure, layers: jax.Array) -> Mask:
+    """A layer-level mask ``[..., L]``; every neuron of an on-layer is on."""
+    layers = jnp.asarray(layers, bool)
+    batch = layers.shape[:-1]
+    return Mask(layers=layers, neurons=tuple(jnp.ones((*batch, u), bool) for u in structure.units))
+
+
+def from_neurons(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mask:
+    """A neuron-level mask; every layer is on."""
+    neurons = tuple(jnp.asarray(n, bool) for n in neurons)
+    batch = neurons[0].shape[:-1]
+    return Mask(layers=jnp.ones((*batch, structure.num_layers), bool), neurons=neurons)
+
+
+def intersect(a: Mask, b: Mask) -> Mask:
+    """Element-wise AND of two masks (an element is on iff on in both)."""
+    return jax.tree.map(jnp.logical_and, a, b)
+
+
+def protect_output(mask: Mask) -> Mask:
+    """Forces the classifier's output units on (they are never dropped or frozen per neuron)."""
+    neurons = (*mask.neurons[:-1], jnp.ones_like(mask.neurons[-1]))
+    return mask._replace(neurons=neurons)
+
+
+def uses_neurons(structure: ModelStructure) -> None:
+    """Raises unless neuron masks can be wired for this model."""
+    if not structure.sequential:
+        raise ValueError(
+            "neuron-level masks need a sequential model (a chain of layers without residual "
+            "connections); use a layer-level method or declare the model sequential."
+        )
+
+
+def _input_units(structure: ModelStructure, layer: int, per_unit: Sequence[jax.Array]) -> jax.Array | None:
+    """Per input row of ``layer``'s kernel, the value of the feeding unit (None if unwired)."""
+    spec = structure.layers[layer]
+    if spec.feeds_from is None:
+        return None
+    # NHWC flatten: input row i is fed by channel i % C, i.e. the unit vector tiled.
+    return jnp.tile(per_unit[spec.feeds_from], spec.input_tile)
+
+
+def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_vals, combine):
+    role = structure.role(collection, path)
+    value = layer_vals[role.layer]
+    out = out_vals[role.layer]
+    value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
+    if role.has_input_axis:
+        inp = _input_units(structure, role.layer, in_vals)
+        if inp is not None:
+            value = combine(value, inp.reshape((1,) * (len(shape) - 2) + (inp.shape[0], 1)))
+    return jnp.broadcast_to(value, shape)
+
+
+def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> Any:
+    """Expands one client's mask (no leading axis) to a boolean tree shaped like ``tree``."""
+    flat = leaf_paths(tree)
+    leaves = [
+        _leaf_values(structure, collection, path, jnp.shape(leaf), mask.layers, mask.neurons,
+                     mask.neurons, jnp.logical_and)
+        for path, leaf in flat
+    ]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+def expand_variables(structure: ModelStructure, mask: Mask, variables: dict) -> dict:
+    """:func:`expand` over every collection of a variables dict."""
+    return {c: expand(structure, mask, t, c) for c, t in variables.items()}
+
+
+def input_scale(structure: ModelStructure, unit_scale: Sequence[jax.Array], tree: Any) -> Any:
+    """Per-element multipliers implementing dropout in the forward pass (one client).
+
+    ``unit_scale[l]`` is ``[units_l]``: 0 for a dropped unit, ``1/(1-d)`` (inverted
+    dropout) or 1 for a kept one.  Every weight *reading* a unit is multiplied by
+    that unit's scale, so a dropped unit contributes exactly nothing downstream
+    and kept units are rescaled.  Leaves without a wired input axis get 1.
+    """
+    ones_layers = jnp.ones((structure.num_layers,))
+    ones_units = tuple(jnp.ones((u,)) for u in structure.units)
+    flat = leaf_paths(tree)
+    leaves = [
+        _leaf_values(structure, "params", path, jnp.shape(leaf), ones_layers, ones_units,
+                     unit_scale, jnp.multiply).astype(jnp.result_type(leaf))
+        for path, leaf in flat
+    ]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: Mask) -> jax.Array:
+    role = structure.role(collection, path)
+    on = mask.layers[..., role.layer].astype(jnp.int32)
+    n_out = jnp.sum(mask.neurons[role.layer], axis=-1, dtype=jnp.int32)
+    if not role.has_input_axis:
+        return on * n_out * math.prod(shape[:-1])
+    spec = structure.layers[role.layer]
+    if spec.feeds_from is None:
+        n_in = shape[-2]
+    else:
+        n_in = spec.input_tile * jnp.sum(mask.neurons[spec.feeds_from], axis=-1, dtype=jnp.int32)
+    return on * n_out * n_in * math.prod(shape[:-2])
+
+
+def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> jax.Array:
+    """Exact number of on-elements of ``tree`` under ``mask``, per leading index, without expanding.
+
+    ``tree`` holds one model (no client axis); the mask may carry leading axes.
+    """
+    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
+    for path, leaf in leaf_paths(tree):
+        total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask)
+    return total
+
+
+def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collections: Sequence[str]) -> jax.Array:
+    """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes)."""
+    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
+    for collection in collections:
+        for path, leaf in leaf_paths(variables.get(collection, {})):
+            itemsize = jnp.dtype(leaf.dtype).itemsize
+            total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask) * itemsize
+    return total
+
+
+def mask_storage_bytes(mask: Mask) -> int:
+    """Bytes a stored (structured) mask occupies."""
+    return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree.leaves(mask))

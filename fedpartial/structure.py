@@ -1,0 +1,216 @@
+"""Layer structure of a model: ordered layers, their output units and how they feed on.
+
+A *layer* (SPEC §1) is a parametrised module — a Conv or Dense with its bias; a
+normaliser (BatchNorm, LayerNorm, GroupNorm) belongs to the layer it follows.
+Layers are ordered input-side to output-side by the order in which their modules
+are first called in a forward pass (params dicts are flattened in sorted-key order
+by JAX, so the order cannot be read from the pytree itself).
+
+For neuron-level masks the structure knows, for every leaf, which axis holds the
+layer's output units (always the last one) and which axis receives the previous
+layer's units (the second to last of a kernel).  Across a conv→flatten→dense
+boundary a dense input row ``i`` is fed by conv channel ``i % C`` (NHWC flatten),
+which :func:`input_units` expresses as a tiling factor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+Path = tuple[str, ...]
+
+#: Module class names treated as normalisers: their leaves join the preceding layer.
+NORMALIZER_NAMES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer: its module path, output units and input wiring.
+
+    Attributes:
+      name: the module path joined by '/', e.g. ``"conv1"`` or ``"block0/conv2"``.
+      path: the module path as a tuple.
+      units: number of output units (channels / neurons): the last axis of its kernel.
+      fan_in: size of the kernel's input axis (None for kernels of rank < 2).
+      feeds_from: index of the layer whose units feed this layer's input axis, or
+        None (first layer, or wiring unknown for a non-sequential model).
+      input_tile: how many input rows each unit of ``feeds_from`` feeds
+        (1 for conv→conv and dense→dense, H*W after a conv→flatten→dense).
+      norm_paths: module paths of normalisers that belong to this layer.
+    """
+
+    name: str
+    path: Path
+    units: int
+    fan_in: int | None
+    feeds_from: int | None
+    input_tile: int
+    norm_paths: tuple[Path, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRole:
+    """How one variable leaf relates to the layer structure."""
+
+    layer: int
+    # Whether the leaf's second-to-last axis is the layer's input (kernels).
+    has_input_axis: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a jit static argument
+class ModelStructure:
+    """Ordered layers plus the role of every leaf in every variable collection.
+
+    ``roles`` maps a collection name ('params', 'batch_stats') to a dict from leaf
+    path (inside the collection) to :class:`LeafRole`.
+    """
+
+    layers: tuple[Layer, ...]
+    roles: Mapping[str, Mapping[Path, LeafRole]]
+    sequential: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return tuple(layer.units for layer in self.layers)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    def role(self, collection: str, path: Path) -> LeafRole:
+        return self.roles[collection][path]
+
+    def describe(self) -> str:
+        """A human-readable table of the layers (for logs and notebooks)."""
+        rows = [f"{'#':>3} {'layer':<28} {'units':>6} {'fan_in':>7} {'feeds_from':>10} {'tile':>5}"]
+        for i, layer in enumerate(self.layers):
+            rows.append(
+                f"{i:>3} {layer.name:<28} {layer.units:>6} {str(layer.fan_in):>7} "
+                f"{str(layer.feeds_from):>10} {layer.input_tile:>5}"
+                + (f"  + {', '.join('/'.join(p) for p in layer.norm_paths)}" if layer.norm_paths else "")
+            )
+        return "\n".join(rows)
+
+
+def leaf_paths(tree: Any) -> list[tuple[Path, Any]]:
+    """(path-as-tuple-of-str, leaf) pairs of a nested dict pytree."""
+    out = []
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out.append((tuple(_key_str(k) for k in key_path), leaf))
+    return out
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def build_structure(
+    variables: Mapping[str, Any],
+    call_order: Sequence[Path],
+    normalizer_paths: Sequence[Path] = (),
+    *,
+    sequential: bool,
+) -> ModelStructure:
+    """Derives the layer structure from initialised variables and the module call order.
+
+    Args:
+      variables: ``{'params': ..., 'batch_stats': ...}`` of one model (no client axis).
+      call_order: module paths in the order their modules were first called in a
+        forward pass (parents may be included; only modules owning leaves count).
+      normalizer_paths: the subset of ``call_order`` that are normalisers.
+      sequential: whether layer ``l`` feeds exactly layer ``l+1`` (no residual or
+        skip connections). Neuron masks are only wired across layers when True.
+
+    Raises:
+      ValueError: a parameter belongs to no called module, or a sequential model's
+        layer input size is incompatible with the previous layer's units.
+    """
+    params = variables.get("params", {})
+    owners: dict[Path, list[Path]] = {}
+    for path, _ in leaf_paths(params):
+        owners.setdefault(path[:-1], []).append(path)
+    norm_set = set(normalizer_paths)
+    order_index = {p: i for i, p in reversed(list(enumerate(call_order)))}
+    missing = [m for m in owners if m not in order_index]
+    if missing:
+        raise ValueError(
+            f"parameters under {'/'.join(missing[0]) or '<root>'} belong to no module called in "
+            "the forward pass; call every parametrised module in __call__ or pass an explicit layer order."
+        )
+    ordered = sorted(owners, key=lambda m: order_index[m])
+    kernels = {m: _kernel_leaf(params, owners[m]) for m in ordered}
+
+    layers: list[dict] = []
+    module_layer: dict[Path, int] = {}
+    for module_path in ordered:
+        if module_path in norm_set:
+            if not layers:
+                raise ValueError(f"normaliser {'/'.join(module_path)} comes before any layer.")
+            layers[-1]["norm_paths"].append(module_path)
+            module_layer[module_path] = len(layers) - 1
+            continue
+        kernel = kernels[module_path]
+        units = int(kernel.shape[-1])
+        fan_in = int(kernel.shape[-2]) if kernel.ndim >= 2 else None
+        layers.append(dict(path=module_path, units=units, fan_in=fan_in, norm_paths=[]))
+        module_layer[module_path] = len(layers) - 1
+
+    built = []
+    for i, spec in enumerate(layers):
+        feeds_from, tile = None, 1
+        if sequential and i > 0 and spec["fan_in"] is not None:
+            prev_units = layers[i - 1]["units"]
+            if spec["fan_in"] % prev_units:
+                raise ValueError(
+                    f"layer {'/'.join(spec['path'])} has {spec['fan_in']} inputs, which is not a multiple "
+                    f"of the {prev_units} units of the layer before it; declare the model non-sequential."
+                )
+            feeds_from, tile = i - 1, spec["fan_in"] // prev_units
+        built.append(
+            Layer(
+                name="/".join(spec["path"]),
+                path=spec["path"],
+                units=spec["units"],
+                fan_in=spec["fan_in"],
+                feeds_from=feeds_from,
+                input_tile=tile,
+                norm_paths=tuple(spec["norm_paths"]),
+            )
+        )
+
+    roles: dict[str, dict[Path, LeafRole]] = {}
+    for collection, tree in variables.items():
+        coll_roles = {}
+        for path, leaf in leaf_paths(tree):
+            module_path = path[:-1]
+            if module_path not in module_layer:
+                raise ValueError(
+                    f"variable {collection}/{'/'.join(path)} belongs to no layer of the model."
+                )
+            layer = module_layer[module_path]
+            is_kernel_like = module_path not in norm_set and np.ndim(leaf) >= 2
+            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like))
+        roles[collection] = coll_roles
+    return ModelStructure(layers=tuple(built), roles=roles, sequential=sequential)
+
+
+def _kernel_leaf(params: Any, paths: list[Path]):
+    """The leaf defining a module's units: its highest-rank leaf (kernel before bias)."""
+    leaves = []
+    for p in paths:
+        node = params
+        for k in p:
+            node = node[k]
+        leaves.append(node)
+    return max(leaves, key=lambda a: (np.ndim(a), np.size(a)))
