@@ -1,0 +1,153 @@
+"""``fedpartial`` command line: ``fedpartial run [options]``.
+
+Invalid input exits with status 2 and one sentence on stderr; nothing already
+written is touched (each run writes to a fresh directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fedpartial.simulation import RunConfig
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one sentence, exit status 2, no usage dump
+        sys.stderr.write(f"fedpartial: error: {message}.\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RunConfig()
+    parser = _Parser(prog="fedpartial", description="Federated learning with partial model training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="run a federated simulation",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run.add_argument("--method", default=d.method, help="fedavg, fedprox, ...")
+    run.add_argument("--dataset", default=d.dataset, help="digits (offline), synthetic, mnist, cifar10, ...")
+    run.add_argument("--data-dir", default=d.data_dir, help="tensorflow-datasets data directory")
+    run.add_argument("--model", default=d.model, help="'auto' or a zoo model name")
+    run.add_argument("--partition", default=d.partition, help="iid, dirichlet, shards or natural")
+    run.add_argument("--alpha", type=_float, default=d.alpha, help="Dirichlet α (also Synthetic α and β)")
+    run.add_argument("--classes-per-client", type=_positive_int, default=d.classes_per_client)
+    run.add_argument("--clients", type=_positive_int, default=d.num_clients, help="population size N")
+    run.add_argument("--cohort", type=_positive_int, default=d.cohort_size, help="clients per round K")
+    run.add_argument("--rounds", type=_positive_int, default=d.rounds)
+    local = run.add_mutually_exclusive_group()
+    local.add_argument("--local-steps", type=_positive_int, default=None, help="local steps per round")
+    local.add_argument("--local-epochs", type=_float, default=None,
+                       help=f"local epochs per round (default {d.local_epochs})")
+    run.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
+    run.add_argument("--lr", type=_float, default=d.client_lr, help="client learning rate")
+    run.add_argument("--momentum", type=_float, default=d.momentum)
+    run.add_argument("--weight-decay", type=_float, default=d.weight_decay)
+    run.add_argument("--server-opt", default=d.server_optimizer, help="sgd, adam, yogi, adagrad")
+    run.add_argument("--server-lr", type=_float, default=d.server_lr)
+    run.add_argument("--mu", type=_float, default=d.mu, help="FedProx proximal coefficient")
+    run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
+    run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
+    run.add_argument("--seed", type=_positive_int, default=d.seed)
+    run.add_argument("--eval-every", type=_positive_int, default=d.eval_every)
+    run.add_argument("--out", default=d.out_dir, help="directory for run folders")
+    run.add_argument("--name", default=None, help="run folder name (made unique)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    local_steps, local_epochs = args.local_steps, args.local_epochs
+    if local_steps is None and local_epochs is None:
+        local_epochs = RunConfig().local_epochs
+    return RunConfig(
+        method=args.method, dataset=args.dataset, data_dir=args.data_dir, model=args.model,
+        partition=args.partition, alpha=args.alpha, classes_per_client=args.classes_per_client,
+        num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds,
+        local_steps=local_steps, local_epochs=local_epochs, batch_size=args.batch_size,
+        client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        server_optimizer=args.server_opt, server_lr=args.server_lr, mu=args.mu,
+        bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
+        out_dir=args.out, run_name=args.name,
+    )
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def _run(args, console: Console) -> int:
+    from fedpartial import simulation  # imported late: argument errors answer without loading JAX
+
+    config = config_from_args(args)
+    config.validate()
+    progress = Progress(
+        TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+        TextColumn("acc {task.fields[acc]}"), TextColumn("loss {task.fields[loss]}"),
+        TextColumn("up {task.fields[up]}"), TimeElapsedColumn(),
+        console=console, transient=False,
+    )
+    with progress:
+        task = progress.add_task("run", total=config.rounds, acc="–", loss="–", up="0 MB")
+
+        def on_round(r):
+            fields = dict(loss=f"{r['train_loss']:.3f}", up=_mb(r["cumulative_upload_bytes"]))
+            if "test_accuracy" in r:
+                fields["acc"] = f"{r['test_accuracy']:.4f}"
+            progress.update(task, advance=1, **fields)
+
+        summary = simulation.run(config, on_round=on_round)
+    table = Table(title=f"fedpartial {config.method} on {summary['dataset']}", show_header=False)
+    rows = [
+        ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
+        ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
+        ("strategy", f"{summary['strategy']} on {summary['backend']}"),
+        ("rounds", str(summary["rounds"])),
+        ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
+        ("best test accuracy", f"{summary['best_test_accuracy']:.4f}"),
+        ("final test loss", f"{summary['final_test_loss']:.4f}"),
+        ("upload / download", f"{_mb(summary['total_upload_bytes'])} / {_mb(summary['total_download_bytes'])}"),
+        ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s)"),
+        ("results", str(summary["run_dir"])),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        if args.command == "run":
+            return _run(args, console)
+    except ValueError as e:  # ConfigError, DataError, model/shape errors: meant for people
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.stderr.write(f"fedpartial: error: {message}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("fedpartial: interrupted; results written so far are kept.\n")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Datasets as in-memory numpy arrays.
+
+Every dataset comes back as an :class:`ArrayDataset` whose arrays live on the
+host: features ``float32`` (images ``[n, H, W, C]`` scaled to ``[0, 1]``,
+vectors ``[n, d]``) and labels ``int32``. Partitioning into clients
+(:mod:`fedpartial.data.partition`) and packing a cohort into fixed-shape
+batches (:mod:`fedpartial.data.packing`) work on these arrays.
+
+Sources
+-------
+``digits``
+    scikit-learn's bundled handwritten digits (1,797 real 8x8 images, no
+    network). Pixels are 0..16 and are divided by 16. There is no official
+    test split, so one is drawn here: a stratified split that, for every class
+    independently, puts ``round(test_fraction * n_c)`` randomly chosen examples
+    (``numpy.random.default_rng(seed)``, classes in increasing order) into the
+    test split and the rest into train; ``test_fraction`` defaults to 0.2
+    (1,438 train / 359 test). Both splits keep the original order of the
+    examples. Same ``seed``, same split, on every machine.
+``synthetic``
+    Synthetic(alpha, beta) of the FedProx paper, see
+    :mod:`fedpartial.data.synthetic`. Options ``alpha`` (1.0), ``beta`` (1.0),
+    ``num_clients`` (30), ``iid`` (False), ``min_samples``, ``max_samples``,
+    ``test_fraction`` are passed on. It carries a natural partition.
+``mnist``, ``fashion_mnist``, ``emnist``, ``cifar10``, ``cifar100``, ``svhn_cropped``
+    read with ``tfds.data_source(..., download=False)`` (random access over
+    ``array_record`` files; TensorFlow is not needed). They must have been
+    prepared beforehand in the ``array_record`` format, see
+    :func:`load_dataset`. ``emnist`` uses the ``byclass`` config (62 classes,
+    the FEMNIST label set) unless ``config=`` names another one. The ``train``
+    and ``test`` splits are used as they are. ``num_classes`` comes from the
+    dataset's ``label`` feature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DataError", "ArrayDataset", "DATASETS", "TFDS_DATASETS", "load_dataset"]
+
+
+class DataError(ValueError):
+    """Bad or unavailable data; the message is one sentence for a person."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDataset:
+    """A dataset held in host memory.
+
+    ``natural_partition`` (when not None) lists, per client, indices into the
+    train split (e.g. Synthetic's per-client data); ``natural_test_partition``
+    does the same for the test split.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    natural_partition: tuple[np.ndarray, ...] | None = None
+    natural_test_partition: tuple[np.ndarray, ...] | None = None
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """Shape of one example's features."""
+        return tuple(self.x_train.shape[1:])
+
+
+TFDS_DATASETS: tuple[str, ...] = (
+    "mnist",
+    "fashion_mnist",
+    "emnist",
+    "cifar10",
+    "cifar100",
+    "svhn_cropped",
+)
+DATASETS: tuple[str, ...] = ("digits", "synthetic") + TFDS_DATASETS
+
+# Config used when a tfds dataset has several and none is asked for.
+_DEFAULT_CONFIG = {"emnist": "byclass"}
+
+# Examples read per call of a data source's __getitems__.
+_READ_CHUNK = 4096
+
+
+def load_dataset(
+    name: str, *, data_dir: str | None = None, seed: int = 0, **options: Any
+) -> ArrayDataset:
+    """Load dataset ``name`` (one of :data:`DATASETS`) into numpy arrays.
+
+    ``seed`` drives every random choice a source makes (the digits test split,
+    the synthetic generator); tfds datasets use their own fixed splits.
+    ``data_dir`` is the tfds data folder (default: tfds's own, normally
+    ``~/tensorflow_datasets``). Options by source: ``digits``:
+    ``test_fraction``; ``synthetic``: the keywords of
+    :func:`fedpartial.data.synthetic.make_synthetic`; tfds datasets:
+    ``config``.
+
+    A tfds dataset that is not prepared locally raises :class:`DataError`
+    saying how to prepare it: on a machine with network access (and
+    TensorFlow) run ``python -c "import tensorflow_datasets as tfds;
+    tfds.builder('cifar10', file_format='array_record').download_and_prepare()"``
+    and copy the ``~/tensorflow_datasets/cifar10`` folder into the data
+    folder used here. The ``array_record`` format matters: random access
+    cannot read tfds's default ``tfrecord`` files.
+    """
+    if name == "digits":
+        test_fraction = options.pop("test_fraction", 0.2)
+        _no_options_left(name, options)
+        return _load_digits(seed=seed, test_fraction=test_fraction)
+    if name == "synthetic":
+        from fedpartial.data.synthetic import make_synthetic
+
+        accepted = [p for p in inspect.signature(make_synthetic).parameters if p != "seed"]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise DataError(
+                f"Dataset 'synthetic' does not take the option(s) {', '.join(unknown)}; it "
+                f"accepts {', '.join(accepted)}."
+            )
+        kwargs = {"alpha": 1.0, "beta": 1.0, "num_clients": 30}
+        kwargs.update(options)
+        return make_synthetic(seed=seed, **kwargs)
+    if name in TFDS_DATASETS:
+        config = options.pop("config", _DEFAULT_CONFIG.get(name))
+        _no_options_left(name, options)
+        return _load_tfds(name, config=config, data_dir=data_dir)
+    raise DataError(
+        f"Unknown dataset {name!r}; the datasets are: {', '.join(DATASETS)}."
+    )
+
+
+def _no_options_left(name: str, options: dict[str, Any]) -> None:
+    if options:
+        raise DataError(
+            f"Dataset {name!r} does not take the option(s) {', '.join(sorted(options))}."
+        )
+
+
+# ---------------------------------------------------------------- digits
+
+
+def _load_digits(*, seed: int, test_fraction: float) -> ArrayDataset:
+    from sklearn.datasets import load_digits
+
+    if not 0.0 < float(test_fraction) < 1.0:
+        raise DataError(
+            f"test_fraction={test_fraction!r} for 'digits' must lie strictly between 0 and 1."
+        )
+    bunch = load_digits()
+    images = np.asarray(bunch.images, dtype=np.float32) / np.float32(16.0)
+    x = images[..., None]  # [n, 8, 8, 1]
+    y = np.asarray(bunch.target, dtype=np.int32)
+    test_idx = stratified_test_indices(y, test_fraction, seed)
+    is_test = np.zeros(len(y), dtype=bool)
+    is_test[test_idx] = True
+    return ArrayDataset(
+        name="digits",
+        x_train=np.ascontiguousarray(x[~is_test]),
+        y_train=y[~is_test],
+        x_test=np.ascontiguousarray(x[is_test]),
+        y_test=y[is_test],
+        num_classes=10,
+    )
+
+
+def stratified_test_indices(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """Sorted indices of a stratified test split (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    picked = []
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        n_test = int(np.floor(test_fraction * len(members) + 0.5))
+        picked.append(rng.permutation(members)[:n_test])
+    return np.sort(np.concatenate(picked)).astype(np.int64)
+
+
+# ------------------------------------------------------------------ tfds
+
+
+def _load_tfds(name: str, *, config: str | None, data_dir: str | None) -> ArrayDataset:
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:  # pragma: no cover - tfds is a dependency
+        raise DataError(
+            f"Dataset {name!r} needs the tensorflow-datasets package, which cannot be "
+            f"imported ({type(err).__name__}: {err})."
+        ) from err
+
+    full_name = f"{name}/{config}" if config else name
+    try:
+        builder = tfds.builder(full_name, data_dir=data_dir)
+        info = builder.info
+        num_classes = int(info.features["label"].num_classes)
+        image_shape = tuple(int(d) for d in info.features["image"].shape)
+    except Exception as err:
+        raise DataError(
+            f"tensorflow_datasets cannot describe dataset {full_name!r} "
+            f"({type(err).__name__}: {_first_line(err)}); check the name and config."
+        ) from err
+
+    arrays = {}
+    for split in ("train", "test"):
+        try:
+            source = tfds.data_source(full_name, split=split, data_dir=data_dir, download=False)
+        except Exception as err:
+            raise _unavailable_error(full_name, builder, data_dir, err) from err
+        try:
+            arrays[split] = _read_source(source, image_shape)
+        except DataError:
+            raise
+        except Exception as err:
+            raise DataError(
+                f"Reading split {split!r} of dataset {full_name!r} failed "
+                f"({type(err).__name__}: {_first_line(err)})."
+            ) from err
+
+    (x_train, y_train), (x_test, y_test) = arrays["train"], arrays["test"]
+    for split, y in (("train", y_train), ("test", y_test)):
+        if len(y) and (y.min() < 0 or y.max() >= num_classes):
+            raise DataError(
+                f"Split {split!r} of dataset {full_name!r} has labels outside 0..{num_classes - 1}."
+            )
+    is_default = config == _DEFAULT_CONFIG.get(name)
+    return ArrayDataset(
+        name=name if is_default else full_name,
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
+        num_classes=num_classes,
+    )
+
+
+def _read_source(source: Any, image_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """All examples of a tfds data source as (float32 images / 255, int32 labels).
+
+    A data source decodes record by record (each image is a PNG); records are
+    fetched in chunks through ``__getitems__`` (the array_record reader reads a
+    chunk in parallel) and copied into one preallocated uint8 array, which is
+    then scaled in a single vectorised pass.
+    """
+    n = len(source)
+    images = np.empty((n, *image_shape), dtype=np.uint8)
+    labels = np.empty((n,), dtype=np.int32)
+    for start in range(0, n, _READ_CHUNK):
+        keys = list(range(start, min(n, start + _READ_CHUNK)))
+        records = source.__getitems__(keys)
+        if len(records) != len(keys):
+            raise DataError(
+                f"A data source returned {len(records)} records for {len(keys)} requested keys."
+            )
+        stop = start + len(keys)
+        np.stack([record["image"] for record in records], out=images[start:stop])
+        labels[start:stop] = [record["label"] for record in records]
+    x = images.astype(np.float32)
+    x *= np.float32(1.0 / 255.0)
+    return x, labels
+
+
+def _unavailable_error(
+    full_name: str, builder: Any, data_dir: str | None, err: Exception
+) -> DataError:
+    folder = data_dir if data_dir is not None else _default_data_dir()
+    top = full_name.split("/")[0]
+    cause = f"tfds raised {type(err).__name__}"
+    prepare = (
+        f"python -c \"import tensorflow_datasets as tfds; tfds.builder('{full_name}', "
+        f"file_format='array_record').download_and_prepare()\""
+    )
+    try:
+        prepared = bool(builder.is_prepared())
+    except Exception:  # noqa: BLE001 - only used to choose the wording
+        prepared = False
+    if not prepared:
+        return DataError(
+            f"Dataset {full_name!r} is not prepared in data_dir {folder!r} and cannot be "
+            f"downloaded here; on a machine with network access (and TensorFlow) run "
+            f"`{prepare}`, then copy its ~/tensorflow_datasets/{top} folder into {folder!r} "
+            f"or pass --data-dir pointing at the folder that holds it ({cause})."
+        )
+    if "file format" in str(err).lower() or isinstance(err, NotImplementedError):
+        return DataError(
+            f"Dataset {full_name!r} in data_dir {folder!r} is prepared in a format that "
+            f"cannot be read by random access; prepare it again with file_format="
+            f"'array_record' by running `{prepare}` on a machine with network access "
+            f"({cause}: {_first_line(err)})."
+        )
+    return DataError(
+        f"Dataset {full_name!r} in data_dir {folder!r} could not be opened "
+        f"({cause}: {_first_line(err)})."
+    )
+
+
+def _default_data_dir() -> str:
+    env = os.environ.get("TFDS_DATA_DIR")
+    if env:
+        return env
+    try:
+        from tensorflow_datasets.core import constants
+
+        return str(constants.DATA_DIR)
+    except Exception:  # noqa: BLE001 - wording only
+        return os.path.expanduser("~/tensorflow_datasets")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,423 @@
+"""Model zoo: the Flax (linen) networks used by the papers fedpartial reproduces.
+
+Every model follows one contract, which the engine relies on to discover the
+"layer" structure of SPEC §1 by intercepting module calls at init:
+
+* ``__call__(self, x, train: bool = False)`` returns float32 logits
+  ``[batch, num_classes]``; images are NHWC float32.
+* Submodules are created and called in forward (input -> output) order, each
+  exactly once, and an ``nn.BatchNorm`` is called immediately after the Conv it
+  belongs to. The classifier (a Dense named ``head``) is the last layer called.
+* BatchNorm is ``nn.BatchNorm(use_running_average=not train, momentum=0.9,
+  epsilon=1e-5)``; running statistics live in the ``batch_stats`` collection.
+* No ``nn.Dropout``: dropout is applied by the engine through masks.
+* Activations are ReLU.
+* Feature maps are flattened with ``x.reshape((x.shape[0], -1))``, so for an
+  ``[H, W, C]`` map the flat index of ``(h, w, c)`` is ``(h * W + w) * C + c``
+  (channel ``c`` of a conv feeds dense input rows ``i`` with ``i % C == c``).
+
+Every convolutional model has a :meth:`validate_input_shape` that raises a
+``ValueError`` naming the input shape when the image is too small for the
+network's pooling/valid convolutions; it is called by ``__call__`` and by
+:func:`fedpartial.models.registry.build_model`. ``input_shape`` never includes
+the batch axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+__all__ = [
+    "MLP",
+    "CNN2C1F",
+    "CNN2C3F",
+    "LeNet5",
+    "VGG9",
+    "BasicBlock",
+    "ResNet20",
+    "FEMNISTCNN",
+]
+
+_he_normal = nn.initializers.he_normal()
+
+
+def _batch_norm(train: bool, name: str) -> nn.BatchNorm:
+    return nn.BatchNorm(
+        use_running_average=not train, momentum=0.9, epsilon=1e-5, name=name
+    )
+
+
+def _max_pool(x):
+    return nn.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding="VALID")
+
+
+def _flatten(x):
+    return x.reshape((x.shape[0], -1))
+
+
+def _image_hw(model: str, input_shape: Sequence[int]) -> tuple[int, int]:
+    """Check that ``input_shape`` is an ``(H, W, C)`` image shape; return ``(H, W)``."""
+    shape = tuple(input_shape)
+    if len(shape) != 3 or any(int(d) < 1 for d in shape):
+        raise ValueError(
+            f"{model} needs an image input shape (height, width, channels) with "
+            f"positive sizes, got input shape {shape}."
+        )
+    return int(shape[0]), int(shape[1])
+
+
+def _require_min_hw(
+    model: str, input_shape: Sequence[int], min_hw: int, why: str
+) -> tuple[int, int]:
+    h, w = _image_hw(model, input_shape)
+    if h < min_hw or w < min_hw:
+        raise ValueError(
+            f"{model} cannot take input shape {tuple(input_shape)}: {why} need "
+            f"images of at least {min_hw}x{min_hw} pixels, got {h}x{w}."
+        )
+    return h, w
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+class MLP(nn.Module):
+    """Multi-layer perceptron: flatten -> [Dense(h) -> ReLU] * len(hidden) -> Dense.
+
+    Layers are ``fc1 .. fcN`` and the classifier ``head``. Accepts any input
+    shape (it is flattened).
+    """
+
+    num_classes: int
+    hidden: tuple[int, ...] = (200, 200)
+
+    @nn.nowrap
+    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
+        shape = tuple(input_shape)
+        if len(shape) == 0 or any(int(d) < 1 for d in shape):
+            raise ValueError(
+                f"MLP needs a non-empty input shape with positive sizes, got "
+                f"input shape {shape}."
+            )
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train  # no train-dependent layers
+        x = _flatten(jnp.asarray(x, jnp.float32))
+        for i, width in enumerate(self.hidden):
+            x = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(x))
+        return nn.Dense(self.num_classes, name="head")(x)
+
+
+# ------------------------------------------------------------- FedSPU CNN (2c+1f)
+
+
+class CNN2C1F(nn.Module):
+    """CNN with two conv layers and one fully-connected layer (FedSPU, EMNIST/Speech).
+
+    The FedSPU paper only says "two convolutional layers and one fully-connected
+    layer, following the setting of Horváth et al. 2021 (FjORD)" without giving
+    sizes, so we use: conv 5x5 32 'SAME' -> ReLU -> maxpool 2 -> conv 5x5 64
+    'SAME' -> ReLU -> maxpool 2 -> flatten -> Dense(num_classes).
+    Layers: ``conv1``, ``conv2``, ``head``. Needs images of at least 4x4.
+    """
+
+    num_classes: int
+    features: tuple[int, int] = (32, 64)
+    kernel_size: int = 5
+
+    @nn.nowrap
+    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
+        _require_min_hw("cnn2c1f", input_shape, 4, "its two 2x2 max-pools")
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        x = jnp.asarray(x, jnp.float32)
+        self.validate_input_shape(x.shape[1:])
+        k = (self.kernel_size, self.kernel_size)
+        for i, feats in enumerate(self.features):
+            x = nn.Conv(feats, k, padding="SAME", name=f"conv{i + 1}")(x)
+            x = _max_pool(nn.relu(x))
+        return nn.Dense(self.num_classes, name="head")(_flatten(x))
+
+
+# ------------------------------------------------- FedSPU CIFAR CNN / LeNet-5 (2c+3f)
+
+
+class CNN2C3F(nn.Module):
+    """CNN with two conv and three fully-connected layers (FedSPU's CIFAR-10 CNN).
+
+    FedSPU follows Li et al. 2021 (Hermes) without giving sizes; we use the classic
+    LeNet-style network: conv 5x5 6 -> ReLU -> maxpool 2 -> conv 5x5 16 -> ReLU ->
+    maxpool 2 -> flatten -> Dense 120 -> ReLU -> Dense 84 -> ReLU -> Dense(num_classes).
+    Layers: ``conv1``, ``conv2``, ``fc1``, ``fc2``, ``head``. 62,006 parameters on
+    32x32x3 with 10 classes.
+
+    ``padding`` selects the convolution padding: ``"VALID"`` (the paper network,
+    needs images of at least 16x16), ``"SAME"`` (needs at least 4x4), or ``"auto"``
+    (default): VALID when both image sides are >= 16 -- so 28x28 MNIST and 32x32
+    CIFAR get exactly the paper network -- and SAME otherwise, so the model also
+    runs on the 8x8 offline digits instead of failing (with VALID 5x5 convs an
+    8x8 image vanishes after the first pool). The choice depends only on the
+    static input shape, so one model instance always has one architecture per
+    input shape.
+    """
+
+    num_classes: int
+    features: tuple[int, int] = (6, 16)
+    hidden: tuple[int, ...] = (120, 84)
+    kernel_size: int = 5
+    padding: str = "auto"
+
+    _model_name = "cnn2c3f"
+
+    def __post_init__(self):
+        if self.padding not in ("auto", "VALID", "SAME"):
+            raise ValueError(
+                f"{type(self).__name__} padding must be one of 'auto', 'VALID', "
+                f"'SAME', got {self.padding!r}."
+            )
+        super().__post_init__()
+
+    @nn.nowrap
+    def _valid_min_hw(self) -> int:
+        # Smallest n with: conv (n-k+1) -> pool -> conv -> pool leaving >= 1 pixel.
+        n = 1
+        for _ in self.features:
+            n = 2 * n + self.kernel_size - 1
+        return n
+
+    @nn.nowrap
+    def resolved_padding(self, input_shape: Sequence[int]) -> str:
+        """The padding actually used for images of ``input_shape``."""
+        if self.padding != "auto":
+            return self.padding
+        h, w = _image_hw(self._model_name, input_shape)
+        return "VALID" if min(h, w) >= self._valid_min_hw() else "SAME"
+
+    @nn.nowrap
+    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
+        if self.resolved_padding(input_shape) == "VALID":
+            _require_min_hw(
+                self._model_name,
+                input_shape,
+                self._valid_min_hw(),
+                f"its two VALID {self.kernel_size}x{self.kernel_size} convolutions "
+                "and two 2x2 max-pools",
+            )
+        else:
+            _require_min_hw(self._model_name, input_shape, 4, "its two 2x2 max-pools")
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        x = jnp.asarray(x, jnp.float32)
+        self.validate_input_shape(x.shape[1:])
+        padding = self.resolved_padding(x.shape[1:])
+        k = (self.kernel_size, self.kernel_size)
+        for i, feats in enumerate(self.features):
+            x = nn.Conv(feats, k, padding=padding, name=f"conv{i + 1}")(x)
+            x = _max_pool(nn.relu(x))
+        x = _flatten(x)
+        for i, width in enumerate(self.hidden):
+            x = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(x))
+        return nn.Dense(self.num_classes, name="head")(x)
+
+
+class LeNet5(CNN2C3F):
+    """LeNet-5 as used by FedDHAD (LeCun et al. 1989/1998), with ReLU activations.
+
+    conv 5x5 6 -> ReLU -> maxpool 2 -> conv 5x5 16 -> ReLU -> maxpool 2 -> flatten ->
+    Dense 120 -> ReLU -> Dense 84 -> ReLU -> Dense(num_classes). FedDHAD reports
+    62,006 parameters for CIFAR-10, which is exactly this network on 32x32x3 (the
+    original's tanh/sigmoid and subsampling layers are replaced by ReLU and
+    max-pooling, as in modern FL code; C5 is the equivalent Dense over the 5x5x16
+    map). It is therefore the same architecture as :class:`CNN2C3F`, including
+    the ``padding="auto"`` rule (VALID convs for images >= 16x16, SAME below).
+    Layers: ``conv1``, ``conv2``, ``fc1``, ``fc2``, ``head``.
+    """
+
+    _model_name = "lenet5"
+
+
+# ------------------------------------------------------------------------ VGG-9
+
+
+class VGG9(nn.Module):
+    """VGG-9 of the FedLDF paper: 8 conv layers, each followed by BN, + 1 linear layer.
+
+    Each conv is 3x3 'SAME' without bias (BN's shift replaces it) -> BatchNorm ->
+    ReLU; channel widths 64, 64, 128, 128, 256, 256, 512, 512 (the paper gives
+    none). The paper says max-pooling follows each conv, but eight 2x2 pools would
+    shrink a 32x32 CIFAR image below one pixel after the fifth, so we pool after
+    convs 2, 4, 6 and 8 as in VGG's conv pairs (32 -> 2 pixels), flatten, and
+    apply one Dense classifier. The four pools need images of at least 16x16
+    (smaller inputs, e.g. 8x8 digits, raise ValueError).
+    Layers: ``conv1``/``bn1`` .. ``conv8``/``bn8``, ``head``.
+    """
+
+    num_classes: int
+    features: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512)
+    pool_after: tuple[int, ...] = (2, 4, 6, 8)  # 1-based conv indices
+
+    @nn.nowrap
+    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
+        n = len(self.pool_after)
+        _require_min_hw("vgg9", input_shape, 2**n, f"its {n} 2x2 max-pools")
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = jnp.asarray(x, jnp.float32)
+        self.validate_input_shape(x.shape[1:])
+        for i, feats in enumerate(self.features, start=1):
+            x = nn.Conv(
+                feats,
+                (3, 3),
+                padding="SAME",
+                use_bias=False,
+                kernel_init=_he_normal,
+                name=f"conv{i}",
+            )(x)
+            x = nn.relu(_batch_norm(train, f"bn{i}")(x))
+            if i in self.pool_after:
+                x = _max_pool(x)
+        return nn.Dense(self.num_classes, name="head")(_flatten(x))
+
+
+# ---------------------------------------------------------------------- ResNet20
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv3x3-BN-ReLU-conv3x3-BN, + shortcut, ReLU.
+
+    Call order: ``conv1``, ``bn1``, ``conv2``, ``bn2``, then (downsampling blocks
+    with ``shortcut="projection"``) ``shortcut_conv``, ``shortcut_bn``. The
+    shortcut is called after the main branch because its output joins the block
+    output, i.e. it sits on the output side of the block's first conv.
+    """
+
+    features: int
+    strides: int = 1
+    shortcut: str = "projection"
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        in_features = x.shape[-1]
+        s = (self.strides, self.strides)
+        # Symmetric padding 1 (as He et al./PyTorch): same output size as 'SAME',
+        # and output pixel i is centred on input pixel strides*i, which is what the
+        # option-A subsampling x[:, ::2, ::2] picks.
+        y = nn.Conv(
+            self.features, (3, 3), strides=s, padding=1, use_bias=False,
+            kernel_init=_he_normal, name="conv1",
+        )(x)
+        y = nn.relu(_batch_norm(train, "bn1")(y))
+        y = nn.Conv(
+            self.features, (3, 3), padding=1, use_bias=False,
+            kernel_init=_he_normal, name="conv2",
+        )(y)
+        y = _batch_norm(train, "bn2")(y)
+        if self.strides != 1 or in_features != self.features:
+            if self.shortcut == "projection":
+                r = nn.Conv(
+                    self.features, (1, 1), strides=s, padding=0, use_bias=False,
+                    kernel_init=_he_normal, name="shortcut_conv",
+                )(x)
+                r = _batch_norm(train, "shortcut_bn")(r)
+            else:  # "zeros": option A, parameter-free
+                r = x[:, :: self.strides, :: self.strides, :]
+                extra = self.features - in_features
+                r = jnp.pad(r, ((0, 0), (0, 0), (0, 0), (extra // 2, extra - extra // 2)))
+        else:
+            r = x
+        return nn.relu(y + r)
+
+
+class ResNet20(nn.Module):
+    """CIFAR ResNet20 (He et al. 2016): 3 stages x 3 basic blocks, 16/32/64 channels.
+
+    conv 3x3 16 -> BN -> ReLU -> 9 basic blocks (stages 2 and 3 start with stride 2)
+    -> global average pool -> Dense(num_classes). Convs have no bias; every conv is
+    followed by BatchNorm. Not sequential (residual connections).
+
+    ``shortcut="projection"`` (default) uses a 1x1 conv + BN on the two
+    downsampling blocks (272,474 parameters for 10 classes); ``shortcut="zeros"``
+    is option A, strided subsampling + zero-padded channels (269,722 parameters).
+    The EmbracingFL paper's 272,762 is 288 more than our projection variant:
+    exactly a 1x1 16->16 conv + BN (256 + 32) on the first block of stage 1, which
+    their implementation projects although its shape does not change.
+    Layers: ``conv1``/``bn1``, ``stage{s}_block{b}`` (see :class:`BasicBlock`),
+    ``head``. Works for any image size (8x8 digits included).
+    """
+
+    num_classes: int
+    shortcut: str = "projection"
+    stage_features: tuple[int, ...] = (16, 32, 64)
+    blocks_per_stage: int = 3
+
+    def __post_init__(self):
+        if self.shortcut not in ("projection", "zeros"):
+            raise ValueError(
+                f"ResNet20 shortcut must be 'projection' or 'zeros', got {self.shortcut!r}."
+            )
+        super().__post_init__()
+
+    @nn.nowrap
+    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
+        _image_hw("resnet20", input_shape)  # stride-2 'SAME'-size convs never vanish
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = jnp.asarray(x, jnp.float32)
+        self.validate_input_shape(x.shape[1:])
+        x = nn.Conv(
+            self.stage_features[0], (3, 3), padding=1, use_bias=False,
+            kernel_init=_he_normal, name="conv1",
+        )(x)
+        x = nn.relu(_batch_norm(train, "bn1")(x))
+        for si, feats in enumerate(self.stage_features):
+            for bi in range(self.blocks_per_stage):
+                strides = 2 if (si > 0 and bi == 0) else 1
+                x = BasicBlock(
+                    feats, strides=strides, shortcut=self.shortcut,
+                    name=f"stage{si + 1}_block{bi + 1}",
+                )(x, train=train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes, name="head")(x)
+
+
+# --------------------------------------------------------------------- FEMNIST CNN
+
+
+class FEMNISTCNN(nn.Module):
+    """FEMNIST CNN of LEAF, as used by EmbracingFL: 2 conv + 2 dense layers.
+
+    conv 5x5 32 'SAME' -> ReLU -> maxpool 2 -> conv 5x5 64 'SAME' -> ReLU ->
+    maxpool 2 -> flatten -> Dense 2048 -> ReLU -> Dense(num_classes). On 28x28x1
+    with 62 classes this has 6,603,710 parameters, exactly the paper's count
+    (and its "weak" suffix, the last Dense, has 127,038).
+    Layers: ``conv1``, ``conv2``, ``fc1``, ``head``. Needs images of at least 4x4.
+    """
+
+    num_classes: int
+    features: tuple[int, int] = (32, 64)
+    hidden: int = 2048
+
+    @nn.nowrap
+    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
+        _require_min_hw("femnist_cnn", input_shape, 4, "its two 2x2 max-pools")
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        x = jnp.asarray(x, jnp.float32)
+        self.validate_input_shape(x.shape[1:])
+        for i, feats in enumerate(self.features):
+            x = nn.Conv(feats, (5, 5), padding="SAME", name=f"conv{i + 1}")(x)
+            x = _max_pool(nn.relu(x))
+        x = nn.relu(nn.Dense(self.hidden, name="fc1")(_flatten(x)))
+        return nn.Dense(self.num_classes, name="head")(x)

@@ -1,0 +1,319 @@
+"""Host driver: data, partition, cohort sampling and packing, logging — around the pure round.
+
+Everything here is host work (numpy, files, progress); the round itself is
+:class:`fedpartial.engine.FederatedRound`.  :func:`run` is what ``fedpartial run``
+calls; notebooks can call it too, or drive :class:`Simulation` round by round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+import optax
+
+from fedpartial import engine
+from fedpartial.data import packing, sources
+from fedpartial.data.partition import partition as split_population
+from fedpartial.evaluation import evaluate
+from fedpartial.methods import METHODS, get_method
+from fedpartial.models import registry
+from fedpartial.models.adapter import Model, from_linen
+
+#: Model used when ``model='auto'``.
+DEFAULT_MODELS = {
+    "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
+    "emnist": "femnist_cnn", "cifar10": "vgg9", "cifar100": "resnet20", "svhn_cropped": "vgg9",
+}
+PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; the message is one sentence for a person."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """One simulation run. Defaults: the offline digits job of the quick start."""
+
+    method: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    model: str = "auto"
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    num_clients: int = 20
+    cohort_size: int = 10
+    rounds: int = 40
+    local_steps: int | None = None
+    local_epochs: float | None = 2.0
+    batch_size: int = 16
+    client_lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    server_optimizer: str = "sgd"
+    server_lr: float = 1.0
+    mu: float = 0.01
+    bn_policy: str = "global"
+    strategy: str = "auto"
+    seed: int = 0
+    eval_every: int = 1
+    out_dir: str | None = "runs"
+    run_name: str | None = None
+
+    def validate(self) -> None:
+        """Raises :class:`ConfigError` naming the first bad value and what is allowed."""
+        def bad(msg):
+            raise ConfigError(msg)
+
+        if self.method not in METHODS:
+            bad(f"method {self.method!r} is unknown; choose one of {', '.join(sorted(METHODS))}.")
+        if self.dataset not in sources.DATASETS:
+            bad(f"dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
+        if self.model != "auto" and self.model not in registry.MODELS:
+            bad(f"model {self.model!r} is unknown; choose 'auto' or one of {', '.join(sorted(registry.MODELS))}.")
+        if self.partition not in PARTITIONS:
+            bad(f"partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
+        if self.partition == "dirichlet" and not self.alpha > 0:
+            bad(f"Dirichlet α must be > 0, got {self.alpha}.")
+        if self.num_clients < 1:
+            bad(f"number of clients must be at least 1, got {self.num_clients}.")
+        if not 1 <= self.cohort_size <= self.num_clients:
+            bad(f"cohort size {self.cohort_size} must be between 1 and the number of clients ({self.num_clients}).")
+        if self.rounds < 1:
+            bad(f"rounds must be at least 1, got {self.rounds}.")
+        if (self.local_steps is None) == (self.local_epochs is None):
+            bad("give exactly one of local steps or local epochs.")
+        if self.local_steps is not None and self.local_steps < 1:
+            bad(f"local steps must be at least 1, got {self.local_steps}.")
+        if self.local_epochs is not None and not self.local_epochs > 0:
+            bad(f"local epochs must be > 0, got {self.local_epochs}.")
+        if self.batch_size < 1:
+            bad(f"batch size must be at least 1, got {self.batch_size}.")
+        if not self.client_lr > 0:
+            bad(f"client learning rate must be > 0, got {self.client_lr}.")
+        if not self.server_lr > 0:
+            bad(f"server learning rate must be > 0, got {self.server_lr}.")
+        if not 0 <= self.momentum < 1:
+            bad(f"momentum must be in [0, 1), got {self.momentum}.")
+        if self.weight_decay < 0:
+            bad(f"weight decay must be ≥ 0, got {self.weight_decay}.")
+        if self.server_optimizer not in SERVER_OPTIMIZERS:
+            bad(f"server optimizer {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
+        if self.bn_policy not in engine.BN_POLICIES:
+            bad(f"BatchNorm policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)}.")
+        if self.eval_every < 1:
+            bad(f"eval-every must be at least 1, got {self.eval_every}.")
+        try:
+            engine.parse_strategy(self.strategy)
+        except ValueError as e:
+            bad(str(e))
+
+    def method_options(self) -> dict:
+        return {"mu": self.mu} if self.method == "fedprox" else {}
+
+
+def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    """SGD with momentum and (decoupled from the loss) L2 weight decay."""
+    parts = []
+    if config.weight_decay:
+        parts.append(optax.add_decayed_weights(config.weight_decay))
+    parts.append(optax.sgd(config.client_lr, momentum=config.momentum or None))
+    return optax.chain(*parts)
+
+
+def server_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    return {
+        "sgd": lambda lr: optax.sgd(lr),
+        "adam": lambda lr: optax.adam(lr, b1=0.9, b2=0.99, eps=1e-3),
+        "yogi": lambda lr: optax.yogi(lr, eps=1e-3),
+        "adagrad": lambda lr: optax.adagrad(lr),
+    }[config.server_optimizer](config.server_lr)
+
+
+def build_model(name: str, dataset: sources.ArrayDataset) -> Model:
+    """A zoo model adapted for the engine, shaped for ``dataset``."""
+    if name == "auto":
+        name = DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+    input_shape = tuple(dataset.x_train.shape[1:])
+    spec = registry.MODELS[name]
+    module = registry.build_model(name, dataset.num_classes, input_shape)
+    return from_linen(module, input_shape=input_shape, num_classes=dataset.num_classes,
+                      sequential=spec.sequential, name=name)
+
+
+def partition_clients(config: RunConfig, dataset: sources.ArrayDataset) -> list[np.ndarray]:
+    if config.partition == "natural" or dataset.natural_partition is not None:
+        if dataset.natural_partition is None:
+            raise ConfigError(f"dataset {dataset.name!r} has no natural partition; use iid, dirichlet or shards.")
+        parts = list(dataset.natural_partition)
+        if len(parts) != config.num_clients:
+            raise ConfigError(
+                f"dataset {dataset.name!r} is partitioned into {len(parts)} clients by nature, "
+                f"but {config.num_clients} clients were asked for."
+            )
+        return parts
+    options = {"dirichlet": {"alpha": config.alpha}, "shards": {"classes_per_client": config.classes_per_client}}
+    return split_population(dataset.y_train, config.num_clients, config.partition, seed=config.seed,
+                            **options.get(config.partition, {}))
+
+
+class Simulation:
+    """A run's data, model and round, advanced one round at a time by :meth:`rounds`."""
+
+    def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None):
+        config.validate()
+        self.config = config
+        if dataset is None:
+            options = {}
+            if config.dataset == "synthetic":
+                options = dict(alpha=config.alpha, beta=config.alpha, num_clients=config.num_clients)
+            dataset = sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
+        self.dataset = dataset
+        self.clients = partition_clients(config, dataset)
+        self.sizes = np.array([len(c) for c in self.clients])
+        self.num_steps = packing.max_steps(self.sizes, config.batch_size, local_steps=config.local_steps,
+                                           local_epochs=config.local_epochs)
+        self.model = build_model(config.model, dataset)
+        self.method = get_method(config.method, **config.method_options())
+        self.round = engine.FederatedRound(
+            self.model, self.method,
+            num_clients=config.num_clients, cohort_size=config.cohort_size,
+            client_optimizer=client_optimizer(config), server_optimizer=server_optimizer(config),
+            bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy),
+        )
+        init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
+        self.state = self.round.init(init_key)
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.size(p)) for p in jax.tree.leaves(self.state.variables["params"]))
+
+    def sample_cohort(self, t: int) -> tuple[np.ndarray, jax.Array, int]:
+        """Round ``t``'s client ids, round key and packing seed — all from the run's key."""
+        sample_key, round_key, pack_key = jax.random.split(jax.random.fold_in(self.rounds_key, t), 3)
+        ids = jax.random.choice(sample_key, self.config.num_clients, (self.config.cohort_size,), replace=False)
+        pack_seed = int(jax.random.randint(pack_key, (), 0, np.iinfo(np.int32).max))
+        return np.sort(np.asarray(ids)), round_key, pack_seed
+
+    def cohort(self, ids: np.ndarray, pack_seed: int) -> engine.Cohort:
+        cfg = self.config
+        packed = packing.pack_cohort(
+            self.dataset.x_train, self.dataset.y_train, [self.clients[i] for i in ids],
+            batch_size=cfg.batch_size, num_steps=self.num_steps, local_steps=cfg.local_steps,
+            local_epochs=cfg.local_epochs, seed=pack_seed,
+        )
+        return engine.cohort_from_packed(packed, ids)
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.state.variables, self.dataset.x_test, self.dataset.y_test,
+                        batch_statistics=self.config.bn_policy == "static")
+
+    def rounds(self) -> Iterator[dict]:
+        """Runs the configured rounds, yielding one metrics record per round."""
+        cfg = self.config
+        up_total = down_total = 0
+        for t in range(cfg.rounds):
+            start = time.perf_counter()
+            ids, round_key, pack_seed = self.sample_cohort(t)
+            cohort = self.cohort(ids, pack_seed)
+            self.state, metrics = self.round(self.state, cohort, round_key)
+            metrics = jax.device_get(metrics)
+            train_time = time.perf_counter() - start
+            up_total += int(metrics["upload_bytes"])
+            down_total += int(metrics["download_bytes"])
+            record = {
+                "round": t + 1,
+                "train_loss": float(metrics["train_loss"]),
+                "client_steps": int(metrics["client_steps"]),
+                "upload_bytes": int(metrics["upload_bytes"]),
+                "download_bytes": int(metrics["download_bytes"]),
+                "cumulative_upload_bytes": up_total,
+                "cumulative_download_bytes": down_total,
+                "round_time_s": train_time,
+            }
+            if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
+                result = self.evaluate()
+                record["test_accuracy"] = result["accuracy"]
+                record["test_loss"] = result["loss"]
+            record["wall_time_s"] = time.perf_counter() - start
+            yield record
+
+
+def unique_run_dir(out_dir: str, name: str) -> str:
+    """A fresh directory under ``out_dir``; an existing run is never overwritten."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    suffix = 1
+    while os.path.exists(path):
+        path = os.path.join(out_dir, f"{name}-{suffix}")
+        suffix += 1
+    os.makedirs(path)
+    return path
+
+
+def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None) -> dict:
+    """Runs a whole simulation; writes ``config.json``, ``metrics.jsonl`` and ``summary.json``.
+
+    Returns the summary dict (also holding ``run_dir`` and the per-round records).
+    """
+    config.validate()
+    t0 = time.perf_counter()
+    sim = Simulation(config)
+    run_dir = None
+    if config.out_dir:
+        name = config.run_name or f"{config.method}-{config.dataset}-seed{config.seed}"
+        run_dir = unique_run_dir(config.out_dir, name)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(config), f, indent=2)
+    records = []
+    log = open(os.path.join(run_dir, "metrics.jsonl"), "w") if run_dir else None
+    try:
+        for record in sim.rounds():
+            records.append(record)
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if on_round:
+                on_round(record)
+    finally:
+        if log:
+            log.close()
+    summary = summarize(config, sim, records, time.perf_counter() - t0)
+    if run_dir:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return {**summary, "run_dir": run_dir, "records": records}
+
+
+def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: float) -> dict:
+    evaluated = [r for r in records if "test_accuracy" in r]
+    accs = [r["test_accuracy"] for r in evaluated]
+    train_time = sum(r["round_time_s"] for r in records)
+    return {
+        "method": config.method,
+        "dataset": sim.dataset.name,
+        "model": sim.model.name,
+        "num_params": sim.num_params,
+        "strategy": f"{sim.round.strategy.kind}:{sim.round.strategy.chunk_size}",
+        "backend": jax.default_backend(),
+        "rounds": len(records),
+        "final_test_accuracy": accs[-1] if accs else math.nan,
+        "best_test_accuracy": max(accs) if accs else math.nan,
+        "final_test_loss": evaluated[-1]["test_loss"] if evaluated else math.nan,
+        "final_train_loss": records[-1]["train_loss"] if records else math.nan,
+        "total_upload_bytes": records[-1]["cumulative_upload_bytes"] if records else 0,
+        "total_download_bytes": records[-1]["cumulative_download_bytes"] if records else 0,
+        "total_client_steps": sum(r["client_steps"] for r in records),
+        "train_time_s": train_time,
+        "rounds_per_s": len(records) / train_time if train_time else math.nan,
+        "wall_time_s": wall,
+    }

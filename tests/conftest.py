@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny models and cohorts small enough to check by hand."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from fedpartial.engine import Cohort
+from fedpartial.methods.base import Batch, CohortInfo
+from fedpartial.models.adapter import from_linen
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+class TinyMLP(nn.Module):
+    """Dense(6) → BN → ReLU → Dense(5) → ReLU → Dense(3): three layers, one BatchNorm."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dense(6, name="fc1")(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn1")(x))
+        x = nn.relu(nn.Dense(5, name="fc2")(x))
+        return nn.Dense(3, name="head")(x)
+
+
+class TinyCNN(nn.Module):
+    """Conv(3) → BN → ReLU → pool → Conv(4) → ReLU → flatten → Dense(3): checks conv→dense wiring."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(3, (3, 3), padding="SAME", name="conv1")(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn1")(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(4, (3, 3), padding="SAME", name="conv2")(x))
+        x = x.reshape((x.shape[0], -1))
+        return nn.Dense(3, name="head")(x)
+
+
+@pytest.fixture(scope="session")
+def mlp():
+    return from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
+
+
+@pytest.fixture(scope="session")
+def cnn():
+    return from_linen(TinyCNN(), input_shape=(4, 4, 1), num_classes=3, sequential=True, name="tiny_cnn")
+
+
+def make_cohort(input_shape, *, k=4, steps=3, batch=5, seed=0, num_classes=3, real_steps=None,
+                real_examples=None, client_ids=None) -> Cohort:
+    """Random cohort; ``real_steps[k]`` / ``real_examples[k]`` make clients unequal (rest is padding)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(k, steps, batch, *input_shape)).astype(np.float32)
+    y = rng.integers(0, num_classes, (k, steps, batch)).astype(np.int32)
+    example_mask = np.ones((k, steps, batch), bool)
+    step_mask = np.ones((k, steps), bool)
+    for i in range(k):
+        if real_steps is not None:
+            step_mask[i, real_steps[i]:] = False
+        if real_examples is not None:
+            example_mask[i, :, real_examples[i]:] = False
+    example_mask &= step_mask[..., None]
+    x = np.where(example_mask.reshape(example_mask.shape + (1,) * len(input_shape)), x, 0.0)
+    y = np.where(example_mask, y, 0)
+    n = example_mask.sum(axis=(1, 2)).astype(np.float32)
+    ids = np.arange(k, dtype=np.int32) if client_ids is None else np.asarray(client_ids, np.int32)
+    return Cohort(Batch(x, y, example_mask, step_mask), CohortInfo(ids, n, np.ones((k,), bool)))

@@ -1,0 +1,113 @@
+"""The single aggregation formula: hand-computed toys and hypothesis invariants."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+from fedpartial import aggregation, masks
+
+
+def test_three_client_toy_by_hand():
+    g = {"w": jnp.array([10.0, 20.0, 30.0])}
+    theta = {"w": jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])}
+    m = {"w": jnp.array([[1, 1, 0], [1, 0, 0], [1, 1, 0]], bool)}
+    w = jnp.array([1.0, 2.0, 3.0])
+    out = aggregation.masked_weighted_mean(g, theta, m, w)
+    # element 0: (1·1 + 2·4 + 3·7) / (1+2+3) = 30/6 = 5
+    # element 1: (1·2 + 3·8) / (1+3) = 26/4 = 6.5   (client 1 did not upload it)
+    # element 2: nobody uploaded → previous global 30
+    chex.assert_trees_all_close(out, {"w": jnp.array([5.0, 6.5, 30.0])})
+
+
+def test_zero_weight_client_is_ignored():
+    g = {"w": jnp.zeros(2)}
+    theta = {"w": jnp.array([[1.0, 1.0], [100.0, 100.0]])}
+    m = {"w": jnp.ones((2, 2), bool)}
+    out = aggregation.masked_weighted_mean(g, theta, m, jnp.array([1.0, 0.0]))
+    chex.assert_trees_all_close(out, {"w": jnp.array([1.0, 1.0])})
+
+
+_cohorts = st.integers(1, 5).flatmap(
+    lambda k: st.tuples(
+        hnp.arrays(np.float32, (k, 6), elements=st.floats(-100, 100, width=32)),
+        hnp.arrays(np.bool_, (k, 6)),
+        # Weights are 0 or normal floats: XLA on CPU flushes denormals (1e-45) to zero.
+        hnp.arrays(np.float32, (k,), elements=st.one_of(st.just(0.0), st.floats(0.125, 50.0, width=32))),
+        hnp.arrays(np.float32, (6,), elements=st.floats(-100, 100, width=32)),
+    )
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cohorts)
+def test_result_is_a_convex_combination_or_the_global_value(c):
+    theta, m, w, g = c
+    out = np.asarray(aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w)))
+    contributes = m & (w[:, None] > 0)
+    for j in range(6):
+        if contributes[:, j].any():
+            vals = theta[contributes[:, j], j]
+            assert vals.min() - 1e-3 <= out[j] <= vals.max() + 1e-3
+        else:
+            assert out[j] == g[j]
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cohorts, st.randoms(use_true_random=False))
+def test_invariant_to_client_order(c, rnd):
+    theta, m, w, g = c
+    perm = list(range(len(w)))
+    rnd.shuffle(perm)
+    a = aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w))
+    b = aggregation.masked_weighted_mean(g, theta[perm], m[perm], jnp.asarray(w[perm]))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_cohorts, st.floats(0.1, 10.0))
+def test_invariant_to_weight_scale(c, scale):
+    theta, m, w, g = c
+    a = aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w))
+    b = aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w * np.float32(scale)))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(hnp.arrays(np.float32, (3, 4), elements=st.floats(-10, 10, width=32)))
+def test_full_masks_equal_weights_is_the_mean(theta):
+    out = aggregation.masked_weighted_mean(np.zeros(4, np.float32), theta, np.ones((3, 4), bool), jnp.ones(3))
+    np.testing.assert_allclose(out, theta.mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_structured_aggregate_matches_dense_formula(mlp):
+    g = mlp.init_variables(jax.random.key(0))
+    k = 3
+    cohort = jax.tree.map(lambda a: a[None] + jnp.arange(1.0, k + 1).reshape((k,) + (1,) * a.ndim), g)
+    layers = jnp.array([[1, 0, 1], [1, 1, 0], [0, 1, 1]], bool)
+    neurons = (jnp.array([[1, 1, 0, 1, 1, 1]] * k, bool), jnp.ones((k, 5), bool), jnp.ones((k, 3), bool))
+    upload = masks.Mask(layers, neurons)
+    w = jnp.array([1.0, 2.0, 3.0])
+    out = aggregation.aggregate(mlp.structure, g, cohort, upload, w)
+    dense = {c: jax.vmap(lambda m: masks.expand(mlp.structure, m, g[c], c))(upload) for c in g}
+    for c in g:
+        chex.assert_trees_all_close(out[c], aggregation.masked_weighted_mean(g[c], cohort[c], dense[c], w))
+    # fc1's neuron 2 was masked out everywhere it would have been uploaded (clients 0, 1) → global kept
+    np.testing.assert_array_equal(out["params"]["fc1"]["bias"][2], g["params"]["fc1"]["bias"][2])
+    # head (layer 2) uploaded by clients 0 and 2 only: (1·(g+1) + 3·(g+3)) / 4 = g + 2.5
+    chex.assert_trees_all_close(out["params"]["head"], jax.tree.map(lambda a: a + 2.5, g["params"]["head"]))
+
+
+def test_server_sgd_one_is_fedavg_and_adam_moves_differently():
+    g = {"w": jnp.array([1.0, 2.0])}
+    new = {"w": jnp.array([3.0, 0.0])}
+    sgd = optax.sgd(1.0)
+    out, _ = aggregation.server_update(sgd, sgd.init(g), g, new)
+    chex.assert_trees_all_close(out, new)
+    adam = optax.adam(0.1)
+    out, _ = aggregation.server_update(adam, adam.init(g), g, new)
+    # Adam's first step moves each element by lr in the direction of (new - global).
+    chex.assert_trees_all_close(out, {"w": jnp.array([1.1, 1.9])}, atol=1e-5)

@@ -1,0 +1,138 @@
+"""The round: strategies agree, determinism, no retrace, padding clients, traffic metrics."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedpartial import engine, masks
+from fedpartial.methods import fedavg, fedprox
+from fedpartial.methods.base import ClientPlan, make_method
+from tests.conftest import make_cohort
+
+OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
+STRATEGIES = [engine.fused(), engine.fused(2), engine.stepwise(1), engine.stepwise(3)]
+
+
+def partial_method():
+    """A method exercising every mask kind: per-client train masks, dropout, random upload."""
+
+    def plan(ctx, view):
+        k = view.cohort.client_ids.shape[0]
+        keys = jax.random.split(view.key, k)
+        neurons = tuple(jax.vmap(lambda kk: jax.random.bernoulli(kk, 0.7, (u,)))(keys) for u in ctx.structure.units)
+        dropout = masks.from_neurons(ctx.structure, neurons)
+        train = masks.from_layers(ctx.structure, jnp.array([[True, False, True]] * k).at[0, 1].set(True))
+        return ClientPlan(train=train, dropout=dropout)
+
+    return make_method("partial-test", plan=plan)
+
+
+def run_rounds(model, method, strategy, cohorts, seed=0, k=4, server=None, n=8):
+    r = engine.FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
+                              server_optimizer=server, strategy=strategy)
+    state = r.init(jax.random.key(seed))
+    out = []
+    for t, c in enumerate(cohorts):
+        state, m = r(state, c, jax.random.fold_in(jax.random.key(seed), t))
+        out.append(jax.device_get(m))
+    return r, state, out
+
+
+@pytest.fixture(scope="module")
+def unequal_cohorts():
+    # Clients with 3, 1, 2, 3 real steps and 5, 2, 4, 5 real examples per batch.
+    return [make_cohort((4,), k=4, steps=3, seed=s, real_steps=[3, 1, 2, 3], real_examples=[5, 2, 4, 5])
+            for s in range(2)]
+
+
+@pytest.mark.parametrize("method", [fedavg, partial_method], ids=["fedavg", "masked"])
+def test_strategies_agree(mlp, unequal_cohorts, method):
+    results = [run_rounds(mlp, method(), s, unequal_cohorts)[1:] for s in STRATEGIES]
+    ref_state, ref_metrics = results[0]
+    for state, metrics in results[1:]:
+        chex.assert_trees_all_close(state.variables, ref_state.variables, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(metrics[-1]["train_loss"], ref_metrics[-1]["train_loss"], rtol=1e-5)
+        assert metrics[-1]["upload_bytes"] == ref_metrics[-1]["upload_bytes"]
+
+
+def test_strategies_agree_on_conv_model(cnn):
+    cohorts = [make_cohort((4, 4, 1), k=4, steps=2, seed=3, real_steps=[2, 1, 2, 2])]
+    results = [run_rounds(cnn, fedavg(), s, cohorts)[1] for s in (engine.fused(), engine.stepwise(1))]
+    chex.assert_trees_all_close(results[0].variables, results[1].variables, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1)], ids=str)
+def test_same_seed_identical_results(mlp, unequal_cohorts, strategy):
+    a = run_rounds(mlp, partial_method(), strategy, unequal_cohorts, seed=5)[1]
+    b = run_rounds(mlp, partial_method(), strategy, unequal_cohorts, seed=5)[1]
+    c = run_rounds(mlp, partial_method(), strategy, unequal_cohorts, seed=6)[1]
+    chex.assert_trees_all_equal(a.variables, b.variables)
+    assert not np.array_equal(a.variables["params"]["fc2"]["kernel"], c.variables["params"]["fc2"]["kernel"])
+
+
+@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(2)], ids=str)
+def test_round_two_does_not_retrace(mlp, strategy):
+    cohorts = [make_cohort((4,), k=4, steps=3, seed=s, client_ids=[s, s + 1, s + 2, s + 3]) for s in range(3)]
+    r = engine.FederatedRound(mlp, partial_method(), num_clients=8, cohort_size=4, client_optimizer=OPT,
+                              strategy=strategy)
+    state = r.init(jax.random.key(0))
+    state, _ = r(state, cohorts[0], jax.random.key(1))
+    traced = r.trace_count
+    assert traced > 0
+    for t in (2, 3):
+        state, _ = r(state, cohorts[t - 1], jax.random.key(t))
+    assert r.trace_count == traced
+
+
+def test_invalid_padding_client_changes_nothing(mlp):
+    c = make_cohort((4,), k=4, steps=2, seed=1)
+    # Clients 0-2 real; client 3 is a padding slot (valid False): same result as a cohort where
+    # client 3 has zero weight, and it contributes no traffic.
+    padded = c._replace(info=c.info._replace(valid=np.array([True, True, True, False])))
+    zero_w = c._replace(info=c.info._replace(num_samples=c.info.num_samples * np.array([1, 1, 1, 0], np.float32)))
+    _, a, ma = run_rounds(mlp, fedavg(), engine.fused(), [padded])
+    _, b, mb = run_rounds(mlp, fedavg(), engine.fused(), [zero_w])
+    chex.assert_trees_all_close(a.variables, b.variables, rtol=1e-6, atol=1e-7)
+    assert ma[0]["upload_bytes"] * 4 == mb[0]["upload_bytes"] * 3
+
+
+def test_fedavg_traffic_is_the_whole_model_per_client(mlp):
+    c = make_cohort((4,), k=4, steps=1)
+    r, _, m = run_rounds(mlp, fedavg(), engine.fused(), [c])
+    v = r.model.init_variables(jax.random.key(0))
+    model_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(v))  # params + BN statistics
+    assert m[0]["upload_bytes"] == m[0]["download_bytes"] == 4 * model_bytes
+
+
+def test_fedprox_mu_zero_is_fedavg_and_mu_pulls_towards_global(mlp, unequal_cohorts):
+    s = engine.fused()
+    _, avg, _ = run_rounds(mlp, fedavg(), s, unequal_cohorts[:1])
+    _, prox0, _ = run_rounds(mlp, fedprox(0.0), s, unequal_cohorts[:1])
+    _, prox, _ = run_rounds(mlp, fedprox(10.0), s, unequal_cohorts[:1])
+    chex.assert_trees_all_close(avg.variables, prox0.variables, rtol=1e-6, atol=1e-7)
+    init = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT).init(
+        jax.random.key(0)).variables["params"]
+    dist = lambda p: sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init)))
+    assert dist(prox.variables["params"]) < dist(avg.variables["params"])
+
+
+def test_server_adam_differs_from_fedavg(mlp, unequal_cohorts):
+    _, avg, _ = run_rounds(mlp, fedavg(), engine.fused(), unequal_cohorts[:1])
+    _, adam, _ = run_rounds(mlp, fedavg(), engine.fused(), unequal_cohorts[:1], server=optax.adam(0.01))
+    assert not np.allclose(avg.variables["params"]["head"]["kernel"], adam.variables["params"]["head"]["kernel"])
+
+
+def test_bad_cohort_shapes_are_reported(mlp):
+    r = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT)
+    state = r.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="expects"):
+        r(state, make_cohort((5,), k=4), jax.random.key(0))
+    with pytest.raises(ValueError, match="built for 4"):
+        r(state, make_cohort((4,), k=3), jax.random.key(0))
+    with pytest.raises(ValueError, match="cohort size 9"):
+        engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=9, client_optimizer=OPT)
+    with pytest.raises(ValueError, match="strategy"):
+        engine.parse_strategy("parallel")
