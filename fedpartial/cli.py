@@ -7,8 +7,9 @@ written is touched (each run writes to a fresh directory).
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -98,6 +99,8 @@ def _run(args, console: Console) -> int:
 
     config = config_from_args(args)
     config.validate()
+    t0 = time.perf_counter()
+    sim = simulation.Simulation(config)  # data and model errors surface before the progress bar
     progress = Progress(
         TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
         TextColumn("acc {task.fields[acc]}"), TextColumn("loss {task.fields[loss]}"),
@@ -113,7 +116,8 @@ def _run(args, console: Console) -> int:
                 fields["acc"] = f"{r['test_accuracy']:.4f}"
             progress.update(task, advance=1, **fields)
 
-        summary = simulation.run(config, on_round=on_round)
+        summary = simulation.run(config, on_round=on_round, sim=sim)
+    summary["wall_time_s"] = time.perf_counter() - t0
     table = Table(title=f"fedpartial {config.method} on {summary['dataset']}", show_header=False)
     rows = [
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
@@ -136,6 +140,7 @@ def _run(args, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    logging.getLogger("absl").setLevel(logging.ERROR)  # tfds warnings would bury our one sentence
     try:
         if args.command == "run":
             return _run(args, console)

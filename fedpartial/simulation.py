@@ -260,14 +260,16 @@ def unique_run_dir(out_dir: str, name: str) -> str:
     return path
 
 
-def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None) -> dict:
+def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
+        sim: Simulation | None = None) -> dict:
     """Runs a whole simulation; writes ``config.json``, ``metrics.jsonl`` and ``summary.json``.
 
+    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``.
     Returns the summary dict (also holding ``run_dir`` and the per-round records).
     """
     config.validate()
     t0 = time.perf_counter()
-    sim = Simulation(config)
+    sim = sim or Simulation(config)
     run_dir = None
     if config.out_dir:
         name = config.run_name or f"{config.method}-{config.dataset}-seed{config.seed}"

@@ -157,7 +157,7 @@ def from_nnx(
     from flax import nnx
 
     graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    initial = {"params": params.to_pure_dict(), "batch_stats": stats.to_pure_dict()}
+    initial = {"params": nnx.to_pure_dict(params), "batch_stats": nnx.to_pure_dict(stats)}
 
     def merged(variables):
         p, s = nnx.clone(params), nnx.clone(stats)
@@ -178,7 +178,7 @@ def from_nnx(
         else:
             m.eval()
         logits = m(x)
-        new_stats = nnx.split(m, nnx.Param, nnx.BatchStat, ...)[2].to_pure_dict()
+        new_stats = nnx.to_pure_dict(nnx.split(m, nnx.Param, nnx.BatchStat, ...)[2])
         return logits, new_stats
 
     order, norms = _nnx_call_order(merged(initial), input_shape)
