@@ -7,7 +7,7 @@ aggregates through :func:`aggregate`; they differ only in the masks and weights.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +62,6 @@ def aggregate(
         element_masks = jax.vmap(lambda m: masks_lib.expand(structure, m, g, collection))(upload)
         out[collection] = masked_weighted_mean(g, cohort_vars[collection], element_masks, weights)
     return out
-
-
-class ServerOptState(NamedTuple):
-    inner: optax.OptState
 
 
 def server_update(optimizer: optax.GradientTransformation, opt_state: Any, global_params: Any, aggregated: Any):

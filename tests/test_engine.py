@@ -136,3 +136,17 @@ def test_bad_cohort_shapes_are_reported(mlp):
         engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=9, client_optimizer=OPT)
     with pytest.raises(ValueError, match="strategy"):
         engine.parse_strategy("parallel")
+
+
+def test_static_batchnorm_policy_neither_tracks_nor_uploads_statistics(mlp):
+    c = make_cohort((4,), k=4, steps=2)
+    r = engine.FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT, bn_policy="static")
+    state = r.init(jax.random.key(0))
+    new, m = r(state, c, jax.random.key(1))
+    chex.assert_trees_all_equal(new.variables["batch_stats"], state.variables["batch_stats"])
+    params_bytes = sum(a.size * 4 for a in jax.tree.leaves(state.variables["params"]))
+    assert int(m["upload_bytes"]) == 4 * params_bytes
+    # 'global' aggregates running statistics like parameters: they move.
+    g = engine.FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT)
+    moved, _ = g(g.init(jax.random.key(0)), c, jax.random.key(1))
+    assert not np.allclose(moved.variables["batch_stats"]["bn1"]["mean"], state.variables["batch_stats"]["bn1"]["mean"])
