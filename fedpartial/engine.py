@@ -20,6 +20,7 @@ Two execution strategies compute the same thing (to float tolerance):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -295,26 +296,39 @@ class FederatedRound:
 
     def _stepwise_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
         step_mask = np.asarray(cohort.data.step_mask)
-        cohort = jax.device_put(cohort)  # once; chunks below are device slices
+        cohort = jax.device_put(cohort)  # once; chunks below are sliced on the device
         plan, local = self._begin(state, cohort, key)
         client_state = gather_clients(state.method_state.clients, cohort.info.client_ids)
         k = self.ctx.cohort_size
         chunk = min(self.strategy.chunk_size or 1, k)
-        pieces = []
         for start in range(0, k, chunk):
-            stop = min(start + chunk, k)
+            size = min(chunk, k - start)
             # chunk 1 runs the un-vmapped step on one client's slice.
-            idx = start if chunk == 1 else slice(start, stop)
-            local_c, data_c, plan_c, cstate_c = jax.tree.map(
-                lambda a: a[idx], (local, cohort.data, plan, client_state))
-            fn = self._step_fn(None if chunk == 1 else stop - start)
+            batched = None if chunk == 1 else size
+            # One jitted call takes the chunk out, one writes it back in place:
+            # slicing leaf by leaf on the host costs a dispatch per leaf and client.
+            local_c, data_c, plan_c, cstate_c = _take(batched, start, (local, cohort.data, plan, client_state))
+            step = self._step_fn(batched)
             # Steps after the chunk's last real step are padding: skip them on the host.
-            active = np.flatnonzero(step_mask[start:stop].any(axis=0))
+            active = np.flatnonzero(step_mask[start:start + size].any(axis=0))
             for s in range(int(active[-1]) + 1 if active.size else 0):
-                local_c = fn(local_c, data_c, s, plan_c, state.variables, cstate_c)
-            if chunk == 1:
-                local_c = jax.tree.map(lambda a: a[None], local_c)
-            pieces.append(local_c)
-        trained = pieces[0] if len(pieces) == 1 else jax.tree.map(
-            lambda *a: jnp.concatenate(a, axis=0), *pieces)
-        return self._finish(state, cohort, key, plan, trained)
+                local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c)
+            local = _put(batched, start, local, local_c)
+        return self._finish(state, cohort, key, plan, local)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _take(size: int | None, start, tree):
+    """Rows ``start:start+size`` of every leaf (``size`` None: row ``start`` without its axis)."""
+    if size is None:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, start, 0, keepdims=False), tree)
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _put(size: int | None, start, tree, rows):
+    """Writes ``rows`` back at ``start`` (in place: ``tree`` is donated)."""
+    def leaf(a, r):
+        r = r[None] if size is None else r
+        return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), start, 0)
+    return jax.tree.map(leaf, tree, rows)
