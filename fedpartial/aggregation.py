@@ -31,10 +31,11 @@ def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any,
     """
 
     def leaf(g, theta, m):
-        w = weights.reshape((-1,) + (1,) * (theta.ndim - 1)).astype(theta.dtype)
-        wm = jnp.where(m, w, jnp.zeros_like(w))
-        den = jnp.sum(wm, axis=0)
-        num = jnp.sum(wm * theta, axis=0)
+        w = weights.astype(theta.dtype)
+        # Contract the client axis with a dot product: XLA on CPU reduces a leading
+        # axis with jnp.sum an order of magnitude slower than it runs a tensordot.
+        num = jnp.tensordot(w, jnp.where(m, theta, jnp.zeros_like(theta)), axes=(0, 0))
+        den = jnp.tensordot(w, m.astype(theta.dtype), axes=(0, 0))
         safe = jnp.where(den > 0, den, jnp.ones_like(den))
         return jnp.where(den > 0, num / safe, g)
 

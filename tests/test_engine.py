@@ -13,7 +13,7 @@ from fedpartial.methods.base import ClientPlan, make_method
 from tests.conftest import make_cohort
 
 OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
-STRATEGIES = [engine.fused(), engine.fused(2), engine.stepwise(1), engine.stepwise(3)]
+STRATEGIES = [engine.fused(), engine.fused(2), engine.fused(None, unroll=True), engine.stepwise(1), engine.stepwise(3)]
 
 
 def partial_method():

@@ -1,0 +1,418 @@
+"""FedAvg rounds per second of every execution strategy, against a plain per-client loop.
+
+Usage::
+
+    python -m benchmarks.strategies [--quick] [--out PATH] [--models mlp,cnn2c1f]
+        [--cohorts 20,200] [--rounds R] [--local-steps S] [--batch-size B]
+        [--skip NAME[,NAME...]]
+
+For every model and cohort size K (population N = K, so every client trains in
+every round) the script measures:
+
+* ``plain_loop`` — the baseline most FL libraries amount to: for each client in
+  turn, a ``jax.jit``-ted single-client SGD step called S times from Python, then
+  the ``n_k``-weighted mean of the client models with ``jax.tree.map`` on the
+  host.  Only the Flax module is shared with the engine.
+* ``fused`` — :func:`fedpartial.engine.fused` (all clients vmapped in one jit);
+* ``fused_chunk`` — ``fused(min(K, 20))`` (``lax.map`` over vmapped chunks);
+* ``fused_unrolled`` — ``fused(min(K, 20), unroll=True)`` (local steps unrolled);
+* ``stepwise_1`` — ``stepwise(1)`` (host loop over clients and steps);
+* ``stepwise_chunk`` — ``stepwise(min(K, 20))``.
+
+Each one is built, run for one warm-up round (compilation; timed separately and
+used as the correctness check: from the same initial parameters and data the
+new global parameters must match the plain loop's), then timed over R rounds
+with ``jax.block_until_ready``.  The cohort is packed once, outside the timing;
+every strategy receives the same host (numpy) arrays, so each round includes
+moving its data to the device, as a driver's round does.
+
+``--skip`` takes strategy names (``fused``) or ``MODEL:K:NAME`` entries
+(``cnn2c1f:200:fused``) for one configuration only.  A measurement that raises is
+recorded as ``{"error": ...}`` and the run goes on.  The exit status is 1 when a
+strategy disagrees with the plain loop by more than ``FAIL_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import optax
+
+from fedpartial import engine
+from fedpartial.data.packing import pack_cohort
+from fedpartial.methods.fedavg import fedavg
+from fedpartial.models import registry
+from fedpartial.models.adapter import from_linen
+
+STRATEGY_NAMES = ("plain_loop", "fused", "fused_chunk", "fused_unrolled", "stepwise_1", "stepwise_chunk")
+ENGINE_STRATEGIES = STRATEGY_NAMES[1:]
+CHUNK = 20  # clients per chunk of the chunked strategies (at most K)
+WARN_TOLERANCE = 1e-4
+FAIL_TOLERANCE = 1e-3
+NUM_CLASSES = 10
+SEED = 0
+
+DEFAULTS = dict(models=("mlp", "cnn2c1f"), cohorts=(20, 200), local_steps=5, batch_size=32, rounds=3,
+                input_size=28, lr=0.05, momentum=0.9)
+QUICK = dict(models=("mlp", "cnn2c1f"), cohorts=(4,), local_steps=2, batch_size=8, rounds=1,
+             input_size=8, lr=0.05, momentum=0.9)
+
+
+# ---- setup --------------------------------------------------------------------------
+
+
+def engine_strategy(name: str, k: int) -> engine.Strategy:
+    chunk = min(k, CHUNK)
+    return {
+        "fused": engine.fused(None),
+        "fused_chunk": engine.fused(chunk),
+        "fused_unrolled": engine.fused(chunk, unroll=True),
+        "stepwise_1": engine.stepwise(1),
+        "stepwise_chunk": engine.stepwise(chunk),
+    }[name]
+
+
+def client_optimizer(cfg: dict) -> optax.GradientTransformation:
+    return optax.sgd(cfg["lr"], momentum=cfg["momentum"])
+
+
+def make_data(k: int, cfg: dict, seed: int):
+    """Random-normal images and random labels for ``k`` clients of unequal size (all >= B).
+
+    Returns ``(packed, client_indices)``; every packed example slot is real, so the
+    plain loop's unmasked mean cross-entropy is the engine's masked one.
+    """
+    rng = np.random.default_rng([seed, k])
+    b, s = cfg["batch_size"], cfg["local_steps"]
+    sizes = rng.integers(b, 4 * b + 1, size=k)
+    total = int(sizes.sum())
+    x = rng.normal(size=(total, cfg["input_size"], cfg["input_size"], 1)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, size=total).astype(np.int32)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    clients = [np.arange(bounds[i], bounds[i + 1]) for i in range(k)]
+    packed = pack_cohort(x, y, clients, batch_size=b, num_steps=s, local_steps=s, seed=rng)
+    assert packed.example_mask.all() and packed.step_mask.all(), "benchmark data must have no padding"
+    return packed
+
+
+# ---- the baseline: a plain per-client Python loop -------------------------------------
+
+
+class PlainLoop:
+    """FedAvg as a per-client Python loop over a jitted single-client SGD step."""
+
+    def __init__(self, module, optimizer: optax.GradientTransformation, input_shape):
+        self.module = module
+        self.optimizer = optimizer
+        self.input_shape = tuple(input_shape)
+
+        def loss_fn(params, x, y):
+            logits = module.apply({"params": params}, x, train=True)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        def sgd_step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.sgd_step = jax.jit(sgd_step)
+
+    def init(self, key: jax.Array):
+        return self.module.init(key, jnp.zeros((1, *self.input_shape), jnp.float32), train=False)["params"]
+
+    def __call__(self, params, packed):
+        """One round: every client trains from ``params``.
+
+        Returns the ``n_k``-weighted mean of the client parameters and the mean step
+        loss (every client runs the same number of steps, so this is the mean over
+        clients of each client's mean loss, the engine's ``train_loss``).
+        """
+        num_clients, num_steps = packed.step_mask.shape
+        client_params, losses = [], []
+        for k in range(num_clients):
+            p, opt_state = params, self.optimizer.init(params)
+            for s in range(num_steps):
+                p, opt_state, loss = self.sgd_step(p, opt_state, packed.x[k, s], packed.y[k, s])
+                losses.append(loss)
+            client_params.append(p)
+        weights = jnp.asarray(packed.num_samples / packed.num_samples.sum(), jnp.float32)
+        new = jax.tree.map(lambda *leaves: jnp.tensordot(weights, jnp.stack(leaves), axes=1), *client_params)
+        return new, jnp.mean(jnp.stack(losses))
+
+
+# ---- measuring ----------------------------------------------------------------------
+
+
+def max_abs_diff(a, b) -> float:
+    diffs = jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)
+    return max(jax.tree.leaves(diffs))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - start
+
+
+def measure_plain(module, model_input_shape, packed, cfg, key) -> tuple[dict, Any]:
+    loop = PlainLoop(module, client_optimizer(cfg), model_input_shape)
+    params0 = loop.init(key)
+    (params1, loss), warmup = timed(lambda: loop(params0, packed))
+    params, times = params1, []
+    for _ in range(cfg["rounds"]):
+        (params, _), dt = timed(lambda: loop(params, packed))
+        times.append(dt)
+    return ({"warmup_s": warmup, "round_times_s": times, "first_round_loss": float(loss)},
+            (params0, params1, float(loss)))
+
+
+def measure_engine(name, model, packed, cfg, key, reference) -> dict:
+    k = packed.step_mask.shape[0]
+    strategy = engine_strategy(name, k)
+    rnd = engine.FederatedRound(model, fedavg(), num_clients=k, cohort_size=k,
+                                client_optimizer=client_optimizer(cfg), strategy=strategy)
+    cohort = engine.cohort_from_packed(packed, np.arange(k))
+    state0 = rnd.init(key)
+    round_key = jax.random.key(SEED + 1)
+    (state, metrics), warmup = timed(lambda: rnd(state0, cohort, round_key))
+    out = {"chunk_size": strategy.chunk_size, "warmup_s": warmup,
+           "first_round_loss": float(metrics["train_loss"])}
+    if reference is not None:
+        params0, params1, loss = reference
+        out["initial_params_match"] = max_abs_diff(state0.variables["params"], params0) == 0.0
+        out["max_abs_diff_vs_plain"] = max_abs_diff(state.variables["params"], params1)
+        out["loss_diff_vs_plain"] = abs(out["first_round_loss"] - loss)
+    traces = rnd.trace_count
+    times = []
+    for t in range(cfg["rounds"]):
+        (state, metrics), dt = timed(lambda: rnd(state, cohort, jax.random.fold_in(round_key, t)))
+        times.append(dt)
+    out["round_times_s"] = times
+    out["retraced_while_timing"] = rnd.trace_count != traces
+    return out
+
+
+def finish(entry: dict, rounds: int) -> dict:
+    times = entry.get("round_times_s")
+    if times:
+        entry["rounds_per_s"] = rounds / sum(times)
+    return entry
+
+
+def run_config(model_name: str, k: int, cfg: dict, skip: set[str]) -> dict:
+    shape = (cfg["input_size"], cfg["input_size"], 1)
+    module = registry.build_model(model_name, NUM_CLASSES, shape)
+    model = from_linen(module, input_shape=shape, num_classes=NUM_CLASSES,
+                       sequential=registry.MODELS[model_name].sequential, name=model_name)
+    packed = make_data(k, cfg, SEED)
+    key = jax.random.key(SEED)
+    record = {"model": model_name, "cohort_size": k, "num_clients": k, "measurements": []}
+    reference = None
+
+    def skipped(name):
+        return name in skip or f"{model_name}:{k}:{name}" in skip
+
+    for name in STRATEGY_NAMES:
+        entry = {"strategy": name}
+        if skipped(name):
+            entry["skipped"] = True
+            record["measurements"].append(entry)
+            log(f"  {name:<15} skipped")
+            continue
+        log(f"  {name:<15} ...")
+        try:
+            if name == "plain_loop":
+                result, reference = measure_plain(module, shape, packed, cfg, key)
+                record["num_params"] = sum(int(np.size(p)) for p in jax.tree.leaves(reference[0]))
+                result["max_abs_diff_vs_plain"] = 0.0
+            else:
+                result = measure_engine(name, model, packed, cfg, key, reference)
+            entry.update(result)
+        except Exception as e:  # noqa: BLE001 - one failed measurement must not end the run
+            entry["error"] = f"{type(e).__name__}: {e}"
+        finish(entry, cfg["rounds"])
+        record["measurements"].append(entry)
+        log(f"  {name:<15} {describe(entry)}")
+
+    base = next((m.get("rounds_per_s") for m in record["measurements"] if m["strategy"] == "plain_loop"), None)
+    for m in record["measurements"]:
+        if base and m.get("rounds_per_s"):
+            m["speedup_vs_plain"] = m["rounds_per_s"] / base
+        diff = m.get("max_abs_diff_vs_plain")
+        if diff is not None:
+            m["correct"] = diff <= FAIL_TOLERANCE
+    return record
+
+
+def describe(entry: dict) -> str:
+    if entry.get("error"):
+        return f"error: {entry['error'][:200]}"
+    parts = [f"{entry.get('rounds_per_s', math.nan):.4g} rounds/s", f"warm-up {entry.get('warmup_s', math.nan):.2f}s"]
+    if entry.get("max_abs_diff_vs_plain") is not None:
+        parts.append(f"max|diff| {entry['max_abs_diff_vs_plain']:.2e}")
+    return ", ".join(parts)
+
+
+# ---- output -------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def device_info() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "num_devices": jax.device_count(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "flax_version": flax.__version__,
+        "optax_version": optax.__version__,
+        "numpy_version": np.__version__,
+        "python_version": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+
+
+def default_out(device: dict) -> str:
+    name = f"strategies-{device['backend']}-{slug(device['device_kind'])}.json"
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+
+
+def table(record: dict) -> str:
+    title = f"{record['model']}  K={record['cohort_size']}  ({record.get('num_params', '?')} params)"
+    head = f"{'strategy':<16}{'chunk':>6}{'rounds/s':>11}{'vs plain':>10}{'warm-up s':>11}{'max|diff|':>11}"
+    lines = [title, head, "-" * len(head)]
+    for m in record["measurements"]:
+        chunk = "" if m.get("chunk_size") is None else str(m["chunk_size"])
+        if m.get("skipped"):
+            lines.append(f"{m['strategy']:<16}{chunk:>6}  skipped")
+            continue
+        if m.get("error"):
+            lines.append(f"{m['strategy']:<16}{chunk:>6}  error: {m['error'][:80]}")
+            continue
+        rps = m.get("rounds_per_s", math.nan)
+        ratio = m.get("speedup_vs_plain")
+        diff = m.get("max_abs_diff_vs_plain")
+        lines.append(
+            f"{m['strategy']:<16}{chunk:>6}{rps:>11.4g}{'' if ratio is None else f'{ratio:.2f}x':>10}"
+            f"{m.get('warmup_s', math.nan):>11.2f}{'' if diff is None else f'{diff:.1e}':>11}"
+        )
+    return "\n".join(lines)
+
+
+# ---- entry point --------------------------------------------------------------------
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.strategies", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (K=4, S=2, R=1, batch 8, 8x8x1 inputs)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/strategies-<backend>-<device>.json)")
+    p.add_argument("--models", type=name_list, help="comma-separated registry model names")
+    p.add_argument("--cohorts", type=int_list, help="comma-separated cohort sizes K (population N = K)")
+    p.add_argument("--rounds", type=int, help="timed rounds R per measurement")
+    p.add_argument("--local-steps", type=int, help="local steps S per client")
+    p.add_argument("--batch-size", type=int, help="examples per local step B")
+    p.add_argument("--skip", type=name_list, default=(),
+                   help=f"strategies to skip: names from {', '.join(STRATEGY_NAMES)}, or MODEL:K:NAME")
+    args = p.parse_args(argv)
+    cfg = dict(QUICK if args.quick else DEFAULTS)
+    for field in ("models", "cohorts", "rounds", "local_steps", "batch_size"):
+        value = getattr(args, field)
+        if value is not None:
+            cfg[field] = value
+    for entry in args.skip:
+        if entry.split(":")[-1] not in STRATEGY_NAMES:
+            p.error(f"--skip {entry!r}: strategy must be one of {', '.join(STRATEGY_NAMES)}")
+    for model in cfg["models"]:
+        if model not in registry.MODELS:
+            p.error(f"--models: unknown model {model!r}; choose from {', '.join(sorted(registry.MODELS))}")
+    if min(cfg["cohorts"], default=0) < 1 or cfg["rounds"] < 1 or cfg["local_steps"] < 1 or cfg["batch_size"] < 1:
+        p.error("cohort sizes, rounds, local steps and batch size must all be >= 1")
+    return args, cfg
+
+
+def main(argv=None) -> int:
+    args, cfg = parse_args(argv)
+    device = device_info()
+    out = args.out or default_out(device)
+    config = {
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+        "quick": args.quick,
+        "input_shape": [cfg["input_size"], cfg["input_size"], 1],
+        "num_classes": NUM_CLASSES,
+        "method": "fedavg",
+        "client_optimizer": f"sgd(lr={cfg['lr']}, momentum={cfg['momentum']})",
+        "server_optimizer": "sgd(1.0)",
+        "chunk": f"min(K, {CHUNK})",
+        "seed": SEED,
+        "skip": list(args.skip),
+        "population": "N = K (every client in the cohort)",
+        "data": "random normal x, uniform random labels; client sizes uniform in [B, 4B]",
+    }
+    log(f"device: {device['backend']} / {device['device_kind']}  ({device['cpu_count']} CPUs)")
+    results = []
+    started = time.perf_counter()
+
+    def write(complete: bool) -> None:
+        # Rewritten after every configuration, so an interrupted run keeps what it measured.
+        report = {"benchmark": "strategies", "complete": complete, "device": device, "config": config,
+                  "results": results, "total_time_s": time.perf_counter() - started}
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+
+    for model_name in cfg["models"]:
+        for k in cfg["cohorts"]:
+            log(f"{model_name} K={k}")
+            results.append(run_config(model_name, k, cfg, set(args.skip)))
+            print(table(results[-1]) + "\n", flush=True)
+            write(complete=False)
+    write(complete=True)
+    print(f"wrote {out}")
+
+    status = 0
+    for record in results:
+        for m in record["measurements"]:
+            diff = m.get("max_abs_diff_vs_plain")
+            if diff is not None and diff > FAIL_TOLERANCE:
+                print(f"CORRECTNESS FAILURE: {record['model']} K={record['cohort_size']} {m['strategy']} "
+                      f"differs from the plain loop by {diff:.3g} (> {FAIL_TOLERANCE})", file=sys.stderr)
+                status = 1
+            elif diff is not None and diff > WARN_TOLERANCE:
+                print(f"warning: {record['model']} K={record['cohort_size']} {m['strategy']} differs from "
+                      f"the plain loop by {diff:.3g} (> {WARN_TOLERANCE})", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
