@@ -14,7 +14,7 @@ def test_batch_size_does_not_change_the_result(mlp):
     a = evaluate(mlp, v, x, y, batch_size=7)  # 3 full batches + one padded batch of 2
     b = evaluate(mlp, v, x, y, batch_size=64)
     np.testing.assert_allclose(a["accuracy"], b["accuracy"])
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-4)  # GPU matmuls default to TF32
     logits, _ = mlp.apply(v, x, False)
     assert a["accuracy"] == np.mean(np.argmax(logits, -1) == y)
 
