@@ -51,7 +51,7 @@ def trainable_mask(ctx: MethodContext, plan: ClientPlan) -> masks_lib.Mask | Non
         return None
     mask = masks_lib.full(ctx.structure) if plan.train is None else plan.train
     if plan.dropout is not None:
-        mask = mask._replace(neurons=tuple(jnp.logical_and(a, b) for a, b in zip(mask.neurons, plan.dropout.neurons)))
+        mask = masks_lib.within(mask, plan.dropout)
     return masks_lib.protect_output(mask)
 
 

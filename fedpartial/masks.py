@@ -36,10 +36,16 @@ class Mask(NamedTuple):
     Attributes:
       layers: ``[..., L]`` bool, one per layer.
       neurons: tuple of ``[..., units_l]`` bool, one array per layer.
+      inputs: None (the default) wires each layer's input axis to the previous
+        layer's ``neurons``; otherwise a tuple, per layer, of ``[..., units_f]``
+        bools for the units of the layer ``f`` feeding it (any shape for a layer
+        fed by nobody).  :func:`unwired` uses it for masks that select a neuron
+        together with its whole incoming weight column (FedADP).
     """
 
     layers: jax.Array
     neurons: tuple[jax.Array, ...]
+    inputs: tuple[jax.Array, ...] | None = None
 
 
 def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool = True) -> Mask:
@@ -66,8 +72,23 @@ def from_neurons(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mas
 
 
 def intersect(a: Mask, b: Mask) -> Mask:
-    """Element-wise AND of two masks (an element is on iff on in both)."""
+    """Element-wise AND of two masks with the same wiring (an element is on iff on in both)."""
     return jax.tree.map(jnp.logical_and, a, b)
+
+
+def within(mask: Mask, submodel: Mask) -> Mask:
+    """``mask`` restricted to the neurons that exist in ``submodel`` (its dropout mask)."""
+    return mask._replace(neurons=tuple(jnp.logical_and(a, b) for a, b in zip(mask.neurons, submodel.neurons)))
+
+
+def unwired(structure: ModelStructure, mask: Mask) -> Mask:
+    """The same neurons, but each with its whole input column (inputs not masked)."""
+    batch = mask.layers.shape[:-1]
+    inputs = tuple(
+        jnp.ones((*batch, structure.units[layer.feeds_from] if layer.feeds_from is not None else 0), bool)
+        for layer in structure.layers
+    )
+    return mask._replace(inputs=inputs)
 
 
 def protect_output(mask: Mask) -> Mask:
@@ -85,22 +106,24 @@ def uses_neurons(structure: ModelStructure) -> None:
         )
 
 
-def _input_units(structure: ModelStructure, layer: int, per_unit: Sequence[jax.Array]) -> jax.Array | None:
+def _input_units(structure: ModelStructure, layer: int, per_unit: Sequence[jax.Array],
+                 inputs: Sequence[jax.Array] | None = None) -> jax.Array | None:
     """Per input row of ``layer``'s kernel, the value of the feeding unit (None if unwired)."""
     spec = structure.layers[layer]
     if spec.feeds_from is None:
         return None
+    units = per_unit[spec.feeds_from] if inputs is None else inputs[layer]
     # NHWC flatten: input row i is fed by channel i % C, i.e. the unit vector tiled.
-    return jnp.tile(per_unit[spec.feeds_from], spec.input_tile)
+    return jnp.tile(units, spec.input_tile)
 
 
-def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_vals, combine):
+def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_vals, combine, inputs=None):
     role = structure.role(collection, path)
     value = layer_vals[role.layer]
     out = out_vals[role.layer]
     value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
     if role.has_input_axis:
-        inp = _input_units(structure, role.layer, in_vals)
+        inp = _input_units(structure, role.layer, in_vals, inputs)
         if inp is not None:
             value = combine(value, inp.reshape((1,) * (len(shape) - 2) + (inp.shape[0], 1)))
     return jnp.broadcast_to(value, shape)
@@ -111,7 +134,7 @@ def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "
     flat = leaf_paths(tree)
     leaves = [
         _leaf_values(structure, collection, path, jnp.shape(leaf), mask.layers, mask.neurons,
-                     mask.neurons, jnp.logical_and)
+                     mask.neurons, jnp.logical_and, mask.inputs)
         for path, leaf in flat
     ]
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
@@ -151,7 +174,8 @@ def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: M
     if spec.feeds_from is None:
         n_in = shape[-2]
     else:
-        n_in = spec.input_tile * jnp.sum(mask.neurons[spec.feeds_from], axis=-1, dtype=jnp.int32)
+        feeding = mask.neurons[spec.feeds_from] if mask.inputs is None else mask.inputs[role.layer]
+        n_in = spec.input_tile * jnp.sum(feeding, axis=-1, dtype=jnp.int32)
     return on * n_out * n_in * math.prod(shape[:-2])
 
 

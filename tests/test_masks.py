@@ -122,3 +122,18 @@ def test_neuron_masks_rejected_for_non_sequential_models(mlp):
     assert all(l.feeds_from is None for l in residual.structure.layers)
     with pytest.raises(ValueError, match="sequential"):
         masks.uses_neurons(residual.structure)
+
+
+def test_unwired_neuron_mask_keeps_whole_input_columns(cnn):
+    variables = cnn.init_variables(jax.random.key(0))
+    channels = jnp.array([[True, False, True, False]])
+    wired = masks.Mask(jnp.ones((1, 3), bool), (jnp.array([[True, False, True]]), channels, jnp.ones((1, 3), bool)))
+    free = masks.unwired(cnn.structure, wired)
+    one = jax.tree.map(lambda a: a[0], free)
+    m = masks.expand(cnn.structure, one, variables["params"])
+    # conv2's kept output channels keep every input channel, even conv1's dropped channel 1
+    np.testing.assert_array_equal(np.asarray(m["conv2"]["kernel"]).all(axis=(0, 1, 2)), np.asarray(channels[0]))
+    assert np.asarray(m["head"]["kernel"]).all()
+    counts = masks.count_elements(cnn.structure, free, variables["params"])
+    assert int(counts[0]) == sum(int(np.sum(e)) for e in jax.tree.leaves(m))
+    assert int(counts[0]) > int(masks.count_elements(cnn.structure, wired, variables["params"])[0])

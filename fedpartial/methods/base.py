@@ -169,7 +169,7 @@ def trained_part(ctx: MethodContext, plan: ClientPlan, cohort_size: int) -> Mask
     """The elements a client changed: its train mask within its sub-model."""
     mask = masks_lib.full(ctx.structure, (cohort_size,)) if plan.train is None else plan.train
     if plan.dropout is not None:
-        mask = mask._replace(neurons=tuple(jnp.logical_and(a, b) for a, b in zip(mask.neurons, plan.dropout.neurons)))
+        mask = masks_lib.within(mask, plan.dropout)
     return mask
 
 
