@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--server-opt", default=d.server_optimizer, help="sgd, adam, yogi, adagrad")
     run.add_argument("--server-lr", type=_float, default=d.server_lr)
     run.add_argument("--mu", type=_float, default=d.mu, help="FedProx proximal coefficient")
+    run.add_argument("--n", type=_positive_int, default=d.n,
+                     help="FedLDF / Random / HDFL: clients uploading each layer per round")
+    run.add_argument("--adp-fraction", type=_float, default=d.adp_fraction,
+                     help="FedADP: fraction of each layer's neurons a client uploads")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
     run.add_argument("--seed", type=_positive_int, default=d.seed)
@@ -84,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds,
         local_steps=local_steps, local_epochs=local_epochs, batch_size=args.batch_size,
         client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        server_optimizer=args.server_opt, server_lr=args.server_lr, mu=args.mu,
+        server_optimizer=args.server_opt, server_lr=args.server_lr, mu=args.mu, n=args.n,
+        adp_fraction=args.adp_fraction,
         bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name,
     )

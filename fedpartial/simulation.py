@@ -62,6 +62,8 @@ class RunConfig:
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
     mu: float = 0.01
+    n: int = 4
+    adp_fraction: float = 0.2
     bn_policy: str = "global"
     strategy: str = "auto"
     seed: int = 0
@@ -108,6 +110,10 @@ class RunConfig:
             bad(f"weight decay must be ≥ 0, got {self.weight_decay}.")
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             bad(f"server optimizer {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
+        if self.method in ("fedldf", "random", "hdfl") and not 1 <= self.n <= self.cohort_size:
+            bad(f"n = {self.n} uploads per layer must be between 1 and the cohort size ({self.cohort_size}).")
+        if self.method == "fedadp" and not 0 < self.adp_fraction <= 1:
+            bad(f"FedADP fraction must be in (0, 1], got {self.adp_fraction}.")
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"BatchNorm policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)}.")
         if self.eval_every < 1:
@@ -118,7 +124,14 @@ class RunConfig:
             bad(str(e))
 
     def method_options(self) -> dict:
-        return {"mu": self.mu} if self.method == "fedprox" else {}
+        """The options of ``method`` taken from this configuration."""
+        return {
+            "fedprox": {"mu": self.mu},
+            "fedldf": {"n": self.n},
+            "random": {"n": self.n},
+            "hdfl": {"n": self.n},
+            "fedadp": {"fraction": self.adp_fraction},
+        }.get(self.method, {})
 
 
 def client_optimizer(config: RunConfig) -> optax.GradientTransformation:

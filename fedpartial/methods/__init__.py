@@ -14,12 +14,17 @@ from fedpartial.methods.base import (
     scatter_clients,
 )
 from fedpartial.methods.fedavg import fedavg
+from fedpartial.methods.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial.methods.fedprox import fedprox
 
 #: name -> factory(**options) -> Method
 METHODS = {
     "fedavg": fedavg,
     "fedprox": fedprox,
+    "fedldf": fedldf,
+    "random": random_layers,
+    "hdfl": hdfl,
+    "fedadp": fedadp,
 }
 
 
@@ -32,6 +37,6 @@ def get_method(name: str, **options) -> Method:
 
 __all__ = [
     "Batch", "ClientPlan", "CohortInfo", "METHODS", "Method", "MethodContext", "MethodState",
-    "RoundView", "Selection", "fedavg", "fedprox", "gather_clients", "get_method", "make_method",
+    "RoundView", "Selection", "fedadp", "fedavg", "fedldf", "fedprox", "hdfl", "random_layers", "gather_clients", "get_method", "make_method",
     "scatter_clients",
 ]

@@ -1,0 +1,162 @@
+"""Scoring and selection pieces shared by the upload-selecting methods (FedLDF and its baselines).
+
+Everything here is pure and jittable, with shapes fixed by static Python numbers:
+
+* :func:`layer_divergence` — ``[L, K]`` per-layer distances ``||θ_{k,l} - θ_l||₂`` of a
+  stacked cohort from the global model (FedLDF's feedback);
+* :func:`neuron_update_norms` — per output neuron, the norm of a client's update
+  (FedADP's score);
+* :func:`top_n_per_row` / :func:`random_n_per_row` — exactly ``n`` winners per row as a
+  boolean mask (never a gather of a variable-size subset);
+* :func:`top_fraction_neurons` — per client and layer, the largest ``keep_count``
+  neurons;
+* :func:`keep_count` — ``max(1, round(fraction · units))`` with the rounding stated.
+
+Example::
+
+    scores = jnp.array([[3.0, 1.0, 2.0, 2.0]])
+    top_n_per_row(scores, 2)          # [[True, False, True, False]]: tie 2.0 → lowest index
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial.structure import ModelStructure, leaf_paths
+
+
+def _cohort_leaves(structure: ModelStructure, trained_params: Any, global_params: Any):
+    """(layer, trained leaf [K, ...], global leaf [...]) for every parameter leaf."""
+    flat_global = leaf_paths(global_params)
+    flat_trained = jax.tree.leaves(trained_params)
+    if len(flat_trained) != len(flat_global):
+        raise ValueError("trained and global parameters must have the same tree structure.")
+    return [(structure.role("params", path).layer, t, g) for (path, g), t in zip(flat_global, flat_trained)]
+
+
+def layer_divergence(structure: ModelStructure, trained_params: Any, global_params: Any) -> jax.Array:
+    """Per layer and client, ``||θ_{k,l} - θ_l||₂`` over all of the layer's parameters.
+
+    A layer's parameters are every leaf of the ``params`` collection the structure
+    assigns to it: kernel, bias and the scale/bias of a normaliser that follows it.
+    Running statistics are not parameters and do not count.
+
+    Args:
+      structure: the model's layer structure.
+      trained_params: the cohort's parameters, leaves ``[K, ...]``.
+      global_params: the previous global parameters (no client axis).
+
+    Returns:
+      ``[L, K]`` float32 divergences (rows are layers, as FedLDF's divergence matrix).
+    """
+    leaves = _cohort_leaves(structure, trained_params, global_params)
+    k = leaves[0][1].shape[0]
+    sq = jnp.zeros((structure.num_layers, k), jnp.float32)
+    for layer, theta, g in leaves:
+        diff = (theta - g[None]).astype(jnp.float32).reshape((k, -1))
+        sq = sq.at[layer].add(jnp.sum(diff * diff, axis=1))
+    return jnp.sqrt(sq)
+
+
+def neuron_update_norms(structure: ModelStructure, trained_params: Any, global_params: Any) -> tuple[jax.Array, ...]:
+    """Per client and output neuron, the L2 norm of the update of that neuron's parameters.
+
+    A neuron's parameters are the slice at its index of the last axis of every leaf of
+    its layer: the kernel column (all inputs, all spatial taps), the bias, and the
+    normaliser's scale and bias.
+
+    Returns:
+      One ``[K, units_l]`` float32 array per layer.
+    """
+    leaves = _cohort_leaves(structure, trained_params, global_params)
+    k = leaves[0][1].shape[0]
+    sq = [jnp.zeros((k, u), jnp.float32) for u in structure.units]
+    for layer, theta, g in leaves:
+        diff = (theta - g[None]).astype(jnp.float32)
+        units = diff.shape[-1]
+        if units != structure.units[layer]:
+            raise ValueError(
+                f"a leaf of layer {structure.layer_names[layer]} has {units} entries on its last axis, "
+                f"not the layer's {structure.units[layer]} units."
+            )
+        diff = diff.reshape((k, -1, units))
+        sq[layer] = sq[layer] + jnp.sum(diff * diff, axis=1)
+    return tuple(jnp.sqrt(s) for s in sq)
+
+
+def top_n_per_row(scores: jax.Array, n: int, valid: jax.Array | None = None) -> jax.Array:
+    """Exactly ``n`` True per row: the highest scores, ties to the lowest column index.
+
+    Invalid columns (padding clients) come after every valid one, so they are never
+    chosen while a valid column is left; when fewer than ``n`` columns are valid only
+    the valid ones are True.  A NaN score counts as the lowest possible score.
+
+    The order is a full lexicographic sort on (invalid, -score, index), so it is
+    deterministic on every backend; the first ``n`` of each row are scattered into
+    a boolean mask.
+
+    Args:
+      scores: ``[R, C]`` scores (e.g. the ``[L, K]`` divergence matrix).
+      n: static number of winners per row, ``1 ≤ n ≤ C``.
+      valid: optional ``[C]`` booleans (False: never chosen while enough are valid).
+
+    Returns:
+      ``[R, C]`` booleans.
+
+    Raises:
+      ValueError: ``n`` is not between 1 and the number of columns.
+    """
+    rows, cols = scores.shape
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= cols:
+        raise ValueError(f"top-n needs 1 ≤ n ≤ {cols} (the number of candidates), got n = {n!r}.")
+    n = int(n)
+    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+    index = jnp.broadcast_to(jnp.arange(cols), (rows, cols))
+    if valid is None:
+        invalid = jnp.zeros((rows, cols), bool)
+    else:
+        invalid = jnp.broadcast_to(~jnp.asarray(valid, bool), (rows, cols))
+    # lexsort: the last key is the primary one.  0 - s (not -s) keeps -0.0 out of the keys.
+    order = jnp.lexsort((index, 0.0 - scores, invalid), axis=-1)
+    winners = order[:, :n]
+    mask = jnp.zeros((rows, cols), bool).at[jnp.arange(rows)[:, None], winners].set(True)
+    return mask if valid is None else mask & ~invalid
+
+
+def random_n_per_row(key: jax.Array, rows: int, cols: int, n: int, valid: jax.Array | None = None) -> jax.Array:
+    """``n`` columns per row drawn uniformly at random without replacement (valid ones only).
+
+    Each row ranks independent uniform scores with :func:`top_n_per_row`, i.e. it
+    takes the first ``n`` of a uniformly random permutation of its columns.
+    """
+    return top_n_per_row(jax.random.uniform(key, (rows, cols)), n, valid)
+
+
+def keep_count(fraction: float, units: int) -> int:
+    """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
+    return max(1, int(math.floor(fraction * units + 0.5)))
+
+
+def top_fraction_neurons(norms: Sequence[jax.Array], fraction: float) -> tuple[jax.Array, ...]:
+    """Per client and layer, the :func:`keep_count` neurons with the largest scores.
+
+    Every layer is treated alike, the classifier included: this selects what a client
+    *uploads* (FedADP prunes uploads, not the model), so leaving some output units out
+    of one client's upload is harmless — nobody's output unit is dropped from training,
+    and an output unit no client uploads keeps its global value.
+
+    Args:
+      norms: one ``[K, units_l]`` score array per layer (:func:`neuron_update_norms`).
+      fraction: the kept fraction, in (0, 1].
+
+    Returns:
+      One ``[K, units_l]`` boolean array per layer, exactly ``keep_count`` True per row.
+    """
+    return tuple(top_n_per_row(s, keep_count(fraction, s.shape[-1])) for s in norms)
