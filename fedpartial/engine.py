@@ -214,8 +214,9 @@ class FederatedRound:
         """Plans the round and initialises every client's local state ``[K]``."""
         self.trace_count += 1
         view = self._view(state, cohort, key)
-        local = jax.vmap(self.client.init, in_axes=(None, 0, 0), axis_size=self.ctx.cohort_size)(state.variables, view.client_state, view.plan)
-        return view.plan, local
+        local = jax.vmap(self.client.init, in_axes=(None, 0, 0), axis_size=self.ctx.cohort_size)(
+            state.variables, view.client_state, view.plan)
+        return view.plan, view.client_state, local
 
     def _finish_round(self, state: ServerState, cohort: Cohort, key: jax.Array, plan: ClientPlan,
                       local: LocalState):
@@ -262,8 +263,7 @@ class FederatedRound:
     # ---- fused strategy ----------------------------------------------------------
 
     def _fused_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        plan, local = self._begin_round(state, cohort, key)
-        client_state = gather_clients(state.method_state.clients, cohort.info.client_ids)
+        plan, client_state, local = self._begin_round(state, cohort, key)
 
         def train_one(args):
             local_k, data_k, plan_k, cstate_k = args
@@ -306,8 +306,7 @@ class FederatedRound:
     def _stepwise_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
         step_mask = np.asarray(cohort.data.step_mask)
         cohort = jax.device_put(cohort)  # once; chunks below are sliced on the device
-        plan, local = self._begin(state, cohort, key)
-        client_state = gather_clients(state.method_state.clients, cohort.info.client_ids)
+        plan, client_state, local = self._begin(state, cohort, key)
         k = self.ctx.cohort_size
         chunk = min(self.strategy.chunk_size or 1, k)
         for start in range(0, k, chunk):

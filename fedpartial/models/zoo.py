@@ -58,6 +58,17 @@ def _flatten(x):
     return x.reshape((x.shape[0], -1))
 
 
+def _conv_relu_pool(x, features, kernel_size: int):
+    """``conv{i} ('SAME') -> ReLU -> 2x2 max-pool`` per entry of ``features``.
+
+    Called from a parent's ``@nn.compact`` ``__call__``: the convs become its children.
+    """
+    for i, feats in enumerate(features):
+        x = nn.Conv(feats, (kernel_size, kernel_size), padding="SAME", name=f"conv{i + 1}")(x)
+        x = _max_pool(nn.relu(x))
+    return x
+
+
 def _image_hw(model: str, input_shape: Sequence[int]) -> tuple[int, int]:
     """Check that ``input_shape`` is an ``(H, W, C)`` image shape; return ``(H, W)``."""
     shape = tuple(input_shape)
@@ -138,10 +149,7 @@ class CNN2C1F(nn.Module):
         del train
         x = jnp.asarray(x, jnp.float32)
         self.validate_input_shape(x.shape[1:])
-        k = (self.kernel_size, self.kernel_size)
-        for i, feats in enumerate(self.features):
-            x = nn.Conv(feats, k, padding="SAME", name=f"conv{i + 1}")(x)
-            x = _max_pool(nn.relu(x))
+        x = _conv_relu_pool(x, self.features, self.kernel_size)
         return nn.Dense(self.num_classes, name="head")(_flatten(x))
 
 
@@ -416,8 +424,6 @@ class FEMNISTCNN(nn.Module):
         del train
         x = jnp.asarray(x, jnp.float32)
         self.validate_input_shape(x.shape[1:])
-        for i, feats in enumerate(self.features):
-            x = nn.Conv(feats, (5, 5), padding="SAME", name=f"conv{i + 1}")(x)
-            x = _max_pool(nn.relu(x))
+        x = _conv_relu_pool(x, self.features, 5)
         x = nn.relu(nn.Dense(self.hidden, name="fc1")(_flatten(x)))
         return nn.Dense(self.num_classes, name="head")(x)
