@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from fedpartial import masks as masks_lib
+from fedpartial.losses import masked_cross_entropy
 from fedpartial.methods.base import Batch, ClientPlan, Method, MethodContext
 
 
@@ -38,13 +39,6 @@ class ClientFns(NamedTuple):
     final: Any
 
 
-def masked_cross_entropy(logits: jax.Array, labels: jax.Array, example_mask: jax.Array) -> jax.Array:
-    """Mean cross-entropy over real examples (0 when there are none)."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-    w = example_mask.astype(ce.dtype)
-    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
-
-
 def trainable_mask(ctx: MethodContext, plan: ClientPlan) -> masks_lib.Mask | None:
     """One client's effective train mask (train ∧ sub-model), or None when all is trainable."""
     if plan.train is None and plan.dropout is None:
@@ -59,13 +53,7 @@ def forward_scale(ctx: MethodContext, plan: ClientPlan, params: Any) -> Any | No
     """Multipliers that remove dropped units from the forward pass (None without dropout)."""
     if plan.dropout is None:
         return None
-    dropout = masks_lib.protect_output(plan.dropout)
-    if plan.dropout_scale is None:
-        unit_scale = tuple(n.astype(jnp.float32) for n in dropout.neurons)
-    else:
-        unit_scale = tuple(jnp.where(n, s, 0.0) for n, s in zip(dropout.neurons, plan.dropout_scale))
-    unit_scale = (*unit_scale[:-1], jnp.ones_like(unit_scale[-1]))
-    return masks_lib.input_scale(ctx.structure, unit_scale, params)
+    return masks_lib.submodel_scale(ctx.structure, plan.dropout, params, plan.dropout_scale)
 
 
 def make_client_fns(

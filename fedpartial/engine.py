@@ -35,6 +35,7 @@ from fedpartial.methods.base import (
     Batch,
     ClientPlan,
     CohortInfo,
+    Holdout,
     Method,
     MethodContext,
     RoundView,
@@ -111,9 +112,10 @@ class Cohort(NamedTuple):
 
     data: Batch  # [K, S, B, ...]
     info: CohortInfo
+    holdout: Holdout | None = None  # [K, H, ...] validation data (early stopping needs it)
 
 
-def cohort_from_packed(packed, client_ids, valid=None) -> Cohort:
+def cohort_from_packed(packed, client_ids, valid=None, holdout: Holdout | None = None) -> Cohort:
     """Builds a :class:`Cohort` from :class:`fedpartial.data.packing.CohortBatches`."""
     k = len(client_ids)
     return Cohort(
@@ -123,6 +125,7 @@ def cohort_from_packed(packed, client_ids, valid=None) -> Cohort:
             num_samples=np.asarray(packed.num_samples, np.float32),
             valid=np.ones((k,), bool) if valid is None else np.asarray(valid, bool),
         ),
+        holdout=holdout,
     )
 
 
@@ -145,6 +148,7 @@ class FederatedRound:
         server_optimizer: optax.GradientTransformation | None = None,
         bn_policy: str = "global",
         strategy: Strategy | None = None,
+        rounds: int | None = None,
     ):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"BatchNorm policy {bn_policy!r} is unknown; use one of {BN_POLICIES}.")
@@ -154,7 +158,8 @@ class FederatedRound:
             )
         self.model = model
         self.method = method
-        self.ctx = MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size)
+        self.ctx = MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size,
+                                 rounds=rounds, batch_statistics=bn_policy == "static")
         self.client_optimizer = client_optimizer
         self.server_optimizer = server_optimizer or optax.sgd(1.0)
         self.bn_policy = bn_policy
@@ -204,7 +209,7 @@ class FederatedRound:
         view = RoundView(
             key=plan_key, round=state.round, global_vars=state.variables, method_state=state.method_state,
             client_state=gather_clients(state.method_state.clients, cohort.info.client_ids),
-            cohort=cohort.info, data=cohort.data,
+            cohort=cohort.info, data=cohort.data, holdout=cohort.holdout,
         )
         if plan is None:
             plan = self.method.plan(self.ctx, view)
@@ -224,7 +229,7 @@ class FederatedRound:
         self.trace_count += 1
         view = self._view(state, cohort, key, plan)
         trained, losses, steps = jax.vmap(self.client.final)(local)
-        view = view._replace(trained_vars=trained)
+        view = view._replace(trained_vars=trained, client_loss=losses)
         selection = self.method.select(self.ctx, view)
         weights = jnp.where(view.cohort.valid, selection.weights, 0.0)
         selection = selection._replace(weights=weights)
@@ -247,6 +252,8 @@ class FederatedRound:
         valid = view.cohort.valid
         download_mask = view.plan.download if view.plan.download is not None else masks_lib.full(structure, (k,))
         down = masks_lib.count_bytes(structure, download_mask, g, self.communicated)
+        if view.plan.extra_download_bytes is not None:
+            down = down + view.plan.extra_download_bytes
         up = masks_lib.count_bytes(structure, selection.upload, g, self.communicated)
         up = up + selection.extra_upload_bytes
         zero = jnp.zeros_like(up)

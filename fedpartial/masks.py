@@ -164,6 +164,23 @@ def input_scale(structure: ModelStructure, unit_scale: Sequence[jax.Array], tree
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
 
+def submodel_scale(structure: ModelStructure, submodel: Mask, params: Any,
+                   unit_scale: Sequence[jax.Array] | None = None) -> Any:
+    """Forward multipliers that run one client's sub-model (dropped units contribute nothing).
+
+    ``submodel`` says which neurons exist; ``unit_scale`` optionally rescales the
+    kept ones (``[units_l]`` per layer, e.g. inverted dropout).  The classifier's
+    output units always exist and are never rescaled.
+    """
+    kept = protect_output(submodel).neurons
+    if unit_scale is None:
+        scales = tuple(n.astype(jnp.float32) for n in kept)
+    else:
+        scales = tuple(jnp.where(n, s, 0.0) for n, s in zip(kept, unit_scale))
+    scales = (*scales[:-1], jnp.ones_like(scales[-1]))
+    return input_scale(structure, scales, params)
+
+
 def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: Mask) -> jax.Array:
     role = structure.role(collection, path)
     on = mask.layers[..., role.layer].astype(jnp.int32)

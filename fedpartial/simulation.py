@@ -21,8 +21,11 @@ import optax
 from fedpartial import engine
 from fedpartial.data import packing, sources
 from fedpartial.data.partition import partition as split_population
-from fedpartial.evaluation import evaluate
-from fedpartial.methods import METHODS, get_method
+from fedpartial.data.partition import train_holdout_split
+from fedpartial.evaluation import evaluate, evaluate_clients, pad_holdouts
+from fedpartial.methods import METHODS, PERSONALISED, early_stopping, get_method
+from fedpartial.methods.base import Holdout
+from fedpartial.methods.submodel import DEFAULT_TIERS
 from fedpartial.models import registry
 from fedpartial.models.adapter import Model, from_linen
 
@@ -64,6 +67,11 @@ class RunConfig:
     mu: float = 0.01
     n: int = 4
     adp_fraction: float = 0.2
+    tiers: tuple[float, ...] = DEFAULT_TIERS
+    select_start: float = 0.25
+    select_end: float = 0.5
+    early_stopping: bool = False
+    train_fraction: float | None = None
     bn_policy: str = "global"
     strategy: str = "auto"
     seed: int = 0
@@ -114,6 +122,14 @@ class RunConfig:
             bad(f"n = {self.n} uploads per layer must be between 1 and the cohort size ({self.cohort_size}).")
         if self.method == "fedadp" and not 0 < self.adp_fraction <= 1:
             bad(f"FedADP fraction must be in (0, 1], got {self.adp_fraction}.")
+        if not self.tiers or any(not 0 < p <= 1 for p in self.tiers):
+            bad(f"client tiers {tuple(self.tiers)} must be keep ratios in (0, 1].")
+        if not 0 < self.select_start <= 1 or not 0 < self.select_end <= 1:
+            bad(f"FedSelect fractions {self.select_start} → {self.select_end} must lie in (0, 1].")
+        if self.train_fraction is not None and not 0 < self.train_fraction <= 1:
+            bad(f"train fraction {self.train_fraction} must be in (0, 1] (the rest of each client's data is held out).")
+        if self.early_stopping and self.client_train_fraction >= 1:
+            bad("early stopping needs each client's held-out split; use a train fraction below 1 (e.g. 0.7).")
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"BatchNorm policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)}.")
         if self.eval_every < 1:
@@ -131,7 +147,22 @@ class RunConfig:
             "random": {"n": self.n},
             "hdfl": {"n": self.n},
             "fedadp": {"fraction": self.adp_fraction},
+            "fedselect": {"start": self.select_start, "end": self.select_end},
+            **{m: {"tiers": tuple(self.tiers)} for m in PERSONALISED if m != "fedselect"},
         }.get(self.method, {})
+
+    @property
+    def personalised(self) -> bool:
+        """Clients keep their own models (or early stopping needs held-out data)."""
+        return self.method in PERSONALISED or self.early_stopping
+
+    @property
+    def client_train_fraction(self) -> float:
+        """λ: each client's training share (the rest is its held-out split); 0.7 for
+        personalised methods and early stopping unless given, else 1."""
+        if self.train_fraction is not None:
+            return self.train_fraction
+        return 0.7 if self.personalised else 1.0
 
 
 def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
@@ -175,8 +206,10 @@ def partition_clients(config: RunConfig, dataset: sources.ArrayDataset) -> list[
             )
         return parts
     options = {"dirichlet": {"alpha": config.alpha}, "shards": {"classes_per_client": config.classes_per_client}}
+    # A held-out split needs two examples per client: one to train on, one to hold out.
+    min_size = 2 if config.client_train_fraction < 1 and 2 * config.num_clients <= len(dataset.y_train) else 1
     return split_population(dataset.y_train, config.num_clients, config.partition, seed=config.seed,
-                            **options.get(config.partition, {}))
+                            min_size=min_size, **options.get(config.partition, {}))
 
 
 class Simulation:
@@ -192,16 +225,22 @@ class Simulation:
             dataset = sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
         self.dataset = dataset
         self.clients = partition_clients(config, dataset)
+        self.holdout = None
+        if config.client_train_fraction < 1:
+            self.clients, held = train_holdout_split(self.clients, config.client_train_fraction, seed=config.seed)
+            self.holdout = pad_holdouts([(dataset.x_train[h], dataset.y_train[h]) for h in held])
         self.sizes = np.array([len(c) for c in self.clients])
         self.num_steps = packing.max_steps(self.sizes, config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.local_epochs)
         self.model = build_model(config.model, dataset)
         self.method = get_method(config.method, **config.method_options())
+        if config.early_stopping:
+            self.method = early_stopping(self.method, lam=config.client_train_fraction)
         self.round = engine.FederatedRound(
             self.model, self.method,
             num_clients=config.num_clients, cohort_size=config.cohort_size,
             client_optimizer=client_optimizer(config), server_optimizer=server_optimizer(config),
-            bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy),
+            bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy), rounds=config.rounds,
         )
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.state = self.round.init(init_key)
@@ -210,21 +249,64 @@ class Simulation:
     def num_params(self) -> int:
         return sum(int(np.size(p)) for p in jax.tree.leaves(self.state.variables["params"]))
 
-    def sample_cohort(self, t: int) -> tuple[np.ndarray, jax.Array, int]:
-        """Round ``t``'s client ids, round key and packing seed — all from the run's key."""
-        sample_key, round_key, pack_key = jax.random.split(jax.random.fold_in(self.rounds_key, t), 3)
-        ids = jax.random.choice(sample_key, self.config.num_clients, (self.config.cohort_size,), replace=False)
-        pack_seed = int(jax.random.randint(pack_key, (), 0, np.iinfo(np.int32).max))
-        return np.sort(np.asarray(ids)), round_key, pack_seed
+    @property
+    def personal_state_bytes(self) -> int:
+        """Device memory of the method's per-client state (e.g. N personal models)."""
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self.state.method_state.clients))
 
-    def cohort(self, ids: np.ndarray, pack_seed: int) -> engine.Cohort:
+    def active_clients(self) -> np.ndarray:
+        """``[N]`` bool: who may be sampled (all, unless early stopping removed some)."""
+        if self.method.active_clients is None:
+            return np.ones(self.config.num_clients, bool)
+        return np.asarray(self.method.active_clients(self.round.ctx, self.state.method_state))
+
+    def sample_cohort(self, t: int) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
+        """Round ``t``'s client ids, which are real, the round key and packing seed — all from the run's key.
+
+        Clients are drawn from the active ones; when fewer than ``K`` are active all
+        of them take part and the cohort is filled with inactive clients marked not
+        valid (they train on nothing and weigh nothing).
+        """
+        sample_key, round_key, pack_key = jax.random.split(jax.random.fold_in(self.rounds_key, t), 3)
+        k = self.config.cohort_size
+        active = self.active_clients()
+        pool = np.flatnonzero(active)
+        if len(pool) >= k:
+            ids = np.sort(np.asarray(jax.random.choice(sample_key, pool, (k,), replace=False)))
+            valid = np.ones(k, bool)
+        else:
+            filler = np.flatnonzero(~active)[: k - len(pool)]
+            ids = np.concatenate([pool, filler])
+            valid = np.arange(k) < len(pool)
+        pack_seed = int(jax.random.randint(pack_key, (), 0, np.iinfo(np.int32).max))
+        return ids, valid, round_key, pack_seed
+
+    def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
         cfg = self.config
+        valid = np.ones(len(ids), bool) if valid is None else valid
+        empty = np.zeros(0, np.int64)
         packed = packing.pack_cohort(
-            self.dataset.x_train, self.dataset.y_train, [self.clients[i] for i in ids],
+            self.dataset.x_train, self.dataset.y_train, [self.clients[i] if v else empty for i, v in zip(ids, valid)],
             batch_size=cfg.batch_size, num_steps=self.num_steps, local_steps=cfg.local_steps,
             local_epochs=cfg.local_epochs, seed=pack_seed,
         )
-        return engine.cohort_from_packed(packed, ids)
+        holdout = None
+        if self.holdout is not None:
+            x, y, mask = self.holdout
+            holdout = Holdout(x[ids], y[ids], mask[ids] & valid[:, None])
+        return engine.cohort_from_packed(packed, ids, valid, holdout)
+
+    def evaluate_personal(self) -> dict:
+        """Every client's own model on its held-out split, and the global model on the same splits."""
+        x, y, mask = self.holdout
+        static = self.config.bn_policy == "static"
+        personal = self.method.personal(self.round.ctx, self.state.method_state, self.state.variables)
+        own = evaluate_clients(self.model, personal, x, y, mask, batch_statistics=static)
+        shared = evaluate_clients(self.model, type(personal)(variables=self.state.variables, stacked=False),
+                                  x, y, mask, batch_statistics=static)
+        return {"personal_accuracy": own["mean"], "personal_accuracy_std": own["std"],
+                "personal_accuracy_min": own["min"], "personal_accuracy_max": own["max"],
+                "global_client_accuracy": shared["mean"]}
 
     def evaluate(self) -> dict:
         return evaluate(self.model, self.state.variables, self.dataset.x_test, self.dataset.y_test,
@@ -235,9 +317,11 @@ class Simulation:
         cfg = self.config
         up_total = down_total = 0
         for t in range(cfg.rounds):
+            if not self.active_clients().any():
+                return  # early stopping: every client has stopped
             start = time.perf_counter()
-            ids, round_key, pack_seed = self.sample_cohort(t)
-            cohort = self.cohort(ids, pack_seed)
+            ids, valid, round_key, pack_seed = self.sample_cohort(t)
+            cohort = self.cohort(ids, pack_seed, valid)
             self.state, metrics = self.round(self.state, cohort, round_key)
             metrics = jax.device_get(metrics)
             train_time = time.perf_counter() - start
@@ -252,11 +336,17 @@ class Simulation:
                 "cumulative_upload_bytes": up_total,
                 "cumulative_download_bytes": down_total,
                 "round_time_s": train_time,
+                "clients": int(valid.sum()),
             }
-            if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
+            if self.method.active_clients is not None:
+                record["active_clients"] = int(self.active_clients().sum())
+            last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
+            if (t + 1) % cfg.eval_every == 0 or last:
                 result = self.evaluate()
                 record["test_accuracy"] = result["accuracy"]
                 record["test_loss"] = result["loss"]
+                if self.holdout is not None:
+                    record.update(self.evaluate_personal())
             record["wall_time_s"] = time.perf_counter() - start
             yield record
 
@@ -313,6 +403,16 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
     evaluated = [r for r in records if "test_accuracy" in r]
     accs = [r["test_accuracy"] for r in evaluated]
     train_time = sum(r["round_time_s"] for r in records)
+    personal = {}
+    if sim.holdout is not None and evaluated:
+        keys = ("personal_accuracy", "personal_accuracy_std", "personal_accuracy_min", "personal_accuracy_max",
+                "global_client_accuracy")
+        personal = {f"final_{k}": evaluated[-1][k] for k in keys}
+        personal["best_personal_accuracy"] = max(r["personal_accuracy"] for r in evaluated)
+    stopping = {}
+    if config.early_stopping:
+        stopping = {"rounds_saved": config.rounds - len(records),
+                    "stopped_clients": int(config.num_clients - sim.active_clients().sum())}
     return {
         "method": config.method,
         "dataset": sim.dataset.name,
@@ -331,4 +431,9 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "train_time_s": train_time,
         "rounds_per_s": len(records) / train_time if train_time else math.nan,
         "wall_time_s": wall,
+        "planned_rounds": config.rounds,
+        "client_train_fraction": config.client_train_fraction,
+        "personal_state_bytes": sim.personal_state_bytes,
+        **personal,
+        **stopping,
     }

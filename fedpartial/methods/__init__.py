@@ -13,9 +13,13 @@ from fedpartial.methods.base import (
     make_method,
     scatter_clients,
 )
+from fedpartial.methods.dropout import feddrop, fedmp, fjord, hermes, prunefl
+from fedpartial.methods.early_stopping import early_stopping
 from fedpartial.methods.fedavg import fedavg
 from fedpartial.methods.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial.methods.fedprox import fedprox
+from fedpartial.methods.fedselect import fedselect
+from fedpartial.methods.fedspu import fedspu
 
 #: name -> factory(**options) -> Method
 METHODS = {
@@ -25,7 +29,17 @@ METHODS = {
     "random": random_layers,
     "hdfl": hdfl,
     "fedadp": fedadp,
+    "fedspu": fedspu,
+    "feddrop": feddrop,
+    "fjord": fjord,
+    "hermes": hermes,
+    "fedmp": fedmp,
+    "prunefl": prunefl,
+    "fedselect": fedselect,
 }
+
+#: methods whose clients keep their own model (evaluated per client, on held-out data)
+PERSONALISED = ("fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "fedselect")
 
 
 def get_method(name: str, **options) -> Method:
@@ -36,7 +50,8 @@ def get_method(name: str, **options) -> Method:
 
 
 __all__ = [
-    "Batch", "ClientPlan", "CohortInfo", "METHODS", "Method", "MethodContext", "MethodState",
-    "RoundView", "Selection", "fedadp", "fedavg", "fedldf", "fedprox", "hdfl", "random_layers", "gather_clients", "get_method", "make_method",
-    "scatter_clients",
+    "Batch", "ClientPlan", "CohortInfo", "METHODS", "Method", "MethodContext", "MethodState", "PERSONALISED",
+    "RoundView", "Selection", "early_stopping", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox",
+    "fedselect", "fedspu", "fjord", "gather_clients", "get_method", "hdfl", "hermes", "make_method", "prunefl",
+    "random_layers", "scatter_clients",
 ]

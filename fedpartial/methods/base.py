@@ -10,6 +10,11 @@ A round (see :mod:`fedpartial.engine`) calls a method's pieces in this order::
     ... aggregation + server optimizer (engine) ...
     update        (cohort)      -> MethodState  the method's own state (personal models, control variates)
 
+and, outside the round, two optional read-outs of the method state:
+
+    personal        (population)  -> PersonalModels  each client's own model, for personalised evaluation
+    active_clients  (population)  -> [N] bool        who may still be sampled (early stopping)
+
 Every piece has a default, so a method states only what differs from FedAvg.
 Cohort-level pieces receive a :class:`RoundView` (arrays with a leading ``[K]``
 cohort axis) and a static :class:`MethodContext`; per-client pieces receive one
@@ -66,6 +71,14 @@ class Batch(NamedTuple):
     step_mask: jax.Array
 
 
+class Holdout(NamedTuple):
+    """A cohort's held-out (validation) examples, ``[K, H, ...]``; padded examples masked."""
+
+    x: jax.Array
+    y: jax.Array
+    example_mask: jax.Array
+
+
 class ClientPlan(NamedTuple):
     """What each client of the cohort trains, keeps and receives. Leading ``[K]``.
 
@@ -77,12 +90,15 @@ class ClientPlan(NamedTuple):
         inverted-dropout ``1/(1-d)``), or None to use the dropout mask as 0/1.
       download: elements sent to the client (for traffic accounting), or None
         for the whole model.
+      extra_download_bytes: ``[K]`` bytes sent besides parameters (e.g. the
+        indices of a client's active neurons), or None for none.
     """
 
     train: Mask | None = None
     dropout: Mask | None = None
     dropout_scale: tuple[jax.Array, ...] | None = None
     download: Mask | None = None
+    extra_download_bytes: jax.Array | None = None
 
 
 class Selection(NamedTuple):
@@ -106,6 +122,16 @@ class MethodState(NamedTuple):
     clients: Any = ()
 
 
+class PersonalModels(NamedTuple):
+    """Every client's own model: ``variables`` with leading ``[N]`` (or one unstacked
+    model shared by all) and, for sub-model methods, the ``[N]`` neuron mask of the
+    sub-model each client holds (None: the full model)."""
+
+    variables: dict
+    submodel: Mask | None = None
+    stacked: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class MethodContext:
     """Static facts a method may use (hashable; never traced)."""
@@ -113,6 +139,8 @@ class MethodContext:
     model: Model
     num_clients: int
     cohort_size: int
+    rounds: int | None = None  # planned number of rounds, for schedules (None: unknown)
+    batch_statistics: bool = False  # 'static' BatchNorm: evaluate with batch statistics
 
     @property
     def structure(self) -> ModelStructure:
@@ -133,6 +161,8 @@ class RoundView(NamedTuple):
     trained_vars: dict | None = None  # [K, ...] after local training
     selection: Selection | None = None
     new_global_vars: dict | None = None
+    holdout: Holdout | None = None  # the cohort's validation data, when the run has it
+    client_loss: jax.Array | None = None  # [K] mean local training loss
 
 
 class Method(NamedTuple):
@@ -145,6 +175,8 @@ class Method(NamedTuple):
     regularizer: Callable[[MethodContext, Any, Batch, dict, Any], jax.Array] | None
     select: Callable[[MethodContext, RoundView], Selection]
     update: Callable[[MethodContext, RoundView], MethodState]
+    personal: Callable[[MethodContext, MethodState, dict], PersonalModels]
+    active_clients: Callable[[MethodContext, MethodState], jax.Array] | None
 
 
 # ---- default pieces -------------------------------------------------------------
@@ -188,6 +220,12 @@ def keep_state(ctx: MethodContext, view: RoundView) -> MethodState:
     return view.method_state
 
 
+def global_is_personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> PersonalModels:
+    """A non-personalised method: every client's model is the global model."""
+    del ctx, state
+    return PersonalModels(variables=global_vars, stacked=False)
+
+
 def make_method(
     name: str,
     *,
@@ -197,10 +235,19 @@ def make_method(
     regularizer=None,
     select=upload_trained,
     update=keep_state,
+    personal=global_is_personal,
+    active_clients=None,
 ) -> Method:
-    """Builds a :class:`Method`; every piece not given is FedAvg's."""
+    """Builds a :class:`Method`; every piece not given is FedAvg's (``active_clients``
+    None: every client may always be sampled)."""
     return Method(name=name, init=init, plan=plan, client_start=client_start,
-                  regularizer=regularizer, select=select, update=update)
+                  regularizer=regularizer, select=select, update=update, personal=personal,
+                  active_clients=active_clients)
+
+
+def broadcast_clients(tree: Any, num_clients: int) -> Any:
+    """``[N, ...]`` copies of one model: every client's initial personal model."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
 
 
 def gather_clients(clients: Any, client_ids: jax.Array) -> Any:

@@ -63,30 +63,49 @@ def layer_divergence(structure: ModelStructure, trained_params: Any, global_para
     return jnp.sqrt(sq)
 
 
-def neuron_update_norms(structure: ModelStructure, trained_params: Any, global_params: Any) -> tuple[jax.Array, ...]:
-    """Per client and output neuron, the L2 norm of the update of that neuron's parameters.
+def neuron_norms(structure: ModelStructure, params: Any, ord: int = 2) -> tuple[jax.Array, ...]:
+    """Per client and output neuron, the L1 (``ord=1``) or L2 norm of that neuron's parameters.
 
     A neuron's parameters are the slice at its index of the last axis of every leaf of
     its layer: the kernel column (all inputs, all spatial taps), the bias, and the
     normaliser's scale and bias.
 
+    Args:
+      structure: the model's layer structure.
+      params: a cohort's parameters (or updates, or gradients), leaves ``[K, ...]``.
+      ord: 1 or 2.
+
     Returns:
       One ``[K, units_l]`` float32 array per layer.
     """
-    leaves = _cohort_leaves(structure, trained_params, global_params)
-    k = leaves[0][1].shape[0]
-    sq = [jnp.zeros((k, u), jnp.float32) for u in structure.units]
-    for layer, theta, g in leaves:
-        diff = (theta - g[None]).astype(jnp.float32)
-        units = diff.shape[-1]
+    if ord not in (1, 2):
+        raise ValueError(f"neuron norm order must be 1 or 2, got {ord!r}.")
+    flat = [(structure.role("params", path).layer, leaf) for path, leaf in leaf_paths(params)]
+    k = flat[0][1].shape[0]
+    acc = [jnp.zeros((k, u), jnp.float32) for u in structure.units]
+    for layer, leaf in flat:
+        units = leaf.shape[-1]
         if units != structure.units[layer]:
             raise ValueError(
                 f"a leaf of layer {structure.layer_names[layer]} has {units} entries on its last axis, "
                 f"not the layer's {structure.units[layer]} units."
             )
-        diff = diff.reshape((k, -1, units))
-        sq[layer] = sq[layer] + jnp.sum(diff * diff, axis=1)
-    return tuple(jnp.sqrt(s) for s in sq)
+        v = leaf.astype(jnp.float32).reshape((k, -1, units))
+        acc[layer] = acc[layer] + (jnp.sum(jnp.abs(v), axis=1) if ord == 1 else jnp.sum(v * v, axis=1))
+    return tuple(acc) if ord == 1 else tuple(jnp.sqrt(a) for a in acc)
+
+
+def neuron_update_norms(structure: ModelStructure, trained_params: Any, reference_params: Any) -> tuple[jax.Array, ...]:
+    """Per client and output neuron, the L2 norm of the update ``θ_k - θ_ref`` of that neuron.
+
+    ``reference_params`` is one model (e.g. the global model) or ``[K]``-stacked like
+    ``trained_params`` (e.g. each client's own starting point).
+
+    Returns:
+      One ``[K, units_l]`` float32 array per layer.
+    """
+    diff = jax.tree.map(lambda t, r: t - (r if r.ndim == t.ndim else r[None]), trained_params, reference_params)
+    return neuron_norms(structure, diff, ord=2)
 
 
 def top_n_per_row(scores: jax.Array, n: int, valid: jax.Array | None = None) -> jax.Array:
@@ -142,6 +161,27 @@ def keep_count(fraction: float, units: int) -> int:
     if not 0 < fraction <= 1:
         raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
     return max(1, int(math.floor(fraction * units + 0.5)))
+
+
+def top_count_per_row(scores: jax.Array, counts: jax.Array) -> jax.Array:
+    """Per row, the ``counts[row]`` highest scores (ties to the lowest column index).
+
+    Like :func:`top_n_per_row` but with a per-row number of winners given as array
+    data (e.g. each client's keep ratio), so one compiled function serves every cohort.
+
+    Args:
+      scores: ``[R, C]`` scores; NaN counts as the lowest.
+      counts: ``[R]`` integers; values above ``C`` keep the whole row.
+
+    Returns:
+      ``[R, C]`` booleans with ``min(counts[r], C)`` True in row ``r``.
+    """
+    rows, cols = scores.shape
+    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+    index = jnp.broadcast_to(jnp.arange(cols), (rows, cols))
+    order = jnp.lexsort((index, 0.0 - scores), axis=-1)
+    rank = jnp.zeros((rows, cols), jnp.int32).at[jnp.arange(rows)[:, None], order].set(index.astype(jnp.int32))
+    return rank < jnp.asarray(counts, jnp.int32)[:, None]
 
 
 def top_fraction_neurons(norms: Sequence[jax.Array], fraction: float) -> tuple[jax.Array, ...]:

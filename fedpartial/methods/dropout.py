@@ -1,0 +1,170 @@
+"""The dropout baselines FedSPU is compared with (SPEC §3), as sub-model methods.
+
+A sub-model method gives every sampled client a set of neurons per layer; the
+others are *removed* from its forward pass (their activations are zero, their
+parameters receive no update and are not uploaded).  The client's model is
+replaced by the received sub-model each round (it starts from the global values);
+the server averages each element over the clients whose sub-model contained it,
+weighted by ``n_k``.  The classifier's output units are always kept.
+
+What differs is only how the neurons are chosen (``p_k`` is the client's tier,
+:mod:`fedpartial.methods.submodel`; ``round`` is ``max(1, round(p·u))``, halves up):
+
+=========  ===========================================================  ==========
+method     keeps, per layer                                             chosen by
+=========  ===========================================================  ==========
+FedDrop    ``round(p_k·u)`` neurons uniformly at random                 server
+FjORD      the leftmost ``⌈p_k·u⌉`` neurons (ordered dropout)            server
+Hermes     ``round(p_k·u)`` neurons of largest parameter L2 norm        client
+FedMP      ``round(p_k·u)`` neurons of largest parameter L1 norm        client
+PruneFL    ``round(p_k·u)`` neurons of largest gradient L2 norm         client
+=========  ===========================================================  ==========
+
+Decisions where the papers are vague:
+
+* Norm-based choices score the client's *personal model*: its last trained
+  sub-model, whose dropped neurons hold the global values of that round (a client
+  that never trained holds ``w⁰``).  PruneFL's gradient is taken at that model on
+  the client's first local batch of the round.
+* A neuron's parameters are its kernel column, bias and BatchNorm scale/bias.
+* Index cost: who chooses tells the other side — the server's choice (FedDrop)
+  costs download, a client's choice costs upload; per masked layer the cheaper of
+  int32 indices or a bit-mask.  FjORD sends one int32 width per masked layer.
+* Evaluation: each client's personal model is the sub-model it last trained (its
+  dropped neurons removed), on its own held-out split.
+
+:func:`fedselect` is different in kind (a personal part grows inside a full-width
+model) and is described there.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial import costs, masks
+from fedpartial.losses import model_loss
+from fedpartial.methods import selection, submodel
+from fedpartial.methods.base import (
+    ClientPlan,
+    Method,
+    MethodContext,
+    MethodState,
+    PersonalModels,
+    RoundView,
+    Selection,
+    make_method,
+    scatter_clients,
+)
+
+#: bytes of FjORD's per-layer width (one int32)
+WIDTH_BYTES = 4
+
+Chooser = Callable[[MethodContext, RoundView, tuple], tuple]
+
+
+def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], rounding: str = "round",
+                    chosen_by: str = "client",
+                    index_cost: Callable | None = None) -> Method:
+    """A dropout method from its neuron choice ``choose(ctx, view, counts) -> neurons``.
+
+    ``chosen_by`` ('server' or 'client') says which side pays the index bytes;
+    ``index_cost(structure, mask) -> [K]`` overrides how many (default: indices or bit-mask).
+    """
+    tiers = submodel.check_tiers(name, tiers)
+    if chosen_by not in ("server", "client"):
+        raise ValueError(f"{name}: chosen_by must be 'server' or 'client', got {chosen_by!r}.")
+    index_cost = index_cost or costs.index_bytes
+
+    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
+        population = submodel.stack_population(ctx, global_vars)
+        everything = masks.full(ctx.structure, (ctx.num_clients,)).neurons
+        return MethodState(clients=submodel.SubmodelState(variables=population, neurons=everything))
+
+    def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
+        counts = submodel.cohort_counts(ctx, tiers, view.cohort.client_ids, rounding)
+        kept = submodel.neuron_mask(ctx.structure, choose(ctx, view, counts))
+        index = index_cost(ctx.structure, kept)
+        return ClientPlan(dropout=kept, download=kept,
+                          extra_download_bytes=index if chosen_by == "server" else None)
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        k = view.cohort.num_samples.shape[0]
+        extra = (index_cost(ctx.structure, view.plan.dropout) if chosen_by == "client"
+                 else jnp.zeros((k,), jnp.int32))
+        return Selection(upload=view.plan.dropout, weights=view.cohort.num_samples,
+                         extra_upload_bytes=extra.astype(jnp.int32))
+
+    def update(ctx: MethodContext, view: RoundView) -> MethodState:
+        rows = submodel.SubmodelState(variables=view.trained_vars, neurons=view.plan.dropout.neurons)
+        clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, view.cohort.valid)
+        return view.method_state._replace(clients=clients)
+
+    def personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> PersonalModels:
+        return PersonalModels(variables=state.clients.variables,
+                              submodel=masks.from_neurons(ctx.structure, state.clients.neurons))
+
+    return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal)
+
+
+# ---- the neuron choices ------------------------------------------------------------
+
+
+def _random(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+    return submodel.random_neurons(view.key, counts, ctx.structure.units)
+
+
+def _leftmost(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+    return submodel.leftmost_neurons(counts, ctx.structure.units)
+
+
+def _by_parameter_norm(ord: int) -> Chooser:
+    def choose(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+        scores = selection.neuron_norms(ctx.structure, view.client_state.variables["params"], ord=ord)
+        return submodel.strongest_neurons(scores, counts)
+    return choose
+
+
+def _by_gradient_norm(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+    batch = submodel.first_batch(view.data)
+
+    def gradient(variables, x, y, example_mask):
+        def loss(params):
+            return model_loss(ctx.model, {**variables, "params": params}, x, y, example_mask,
+                              train=ctx.batch_statistics)[0]
+        return jax.grad(loss)(variables["params"])
+
+    grads = jax.vmap(gradient)(view.client_state.variables, batch.x, batch.y, batch.example_mask)
+    return submodel.strongest_neurons(selection.neuron_norms(ctx.structure, grads, ord=2), counts)
+
+
+def _width_bytes(structure, mask) -> jax.Array:
+    return jnp.full(mask.layers.shape[:-1], WIDTH_BYTES * (structure.num_layers - 1), jnp.int32)
+
+
+def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
+    """FedDrop / random dropout: the server keeps ``p_k`` of each layer's neurons at random."""
+    return submodel_method("feddrop", _random, tiers=tiers, chosen_by="server")
+
+
+def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
+    """FjORD (ordered dropout): the leftmost ``⌈p_k·units⌉`` neurons of every layer."""
+    return submodel_method("fjord", _leftmost, tiers=tiers, rounding="ceil", chosen_by="server",
+                           index_cost=_width_bytes)
+
+
+def hermes(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
+    """Hermes: each client keeps its ``p_k`` neurons of largest parameter L2 norm."""
+    return submodel_method("hermes", _by_parameter_norm(2), tiers=tiers)
+
+
+def fedmp(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
+    """FedMP: each client keeps its ``p_k`` neurons of largest parameter L1 norm."""
+    return submodel_method("fedmp", _by_parameter_norm(1), tiers=tiers)
+
+
+def prunefl(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
+    """PruneFL: each client keeps its ``p_k`` neurons of largest gradient L2 norm."""
+    return submodel_method("prunefl", _by_gradient_norm, tiers=tiers)

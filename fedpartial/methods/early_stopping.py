@@ -1,0 +1,112 @@
+"""Early stopping (FedSPU+ES, SPEC §3 / the paper's Algorithm 2) as a method combinator.
+
+``early_stopping(method, lam)`` returns a :class:`Method` that behaves like
+``method`` and, after each round's local training, lets every sampled client
+compute
+
+    L_t = λ · L_train + (1 − λ) · L_val
+
+(``L_train``: its mean local training loss this round; ``L_val``: the loss of its
+trained model — its sub-model, for dropout methods — on its own held-out split).
+If ``L_t > L_{t−1}`` (its value from the last round it took part in) the client
+stops for good: its update of this round is still aggregated, then it leaves the
+pool.  :meth:`Method.active_clients` exposes who is left; the host driver samples
+only from them, samples all of them when fewer than ``K`` remain (padding the
+cohort with non-participating slots) and ends the run when none remain.
+
+The first time a client takes part it has no ``L_{t−1}`` and never stops.  Like
+optax's combinators, the result is again a :class:`Method`, so any method —
+FedSPU and every baseline — can be wrapped for a fair comparison.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial import masks
+from fedpartial.losses import model_loss
+from fedpartial.methods.base import Method, MethodContext, MethodState, RoundView, scatter_clients
+
+
+class StopState(NamedTuple):
+    """Per client ``[N]``: last ``L_t``, whether it stopped, and the round it stopped in (−1)."""
+
+    last_loss: jax.Array
+    stopped: jax.Array
+    stop_round: jax.Array
+
+
+def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
+    """``[K]`` loss of every client's trained model (its sub-model) on its held-out split."""
+    if view.holdout is None:
+        raise ValueError(
+            "early stopping needs every client's held-out split; run with a per-client train fraction below 1."
+        )
+
+    def one(variables, plan, x, y, example_mask):
+        scale = None
+        if plan.dropout is not None:
+            scale = masks.submodel_scale(ctx.structure, plan.dropout, variables["params"], plan.dropout_scale)
+        return model_loss(ctx.model, variables, x, y, example_mask, train=ctx.batch_statistics, scale=scale)[0]
+
+    h = view.holdout
+    return jax.vmap(one)(view.trained_vars, view.plan, h.x, h.y, h.example_mask)
+
+
+def early_stopping(method: Method, lam: float = 0.7) -> Method:
+    """``method`` whose clients stop for good once their λ-mixed train/val loss rises."""
+    if not 0 <= lam <= 1:
+        raise ValueError(f"early stopping: λ = {lam!r} must be in [0, 1].")
+
+    def inner(view: RoundView) -> RoundView:
+        state = view.method_state
+        return view._replace(method_state=MethodState(server=state.server, clients=state.clients[0]),
+                             client_state=view.client_state[0])
+
+    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
+        state = method.init(ctx, global_vars)
+        n = ctx.num_clients
+        stop = StopState(last_loss=jnp.full((n,), jnp.inf, jnp.float32), stopped=jnp.zeros((n,), bool),
+                         stop_round=jnp.full((n,), -1, jnp.int32))
+        return MethodState(server=state.server, clients=(state.clients, stop))
+
+    def plan(ctx, view):
+        return method.plan(ctx, inner(view))
+
+    def client_start(ctx, global_vars, client_state, plan_k):
+        return method.client_start(ctx, global_vars, client_state[0], plan_k)
+
+    regularizer = None
+    if method.regularizer is not None:
+        def regularizer(ctx, params, batch, global_vars, client_state):
+            return method.regularizer(ctx, params, batch, global_vars, client_state[0])
+
+    def select(ctx, view):
+        return method.select(ctx, inner(view))
+
+    def update(ctx: MethodContext, view: RoundView) -> MethodState:
+        new_inner = method.update(ctx, inner(view))
+        mixed = lam * view.client_loss + (1.0 - lam) * holdout_losses(ctx, view)
+        before = view.client_state[1]
+        stops = mixed > before.last_loss
+        rows = StopState(last_loss=mixed, stopped=before.stopped | stops,
+                         stop_round=jnp.where(stops & ~before.stopped, view.round, before.stop_round))
+        stop = scatter_clients(view.method_state.clients[1], view.cohort.client_ids, rows, view.cohort.valid)
+        return MethodState(server=new_inner.server, clients=(new_inner.clients, stop))
+
+    def personal(ctx, state: MethodState, global_vars: dict):
+        return method.personal(ctx, MethodState(server=state.server, clients=state.clients[0]), global_vars)
+
+    def active_clients(ctx, state: MethodState) -> jax.Array:
+        active = ~state.clients[1].stopped
+        if method.active_clients is not None:
+            active = active & method.active_clients(
+                ctx, MethodState(server=state.server, clients=state.clients[0]))
+        return active
+
+    return Method(name=f"{method.name}+es", init=init, plan=plan, client_start=client_start,
+                  regularizer=regularizer, select=select, update=update, personal=personal,
+                  active_clients=active_clients)
