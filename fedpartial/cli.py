@@ -25,6 +25,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of keep ratios") from None
+
+
 def _float(text: str) -> float:
     try:
         return float(text)
@@ -69,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="FedLDF / Random / HDFL: clients uploading each layer per round")
     run.add_argument("--adp-fraction", type=_float, default=d.adp_fraction,
                      help="FedADP: fraction of each layer's neurons a client uploads")
+    run.add_argument("--tiers", type=_ratios, default=d.tiers,
+                     help="FedSPU / dropout methods: keep ratios of equal client clusters, e.g. 0.2,0.4,0.6,0.8,1.0")
+    run.add_argument("--select-start", type=_float, default=d.select_start,
+                     help="FedSelect: personal fraction in the first round")
+    run.add_argument("--select-end", type=_float, default=d.select_end,
+                     help="FedSelect: personal fraction in the last round")
+    run.add_argument("--es", action="store_true",
+                     help="early stopping: a client stops for good when its λ-mixed train/val loss rises")
+    run.add_argument("--train-fraction", type=_float, default=None,
+                     help="λ: each client's training share, the rest held out "
+                          "(default 0.7 for personalised methods and --es, else 1)")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
     run.add_argument("--seed", type=_positive_int, default=d.seed)
@@ -89,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         local_steps=local_steps, local_epochs=local_epochs, batch_size=args.batch_size,
         client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         server_optimizer=args.server_opt, server_lr=args.server_lr, mu=args.mu, n=args.n,
-        adp_fraction=args.adp_fraction,
+        adp_fraction=args.adp_fraction, tiers=args.tiers, select_start=args.select_start,
+        select_end=args.select_end, early_stopping=args.es, train_fraction=args.train_fraction,
         bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name,
     )
@@ -128,10 +147,16 @@ def _run(args, console: Console) -> int:
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
         ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
         ("strategy", f"{summary['strategy']} on {summary['backend']}"),
-        ("rounds", str(summary["rounds"])),
+        ("rounds", str(summary["rounds"])
+         + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
         ("best test accuracy", f"{summary['best_test_accuracy']:.4f}"),
         ("final test loss", f"{summary['final_test_loss']:.4f}"),
+        *([("personal accuracy (mean ± std over clients)",
+             f"{summary['final_personal_accuracy']:.4f} ± {summary['final_personal_accuracy_std']:.4f}"),
+            ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),
+            ("personal state", _mb(summary["personal_state_bytes"]))]
+          if "final_personal_accuracy" in summary else []),
         ("upload / download", f"{_mb(summary['total_upload_bytes'])} / {_mb(summary['total_download_bytes'])}"),
         ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s)"),
         ("results", str(summary["run_dir"])),
