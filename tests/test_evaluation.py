@@ -29,3 +29,52 @@ def test_static_policy_normalises_with_batch_statistics(mlp):
     expected = -np.mean(jax.nn.log_softmax(logits)[:, 0])
     np.testing.assert_allclose(batch["loss"], expected, rtol=1e-5)
     assert not np.isclose(running["loss"], batch["loss"])
+
+
+def _holdouts(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 3, n).astype(np.int32)) for n in sizes]
+
+
+def test_every_client_is_evaluated_with_its_own_model_and_sub_model(mlp):
+    from fedpartial import masks
+    from fedpartial.evaluation import evaluate_clients, pad_holdouts
+    from fedpartial.methods.base import PersonalModels
+
+    sizes = [5, 0, 3, 7, 1]
+    parts = _holdouts(sizes)
+    x, y, mask = pad_holdouts(parts)
+    assert x.shape == (5, 7, 4) and mask.sum(1).tolist() == sizes
+    models = [mlp.init_variables(jax.random.key(i)) for i in range(5)]
+    stacked = jax.tree.map(lambda *a: np.stack(a), *models)
+    keep = [np.array([1, 1, 0, 1, 0, 1], bool), np.ones(5, bool), np.ones(3, bool)]
+    submodel = masks.from_neurons(mlp.structure, [np.stack([k] * 5) for k in keep])
+    personal = PersonalModels(variables=stacked, submodel=submodel)
+    results = [evaluate_clients(mlp, personal, x, y, mask, chunk_size=c) for c in (1, 2, 5)]
+    for i, (xi, yi) in enumerate(parts):
+        if not len(yi):
+            assert np.isnan(results[0]["accuracy"][i])
+            continue
+        params = jax.tree.map(np.multiply, models[i]["params"],
+                              masks.submodel_scale(mlp.structure, jax.tree.map(lambda a: a[i], submodel),
+                                                   models[i]["params"]))
+        want = evaluate(mlp, {**models[i], "params": params}, xi, yi)
+        for r in results:  # chunks of 1, 2 (the last overlapping) and all clients agree
+            np.testing.assert_allclose(r["accuracy"][i], want["accuracy"])
+            np.testing.assert_allclose(r["loss"][i], want["loss"], rtol=1e-5)
+    acc = results[0]["accuracy"]
+    assert results[0]["mean"] == np.nanmean(acc) and results[0]["min"] == np.nanmin(acc)
+    assert np.isclose(results[0]["std"], np.nanstd(acc))
+
+
+def test_one_shared_model_on_every_clients_data(mlp):
+    from fedpartial.evaluation import evaluate_clients, pad_holdouts
+    from fedpartial.methods.base import PersonalModels
+
+    parts = _holdouts([4, 6, 2], seed=3)
+    v = mlp.init_variables(jax.random.key(0))
+    r = evaluate_clients(mlp, PersonalModels(variables=v, stacked=False), *pad_holdouts(parts))
+    pooled = evaluate(mlp, v, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    np.testing.assert_allclose(r["pooled"], pooled["accuracy"])
+    for i, (xi, yi) in enumerate(parts):
+        np.testing.assert_allclose(r["accuracy"][i], evaluate(mlp, v, xi, yi)["accuracy"])
