@@ -23,8 +23,11 @@ PruneFL    ``round(p_k·u)`` neurons of largest gradient L2 norm         client
 Decisions where the papers are vague:
 
 * Norm-based choices score the client's *personal model*: its last trained
-  sub-model, whose dropped neurons hold the global values of that round (a client
-  that never trained holds ``w⁰``).  PruneFL's gradient is taken at that model on
+  sub-model, whose dropped neurons' parameters hold the global values of that round
+  (a client that never trained holds ``w⁰``).  A dropped neuron's BatchNorm running
+  statistics still move during training (its output is computed, only the weights
+  reading it are zeroed); nothing reads them — they are not uploaded, scores use
+  parameters only, and evaluation removes the neuron.  PruneFL's gradient is taken at that model on
   the client's first local batch of the round.
 * A neuron's parameters are its kernel column, bias and BatchNorm scale/bias.
 * Index cost: who chooses tells the other side — the server's choice (FedDrop)
@@ -113,7 +116,7 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
 
 
 def _random(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
-    return submodel.random_neurons(view.key, counts, ctx.structure.units)
+    return submodel.random_neurons(view.key, counts, ctx.structure.units, view.cohort.client_ids)
 
 
 def _leftmost(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:

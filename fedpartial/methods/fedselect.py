@@ -65,8 +65,8 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
 
     def personal_neurons(ctx: MethodContext, view: RoundView) -> masks.Mask:
         k = view.cohort.num_samples.shape[0]
-        fraction = submodel.schedule(start, end, view.round, ctx.rounds)
-        counts = submodel.broadcast_counts(submodel.counts_for_fraction(ctx.structure, fraction), k)
+        counts = submodel.broadcast_counts(
+            submodel.schedule_counts(ctx.structure, start, end, ctx.rounds, view.round), k)
         state = view.client_state
         chosen = submodel.strongest_neurons(state.change, counts)
         chosen = tuple(c & state.trained[:, None] for c in chosen)

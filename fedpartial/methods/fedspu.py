@@ -54,7 +54,7 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         counts = submodel.cohort_counts(ctx, tiers, view.cohort.client_ids)
-        active = submodel.neuron_mask(ctx.structure, submodel.random_neurons(view.key, counts, ctx.structure.units))
+        active = submodel.neuron_mask(ctx.structure, submodel.random_neurons(view.key, counts, ctx.structure.units, view.cohort.client_ids))
         return ClientPlan(train=active, download=active,
                           extra_download_bytes=costs.index_bytes(ctx.structure, active))
 

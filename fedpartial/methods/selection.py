@@ -160,7 +160,8 @@ def keep_count(fraction: float, units: int) -> int:
     """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
-    return max(1, int(math.floor(fraction * units + 0.5)))
+    # p·u in float can land a hair below an exact half (0.35·90 = 31.499…96): snap first.
+    return max(1, int(math.floor(round(fraction * units, 9) + 0.5)))
 
 
 def top_count_per_row(scores: jax.Array, counts: jax.Array) -> jax.Array:

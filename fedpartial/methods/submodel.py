@@ -74,13 +74,21 @@ def cohort_counts(ctx: MethodContext, tiers: Sequence[float], client_ids: jax.Ar
     return tuple(rows[:, layer] for layer in range(ctx.structure.num_layers))
 
 
-def random_neurons(key: jax.Array, counts: Sequence[jax.Array], units: Sequence[int]) -> tuple[jax.Array, ...]:
-    """Per layer, ``counts[l][k]`` neurons of client ``k`` drawn uniformly without replacement."""
-    keys = jax.random.split(key, len(units))
-    return tuple(
-        selection.top_count_per_row(jax.random.uniform(kl, (c.shape[0], u)), c)
-        for kl, c, u in zip(keys, counts, units)
-    )
+def random_neurons(key: jax.Array, counts: Sequence[jax.Array], units: Sequence[int],
+                   client_ids: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Per layer, ``counts[l][k]`` neurons of client ``k`` drawn uniformly without replacement.
+
+    Each client draws from the round key folded with its id (its cohort position if
+    ``client_ids`` is None), so its draw does not depend on who else is in the cohort.
+    """
+    k = counts[0].shape[0]
+    ids = jnp.arange(k) if client_ids is None else jnp.asarray(client_ids)
+    client_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
+    out = []
+    for layer, (c, u) in enumerate(zip(counts, units)):
+        scores = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, layer), (u,)))(client_keys)
+        out.append(selection.top_count_per_row(scores, c))
+    return tuple(out)
 
 
 def leftmost_neurons(counts: Sequence[jax.Array], units: Sequence[int]) -> tuple[jax.Array, ...]:
@@ -122,14 +130,23 @@ def schedule(start: float, end: float, round_index: jax.Array, rounds: int | Non
     """Linear ramp from ``start`` (first round) to ``end`` (last planned round)."""
     if rounds is None or rounds <= 1:
         return jnp.asarray(end, jnp.float32)
-    frac = jnp.clip(round_index.astype(jnp.float32) / (rounds - 1), 0.0, 1.0)
+    frac = jnp.clip(jnp.asarray(round_index).astype(jnp.float32) / (rounds - 1), 0.0, 1.0)
     return start + (end - start) * frac
 
 
-def counts_for_fraction(structure: ModelStructure, fraction: jax.Array) -> tuple[jax.Array, ...]:
-    """``max(1, round(f·u))`` per layer for a traced fraction (scalar or ``[K]``)."""
-    f = jnp.asarray(fraction, jnp.float32)
-    return tuple(jnp.maximum(1, jnp.floor(f * u + 0.5).astype(jnp.int32)) for u in structure.units)
+def schedule_counts(structure: ModelStructure, start: float, end: float, rounds: int | None,
+                    round_index: jax.Array) -> tuple[jax.Array, ...]:
+    """Per layer, ``max(1, round(f_t·u))`` for the linear ramp ``f_t`` of :func:`schedule`.
+
+    The counts come from a static ``[rounds, L]`` table built with
+    :func:`fedpartial.methods.selection.keep_count` (exact halves round up), indexed
+    by the traced round, so no float32 rounding decides a count.
+    """
+    steps = max(rounds or 1, 1)
+    fractions = [start + (end - start) * t / (steps - 1) if steps > 1 else end for t in range(steps)]
+    table = np.array([[selection.keep_count(f, u) for u in structure.units] for f in fractions], np.int32)
+    row = jnp.asarray(table)[jnp.clip(round_index, 0, steps - 1)]
+    return tuple(row[layer] for layer in range(structure.num_layers))
 
 
 def broadcast_counts(counts: Sequence[jax.Array], k: int) -> tuple[jax.Array, ...]:
