@@ -271,8 +271,14 @@ class Simulation:
         k = self.config.cohort_size
         active = self.active_clients()
         pool = np.flatnonzero(active)
-        if len(pool) >= k:
-            ids = np.sort(np.asarray(jax.random.choice(sample_key, pool, (k,), replace=False)))
+        if len(pool) == len(active):
+            ids = np.sort(np.asarray(jax.random.choice(sample_key, len(active), (k,), replace=False)))
+            valid = np.ones(k, bool)
+        elif len(pool) >= k:
+            # K of the active clients uniformly (Gumbel top-k): the shapes never change, so
+            # nothing recompiles as the pool shrinks.
+            scores = np.where(active, np.asarray(jax.random.gumbel(sample_key, (len(active),))), -np.inf)
+            ids = np.sort(np.argsort(-scores, kind="stable")[:k])
             valid = np.ones(k, bool)
         else:
             filler = np.flatnonzero(~active)[: k - len(pool)]
