@@ -264,6 +264,7 @@ class FederatedRound:
             "upload_bytes": jnp.sum(jnp.where(valid, up, zero)),
             "download_bytes": jnp.sum(jnp.where(valid, down, zero)),
             "upload_bytes_per_client": jnp.where(valid, up, zero),
+            "download_bytes_per_client": jnp.where(valid, down, zero),
             "client_loss": losses,
         }
 

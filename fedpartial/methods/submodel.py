@@ -25,7 +25,7 @@ import numpy as np
 from fedpartial import masks
 from fedpartial.masks import Mask
 from fedpartial.methods import selection
-from fedpartial.methods.base import MethodContext
+from fedpartial.methods.base import MethodContext, broadcast_clients
 from fedpartial.structure import ModelStructure
 
 #: The FedSPU paper's five equal client clusters.
@@ -123,7 +123,7 @@ class SubmodelState(NamedTuple):
 def stack_population(ctx: MethodContext, global_vars: dict) -> dict:
     """Every client starts from the initial global model (the server broadcasts ``w⁰``)."""
     masks.uses_neurons(ctx.structure)
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (ctx.num_clients, *jnp.shape(a))), global_vars)
+    return broadcast_clients(global_vars, ctx.num_clients)
 
 
 def schedule(start: float, end: float, round_index: jax.Array, rounds: int | None) -> jax.Array:
