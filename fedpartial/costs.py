@@ -158,6 +158,16 @@ def memory_footprint(
     return {k: np.array(v, np.int64) for k, v in out.items()}
 
 
+def layer_index_bytes(units: int, count, index_bytes: int = 4):
+    """Bytes naming ``count`` of a layer's ``units`` neurons: the cheaper of ``count``
+    indices of ``index_bytes`` each and a ``units``-bit mask (a Python int for an int
+    ``count``, else an array)."""
+    bits = math.ceil(units / 8)
+    if isinstance(count, numbers.Integral):
+        return min(index_bytes * int(count), bits)
+    return jnp.minimum(index_bytes * count, bits)
+
+
 def index_bytes(structure: ModelStructure, neurons_mask: Mask, *, index_bytes: int = 4) -> jax.Array:
     """Bytes telling the other side which neurons are on, per leading index of the mask.
 
@@ -175,8 +185,7 @@ def index_bytes(structure: ModelStructure, neurons_mask: Mask, *, index_bytes: i
     _check_mask(structure, neurons_mask, "neurons")
     total = jnp.zeros(jnp.shape(neurons_mask.layers)[:-1], jnp.int32)
     for units, on in zip(structure.units[:-1], neurons_mask.neurons[:-1]):
-        count = jnp.sum(on, axis=-1, dtype=jnp.int32)
-        total = total + jnp.minimum(index_bytes * count, math.ceil(units / 8))
+        total = total + layer_index_bytes(units, jnp.sum(on, axis=-1, dtype=jnp.int32), index_bytes)
     return total
 
 

@@ -50,7 +50,7 @@ import numbers
 
 import jax.numpy as jnp
 
-from fedpartial import masks
+from fedpartial import costs, masks
 from fedpartial.methods import selection
 from fedpartial.methods.base import Method, MethodContext, MethodState, RoundView, Selection, make_method
 
@@ -132,8 +132,8 @@ def hdfl(n: int = 4) -> Method:
 
 def index_bytes(units: int, kept: int) -> int:
     """Bytes telling the server which ``kept`` of ``units`` neurons follow: the cheaper of
-    ``kept`` int32 indices and a ``units``-bit mask."""
-    return min(INDEX_BYTES * kept, math.ceil(units / 8))
+    ``kept`` int32 indices and a ``units``-bit mask (FedADP names the classifier's too)."""
+    return costs.layer_index_bytes(units, kept, INDEX_BYTES)
 
 
 def fedadp(fraction: float = 0.2) -> Method:
