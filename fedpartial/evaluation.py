@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial import masks
 from fedpartial.losses import masked_cross_entropy, model_loss
 from fedpartial.methods.base import PersonalModels
 from fedpartial.models.adapter import Model
@@ -74,10 +73,7 @@ def _eval_clients(model: Model, size: int, stacked: bool, batch_statistics: bool
         return jax.lax.dynamic_slice_in_dim(a, start, size, 0)
 
     def one(variables_k, submodel_k, x_k, y_k, m_k):
-        scale = None
-        if submodel_k is not None:
-            scale = masks.submodel_scale(model.structure, submodel_k, variables_k["params"])
-        loss, correct = model_loss(model, variables_k, x_k, y_k, m_k, train=batch_statistics, scale=scale)
+        loss, correct = model_loss(model, variables_k, x_k, y_k, m_k, train=batch_statistics, submodel=submodel_k)
         return loss * jnp.sum(m_k), correct
 
     variables = jax.tree.map(rows, variables) if stacked else variables

@@ -6,12 +6,14 @@ imports) can compute a client's loss without an import cycle.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from fedpartial import masks
+from fedpartial.masks import Mask
 from fedpartial.models.adapter import Model
 
 
@@ -23,15 +25,18 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, example_mask: jax
 
 
 def model_loss(model: Model, variables: dict, x: jax.Array, y: jax.Array, example_mask: jax.Array, *,
-               train: bool = False, scale: Any = None) -> tuple[jax.Array, jax.Array]:
+               train: bool = False, submodel: Mask | None = None,
+               unit_scale: Sequence[jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """``(mean loss, number correct)`` of one model on one batch of real + padded examples.
 
-    ``scale`` (from :func:`fedpartial.masks.submodel_scale`) removes a sub-model's
-    dropped units from the forward pass; ``train=True`` normalises with the batch's
-    own statistics (the 'static' BatchNorm policy) — running statistics are not kept.
+    ``submodel`` (a neuron mask, optionally with ``unit_scale``) runs the client's
+    sub-model: dropped units are removed from the forward pass.  ``train=True``
+    normalises with the batch's own statistics (the 'static' BatchNorm policy) —
+    running statistics are not kept.
     """
     params = variables["params"]
-    if scale is not None:
+    if submodel is not None:
+        scale = masks.submodel_scale(model.structure, submodel, params, unit_scale)
         params = jax.tree.map(jnp.multiply, params, scale)
     logits, _ = model.apply({**variables, "params": params}, x, train, example_mask if train else None)
     correct = jnp.sum((jnp.argmax(logits, -1) == y) & example_mask)

@@ -26,7 +26,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedpartial import masks
 from fedpartial.losses import model_loss
 from fedpartial.methods.base import Method, MethodContext, MethodState, RoundView, scatter_clients
 
@@ -47,10 +46,8 @@ def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
         )
 
     def one(variables, plan, x, y, example_mask):
-        scale = None
-        if plan.dropout is not None:
-            scale = masks.submodel_scale(ctx.structure, plan.dropout, variables["params"], plan.dropout_scale)
-        return model_loss(ctx.model, variables, x, y, example_mask, train=ctx.batch_statistics, scale=scale)[0]
+        return model_loss(ctx.model, variables, x, y, example_mask, train=ctx.batch_statistics,
+                          submodel=plan.dropout, unit_scale=plan.dropout_scale)[0]
 
     h = view.holdout
     return jax.vmap(one)(view.trained_vars, view.plan, h.x, h.y, h.example_mask)

@@ -51,6 +51,11 @@ class FedSelectState(NamedTuple):
     trained: jax.Array
 
 
+def _complement(mask: masks.Mask) -> masks.Mask:
+    """The other neurons of every layer (personal ↔ shared)."""
+    return mask._replace(neurons=tuple(~n for n in mask.neurons))
+
+
 def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
     """FedSelect with the personal fraction growing from ``start`` to ``end`` over the run."""
     submodel.check_tiers("fedselect", (start, end))
@@ -74,16 +79,15 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
         return masks.from_neurons(ctx.structure, chosen)
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
-        keep = personal_neurons(ctx, view)
-        shared = masks.unwired(ctx.structure, keep._replace(neurons=tuple(~n for n in keep.neurons)))
+        shared = masks.unwired(ctx.structure, _complement(personal_neurons(ctx, view)))
         return ClientPlan(download=shared)
 
     def client_start(ctx: MethodContext, global_vars: dict, state, plan: ClientPlan) -> dict:
         return submodel.merge(ctx.structure, plan.download, global_vars, state.variables)
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
-        personal = view.plan.download._replace(neurons=tuple(~n for n in view.plan.download.neurons))
-        personal = personal._replace(neurons=(*personal.neurons[:-1], jnp.zeros_like(personal.neurons[-1])))
+        # The client names its personal neurons (index_bytes skips the always-shared classifier).
+        personal = _complement(view.plan.download)
         return Selection(upload=view.plan.download, weights=view.cohort.num_samples,
                          extra_upload_bytes=costs.index_bytes(ctx.structure, personal))
 

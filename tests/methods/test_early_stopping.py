@@ -1,7 +1,5 @@
 """Early stopping (FedSPU+ES): λ-mixed loss, permanent stop on a rise, sampling only from active clients."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,4 +156,3 @@ def test_a_real_run_stops_clients_and_saves_rounds():
     # Sampled clients never include a stopped one: the cohort shrinks below K only at the end.
     assert all(r["clients"] == min(K, prev) for r, prev in
                zip(records, [N] + [r["active_clients"] for r in records]))
-    assert dataclasses.asdict(config)["early_stopping"]
