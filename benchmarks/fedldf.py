@@ -56,7 +56,8 @@ def run_one(dataset: str, setting: tuple, method: str, seed: int, rounds: int, a
         alpha=alpha if alpha is not None else 1.0, num_clients=args.clients, cohort_size=args.cohort,
         rounds=rounds, local_epochs=None if steps else 1.0, local_steps=steps, batch_size=batch, client_lr=lr,
         momentum=momentum,
-        seed=seed, eval_every=args.eval_every, out_dir=None, n=args.n,
+        seed=seed, eval_every=args.eval_every, out_dir=None,
+        options={"n": args.n} if method in ("fedldf", "random", "hdfl") else {},
     )
     sim = Simulation(config)
     records = list(sim.rounds())

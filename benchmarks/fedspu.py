@@ -128,7 +128,7 @@ def config_for(dataset: str, alpha: float, method: str, es: bool, seed: int, arg
         method=method, dataset=dataset, data_dir=args.data_dir, model=model, partition=partition, alpha=alpha,
         num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds,
         local_steps=steps, local_epochs=None if steps else args.local_epochs, batch_size=batch, client_lr=lr,
-        momentum=momentum, tiers=DEFAULT_TIERS, early_stopping=es, train_fraction=0.7, strategy=args.strategy,
+        momentum=momentum, options={} if method == "fedselect" else {"tiers": DEFAULT_TIERS}, early_stopping=es, train_fraction=0.7, strategy=args.strategy,
         seed=seed, eval_every=args.eval_every, out_dir=None,
     )
 

@@ -17,7 +17,8 @@ from fedpartial import masks as masks_lib
 from fedpartial.structure import ModelStructure
 
 
-def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any, weights: jax.Array) -> Any:
+def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any, weights: jax.Array,
+                         *, with_received: bool = False) -> Any:
     """The SPEC §1 formula on already-expanded masks.
 
     Args:
@@ -28,6 +29,7 @@ def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any,
 
     Returns:
       The aggregated tree; elements with zero total weight keep the global value.
+      With ``with_received``, also a boolean tree: True where some weight arrived.
     """
 
     def leaf(g, theta, m):
@@ -37,9 +39,14 @@ def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any,
         num = jnp.tensordot(w, jnp.where(m, theta, jnp.zeros_like(theta)), axes=(0, 0))
         den = jnp.tensordot(w, m.astype(theta.dtype), axes=(0, 0))
         safe = jnp.where(den > 0, den, jnp.ones_like(den))
-        return jnp.where(den > 0, num / safe, g)
+        return jnp.where(den > 0, num / safe, g), den > 0
 
-    return jax.tree.map(leaf, global_tree, cohort_tree, element_masks)
+    pairs = jax.tree.map(leaf, global_tree, cohort_tree, element_masks)
+    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+    new = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+    if not with_received:
+        return new
+    return new, jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
 
 
 def aggregate(
@@ -54,23 +61,37 @@ def aggregate(
 
     Collections not named are returned unchanged from ``global_vars``.  The masks
     are expanded client by client (vmapped) right where they are consumed.
+
+    Returns:
+      ``(new_vars, received)``: ``received`` is a boolean tree shaped like the
+      ``params`` collection, True where at least one client's weight arrived.
     """
     out = dict(global_vars)
+    received = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), bool), global_vars.get("params", {}))
     for collection in collections:
         g = global_vars.get(collection)
         if not g:
             continue
         element_masks = jax.vmap(lambda m: masks_lib.expand(structure, m, g, collection))(upload)
-        out[collection] = masked_weighted_mean(g, cohort_vars[collection], element_masks, weights)
-    return out
+        out[collection], got = masked_weighted_mean(g, cohort_vars[collection], element_masks, weights,
+                                                    with_received=True)
+        if collection == "params":
+            received = got
+    return out, received
 
 
-def server_update(optimizer: optax.GradientTransformation, opt_state: Any, global_params: Any, aggregated: Any):
+def server_update(optimizer: optax.GradientTransformation, opt_state: Any, global_params: Any, aggregated: Any,
+                  received: Any = None):
     """Applies ``optimizer`` to the pseudo-gradient ``global - aggregated``.
 
     With ``optax.sgd(1.0)`` this returns ``aggregated`` (FedAvg); FedAdam/FedYogi
-    are ``optax.adam`` / ``optax.yogi`` here.
+    are ``optax.adam`` / ``optax.yogi`` here.  Elements not ``received`` (nobody
+    uploaded them) keep their global value bit for bit: a stateful optimizer would
+    otherwise keep moving them on stale momentum.
     """
     pseudo_grad = jax.tree.map(jnp.subtract, global_params, aggregated)
     updates, opt_state = optimizer.update(pseudo_grad, opt_state, global_params)
-    return optax.apply_updates(global_params, updates), opt_state
+    new = optax.apply_updates(global_params, updates)
+    if received is not None:
+        new = jax.tree.map(jnp.where, received, new, global_params)
+    return new, opt_state

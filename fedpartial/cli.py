@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedpartial.simulation import RunConfig
+from fedpartial.errors import UserError
+from fedpartial.methods import METHODS
+from fedpartial.simulation import DEFAULT_LOCAL_EPOCHS, RunConfig
 
 
 def _positive_int(text: str) -> int:
@@ -23,13 +25,6 @@ def _positive_int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def _ratios(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of keep ratios") from None
 
 
 def _float(text: str) -> float:
@@ -51,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run a federated simulation",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    run.add_argument("--method", default=d.method, help="fedavg, fedprox, ...")
+    run.add_argument("--method", default=d.method, help=", ".join(METHODS))
     run.add_argument("--dataset", default=d.dataset, help="digits (offline), synthetic, mnist, cifar10, ...")
     run.add_argument("--data-dir", default=d.data_dir, help="tensorflow-datasets data directory")
     run.add_argument("--model", default=d.model, help="'auto' or a zoo model name")
@@ -64,24 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     local = run.add_mutually_exclusive_group()
     local.add_argument("--local-steps", type=_positive_int, default=None, help="local steps per round")
     local.add_argument("--local-epochs", type=_float, default=None,
-                       help=f"local epochs per round (default {d.local_epochs})")
+                       help=f"local epochs per round ({DEFAULT_LOCAL_EPOCHS} when --local-steps is not given)")
     run.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
     run.add_argument("--lr", type=_float, default=d.client_lr, help="client learning rate")
     run.add_argument("--momentum", type=_float, default=d.momentum)
     run.add_argument("--weight-decay", type=_float, default=d.weight_decay)
     run.add_argument("--server-opt", default=d.server_optimizer, help="sgd, adam, yogi, adagrad")
     run.add_argument("--server-lr", type=_float, default=d.server_lr)
-    run.add_argument("--mu", type=_float, default=d.mu, help="FedProx proximal coefficient")
-    run.add_argument("--n", type=_positive_int, default=d.n,
-                     help="FedLDF / Random / HDFL: clients uploading each layer per round")
-    run.add_argument("--adp-fraction", type=_float, default=d.adp_fraction,
-                     help="FedADP: fraction of each layer's neurons a client uploads")
-    run.add_argument("--tiers", type=_ratios, default=d.tiers,
-                     help="FedSPU / dropout methods: keep ratios of equal client clusters, e.g. 0.2,0.4,0.6,0.8,1.0")
-    run.add_argument("--select-start", type=_float, default=d.select_start,
-                     help="FedSelect: personal fraction in the first round")
-    run.add_argument("--select-end", type=_float, default=d.select_end,
-                     help="FedSelect: personal fraction in the last round")
+    _add_method_options(run)
     run.add_argument("--es", action="store_true",
                      help="early stopping: a client stops for good when its λ-mixed train/val loss rises")
     run.add_argument("--train-fraction", type=_float, default=None,
@@ -93,24 +78,66 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=_positive_int, default=d.eval_every)
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
     run.add_argument("--name", default=None, help="run folder name (made unique)")
+    run.add_argument("--record-decisions", action="store_true",
+                     help="save every round's plan and selection masks to RUN_DIR/decisions/round-NNNNN.npz")
     return parser
+
+
+def _method_flags() -> dict[str, list]:
+    """Every method option's flag -> [(method name, Option), ...] (methods may share a flag)."""
+    flags: dict[str, list] = {}
+    for spec in METHODS.values():
+        for opt in spec.options:
+            flags.setdefault(opt.cli_flag, []).append((spec.name, opt))
+    return flags
+
+
+def _option_type(opt):
+    def parse(text):
+        try:
+            return opt.type(text)
+        except (ValueError, UserError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid value for {opt.cli_flag}") from None
+    return parse
+
+
+def _add_method_options(run: argparse.ArgumentParser) -> None:
+    """One flag per method option, built from the methods' own descriptions."""
+    group = run.add_argument_group("method options (each applies to the methods named)")
+    for flag, users in _method_flags().items():
+        opt = users[0][1]
+        names = ", ".join(name for name, _ in users)
+        default = ",".join(map(str, opt.default)) if isinstance(opt.default, tuple) else opt.default
+        group.add_argument(flag, dest=f"option:{flag}", type=_option_type(opt), default=argparse.SUPPRESS,
+                           help=f"{opt.help} [{names}] (default: {default})")
+
+
+def _method_options(args: argparse.Namespace) -> dict:
+    """The chosen method's options from the flags given; a flag of another method is an error."""
+    given = {key.split(":", 1)[1]: value for key, value in vars(args).items() if key.startswith("option:")}
+    options = {}
+    for flag, value in given.items():
+        mine = [opt for name, opt in _method_flags()[flag] if name == args.method]
+        if not mine:
+            owners = ", ".join(name for name, _ in _method_flags()[flag])
+            raise UserError(f"{flag} is an option of {owners}, not of method {args.method!r}.")
+        options[mine[0].name] = value
+    return options
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     local_steps, local_epochs = args.local_steps, args.local_epochs
-    if local_steps is None and local_epochs is None:
-        local_epochs = RunConfig().local_epochs
+    options = _method_options(args) if args.method in METHODS else {}
     return RunConfig(
         method=args.method, dataset=args.dataset, data_dir=args.data_dir, model=args.model,
         partition=args.partition, alpha=args.alpha, classes_per_client=args.classes_per_client,
         num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds,
         local_steps=local_steps, local_epochs=local_epochs, batch_size=args.batch_size,
         client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        server_optimizer=args.server_opt, server_lr=args.server_lr, mu=args.mu, n=args.n,
-        adp_fraction=args.adp_fraction, tiers=args.tiers, select_start=args.select_start,
-        select_end=args.select_end, early_stopping=args.es, train_fraction=args.train_fraction,
+        server_optimizer=args.server_opt, server_lr=args.server_lr, options=options,
+        early_stopping=args.es, train_fraction=args.train_fraction,
         bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
-        out_dir=args.out, run_name=args.name,
+        out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
     )
 
 
@@ -174,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args, console)
-    except ValueError as e:  # ConfigError, DataError, model/shape errors: meant for people
+    except UserError as e:  # the project's own input errors are meant for people; others keep a traceback
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"fedpartial: error: {message}\n")
         return 2

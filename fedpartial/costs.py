@@ -193,11 +193,8 @@ def fedspu_mask(structure: ModelStructure, p: float) -> Mask:
     """A FedSPU client's trained mask at keep ratio ``p``: ``keep_count(p, units)`` active
     neurons in every layer but the classifier (the first ones — only counts matter),
     wired, so a parameter is trained iff both neurons it connects are active."""
-    # Imported here: fedpartial.methods imports its methods, which may import this module.
-    from fedpartial.methods.selection import keep_count
-
     masks.uses_neurons(structure)
-    neurons = [np.arange(u) < keep_count(p, u) for u in structure.units[:-1]]
+    neurons = [np.arange(u) < masks.keep_count(p, u) for u in structure.units[:-1]]
     neurons.append(np.ones(structure.units[-1], bool))
     return masks.from_neurons(structure, neurons)
 

@@ -2,63 +2,94 @@
 
 One generic round runs every method::
 
-    plan → client_start → local steps → select → aggregate → server optimizer → update
+    plan → per group: client_start → prepare → local steps → select → aggregate
+         → server optimizer → update → metrics
 
-Two execution strategies compute the same thing (to float tolerance):
+The round is a pure function (:attr:`FederatedRound.functions`): a user may
+``jit`` it, ``lax.scan`` it over rounds or ``vmap`` it over seeds.  Three
+execution strategies compute the same thing:
 
-* :func:`fused` — the whole round is one jitted function: clients vmapped (or
-  ``lax.map``-ped in chunks of vmapped clients), local steps in ``lax.scan``.
-  Best on accelerators, where it keeps the device busy with one launch.
+* :func:`fused` — the whole round is one jitted function (the server state is
+  donated): clients vmapped (or ``lax.map``-ped in chunks of vmapped clients),
+  local steps in ``lax.scan``.  Best on accelerators: one launch keeps the
+  device busy.
 * :func:`stepwise` — the same client step, jitted over a chunk of clients and
   driven by a host loop over steps; plan and aggregation are jitted separately.
   Best on CPUs, where XLA runs a conv step inside ``lax.scan`` and vmapped
   per-client conv weights markedly slower than a loop of jitted steps.
+* :func:`debug` — nothing jitted, one client at a time, so an error inside a
+  method's hook points at the method's own line.
 
-:func:`default_strategy` picks per platform; every entry point lets a user override.
+**Client groups.**  A method may split the cohort into static groups
+(:class:`~fedpartial.core.ClientGroup`, e.g. capacity tiers), laid out one after
+another along the client axis.  Each group's local training is compiled for its
+own :class:`~fedpartial.core.LocalGraph` (e.g. only the output-side stages, on
+prefix activations prepared once per round); trained variables return to full
+shape, so selection, aggregation and update see one ``[K, ...]`` cohort.
+
+**Keys.**  The round key is split into one key per hook (plan, local training,
+select, update, metrics).  Client ``k`` trains with ``fold_in(train_key, id_k)``
+(its draw does not depend on who else is in the cohort); step ``s`` with that
+folded with ``s``.
+
+**Traffic** is counted per client and layer (``[K, L]`` int32); totals are summed
+on the host in int64 (:func:`traffic_totals`), so they never overflow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedpartial import aggregation
+from fedpartial import aggregation, graphs
 from fedpartial import masks as masks_lib
-from fedpartial.client import LocalState, make_client_fns
-from fedpartial.methods.base import (
+from fedpartial.client import ClientFns, make_client_fns
+from fedpartial.core import (
     Batch,
+    ClientGroup,
     ClientPlan,
     CohortInfo,
     Holdout,
+    InitView,
     Method,
     MethodContext,
     RoundView,
-    gather_clients,
+    ServerData,
 )
+from fedpartial.methods.base import gather_clients
 from fedpartial.models.adapter import Model
 
 BN_POLICIES = ("global", "static")
+STRATEGY_KINDS = ("fused", "stepwise", "debug")
+
+#: metric names the engine writes; a method's ``metrics`` hook may not reuse them
+ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per_client",
+                  "upload_bytes_per_layer", "download_bytes_per_layer", "decisions",
+                  "upload_bytes", "download_bytes", "upload_bytes_per_client", "download_bytes_per_client")
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """How a round executes. Build with :func:`fused` or :func:`stepwise`."""
+    """How a round executes. Build with :func:`fused`, :func:`stepwise` or :func:`debug`."""
 
     kind: str
     chunk_size: int | None = None
     unroll: int | bool = 1
 
     def __post_init__(self):
-        if self.kind not in ("fused", "stepwise"):
-            raise ValueError(f"strategy {self.kind!r} is unknown; use 'fused' or 'stepwise'.")
+        if self.kind not in STRATEGY_KINDS:
+            raise ValueError(f"strategy {self.kind!r} is unknown; use one of {', '.join(STRATEGY_KINDS)}.")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk size {self.chunk_size} must be a positive number of clients.")
+
+    def __str__(self) -> str:
+        return self.kind if self.chunk_size is None else f"{self.kind}:{self.chunk_size}"
 
 
 def fused(chunk_size: int | None = None, unroll: int | bool = 1) -> Strategy:
@@ -75,6 +106,11 @@ def stepwise(chunk_size: int = 1) -> Strategy:
     return Strategy("stepwise", chunk_size)
 
 
+def debug() -> Strategy:
+    """Nothing jitted, one client and one step at a time (for finding errors, not speed)."""
+    return Strategy("debug")
+
+
 def default_strategy(platform: str | None = None) -> Strategy:
     """Stepwise one client at a time on CPU; fused over the whole cohort on GPU/TPU."""
     platform = platform or jax.default_backend()
@@ -83,14 +119,16 @@ def default_strategy(platform: str | None = None) -> Strategy:
 
 def parse_strategy(text: str) -> Strategy:
     """'auto', 'fused', 'fused:N' (N clients vmapped at a time), 'fused-unrolled[:N]',
-    'stepwise' or 'stepwise:N'."""
+    'stepwise', 'stepwise:N' or 'debug'."""
     if text == "auto":
         return default_strategy()
+    if text == "debug":
+        return debug()
     kind, _, chunk = text.partition(":")
     if kind not in ("fused", "fused-unrolled", "stepwise") or (chunk and not (chunk.isdigit() and int(chunk) > 0)):
         raise ValueError(
             f"strategy {text!r} is not one of 'auto', 'fused', 'fused:N', 'fused-unrolled', "
-            "'fused-unrolled:N', 'stepwise', 'stepwise:N' (N a positive number of clients)."
+            "'fused-unrolled:N', 'stepwise', 'stepwise:N', 'debug' (N a positive number of clients)."
         )
     size = int(chunk) if chunk else None
     if kind == "stepwise":
@@ -115,6 +153,31 @@ class Cohort(NamedTuple):
     holdout: Holdout | None = None  # [K, H, ...] validation data (early stopping needs it)
 
 
+class RoundFunctions(NamedTuple):
+    """The round as pure functions: ``init(key) -> state``, ``round(state, cohort, key) -> (state, metrics)``."""
+
+    init: Callable[[jax.Array], ServerState]
+    round: Callable[[ServerState, Cohort, jax.Array], tuple[ServerState, dict]]
+
+
+class RoundPreview(NamedTuple):
+    plan: ClientPlan  # [K]
+    start_vars: dict  # [K, ...]
+
+
+class HookKeys(NamedTuple):
+    plan: jax.Array
+    train: jax.Array
+    select: jax.Array
+    update: jax.Array
+    metrics: jax.Array
+
+
+def hook_keys(key: jax.Array) -> HookKeys:
+    """One key per hook of a round (plan, local training, select, update, metrics)."""
+    return HookKeys(*jax.random.split(key, len(HookKeys._fields)))
+
+
 def cohort_from_packed(packed, client_ids, valid=None, holdout: Holdout | None = None) -> Cohort:
     """Builds a :class:`Cohort` from :class:`fedpartial.data.packing.CohortBatches`."""
     k = len(client_ids)
@@ -129,12 +192,42 @@ def cohort_from_packed(packed, client_ids, valid=None, holdout: Holdout | None =
     )
 
 
+def traffic_totals(metrics: dict) -> dict:
+    """Host-side int64 traffic from a round's ``[K, L]`` per-layer counts.
+
+    Returns ``upload_bytes`` / ``download_bytes`` (Python ints) and the per-client
+    ``upload_bytes_per_client`` / ``download_bytes_per_client`` (int64 arrays).
+    """
+    out = {}
+    for way in ("upload", "download"):
+        per_layer = np.asarray(metrics[f"{way}_bytes_per_layer"], np.int64)
+        per_client = per_layer.sum(axis=-1)
+        out[f"{way}_bytes_per_client"] = per_client
+        out[f"{way}_bytes"] = int(per_client.sum())
+    return out
+
+
+def _rows(tree: Any, start: int, size: int) -> Any:
+    """Rows ``start:start+size`` (static) of every leaf."""
+    return jax.tree.map(lambda a: a[start:start + size], tree)
+
+
+def _concat(parts: list) -> Any:
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
+
+
 class FederatedRound:
     """A method bound to a model, optimizers and a strategy.
 
-    ``init(key)`` builds the server state; calling the object runs one round.
-    ``trace_count`` counts how often the jitted pieces were traced (a round with
-    the same shapes must not retrace).
+    ``init(key)`` builds the server state; calling the object runs one round and
+    returns ``(state, metrics)`` with host-side traffic totals added.  The pure
+    pieces are :attr:`functions`.  ``trace_count`` counts how often the jitted
+    pieces were traced (a round with the same shapes must not retrace).
+
+    Args:
+      record_decisions: add the round's plan and selection (structured masks, ``[K]``)
+        to the metrics under ``decisions`` (off by default; free when off).
+      server_data: examples the server holds, handed to the method's ``init``.
     """
 
     def __init__(
@@ -149,6 +242,8 @@ class FederatedRound:
         bn_policy: str = "global",
         strategy: Strategy | None = None,
         rounds: int | None = None,
+        record_decisions: bool = False,
+        server_data: ServerData | None = None,
     ):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"BatchNorm policy {bn_policy!r} is unknown; use one of {BN_POLICIES}.")
@@ -164,37 +259,91 @@ class FederatedRound:
         self.server_optimizer = server_optimizer or optax.sgd(1.0)
         self.bn_policy = bn_policy
         self.strategy = strategy or default_strategy()
-        self.client = make_client_fns(self.ctx, method, client_optimizer,
-                                      track_batch_stats=bn_policy == "global")
+        self.record_decisions = record_decisions
+        self.server_data = server_data
+        self.groups = self._resolve_groups()
+        self.offsets = tuple(int(o) for o in np.cumsum([0] + [g.size for g in self.groups])[:-1])
+        self.clients: tuple[ClientFns, ...] = tuple(
+            make_client_fns(self.ctx, method, client_optimizer, track_batch_stats=bn_policy == "global",
+                            graph=g.graph or graphs.whole(model))
+            for g in self.groups)
         self.communicated = ("params", "batch_stats") if bn_policy == "global" else ("params",)
         self.trace_count = 0
-        self._fused = jax.jit(self._fused_round)
+        self._init = jax.jit(self.pure_init)
+        self._fused = jax.jit(self.pure_round, donate_argnums=(0,))
         self._begin = jax.jit(self._begin_round)
         self._finish = jax.jit(self._finish_round)
-        self._steps: dict[int | None, Any] = {}
+        self._steps: dict[tuple[int, int | None], Any] = {}
+        self._preview = None
+
+    def _resolve_groups(self) -> tuple[ClientGroup, ...]:
+        k = self.ctx.cohort_size
+        if self.method.groups is None:
+            return (ClientGroup("cohort", k),)
+        groups = tuple(self.method.groups(self.ctx))
+        sizes = [g.size for g in groups]
+        if not groups or any(s < 1 for s in sizes) or sum(sizes) != k:
+            raise ValueError(
+                f"method {self.method.name}: client groups of sizes {sizes} must each hold at least one "
+                f"client and add up to the cohort size {k}.")
+        for g in groups:
+            if g.members is not None and len(g.members) < g.size:
+                raise ValueError(
+                    f"method {self.method.name}: group {g.name!r} samples {g.size} clients per round "
+                    f"from only {len(g.members)} members.")
+        return groups
+
+    def preview(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundPreview:
+        """The plan and every client's start model that a round with these inputs would use."""
+        if self._preview is None:
+            def preview(state, cohort, key):
+                view = self._view(state, cohort, key)
+                plan = self._plan(view, hook_keys(key))
+                return RoundPreview(plan, self._starts(view, plan))
+            self._preview = jax.jit(preview)
+        return self._preview(state, cohort, key)
+
+    @property
+    def functions(self) -> RoundFunctions:
+        """The pure ``init`` and fused ``round`` (not jitted: jit, scan or vmap them yourself)."""
+        return RoundFunctions(self.pure_init, self.pure_round)
 
     # ---- state -----------------------------------------------------------------
 
-    def init(self, key: jax.Array) -> ServerState:
+    def pure_init(self, key: jax.Array) -> ServerState:
+        """The initial server state (pure)."""
         variables = self.model.init_variables(key)
+        method_key = jax.random.fold_in(key, 1)
         return ServerState(
             round=jnp.zeros((), jnp.int32),
             variables=variables,
             opt_state=self.server_optimizer.init(variables["params"]),
-            method_state=self.method.init(self.ctx, variables),
+            method_state=self.method.init(self.ctx, InitView(global_vars=variables, key=method_key,
+                                                             server_data=self.server_data)),
         )
+
+    def init(self, key: jax.Array) -> ServerState:
+        if self.strategy.kind == "debug":
+            with jax.disable_jit():
+                return self.pure_init(key)
+        return self._init(key)
 
     # ---- round -----------------------------------------------------------------
 
     def __call__(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        """Runs one round; returns ``(new_state, metrics)`` (metrics are device arrays)."""
+        """Runs one round; returns ``(new_state, metrics)`` (device arrays plus int64 traffic totals)."""
         self._check_cohort(cohort)
         if self.strategy.kind == "fused":
-            return self._fused(state, cohort, key)
-        return self._stepwise_round(state, cohort, key)
+            state, metrics = self._fused(state, cohort, key)
+        elif self.strategy.kind == "stepwise":
+            state, metrics = self._stepwise_round(state, cohort, key)
+        else:
+            state, metrics = self._debug_round(state, cohort, key)
+        return state, {**metrics, **traffic_totals(metrics)}
 
     def _check_cohort(self, cohort: Cohort) -> None:
-        k = np.shape(cohort.info.client_ids)[0]
+        ids = cohort.info.client_ids
+        k = np.shape(ids)[0]
         if k != self.ctx.cohort_size:
             raise ValueError(f"cohort has {k} clients but the round was built for {self.ctx.cohort_size}.")
         x_shape = tuple(np.shape(cohort.data.x)[3:])
@@ -203,134 +352,232 @@ class FederatedRound:
                 f"client data has example shape {x_shape} but model {self.model.name} expects "
                 f"{self.model.input_shape}."
             )
+        if isinstance(ids, np.ndarray):
+            valid = np.asarray(cohort.info.valid, bool)
+            for g, start in zip(self.groups, self.offsets):
+                if g.members is None:
+                    continue
+                rows = ids[start:start + g.size][valid[start:start + g.size]]
+                outside = np.setdiff1d(rows, np.asarray(g.members))
+                if outside.size:
+                    raise ValueError(
+                        f"client {int(outside[0])} sits in group {g.name!r}'s rows of the cohort but is not "
+                        f"one of its members; lay the cohort out group by group (Simulation does).")
 
-    def _view(self, state: ServerState, cohort: Cohort, key: jax.Array, plan=None) -> RoundView:
-        plan_key, select_key = jax.random.split(key)
-        view = RoundView(
-            key=plan_key, round=state.round, global_vars=state.variables, method_state=state.method_state,
+    def _view(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundView:
+        return RoundView(
+            key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,
             client_state=gather_clients(state.method_state.clients, cohort.info.client_ids),
             cohort=cohort.info, data=cohort.data, holdout=cohort.holdout,
         )
-        if plan is None:
-            plan = self.method.plan(self.ctx, view)
-        return view._replace(plan=plan, key=select_key)
 
-    def _begin_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        """Plans the round and initialises every client's local state ``[K]``."""
+    def _plan(self, view: RoundView, keys: HookKeys) -> ClientPlan:
+        return self.method.plan(self.ctx, view._replace(key=keys.plan))
+
+    def _client_keys(self, keys: HookKeys, cohort: Cohort) -> jax.Array:
+        return jax.vmap(lambda i: jax.random.fold_in(keys.train, i))(jnp.asarray(cohort.info.client_ids))
+
+    def _starts(self, view: RoundView, plan: ClientPlan) -> dict:
+        start = lambda cstate, plan_k: self.method.client_start(self.ctx, view.global_vars, cstate, plan_k)  # noqa: E731
+        return jax.vmap(start, axis_size=self.ctx.cohort_size)(view.client_state, plan)
+
+    def _group_slices(self, *trees):
+        """Per group, the static rows of each tree (the trees themselves for one group)."""
+        if len(self.groups) == 1:
+            return [trees]
+        return [tuple(_rows(t, start, g.size) for t in trees) for g, start in zip(self.groups, self.offsets)]
+
+    def _finish_round(self, state: ServerState, cohort: Cohort, key: jax.Array, plan: ClientPlan, locals_):
+        """Final client results of every group, then selection, aggregation, server optimizer, update."""
         self.trace_count += 1
         view = self._view(state, cohort, key)
-        local = jax.vmap(self.client.init, in_axes=(None, 0, 0), axis_size=self.ctx.cohort_size)(
-            state.variables, view.client_state, view.plan)
-        return view.plan, view.client_state, local
+        starts = self._starts(view, plan)
+        parts = [jax.vmap(fns.final)(local, start)
+                 for fns, local, (start,) in zip(self.clients, locals_, self._group_slices(starts))]
+        trained, losses, steps = _concat([p[0] for p in parts]), _concat([p[1] for p in parts]), \
+            _concat([p[2] for p in parts])
+        return self._aggregate_and_update(state, view, hook_keys(key), plan, starts, trained, losses, steps)
 
-    def _finish_round(self, state: ServerState, cohort: Cohort, key: jax.Array, plan: ClientPlan,
-                      local: LocalState):
-        """Selection, aggregation, server optimizer and method update."""
-        self.trace_count += 1
-        view = self._view(state, cohort, key, plan)
-        trained, losses, steps = jax.vmap(self.client.final)(local)
-        view = view._replace(trained_vars=trained, client_loss=losses)
-        selection = self.method.select(self.ctx, view)
+    def _aggregate_and_update(self, state, view: RoundView, keys: HookKeys, plan, starts, trained, losses, steps):
+        view = view._replace(plan=plan, trained_vars=trained, client_loss=losses, start_vars=starts,
+                             client_steps=steps)
+        selection = self.method.select(self.ctx, view._replace(key=keys.select))
         weights = jnp.where(view.cohort.valid, selection.weights, 0.0)
         selection = selection._replace(weights=weights)
-        aggregated = aggregation.aggregate(
-            self.ctx.structure, state.variables, trained, selection.upload, weights, self.communicated
-        )
+        aggregated, received = aggregation.aggregate(
+            self.ctx.structure, state.variables, trained, selection.upload, weights, self.communicated)
         params, opt_state = aggregation.server_update(
-            self.server_optimizer, state.opt_state, state.variables["params"], aggregated["params"]
-        )
+            self.server_optimizer, state.opt_state, state.variables["params"], aggregated["params"], received)
         new_vars = {**aggregated, "params": params}
         view = view._replace(selection=selection, new_global_vars=new_vars)
-        method_state = self.method.update(self.ctx, view)
+        method_state = self.method.update(self.ctx, view._replace(key=keys.update))
         new_state = ServerState(round=state.round + 1, variables=new_vars, opt_state=opt_state,
                                 method_state=method_state)
-        return new_state, self._metrics(view, selection, losses, steps)
+        return new_state, self._metrics(view._replace(key=keys.metrics), selection, losses, steps)
 
     def _metrics(self, view: RoundView, selection, losses, steps) -> dict:
         structure, g = self.ctx.structure, view.global_vars
         k = view.cohort.valid.shape[0]
         valid = view.cohort.valid
         download_mask = view.plan.download if view.plan.download is not None else masks_lib.full(structure, (k,))
-        down = masks_lib.count_bytes(structure, download_mask, g, self.communicated)
-        if view.plan.extra_download_bytes is not None:
-            down = down + view.plan.extra_download_bytes
-        up = masks_lib.count_bytes(structure, selection.upload, g, self.communicated)
-        up = up + selection.extra_upload_bytes
-        zero = jnp.zeros_like(up)
+        down = masks_lib.count_bytes_per_layer(structure, download_mask, g, self.communicated)
+        up = masks_lib.count_bytes_per_layer(structure, selection.upload, g, self.communicated)
+        # Extra bytes (indices, feedback) belong to no layer: they are added to the first.
+        extra_down = view.plan.extra_download_bytes
+        if extra_down is not None:
+            down = down.at[:, 0].add(extra_down.astype(jnp.int32))
+        up = up.at[:, 0].add(selection.extra_upload_bytes.astype(jnp.int32))
+        mask = valid[:, None]
         n_valid = jnp.maximum(jnp.sum(valid), 1)
-        return {
+        metrics = {
             "train_loss": jnp.sum(jnp.where(valid, losses, 0.0)) / n_valid,
             "client_steps": jnp.sum(jnp.where(valid, steps, 0)),
-            "upload_bytes": jnp.sum(jnp.where(valid, up, zero)),
-            "download_bytes": jnp.sum(jnp.where(valid, down, zero)),
-            "upload_bytes_per_client": jnp.where(valid, up, zero),
-            "download_bytes_per_client": jnp.where(valid, down, zero),
+            "client_steps_per_client": jnp.where(valid, steps, 0),
+            "upload_bytes_per_layer": jnp.where(mask, up, 0),
+            "download_bytes_per_layer": jnp.where(mask, down, 0),
             "client_loss": losses,
         }
+        if self.record_decisions:
+            metrics["decisions"] = {"plan": view.plan, "selection": selection}
+        if self.method.metrics is not None:
+            own = self.method.metrics(self.ctx, view)
+            clash = sorted(set(own) & (set(metrics) | set(ENGINE_METRICS)))
+            if clash:
+                raise ValueError(f"method {self.method.name}: metric {clash[0]!r} is a name the engine writes; "
+                                 "choose another.")
+            metrics.update(own)
+        return metrics
 
     # ---- fused strategy ----------------------------------------------------------
 
-    def _fused_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        plan, client_state, local = self._begin_round(state, cohort, key)
+    def pure_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
+        """One whole round as a pure function of arrays (the fused strategy's body)."""
+        self.trace_count += 1
+        keys = hook_keys(key)
+        view = self._view(state, cohort, key)
+        plan = self._plan(view, keys)
+        client_keys = self._client_keys(keys, cohort)
+        num_steps = cohort.data.step_mask.shape[1]
+        outs = []
+        for fns, (data, plan_g, cstate, ckeys) in zip(
+                self.clients, self._group_slices(cohort.data, plan, view.client_state, client_keys)):
 
-        def train_one(args):
-            local_k, data_k, plan_k, cstate_k = args
+            def train_one(args, fns=fns):
+                data_k, plan_k, cstate_k, key_k = args
+                start = self.method.client_start(self.ctx, state.variables, cstate_k, plan_k)
+                inputs = fns.prepare(start, data_k)
 
-            def body(carry, batch):
-                return self.client.step(carry, batch, plan_k, state.variables, cstate_k), None
+                def body(local, xs):
+                    batch, index = xs
+                    return fns.step(local, batch, plan_k, state.variables, cstate_k, key_k, index), None
 
-            # One client's data has the steps as its leading axis: scan over them.
-            return jax.lax.scan(body, local_k, data_k, unroll=self.strategy.unroll)[0]
+                local = jax.lax.scan(body, fns.init(start), (inputs, jnp.arange(num_steps)),
+                                     unroll=self.strategy.unroll)[0]
+                return fns.final(local, start)
 
-        args = (local, cohort.data, plan, client_state)
-        if self.strategy.chunk_size is None:
-            trained = jax.vmap(train_one)(args)
-        else:
-            trained = jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size)
-        return self._finish_round(state, cohort, key, plan, trained)
+            args = (data, plan_g, cstate, ckeys)
+            if self.strategy.chunk_size is None:
+                outs.append(jax.vmap(train_one)(args))
+            else:
+                outs.append(jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size))
+        trained, losses, steps = (_concat([o[i] for o in outs]) for i in range(3))
+        starts = self._starts(view, plan)  # recomputed, not carried: dead code unless a hook reads it
+        return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)
 
     # ---- stepwise strategy -------------------------------------------------------
 
-    def _step_fn(self, chunk: int | None):
-        """A jitted step over ``chunk`` clients (None: one client, un-vmapped).
+    def _begin_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
+        """Plans the round; per group, every client's local state, inputs, plan, state and key rows.
 
-        Signature ``(local, data, s, plan, global_vars, client_state) -> local``.
+        A group's inputs are its prepared inputs, its rows of the cohort data when
+        there are several groups, or None (one group without preparation: the
+        cohort data itself is used, never copied).
         """
-        if chunk not in self._steps:
-            step = self.client.step
+        self.trace_count += 1
+        keys = hook_keys(key)
+        view = self._view(state, cohort, key)
+        plan = self._plan(view, keys)
+        client_keys = self._client_keys(keys, cohort)
+        starts = self._starts(view, plan)
+        groups = []
+        for fns, group, (start, data, plan_g, cstate, ckeys) in zip(
+                self.clients, self.groups,
+                self._group_slices(starts, cohort.data, plan, view.client_state, client_keys)):
+            if group.graph is not None and group.graph.prepare is not None:
+                inputs = jax.vmap(fns.prepare)(start, data)
+            else:
+                inputs = data if len(self.groups) > 1 else None
+            groups.append((jax.vmap(fns.init)(start), inputs, plan_g, cstate, ckeys))
+        return plan, tuple(groups)
 
-            def one_step(local, data, s, plan, global_vars, cstate):
+    def _step_fn(self, group: int, chunk: int | None):
+        """A jitted step over ``chunk`` clients of ``group`` (None: one client, un-vmapped).
+
+        Signature ``(local, data, s, plan, global_vars, client_state, client_key) -> local``.
+        """
+        if (group, chunk) not in self._steps:
+            step = self.clients[group].step
+
+            def one_step(local, data, s, plan, global_vars, cstate, ckey):
                 self.trace_count += 1
                 batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, s, axis=0, keepdims=False), data)
-                return step(local, batch, plan, global_vars, cstate)
+                return step(local, batch, plan, global_vars, cstate, ckey, s)
 
-            if chunk is None:
-                fn = one_step
-            else:
-                fn = jax.vmap(one_step, in_axes=(0, 0, None, 0, None, 0))
-            self._steps[chunk] = jax.jit(fn, donate_argnums=(0,))
-        return self._steps[chunk]
+            fn = one_step if chunk is None else jax.vmap(one_step, in_axes=(0, 0, None, 0, None, 0, 0))
+            self._steps[group, chunk] = jax.jit(fn, donate_argnums=(0,))
+        return self._steps[group, chunk]
 
     def _stepwise_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
         step_mask = np.asarray(cohort.data.step_mask)
         cohort = jax.device_put(cohort)  # once; chunks below are sliced on the device
-        plan, client_state, local = self._begin(state, cohort, key)
-        k = self.ctx.cohort_size
-        chunk = min(self.strategy.chunk_size or 1, k)
-        for start in range(0, k, chunk):
-            size = min(chunk, k - start)
-            # chunk 1 runs the un-vmapped step on one client's slice.
-            batched = None if chunk == 1 else size
-            # One jitted call takes the chunk out, one writes it back in place:
-            # slicing leaf by leaf on the host costs a dispatch per leaf and client.
-            local_c, data_c, plan_c, cstate_c = _take(batched, start, (local, cohort.data, plan, client_state))
-            step = self._step_fn(batched)
-            # Steps after the chunk's last real step are padding: skip them on the host.
-            active = np.flatnonzero(step_mask[start:start + size].any(axis=0))
-            for s in range(int(active[-1]) + 1 if active.size else 0):
-                local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c)
-            local = _put(batched, start, local, local_c)
-        return self._finish(state, cohort, key, plan, local)
+        plan, groups = self._begin(state, cohort, key)
+        trained = []
+        for g, (group, offset, (local, inputs, plan_g, cstate, ckeys)) in enumerate(
+                zip(self.groups, self.offsets, groups)):
+            data = cohort.data if inputs is None else inputs
+            chunk = min(self.strategy.chunk_size or 1, group.size)
+            for start in range(0, group.size, chunk):
+                size = min(chunk, group.size - start)
+                # chunk 1 runs the un-vmapped step on one client's slice.
+                batched = None if chunk == 1 else size
+                # One jitted call takes the chunk out, one writes it back in place:
+                # slicing leaf by leaf on the host costs a dispatch per leaf and client.
+                local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, (local, data, plan_g, cstate, ckeys))
+                step = self._step_fn(g, batched)
+                # Steps after the chunk's last real step are padding: skip them on the host.
+                rows = step_mask[offset + start:offset + start + size]
+                active = np.flatnonzero(rows.any(axis=0))
+                for s in range(int(active[-1]) + 1 if active.size else 0):
+                    local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c, key_c)
+                local = _put(batched, start, local, local_c)
+            trained.append(local)
+        return self._finish(state, cohort, key, plan, tuple(trained))
+
+    # ---- debug strategy ----------------------------------------------------------
+
+    def _debug_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
+        """The stepwise round with nothing jitted, one client and one step at a time."""
+        with jax.disable_jit():
+            keys = hook_keys(key)
+            view = self._view(state, cohort, key)
+            plan = self._plan(view, keys)
+            client_keys = self._client_keys(keys, cohort)
+            locals_ = []
+            for fns, group, offset in zip(self.clients, self.groups, self.offsets):
+                results = []
+                for k in range(offset, offset + group.size):
+                    one = lambda tree: jax.tree.map(lambda a: a[k], tree)  # noqa: B023,E731
+                    plan_k, cstate_k = one(plan), one(view.client_state)
+                    start = self.method.client_start(self.ctx, state.variables, cstate_k, plan_k)
+                    inputs = fns.prepare(start, one(cohort.data))
+                    local = fns.init(start)
+                    for s in range(int(np.shape(cohort.data.step_mask)[1])):
+                        batch = jax.tree.map(lambda a: a[s], inputs)  # noqa: B023
+                        local = fns.step(local, batch, plan_k, state.variables, cstate_k, client_keys[k],
+                                         jnp.asarray(s))
+                    results.append(local)
+                locals_.append(jax.tree.map(lambda *a: jnp.stack(a), *results))
+            return self._finish_round(state, cohort, key, plan, tuple(locals_))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from fedpartial.errors import UserError
 from fedpartial.structure import ModelStructure, leaf_paths
 
 
@@ -100,7 +101,7 @@ def protect_output(mask: Mask) -> Mask:
 def uses_neurons(structure: ModelStructure) -> None:
     """Raises unless neuron masks can be wired for this model."""
     if not structure.sequential:
-        raise ValueError(
+        raise UserError(
             "neuron-level masks need a sequential model (a chain of layers without residual "
             "connections); use a layer-level method or declare the model sequential."
         )
@@ -215,6 +216,32 @@ def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collecti
             itemsize = jnp.dtype(leaf.dtype).itemsize
             total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask) * itemsize
     return total
+
+
+def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict,
+                          collections: Sequence[str]) -> jax.Array:
+    """:func:`count_bytes` split by layer, ``[..., L]`` int32.
+
+    One layer's bytes fit int32 for any model that fits a device; a cohort's total
+    need not (128 clients × 26 MB overflows it), so totals are summed on the host
+    in int64 (:func:`fedpartial.engine.traffic_totals`).
+    """
+    per_layer = [jnp.zeros(mask.layers.shape[:-1], jnp.int32) for _ in range(structure.num_layers)]
+    for collection in collections:
+        for path, leaf in leaf_paths(variables.get(collection, {})):
+            layer = structure.role(collection, path).layer
+            itemsize = jnp.dtype(leaf.dtype).itemsize
+            per_layer[layer] = per_layer[layer] + _leaf_count(structure, collection, path, jnp.shape(leaf),
+                                                              mask) * itemsize
+    return jnp.stack(per_layer, axis=-1)
+
+
+def keep_count(fraction: float, units: int) -> int:
+    """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
+    # p·u in float can land a hair below an exact half (0.35·90 = 31.499…96): snap first.
+    return max(1, int(math.floor(round(fraction * units, 9) + 0.5)))
 
 
 def mask_storage_bytes(mask: Mask) -> int:

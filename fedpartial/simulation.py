@@ -19,13 +19,13 @@ import numpy as np
 import optax
 
 from fedpartial import engine
+from fedpartial.core import Holdout, Method, ServerData
 from fedpartial.data import packing, sources
 from fedpartial.data.partition import partition as split_population
 from fedpartial.data.partition import train_holdout_split
+from fedpartial.errors import UserError
 from fedpartial.evaluation import evaluate, evaluate_clients, pad_holdouts
-from fedpartial.methods import METHODS, PERSONALISED, early_stopping, get_method
-from fedpartial.methods.base import Holdout
-from fedpartial.methods.submodel import DEFAULT_TIERS
+from fedpartial.methods import METHODS, early_stopping, get_method
 from fedpartial.models import registry
 from fedpartial.models.adapter import Model, from_linen
 
@@ -35,10 +35,13 @@ DEFAULT_MODELS = {
     "emnist": "femnist_cnn", "cifar10": "vgg9", "cifar100": "resnet20", "svhn_cropped": "vgg9",
 }
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+DEFAULT_LOCAL_EPOCHS = 2.0
+#: each client's training share when the method needs held-out data and none is given
+DEFAULT_TRAIN_FRACTION = 0.7
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """An invalid run configuration; the message is one sentence for a person."""
 
 
@@ -57,19 +60,14 @@ class RunConfig:
     cohort_size: int = 10
     rounds: int = 40
     local_steps: int | None = None
-    local_epochs: float | None = 2.0
+    local_epochs: float | None = None  # None with no local_steps: DEFAULT_LOCAL_EPOCHS
     batch_size: int = 16
     client_lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
-    mu: float = 0.01
-    n: int = 4
-    adp_fraction: float = 0.2
-    tiers: tuple[float, ...] = DEFAULT_TIERS
-    select_start: float = 0.25
-    select_end: float = 0.5
+    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (see METHODS)
     early_stopping: bool = False
     train_fraction: float | None = None
     bn_policy: str = "global"
@@ -78,14 +76,24 @@ class RunConfig:
     eval_every: int = 1
     out_dir: str | None = "runs"
     run_name: str | None = None
+    record_decisions: bool = False  # save every round's plan and selection masks (decisions/*.npz)
 
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` naming the first bad value and what is allowed."""
+    def validate(self, *, custom_method: bool = False) -> None:
+        """Raises :class:`ConfigError` naming the first bad value and what is allowed.
+
+        ``custom_method``: the run's method is a given :class:`Method` object, so
+        ``method`` and ``options`` are not looked up in the registry.
+        """
         def bad(msg):
             raise ConfigError(msg)
 
-        if self.method not in METHODS:
-            bad(f"method {self.method!r} is unknown; choose one of {', '.join(sorted(METHODS))}.")
+        if not custom_method:
+            if self.method not in METHODS:
+                bad(f"method {self.method!r} is unknown; choose one of {', '.join(METHODS)}.")
+            try:
+                METHODS[self.method].check(dict(self.options))
+            except UserError as e:
+                bad(str(e))
         if self.dataset not in sources.DATASETS:
             bad(f"dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
         if self.model != "auto" and self.model not in registry.MODELS:
@@ -100,8 +108,8 @@ class RunConfig:
             bad(f"cohort size {self.cohort_size} must be between 1 and the number of clients ({self.num_clients}).")
         if self.rounds < 1:
             bad(f"rounds must be at least 1, got {self.rounds}.")
-        if (self.local_steps is None) == (self.local_epochs is None):
-            bad("give exactly one of local steps or local epochs.")
+        if self.local_steps is not None and self.local_epochs is not None:
+            bad("give only one of local steps or local epochs.")
         if self.local_steps is not None and self.local_steps < 1:
             bad(f"local steps must be at least 1, got {self.local_steps}.")
         if self.local_epochs is not None and not self.local_epochs > 0:
@@ -118,17 +126,9 @@ class RunConfig:
             bad(f"weight decay must be ≥ 0, got {self.weight_decay}.")
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             bad(f"server optimizer {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
-        if self.method in ("fedldf", "random", "hdfl") and not 1 <= self.n <= self.cohort_size:
-            bad(f"n = {self.n} uploads per layer must be between 1 and the cohort size ({self.cohort_size}).")
-        if self.method == "fedadp" and not 0 < self.adp_fraction <= 1:
-            bad(f"FedADP fraction must be in (0, 1], got {self.adp_fraction}.")
-        if not self.tiers or any(not 0 < p <= 1 for p in self.tiers):
-            bad(f"client tiers {tuple(self.tiers)} must be keep ratios in (0, 1].")
-        if not 0 < self.select_start <= 1 or not 0 < self.select_end <= 1:
-            bad(f"FedSelect fractions {self.select_start} → {self.select_end} must lie in (0, 1].")
         if self.train_fraction is not None and not 0 < self.train_fraction <= 1:
             bad(f"train fraction {self.train_fraction} must be in (0, 1] (the rest of each client's data is held out).")
-        if self.early_stopping and self.client_train_fraction >= 1:
+        if self.early_stopping and self.train_fraction is not None and self.train_fraction >= 1:
             bad("early stopping needs each client's held-out split; use a train fraction below 1 (e.g. 0.7).")
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"BatchNorm policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)}.")
@@ -139,33 +139,34 @@ class RunConfig:
         except ValueError as e:
             bad(str(e))
 
-    def method_options(self) -> dict:
-        """The options of ``method`` taken from this configuration."""
-        return {
-            "fedprox": {"mu": self.mu},
-            "fedldf": {"n": self.n},
-            "random": {"n": self.n},
-            "hdfl": {"n": self.n},
-            "fedadp": {"fraction": self.adp_fraction},
-            "fedselect": {"start": self.select_start, "end": self.select_end},
-            **{m: {"tiers": tuple(self.tiers)} for m in PERSONALISED if m != "fedselect"},
-        }.get(self.method, {})
-
     @property
-    def personalised(self) -> bool:
-        """Clients keep their own models (or early stopping needs held-out data)."""
-        return self.method in PERSONALISED or self.early_stopping
+    def epochs(self) -> float | None:
+        """Local epochs in effect: the given ones, or the default when no local steps are given."""
+        if self.local_epochs is None and self.local_steps is None:
+            return DEFAULT_LOCAL_EPOCHS
+        return self.local_epochs
 
-    @property
-    def client_train_fraction(self) -> float:
-        """λ: each client's training share (the rest is its held-out split); 0.7 for
-        personalised methods and early stopping unless given, else 1."""
-        if self.train_fraction is not None:
-            return self.train_fraction
-        return 0.7 if self.personalised else 1.0
+    def build_method(self) -> Method:
+        """The registered method with this configuration's options (before early stopping)."""
+        return get_method(self.method, **self.options)
 
 
-def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
+def _draw(key: jax.Array, members: np.ndarray, active: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``k`` of ``members`` uniformly among the active ones (sorted ids, and which are real)."""
+    pool = members[active]
+    if len(pool) == len(members):
+        picked = np.asarray(jax.random.choice(key, len(members), (k,), replace=False))
+        return np.sort(members[picked]), np.ones(k, bool)
+    if len(pool) >= k:
+        # Gumbel top-k over the active members: the shapes never change, so nothing
+        # recompiles as the pool shrinks.
+        scores = np.where(active, np.asarray(jax.random.gumbel(key, (len(members),))), -np.inf)
+        return np.sort(members[np.argsort(-scores, kind="stable")[:k]]), np.ones(k, bool)
+    filler = members[~active][: k - len(pool)]
+    return np.concatenate([pool, filler]), np.arange(k) < len(pool)
+
+
+def make_client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     """SGD with momentum and (decoupled from the loss) L2 weight decay."""
     parts = []
     if config.weight_decay:
@@ -174,7 +175,7 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def server_optimizer(config: RunConfig) -> optax.GradientTransformation:
+def make_server_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return {
         "sgd": lambda lr: optax.sgd(lr),
         "adam": lambda lr: optax.adam(lr, b1=0.9, b2=0.99, eps=1e-3),
@@ -194,7 +195,10 @@ def build_model(name: str, dataset: sources.ArrayDataset) -> Model:
                       sequential=spec.sequential, name=name)
 
 
-def partition_clients(config: RunConfig, dataset: sources.ArrayDataset) -> list[np.ndarray]:
+def partition_clients(config: RunConfig, dataset: sources.ArrayDataset, train_fraction: float = 1.0,
+                      pool: np.ndarray | None = None) -> list[np.ndarray]:
+    """Every client's training indices.  ``pool`` limits the examples clients may get
+    (the rest is the server's); a natural partition is taken as it is."""
     if config.partition == "natural" or dataset.natural_partition is not None:
         if dataset.natural_partition is None:
             raise ConfigError(f"dataset {dataset.name!r} has no natural partition; use iid, dirichlet or shards.")
@@ -207,16 +211,41 @@ def partition_clients(config: RunConfig, dataset: sources.ArrayDataset) -> list[
         return parts
     options = {"dirichlet": {"alpha": config.alpha}, "shards": {"classes_per_client": config.classes_per_client}}
     # A held-out split needs two examples per client: one to train on, one to hold out.
-    min_size = 2 if config.client_train_fraction < 1 and 2 * config.num_clients <= len(dataset.y_train) else 1
-    return split_population(dataset.y_train, config.num_clients, config.partition, seed=config.seed,
-                            min_size=min_size, **options.get(config.partition, {}))
+    pool = np.arange(len(dataset.y_train)) if pool is None else pool
+    min_size = 2 if train_fraction < 1 and 2 * config.num_clients <= len(pool) else 1
+    parts = split_population(dataset.y_train[pool], config.num_clients, config.partition, seed=config.seed,
+                             min_size=min_size, **options.get(config.partition, {}))
+    return [pool[p] for p in parts]
+
+
+def server_examples(y: np.ndarray, per_class: int, seed: int) -> np.ndarray:
+    """``per_class`` training indices of every class, drawn with ``seed`` (a class-balanced server set)."""
+    rng = np.random.default_rng([seed, 0x5E7])
+    picked = []
+    for c in np.unique(y):
+        of_class = np.flatnonzero(y == c)
+        if len(of_class) <= per_class:
+            raise ConfigError(f"the server set needs {per_class} examples of class {int(c)} and more left for "
+                              f"clients, but the training data has only {len(of_class)}.")
+        picked.append(rng.choice(of_class, per_class, replace=False))
+    return np.sort(np.concatenate(picked))
 
 
 class Simulation:
-    """A run's data, model and round, advanced one round at a time by :meth:`rounds`."""
+    """A run's data, model and round, advanced one round at a time by :meth:`rounds`.
 
-    def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None):
-        config.validate()
+    ``method``, ``model`` and the optimizers default to what ``config`` names; pass
+    your own (e.g. a method built with :func:`fedpartial.methods.make_method`) and it
+    gets the same sampling, early stopping, personalised evaluation and logging.
+    """
+
+    def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
+                 method: Method | None = None, model: Model | None = None,
+                 client_optimizer: optax.GradientTransformation | None = None,
+                 server_optimizer: optax.GradientTransformation | None = None):
+        if method is not None:
+            config = dataclasses.replace(config, method=method.name, options={})
+        config.validate(custom_method=method is not None)
         self.config = config
         if dataset is None:
             options = {}
@@ -224,26 +253,43 @@ class Simulation:
                 options = dict(alpha=config.alpha, beta=config.alpha, num_clients=config.num_clients)
             dataset = sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
         self.dataset = dataset
-        self.clients = partition_clients(config, dataset)
+        base = method if method is not None else config.build_method()
+        self.train_fraction = config.train_fraction
+        if self.train_fraction is None:
+            wants_holdout = base.personalised or base.needs_holdout or config.early_stopping
+            self.train_fraction = DEFAULT_TRAIN_FRACTION if wants_holdout else 1.0
+        self.method = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
+        self.server_data, pool = None, None
+        if self.method.server_examples_per_class:
+            if dataset.natural_partition is not None:
+                raise ConfigError(f"method {self.method.name} needs a server set, which a naturally "
+                                  f"partitioned dataset ({dataset.name}) cannot spare.")
+            server = server_examples(dataset.y_train, self.method.server_examples_per_class, config.seed)
+            self.server_data = ServerData(dataset.x_train[server], dataset.y_train[server])
+            pool = np.setdiff1d(np.arange(len(dataset.y_train)), server)
+        self.clients = partition_clients(config, dataset, self.train_fraction, pool)
         self.holdout = None
-        if config.client_train_fraction < 1:
-            self.clients, held = train_holdout_split(self.clients, config.client_train_fraction, seed=config.seed)
+        if self.train_fraction < 1:
+            self.clients, held = train_holdout_split(self.clients, self.train_fraction, seed=config.seed)
             self.holdout = pad_holdouts([(dataset.x_train[h], dataset.y_train[h]) for h in held])
         self.sizes = np.array([len(c) for c in self.clients])
         self.num_steps = packing.max_steps(self.sizes, config.batch_size, local_steps=config.local_steps,
-                                           local_epochs=config.local_epochs)
-        self.model = build_model(config.model, dataset)
-        self.method = get_method(config.method, **config.method_options())
-        if config.early_stopping:
-            self.method = early_stopping(self.method, lam=config.client_train_fraction)
+                                           local_epochs=config.epochs)
+        self.model = model if model is not None else build_model(config.model, dataset)
+        if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
+            raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
+                              f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
         self.round = engine.FederatedRound(
             self.model, self.method,
             num_clients=config.num_clients, cohort_size=config.cohort_size,
-            client_optimizer=client_optimizer(config), server_optimizer=server_optimizer(config),
+            client_optimizer=client_optimizer or make_client_optimizer(config),
+            server_optimizer=server_optimizer or make_server_optimizer(config),
             bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy), rounds=config.rounds,
+            record_decisions=config.record_decisions, server_data=self.server_data,
         )
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.state = self.round.init(init_key)
+        self.last_decisions = None
 
     @property
     def num_params(self) -> int:
@@ -263,29 +309,23 @@ class Simulation:
     def sample_cohort(self, t: int) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
         """Round ``t``'s client ids, which are real, the round key and packing seed — all from the run's key.
 
-        Clients are drawn from the active ones; when fewer than ``K`` are active all
-        of them take part and the cohort is filled with inactive clients marked not
-        valid (they train on nothing and weigh nothing).
+        The cohort is laid out group by group (one group of ``K`` unless the method
+        has client groups); each group draws its fixed number of clients from its
+        active members (stratified).  When fewer are active, all of them take part
+        and the group's slots are filled with inactive members marked not valid
+        (they train on nothing and weigh nothing).
         """
         sample_key, round_key, pack_key = jax.random.split(jax.random.fold_in(self.rounds_key, t), 3)
-        k = self.config.cohort_size
         active = self.active_clients()
-        pool = np.flatnonzero(active)
-        if len(pool) == len(active):
-            ids = np.sort(np.asarray(jax.random.choice(sample_key, len(active), (k,), replace=False)))
-            valid = np.ones(k, bool)
-        elif len(pool) >= k:
-            # K of the active clients uniformly (Gumbel top-k): the shapes never change, so
-            # nothing recompiles as the pool shrinks.
-            scores = np.where(active, np.asarray(jax.random.gumbel(sample_key, (len(active),))), -np.inf)
-            ids = np.sort(np.argsort(-scores, kind="stable")[:k])
-            valid = np.ones(k, bool)
-        else:
-            filler = np.flatnonzero(~active)[: k - len(pool)]
-            ids = np.concatenate([pool, filler])
-            valid = np.arange(k) < len(pool)
+        ids, valid = [], []
+        for g, group in enumerate(self.round.groups):
+            members = np.arange(len(active)) if group.members is None else np.asarray(group.members)
+            key = sample_key if len(self.round.groups) == 1 else jax.random.fold_in(sample_key, g)
+            chosen, real = _draw(key, members, active[members], group.size)
+            ids.append(chosen)
+            valid.append(real)
         pack_seed = int(jax.random.randint(pack_key, (), 0, np.iinfo(np.int32).max))
-        return ids, valid, round_key, pack_seed
+        return np.concatenate(ids), np.concatenate(valid), round_key, pack_seed
 
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
         cfg = self.config
@@ -294,7 +334,7 @@ class Simulation:
         packed = packing.pack_cohort(
             self.dataset.x_train, self.dataset.y_train, [self.clients[i] if v else empty for i, v in zip(ids, valid)],
             batch_size=cfg.batch_size, num_steps=self.num_steps, local_steps=cfg.local_steps,
-            local_epochs=cfg.local_epochs, seed=pack_seed,
+            local_epochs=cfg.epochs, seed=pack_seed,
         )
         holdout = None
         if self.holdout is not None:
@@ -344,6 +384,12 @@ class Simulation:
                 "round_time_s": train_time,
                 "clients": int(valid.sum()),
             }
+            # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
+            for name, value in metrics.items():
+                if name not in engine.ENGINE_METRICS and name not in record:
+                    record[name] = np.asarray(value).tolist()
+            if "decisions" in metrics:
+                self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
             if self.method.active_clients is not None:
                 record["active_clients"] = int(self.active_clients().sum())
             last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
@@ -370,15 +416,17 @@ def unique_run_dir(out_dir: str, name: str) -> str:
 
 
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
-        sim: Simulation | None = None) -> dict:
+        sim: Simulation | None = None, **parts) -> dict:
     """Runs a whole simulation; writes ``config.json``, ``metrics.jsonl`` and ``summary.json``.
 
-    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``.
-    Returns the summary dict (also holding ``run_dir`` and the per-round records).
+    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``, or any of
+    :class:`Simulation`'s ``method``, ``model``, ``client_optimizer``,
+    ``server_optimizer`` to use your own.  Returns the summary dict (also holding
+    ``run_dir`` and the per-round records).
     """
-    config.validate()
     t0 = time.perf_counter()
-    sim = sim or Simulation(config)
+    sim = sim or Simulation(config, **parts)
+    config = sim.config
     run_dir = None
     if config.out_dir:
         name = config.run_name or f"{config.method}-{config.dataset}-seed{config.seed}"
@@ -393,6 +441,9 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+            if run_dir and sim.last_decisions is not None:
+                save_decisions(os.path.join(run_dir, "decisions", f"round-{record['round']:05d}.npz"),
+                               sim.last_decisions)
             if on_round:
                 on_round(record)
     finally:
@@ -403,6 +454,20 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return {**summary, "run_dir": run_dir, "records": records}
+
+
+def save_decisions(path: str, decisions: dict) -> None:
+    """Writes one round's plan and selection masks to ``path`` (``.npz``, one array per named field).
+
+    Array names are the pytree paths, e.g. ``selection/upload/layers`` (``[K, L]``)
+    or ``plan/train/neurons/0`` (``[K, units_0]``); ``client_ids`` says whose rows they are.
+    """
+    arrays = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(decisions)[0]:
+        name = "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+        arrays[name] = np.asarray(leaf)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez_compressed(path, **arrays)
 
 
 def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: float) -> dict:
@@ -438,7 +503,7 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "rounds_per_s": len(records) / train_time if train_time else math.nan,
         "wall_time_s": wall,
         "planned_rounds": config.rounds,
-        "client_train_fraction": config.client_train_fraction,
+        "client_train_fraction": sim.train_fraction,
         "personal_state_bytes": sim.personal_state_bytes,
         **personal,
         **stopping,

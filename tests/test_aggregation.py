@@ -91,7 +91,7 @@ def test_structured_aggregate_matches_dense_formula(mlp):
     neurons = (jnp.array([[1, 1, 0, 1, 1, 1]] * k, bool), jnp.ones((k, 5), bool), jnp.ones((k, 3), bool))
     upload = masks.Mask(layers, neurons)
     w = jnp.array([1.0, 2.0, 3.0])
-    out = aggregation.aggregate(mlp.structure, g, cohort, upload, w)
+    out = aggregation.aggregate(mlp.structure, g, cohort, upload, w)[0]
     dense = {c: jax.vmap(lambda m: masks.expand(mlp.structure, m, g[c], c))(upload) for c in g}
     for c in g:
         chex.assert_trees_all_close(out[c], aggregation.masked_weighted_mean(g[c], cohort[c], dense[c], w))

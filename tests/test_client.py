@@ -17,11 +17,11 @@ OPT = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))
 def train(model, plan, data, variables, optimizer=OPT):
     """Runs one client's local steps un-vmapped (data: Batch with leading steps axis)."""
     fns = make_client_fns(MethodContext(model, 4, 4), make_method("t"), optimizer)
-    local = jax.jit(fns.init)(variables, (), plan)
+    local = jax.jit(fns.init)(variables)
     step = jax.jit(fns.step)
     for s in range(data.step_mask.shape[0]):
-        local = step(local, jax.tree.map(lambda a: a[s], data), plan, variables, ())
-    return fns.final(local)
+        local = step(local, jax.tree.map(lambda a: a[s], data), plan, variables, (), jax.random.key(0), s)
+    return fns.final(local, variables)
 
 
 def one_client(cohort, i=0):

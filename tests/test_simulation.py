@@ -32,10 +32,11 @@ def test_summary_reports_personal_accuracy_and_state_memory():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(tiers=(0.0, 1.0)), "tiers"),
+    (dict(options={"tiers": (0.0, 1.0)}), "tiers"),
     (dict(train_fraction=1.5), "train fraction"),
     (dict(early_stopping=True, train_fraction=1.0), "held-out"),
-    (dict(method="fedselect", select_start=0.0), "FedSelect"),
+    (dict(method="fedselect", options={"start": 0.0}), "select-start"),
+    (dict(method="fedavg", options={"mu": 0.1}), "no option 'mu'"),
 ])
 def test_bad_configuration_is_one_sentence(kw, match):
     with pytest.raises(ConfigError, match=match):

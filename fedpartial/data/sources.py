@@ -34,6 +34,7 @@ Sources
 
 from __future__ import annotations
 
+from fedpartial.errors import UserError
 import dataclasses
 import inspect
 import os
@@ -44,7 +45,7 @@ import numpy as np
 __all__ = ["DataError", "ArrayDataset", "DATASETS", "TFDS_DATASETS", "load_dataset"]
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad or unavailable data; the message is one sentence for a person."""
 
 

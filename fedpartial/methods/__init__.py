@@ -1,17 +1,35 @@
-"""Federated methods, each a short module on :mod:`fedpartial.methods.base`."""
+"""Federated methods, each a short module on :mod:`fedpartial.methods.base`.
 
+:data:`METHODS` maps every registered name to its self-describing
+:class:`~fedpartial.methods.registry.MethodSpec` (factory, options, summary);
+:func:`get_method` builds one with checked options.
+"""
+
+from fedpartial.errors import UserError
+from fedpartial.methods import dropout as _dropout
+from fedpartial.methods import fedavg as _fedavg
+from fedpartial.methods import fedldf as _fedldf
+from fedpartial.methods import fedprox as _fedprox
+from fedpartial.methods import fedselect as _fedselect
+from fedpartial.methods import fedspu as _fedspu
 from fedpartial.methods.base import (
     Batch,
+    ClientGroup,
     ClientPlan,
     CohortInfo,
+    InitView,
+    LocalStep,
+    LossAux,
     Method,
     MethodContext,
     MethodState,
     RoundView,
     Selection,
+    cross_entropy,
     gather_clients,
     make_method,
     scatter_clients,
+    with_penalty,
 )
 from fedpartial.methods.dropout import feddrop, fedmp, fjord, hermes, prunefl
 from fedpartial.methods.early_stopping import early_stopping
@@ -20,38 +38,27 @@ from fedpartial.methods.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial.methods.fedprox import fedprox
 from fedpartial.methods.fedselect import fedselect
 from fedpartial.methods.fedspu import fedspu
+from fedpartial.methods.registry import MethodSpec, Option
 
-#: name -> factory(**options) -> Method
-METHODS = {
-    "fedavg": fedavg,
-    "fedprox": fedprox,
-    "fedldf": fedldf,
-    "random": random_layers,
-    "hdfl": hdfl,
-    "fedadp": fedadp,
-    "fedspu": fedspu,
-    "feddrop": feddrop,
-    "fjord": fjord,
-    "hermes": hermes,
-    "fedmp": fedmp,
-    "prunefl": prunefl,
-    "fedselect": fedselect,
+#: name -> MethodSpec, in the order ``fedpartial methods`` lists them
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec for spec in (
+        _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _fedselect.SPEC,
+    )
 }
-
-#: methods whose clients keep their own model (evaluated per client, on held-out data)
-PERSONALISED = ("fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "fedselect")
 
 
 def get_method(name: str, **options) -> Method:
-    """Builds a registered method; unknown names raise a one-sentence ValueError."""
+    """Builds a registered method with checked options; bad names or values raise a one-sentence UserError."""
     if name not in METHODS:
-        raise ValueError(f"method {name!r} is unknown; choose one of {', '.join(sorted(METHODS))}.")
-    return METHODS[name](**options)
+        raise UserError(f"method {name!r} is unknown; choose one of {', '.join(METHODS)}.")
+    return METHODS[name].build(**options)
 
 
 __all__ = [
-    "Batch", "ClientPlan", "CohortInfo", "METHODS", "Method", "MethodContext", "MethodState", "PERSONALISED",
-    "RoundView", "Selection", "early_stopping", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox",
-    "fedselect", "fedspu", "fjord", "gather_clients", "get_method", "hdfl", "hermes", "make_method", "prunefl",
-    "random_layers", "scatter_clients",
+    "Batch", "ClientGroup", "ClientPlan", "CohortInfo", "InitView", "LocalStep", "LossAux", "METHODS", "Method",
+    "MethodContext", "MethodSpec", "MethodState", "Option", "RoundView", "Selection", "cross_entropy",
+    "early_stopping", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox", "fedselect", "fedspu", "fjord",
+    "gather_clients", "get_method", "hdfl", "hermes", "make_method", "prunefl", "random_layers",
+    "scatter_clients", "with_penalty",
 ]

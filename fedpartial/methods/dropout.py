@@ -50,8 +50,10 @@ import jax.numpy as jnp
 from fedpartial import costs, masks
 from fedpartial.losses import model_loss
 from fedpartial.methods import selection, submodel
+from fedpartial.methods.registry import MethodSpec
 from fedpartial.methods.base import (
     ClientPlan,
+    InitView,
     Method,
     MethodContext,
     MethodState,
@@ -81,8 +83,8 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
         raise ValueError(f"{name}: chosen_by must be 'server' or 'client', got {chosen_by!r}.")
     index_cost = index_cost or costs.index_bytes
 
-    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
-        population = submodel.stack_population(ctx, global_vars)
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        population = submodel.stack_population(ctx, view.global_vars)
         everything = masks.full(ctx.structure, (ctx.num_clients,)).neurons
         return MethodState(clients=submodel.SubmodelState(variables=population, neurons=everything))
 
@@ -109,7 +111,8 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
         return PersonalModels(variables=state.clients.variables,
                               submodel=masks.from_neurons(ctx.structure, state.clients.neurons))
 
-    return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal)
+    return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal,
+                       metrics=submodel.active_fraction, personalised=True)
 
 
 # ---- the neuron choices ------------------------------------------------------------
@@ -171,3 +174,15 @@ def fedmp(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
 def prunefl(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     """PruneFL: each client keeps its ``p_k`` neurons of largest gradient L2 norm."""
     return submodel_method("prunefl", _by_gradient_norm, tiers=tiers)
+
+
+SPECS = tuple(
+    MethodSpec(name, factory, summary, (submodel.TIERS_OPTION,))
+    for name, factory, summary in (
+        ("feddrop", feddrop, "The server keeps p_k of each layer's neurons at random (sub-models)."),
+        ("fjord", fjord, "Ordered dropout: the leftmost ⌈p_k·units⌉ neurons of every layer."),
+        ("hermes", hermes, "Each client keeps its p_k neurons of largest parameter L2 norm."),
+        ("fedmp", fedmp, "Each client keeps its p_k neurons of largest parameter L1 norm."),
+        ("prunefl", prunefl, "Each client keeps its p_k neurons of largest gradient L2 norm."),
+    )
+)

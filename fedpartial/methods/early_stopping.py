@@ -27,7 +27,16 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial.losses import model_loss
-from fedpartial.methods.base import Method, MethodContext, MethodState, RoundView, scatter_clients
+from fedpartial.errors import UserError
+from fedpartial.methods.base import (
+    InitView,
+    LocalStep,
+    Method,
+    MethodContext,
+    MethodState,
+    RoundView,
+    scatter_clients,
+)
 
 
 class StopState(NamedTuple):
@@ -41,7 +50,7 @@ class StopState(NamedTuple):
 def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
     """``[K]`` loss of every client's trained model (its sub-model) on its held-out split."""
     if view.holdout is None:
-        raise ValueError(
+        raise UserError(
             "early stopping needs every client's held-out split; run with a per-client train fraction below 1."
         )
 
@@ -56,33 +65,26 @@ def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
 def early_stopping(method: Method, lam: float = 0.7) -> Method:
     """``method`` whose clients stop for good once their λ-mixed train/val loss rises."""
     if not 0 <= lam <= 1:
-        raise ValueError(f"early stopping: λ = {lam!r} must be in [0, 1].")
+        raise UserError(f"early stopping: λ = {lam!r} must be in [0, 1].")
+
+    def inner_state(state: MethodState) -> MethodState:
+        return MethodState(server=state.server, clients=state.clients[0])
 
     def inner(view: RoundView) -> RoundView:
-        state = view.method_state
-        return view._replace(method_state=MethodState(server=state.server, clients=state.clients[0]),
-                             client_state=view.client_state[0])
+        return view._replace(method_state=inner_state(view.method_state), client_state=view.client_state[0])
 
-    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
-        state = method.init(ctx, global_vars)
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        state = method.init(ctx, view)
         n = ctx.num_clients
         stop = StopState(last_loss=jnp.full((n,), jnp.inf, jnp.float32), stopped=jnp.zeros((n,), bool),
                          stop_round=jnp.full((n,), -1, jnp.int32))
         return MethodState(server=state.server, clients=(state.clients, stop))
 
-    def plan(ctx, view):
-        return method.plan(ctx, inner(view))
-
     def client_start(ctx, global_vars, client_state, plan_k):
         return method.client_start(ctx, global_vars, client_state[0], plan_k)
 
-    regularizer = None
-    if method.regularizer is not None:
-        def regularizer(ctx, params, batch, global_vars, client_state):
-            return method.regularizer(ctx, params, batch, global_vars, client_state[0])
-
-    def select(ctx, view):
-        return method.select(ctx, inner(view))
+    def objective(ctx, params, step: LocalStep):
+        return method.objective(ctx, params, step._replace(client_state=step.client_state[0]))
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
         new_inner = method.update(ctx, inner(view))
@@ -94,16 +96,21 @@ def early_stopping(method: Method, lam: float = 0.7) -> Method:
         stop = scatter_clients(view.method_state.clients[1], view.cohort.client_ids, rows, view.cohort.valid)
         return MethodState(server=new_inner.server, clients=(new_inner.clients, stop))
 
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        return {} if method.metrics is None else method.metrics(ctx, inner(view))
+
     def personal(ctx, state: MethodState, global_vars: dict):
-        return method.personal(ctx, MethodState(server=state.server, clients=state.clients[0]), global_vars)
+        return method.personal(ctx, inner_state(state), global_vars)
 
     def active_clients(ctx, state: MethodState) -> jax.Array:
         active = ~state.clients[1].stopped
         if method.active_clients is not None:
-            active = active & method.active_clients(
-                ctx, MethodState(server=state.server, clients=state.clients[0]))
+            active = active & method.active_clients(ctx, inner_state(state))
         return active
 
-    return Method(name=f"{method.name}+es", init=init, plan=plan, client_start=client_start,
-                  regularizer=regularizer, select=select, update=update, personal=personal,
-                  active_clients=active_clients)
+    return method._replace(
+        name=f"{method.name}+es", init=init, plan=lambda ctx, view: method.plan(ctx, inner(view)),
+        client_start=client_start, objective=objective,
+        select=lambda ctx, view: method.select(ctx, inner(view)), update=update,
+        metrics=metrics if method.metrics is not None else None, personal=personal,
+        active_clients=active_clients, needs_holdout=True)

@@ -7,8 +7,12 @@ is just a name.
 """
 
 from fedpartial.methods.base import Method, make_method
+from fedpartial.methods.registry import MethodSpec
 
 
 def fedavg() -> Method:
     """FedAvg: full-model local training, ``n_k``-weighted aggregation."""
     return make_method("fedavg")
+
+
+SPEC = MethodSpec("fedavg", fedavg, "Full-model training, n_k-weighted mean (FedOpt with --server-opt).")

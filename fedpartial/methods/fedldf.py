@@ -51,8 +51,10 @@ import numbers
 import jax.numpy as jnp
 
 from fedpartial import costs, masks
+from fedpartial.errors import UserError
 from fedpartial.methods import selection
-from fedpartial.methods.base import Method, MethodContext, MethodState, RoundView, Selection, make_method
+from fedpartial.methods.base import InitView, Method, MethodContext, MethodState, RoundView, Selection, make_method
+from fedpartial.methods.registry import MethodSpec, Option, in_unit_interval, positive_int
 
 #: bytes of one divergence scalar (float32) and of one neuron index (int32)
 SCALAR_BYTES = 4
@@ -62,12 +64,12 @@ INDEX_BYTES = 4
 def _check_n(name: str, n: int):
     """Validates ``n`` now (type, ≥ 1) and against the cohort size when the round is built."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"{name}: n must be a positive integer number of clients, got {n!r}.")
+        raise UserError(f"{name}: n must be a positive integer number of clients, got {n!r}.")
 
-    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
-        del global_vars
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        del view
         if n > ctx.cohort_size:
-            raise ValueError(f"{name}: n = {n} clients per layer exceeds the cohort size {ctx.cohort_size}.")
+            raise UserError(f"{name}: n = {n} clients per layer exceeds the cohort size {ctx.cohort_size}.")
         return MethodState()
 
     return init
@@ -75,6 +77,12 @@ def _check_n(name: str, n: int):
 
 def _cohort_size(view: RoundView) -> int:
     return view.cohort.num_samples.shape[0]
+
+
+def uploads_per_client(ctx: MethodContext, view: RoundView) -> dict:
+    """Per-round metric: how many layers each cohort client uploaded (``[K]``)."""
+    del ctx
+    return {"layers_uploaded_per_client": jnp.sum(view.selection.upload.layers, axis=-1, dtype=jnp.int32)}
 
 
 def fedldf(n: int = 4) -> Method:
@@ -94,7 +102,14 @@ def fedldf(n: int = 4) -> Method:
             extra_upload_bytes=jnp.full((k,), SCALAR_BYTES * num_layers, jnp.int32),  # L float32 each
         )
 
-    return make_method("fedldf", init=init, select=select)
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        divergence = selection.layer_divergence(
+            ctx.structure, view.trained_vars["params"], view.global_vars["params"])
+        valid = view.cohort.valid
+        mean = jnp.sum(jnp.where(valid, divergence, 0.0), axis=1) / jnp.maximum(jnp.sum(valid), 1)
+        return {**uploads_per_client(ctx, view), "mean_divergence_per_layer": mean}
+
+    return make_method("fedldf", init=init, select=select, metrics=metrics)
 
 
 def random_layers(n: int = 4) -> Method:
@@ -110,7 +125,7 @@ def random_layers(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("random", init=init, select=select)
+    return make_method("random", init=init, select=select, metrics=uploads_per_client)
 
 
 def hdfl(n: int = 4) -> Method:
@@ -127,7 +142,7 @@ def hdfl(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("hdfl", init=init, select=select)
+    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client)
 
 
 def index_bytes(units: int, kept: int) -> int:
@@ -152,6 +167,17 @@ def fedadp(fraction: float = 0.2) -> Method:
         )
 
     return make_method("fedadp", select=select)
+
+
+N_OPTION = Option("n", int, 4, "FedLDF / Random / HDFL: clients uploading each layer per round", positive_int)
+SPECS = (
+    MethodSpec("fedldf", fedldf, "Per layer, the n clients whose layer diverged most upload it.", (N_OPTION,)),
+    MethodSpec("random", random_layers, "Per layer, n clients drawn at random upload it.", (N_OPTION,)),
+    MethodSpec("hdfl", hdfl, "n clients drawn at random upload their whole model.", (N_OPTION,)),
+    MethodSpec("fedadp", fedadp, "Each client uploads its fraction of neurons with the largest update.",
+               (Option("fraction", float, 0.2, "FedADP: fraction of each layer's neurons a client uploads",
+                       in_unit_interval, flag="--adp-fraction"),)),
+)
 
 
 def convergence_bound(xi1: float, xi2: float, eta: float, num_layers: float, beta: float, n: int, K: int,

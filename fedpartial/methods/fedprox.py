@@ -3,22 +3,28 @@
 import jax
 import jax.numpy as jnp
 
-from fedpartial.methods.base import Method, make_method
+from fedpartial.errors import UserError
+from fedpartial.methods.base import Method, make_method, with_penalty
+from fedpartial.methods.registry import MethodSpec, Option, at_least
 
 
 def proximal_term(mu: float):
-    """A regularizer ``μ/2 Σ ||w - w_global||²`` over the model's parameters."""
+    """A penalty ``μ/2 Σ ||w - w_global||²`` over the model's parameters."""
     if mu < 0:
-        raise ValueError(f"FedProx μ must be ≥ 0, got {mu}.")
+        raise UserError(f"FedProx μ must be ≥ 0, got {mu}.")
 
-    def regularizer(ctx, params, batch, global_vars, client_state):
-        del ctx, batch, client_state
-        sq = jax.tree.map(lambda p, g: jnp.sum(jnp.square(p - g)), params, global_vars["params"])
+    def term(ctx, params, step):
+        del ctx
+        sq = jax.tree.map(lambda p, g: jnp.sum(jnp.square(p - g)), params, step.global_vars["params"])
         return 0.5 * mu * sum(jax.tree.leaves(sq))
 
-    return regularizer
+    return term
 
 
 def fedprox(mu: float = 0.01) -> Method:
     """FedProx with proximal coefficient ``mu``."""
-    return make_method("fedprox", regularizer=proximal_term(mu))
+    return make_method("fedprox", objective=with_penalty(proximal_term(mu)))
+
+
+SPEC = MethodSpec("fedprox", fedprox, "FedAvg whose local objective adds μ/2·||w − w_global||².",
+                  options=(Option("mu", float, 0.01, "FedProx proximal coefficient μ", at_least(0.0)),))

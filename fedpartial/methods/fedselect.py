@@ -30,8 +30,10 @@ import jax.numpy as jnp
 
 from fedpartial import costs, masks
 from fedpartial.methods import selection, submodel
+from fedpartial.methods.registry import MethodSpec, Option, in_unit_interval
 from fedpartial.methods.base import (
     ClientPlan,
+    InitView,
     Method,
     MethodContext,
     MethodState,
@@ -60,10 +62,10 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
     """FedSelect with the personal fraction growing from ``start`` to ``end`` over the run."""
     submodel.check_tiers("fedselect", (start, end))
 
-    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
         n = ctx.num_clients
         return MethodState(clients=FedSelectState(
-            variables=submodel.stack_population(ctx, global_vars),
+            variables=submodel.stack_population(ctx, view.global_vars),
             change=tuple(jnp.zeros((n, u), jnp.float32) for u in ctx.structure.units),
             trained=jnp.zeros((n,), bool),
         ))
@@ -104,4 +106,12 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
         return PersonalModels(variables=state.clients.variables)
 
     return make_method("fedselect", init=init, plan=plan, client_start=client_start, select=select,
-                       update=update, personal=personal)
+                       update=update, personal=personal, personalised=True)
+
+
+SPEC = MethodSpec("fedselect", fedselect, "A growing personal part: each client keeps its most-changed neurons.", (
+    Option("start", float, 0.25, "FedSelect: personal fraction in the first round", in_unit_interval,
+           flag="--select-start"),
+    Option("end", float, 0.5, "FedSelect: personal fraction in the last round", in_unit_interval,
+           flag="--select-end"),
+))

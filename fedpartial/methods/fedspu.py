@@ -33,8 +33,10 @@ from typing import Sequence
 
 from fedpartial import costs
 from fedpartial.methods import submodel
+from fedpartial.methods.registry import MethodSpec
 from fedpartial.methods.base import (
     ClientPlan,
+    InitView,
     Method,
     MethodContext,
     MethodState,
@@ -49,8 +51,8 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     """FedSPU with keep ratios ``tiers`` assigned to equal clusters of clients."""
     tiers = submodel.check_tiers("fedspu", tiers)
 
-    def init(ctx: MethodContext, global_vars: dict) -> MethodState:
-        return MethodState(clients=submodel.stack_population(ctx, global_vars))
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        return MethodState(clients=submodel.stack_population(ctx, view.global_vars))
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         counts = submodel.cohort_counts(ctx, tiers, view.cohort.client_ids)
@@ -70,4 +72,8 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
         return PersonalModels(variables=state.clients)
 
     return make_method("fedspu", init=init, plan=plan, client_start=client_start, update=update,
-                       personal=personal)
+                       personal=personal, metrics=submodel.active_fraction, personalised=True)
+
+
+SPEC = MethodSpec("fedspu", fedspu, "Random active neurons per tier; personal models keep the rest.",
+                  (submodel.TIERS_OPTION,))

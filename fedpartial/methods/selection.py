@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from fedpartial.masks import keep_count  # noqa: F401  (re-exported: part of the selection vocabulary)
 from fedpartial.structure import ModelStructure, leaf_paths
 
 
@@ -154,14 +155,6 @@ def random_n_per_row(key: jax.Array, rows: int, cols: int, n: int, valid: jax.Ar
     takes the first ``n`` of a uniformly random permutation of its columns.
     """
     return top_n_per_row(jax.random.uniform(key, (rows, cols)), n, valid)
-
-
-def keep_count(fraction: float, units: int) -> int:
-    """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
-    # p·u in float can land a hair below an exact half (0.35·90 = 31.499…96): snap first.
-    return max(1, int(math.floor(round(fraction * units, 9) + 0.5)))
 
 
 def top_count_per_row(scores: jax.Array, counts: jax.Array) -> jax.Array:

@@ -23,24 +23,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial import masks
+from fedpartial.errors import UserError
 from fedpartial.masks import Mask
 from fedpartial.methods import selection
-from fedpartial.methods.base import MethodContext, broadcast_clients
+from fedpartial.methods.base import MethodContext, RoundView, broadcast_clients
+from fedpartial.methods.registry import Option, ratios, ratios_in_unit_interval
 from fedpartial.structure import ModelStructure
 
 #: The FedSPU paper's five equal client clusters.
 DEFAULT_TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)
 ROUNDINGS = ("round", "ceil")
+TIERS_OPTION = Option("tiers", ratios, DEFAULT_TIERS,
+                      "FedSPU / dropout methods: keep ratios of equal client clusters, e.g. 0.2,0.4,0.6,0.8,1.0",
+                      ratios_in_unit_interval)
 
 
 def check_tiers(name: str, tiers: Sequence[float]) -> tuple[float, ...]:
     """Validates keep ratios now, with a sentence naming the bad value."""
     tiers = tuple(tiers)
     if not tiers:
-        raise ValueError(f"{name}: give at least one keep ratio.")
+        raise UserError(f"{name}: give at least one keep ratio.")
     for p in tiers:
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
-            raise ValueError(f"{name}: keep ratio {p!r} must be a number in (0, 1].")
+            raise UserError(f"{name}: keep ratio {p!r} must be a number in (0, 1].")
     return tuple(float(p) for p in tiers)
 
 
@@ -151,6 +156,13 @@ def schedule_counts(structure: ModelStructure, start: float, end: float, rounds:
 
 def broadcast_counts(counts: Sequence[jax.Array], k: int) -> tuple[jax.Array, ...]:
     return tuple(jnp.broadcast_to(c, (k,)) for c in counts)
+
+
+def active_fraction(ctx: MethodContext, view: RoundView) -> dict:
+    """Per-round metric: each client's share of hidden neurons it trained or kept (``[K]``)."""
+    mask = view.plan.dropout if view.plan.dropout is not None else view.plan.train
+    on = sum(jnp.sum(n, axis=-1, dtype=jnp.int32) for n in mask.neurons[:-1])
+    return {"active_neuron_fraction": on / max(sum(ctx.structure.units[:-1]), 1)}
 
 
 def first_batch(data: Any) -> Any:

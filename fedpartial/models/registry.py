@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 
+from fedpartial.errors import UserError
 from fedpartial.models import zoo
 
 __all__ = ["ModelSpec", "MODELS", "build_model"]
@@ -88,11 +89,11 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
         pooling).
     """
     if name not in MODELS:
-        raise ValueError(
+        raise UserError(
             f"Unknown model name {name!r}; allowed names are: {', '.join(sorted(MODELS))}."
         )
     if not _is_int(num_classes) or num_classes < 1:
-        raise ValueError(
+        raise UserError(
             f"Model {name!r} needs num_classes to be a positive integer, got {num_classes!r}."
         )
     try:
@@ -100,7 +101,7 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
     except TypeError:
         shape = None
     if shape is None or not all(_is_int(d) for d in shape):
-        raise ValueError(
+        raise UserError(
             f"Model {name!r} needs input_shape to be a tuple of integers without the "
             f"batch axis, got {input_shape!r}."
         )

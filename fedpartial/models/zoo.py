@@ -3,8 +3,17 @@
 Every model follows one contract, which the engine relies on to discover the
 "layer" structure of SPEC §1 by intercepting module calls at init:
 
-* ``__call__(self, x, train: bool = False)`` returns float32 logits
-  ``[batch, num_classes]``; images are NHWC float32.
+* ``__call__(self, x, train: bool = False, start: int = 0, stop: int | None = None)``
+  returns float32 logits ``[batch, num_classes]`` with the defaults; images are
+  NHWC float32.
+* The forward pass is a chain of named *stages* (``stage_names``, a property
+  that needs no call): ``start``/``stop`` run stages ``[start, stop)`` only, on
+  the raw input when ``start == 0`` and on the output of stage ``start - 1``
+  otherwise (input checks and the float32 cast happen only at ``start == 0``).
+  Only the running stages create submodules, and parameter names do not depend
+  on the range, so a suffix runs with just its own variables: this is how a
+  client trains the output side on cached activations (SPEC §4). The last
+  stage is the classifier; stage ``-2`` outputs the penultimate representation.
 * Submodules are created and called in forward (input -> output) order, each
   exactly once, and an ``nn.BatchNorm`` is called immediately after the Conv it
   belongs to. The classifier (a Dense named ``head``) is the last layer called.
@@ -25,12 +34,17 @@ the batch axis.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedpartial.errors import UserError
+
 __all__ = [
+    "stage_range",
     "MLP",
     "CNN2C1F",
     "CNN2C3F",
@@ -58,14 +72,38 @@ def _flatten(x):
     return x.reshape((x.shape[0], -1))
 
 
-def _conv_relu_pool(x, features, kernel_size: int):
-    """``conv{i} ('SAME') -> ReLU -> 2x2 max-pool`` per entry of ``features``.
+def _conv_relu_pool(x, index: int, features: int, kernel_size: int, padding: Any = "SAME"):
+    """Stage ``conv{index + 1}``: conv -> ReLU -> 2x2 max-pool.
 
-    Called from a parent's ``@nn.compact`` ``__call__``: the convs become its children.
+    Called from a parent's ``@nn.compact`` ``__call__``: the conv becomes its child.
     """
-    for i, feats in enumerate(features):
-        x = nn.Conv(feats, (kernel_size, kernel_size), padding="SAME", name=f"conv{i + 1}")(x)
-        x = _max_pool(nn.relu(x))
+    x = nn.Conv(features, (kernel_size, kernel_size), padding=padding, name=f"conv{index + 1}")(x)
+    return _max_pool(nn.relu(x))
+
+
+def stage_range(num_stages: int, start: int = 0, stop: int | None = None) -> range:
+    """The stage indices ``[start, stop)`` (``stop=None``: to the end), checked.
+
+    Raises:
+      ValueError: unless ``0 <= start <= stop <= num_stages`` (static ints; the
+        range decides which submodules exist, so it cannot be traced).
+    """
+    stop = num_stages if stop is None else stop
+    ints = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (start, stop))
+    if not ints or not 0 <= start <= stop <= num_stages:
+        raise ValueError(
+            f"start={start!r}, stop={stop!r} is not a range of the model's {num_stages} "
+            f"stages: need static integers with 0 <= start <= stop <= {num_stages}."
+        )
+    return range(int(start), int(stop))
+
+
+def _prepare_input(module, x, start: int):
+    """Checks and casts the raw input; a later stage's input is passed through untouched."""
+    if start != 0:
+        return x
+    x = jnp.asarray(x, jnp.float32)
+    module.validate_input_shape(x.shape[1:])
     return x
 
 
@@ -73,7 +111,7 @@ def _image_hw(model: str, input_shape: Sequence[int]) -> tuple[int, int]:
     """Check that ``input_shape`` is an ``(H, W, C)`` image shape; return ``(H, W)``."""
     shape = tuple(input_shape)
     if len(shape) != 3 or any(int(d) < 1 for d in shape):
-        raise ValueError(
+        raise UserError(
             f"{model} needs an image input shape (height, width, channels) with "
             f"positive sizes, got input shape {shape}."
         )
@@ -85,7 +123,7 @@ def _require_min_hw(
 ) -> tuple[int, int]:
     h, w = _image_hw(model, input_shape)
     if h < min_hw or w < min_hw:
-        raise ValueError(
+        raise UserError(
             f"{model} cannot take input shape {tuple(input_shape)}: {why} need "
             f"images of at least {min_hw}x{min_hw} pixels, got {h}x{w}."
         )
@@ -98,8 +136,8 @@ def _require_min_hw(
 class MLP(nn.Module):
     """Multi-layer perceptron: flatten -> [Dense(h) -> ReLU] * len(hidden) -> Dense.
 
-    Layers are ``fc1 .. fcN`` and the classifier ``head``. Accepts any input
-    shape (it is flattened).
+    Layers (and stages) are ``fc1 .. fcN`` and the classifier ``head``; the
+    first stage flattens. Accepts any input shape.
     """
 
     num_classes: int
@@ -109,18 +147,28 @@ class MLP(nn.Module):
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
         shape = tuple(input_shape)
         if len(shape) == 0 or any(int(d) < 1 for d in shape):
-            raise ValueError(
+            raise UserError(
                 f"MLP needs a non-empty input shape with positive sizes, got "
                 f"input shape {shape}."
             )
 
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(f"fc{i + 1}" for i in range(len(self.hidden))) + ("head",)
+
     @nn.compact
-    def __call__(self, x, train: bool = False):
+    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
         del train  # no train-dependent layers
-        x = _flatten(jnp.asarray(x, jnp.float32))
-        for i, width in enumerate(self.hidden):
-            x = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(x))
-        return nn.Dense(self.num_classes, name="head")(x)
+        if start == 0:
+            x = jnp.asarray(x, jnp.float32)
+        for s in stage_range(len(self.stage_names), start, stop):
+            if s == 0:
+                x = _flatten(x)
+            if s < len(self.hidden):
+                x = nn.relu(nn.Dense(self.hidden[s], name=f"fc{s + 1}")(x))
+            else:
+                x = nn.Dense(self.num_classes, name="head")(x)
+        return x
 
 
 # ------------------------------------------------------------- FedSPU CNN (2c+1f)
@@ -133,24 +181,32 @@ class CNN2C1F(nn.Module):
     layer, following the setting of Horváth et al. 2021 (FjORD)" without giving
     sizes, so we use: conv 5x5 32 'SAME' -> ReLU -> maxpool 2 -> conv 5x5 64
     'SAME' -> ReLU -> maxpool 2 -> flatten -> Dense(num_classes).
-    Layers: ``conv1``, ``conv2``, ``head``. Needs images of at least 4x4.
+    Layers and stages: ``conv1``, ``conv2`` (each conv + ReLU + pool), ``head``
+    (flatten + Dense). Needs images of at least 4x4.
     """
 
     num_classes: int
     features: tuple[int, int] = (32, 64)
     kernel_size: int = 5
 
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(f"conv{i + 1}" for i in range(len(self.features))) + ("head",)
+
     @nn.nowrap
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
         _require_min_hw("cnn2c1f", input_shape, 4, "its two 2x2 max-pools")
 
     @nn.compact
-    def __call__(self, x, train: bool = False):
+    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
         del train
-        x = jnp.asarray(x, jnp.float32)
-        self.validate_input_shape(x.shape[1:])
-        x = _conv_relu_pool(x, self.features, self.kernel_size)
-        return nn.Dense(self.num_classes, name="head")(_flatten(x))
+        x = _prepare_input(self, x, start)
+        for s in stage_range(len(self.stage_names), start, stop):
+            if s < len(self.features):
+                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size)
+            else:
+                x = nn.Dense(self.num_classes, name="head")(_flatten(x))
+        return x
 
 
 # ------------------------------------------------- FedSPU CIFAR CNN / LeNet-5 (2c+3f)
@@ -172,7 +228,10 @@ class CNN2C3F(nn.Module):
     runs on the 8x8 offline digits instead of failing (with VALID 5x5 convs an
     8x8 image vanishes after the first pool). The choice depends only on the
     static input shape, so one model instance always has one architecture per
-    input shape.
+    input shape. A stage after the first cannot see the image, so running
+    ``conv2`` alone needs the padding fixed first: :meth:`for_input_shape`
+    (which :func:`fedpartial.models.from_linen` calls) or an explicit padding.
+    Stages: ``conv1``, ``conv2``, ``fc1``, ``fc2``, ``head``.
     """
 
     num_classes: int
@@ -208,6 +267,16 @@ class CNN2C3F(nn.Module):
         return "VALID" if min(h, w) >= self._valid_min_hw() else "SAME"
 
     @nn.nowrap
+    def for_input_shape(self, input_shape: Sequence[int]) -> CNN2C3F:
+        """The same network with the padding ``"auto"`` picks for ``input_shape`` made explicit."""
+        return self.clone(padding=self.resolved_padding(input_shape))
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        convs = tuple(f"conv{i + 1}" for i in range(len(self.features)))
+        return convs + tuple(f"fc{i + 1}" for i in range(len(self.hidden))) + ("head",)
+
+    @nn.nowrap
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
         if self.resolved_padding(input_shape) == "VALID":
             _require_min_hw(
@@ -221,19 +290,27 @@ class CNN2C3F(nn.Module):
             _require_min_hw(self._model_name, input_shape, 4, "its two 2x2 max-pools")
 
     @nn.compact
-    def __call__(self, x, train: bool = False):
+    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
         del train
-        x = jnp.asarray(x, jnp.float32)
-        self.validate_input_shape(x.shape[1:])
-        padding = self.resolved_padding(x.shape[1:])
-        k = (self.kernel_size, self.kernel_size)
-        for i, feats in enumerate(self.features):
-            x = nn.Conv(feats, k, padding=padding, name=f"conv{i + 1}")(x)
-            x = _max_pool(nn.relu(x))
-        x = _flatten(x)
-        for i, width in enumerate(self.hidden):
-            x = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(x))
-        return nn.Dense(self.num_classes, name="head")(x)
+        x = _prepare_input(self, x, start)
+        padding = self.resolved_padding(x.shape[1:]) if start == 0 else self.padding
+        n_conv, n_fc = len(self.features), len(self.hidden)
+        for s in stage_range(len(self.stage_names), start, stop):
+            if s < n_conv:
+                if padding == "auto":
+                    raise ValueError(
+                        f"{self._model_name} with padding='auto' chooses its padding from the "
+                        f"image size, which stage {s} ({self.stage_names[s]}) cannot see: use "
+                        "for_input_shape(input_shape) or an explicit padding."
+                    )
+                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, padding)
+            elif s < n_conv + n_fc:
+                if s == n_conv:
+                    x = _flatten(x)
+                x = nn.relu(nn.Dense(self.hidden[s - n_conv], name=f"fc{s - n_conv + 1}")(x))
+            else:
+                x = nn.Dense(self.num_classes, name="head")(_flatten(x))
+        return x
 
 
 class LeNet5(CNN2C3F):
@@ -265,12 +342,17 @@ class VGG9(nn.Module):
     convs 2, 4, 6 and 8 as in VGG's conv pairs (32 -> 2 pixels), flatten, and
     apply one Dense classifier. The four pools need images of at least 16x16
     (smaller inputs, e.g. 8x8 digits, raise ValueError).
-    Layers: ``conv1``/``bn1`` .. ``conv8``/``bn8``, ``head``.
+    Layers: ``conv1``/``bn1`` .. ``conv8``/``bn8``, ``head``. Stages: ``conv1`` ..
+    ``conv8`` (conv + BN + ReLU, + pool where it applies), ``head``.
     """
 
     num_classes: int
     features: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512)
     pool_after: tuple[int, ...] = (2, 4, 6, 8)  # 1-based conv indices
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(f"conv{i + 1}" for i in range(len(self.features))) + ("head",)
 
     @nn.nowrap
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
@@ -278,12 +360,15 @@ class VGG9(nn.Module):
         _require_min_hw("vgg9", input_shape, 2**n, f"its {n} 2x2 max-pools")
 
     @nn.compact
-    def __call__(self, x, train: bool = False):
-        x = jnp.asarray(x, jnp.float32)
-        self.validate_input_shape(x.shape[1:])
-        for i, feats in enumerate(self.features, start=1):
+    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
+        x = _prepare_input(self, x, start)
+        for s in stage_range(len(self.stage_names), start, stop):
+            if s == len(self.features):
+                x = nn.Dense(self.num_classes, name="head")(_flatten(x))
+                continue
+            i = s + 1
             x = nn.Conv(
-                feats,
+                self.features[s],
                 (3, 3),
                 padding="SAME",
                 use_bias=False,
@@ -293,7 +378,7 @@ class VGG9(nn.Module):
             x = nn.relu(_batch_norm(train, f"bn{i}")(x))
             if i in self.pool_after:
                 x = _max_pool(x)
-        return nn.Dense(self.num_classes, name="head")(_flatten(x))
+        return x
 
 
 # ---------------------------------------------------------------------- ResNet20
@@ -360,6 +445,12 @@ class ResNet20(nn.Module):
     their implementation projects although its shape does not change.
     Layers: ``conv1``/``bn1``, ``stage{s}_block{b}`` (see :class:`BasicBlock`),
     ``head``. Works for any image size (8x8 digits included).
+
+    Stages are cut at block boundaries, where the residual stream is one tensor:
+    ``stem`` (conv1 + bn1 + ReLU), one stage per block named like its module
+    (``stage1_block1`` .. ``stage3_block3``), and ``head`` (global average pool +
+    Dense): 11 stages. EmbracingFL's moderate cut (stem + first 3 blocks frozen)
+    starts the trained suffix at stage 4, its weak cut at stage 7.
     """
 
     num_classes: int
@@ -378,24 +469,37 @@ class ResNet20(nn.Module):
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
         _image_hw("resnet20", input_shape)  # stride-2 'SAME'-size convs never vanish
 
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        blocks = tuple(
+            f"stage{si + 1}_block{bi + 1}"
+            for si in range(len(self.stage_features))
+            for bi in range(self.blocks_per_stage)
+        )
+        return ("stem",) + blocks + ("head",)
+
     @nn.compact
-    def __call__(self, x, train: bool = False):
-        x = jnp.asarray(x, jnp.float32)
-        self.validate_input_shape(x.shape[1:])
-        x = nn.Conv(
-            self.stage_features[0], (3, 3), padding=1, use_bias=False,
-            kernel_init=_he_normal, name="conv1",
-        )(x)
-        x = nn.relu(_batch_norm(train, "bn1")(x))
-        for si, feats in enumerate(self.stage_features):
-            for bi in range(self.blocks_per_stage):
+    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
+        x = _prepare_input(self, x, start)
+        names = self.stage_names
+        for s in stage_range(len(names), start, stop):
+            if s == 0:
+                x = nn.Conv(
+                    self.stage_features[0], (3, 3), padding=1, use_bias=False,
+                    kernel_init=_he_normal, name="conv1",
+                )(x)
+                x = nn.relu(_batch_norm(train, "bn1")(x))
+            elif s == len(names) - 1:
+                x = jnp.mean(x, axis=(1, 2))
+                x = nn.Dense(self.num_classes, name="head")(x)
+            else:
+                si, bi = divmod(s - 1, self.blocks_per_stage)
                 strides = 2 if (si > 0 and bi == 0) else 1
                 x = BasicBlock(
-                    feats, strides=strides, shortcut=self.shortcut,
-                    name=f"stage{si + 1}_block{bi + 1}",
+                    self.stage_features[si], strides=strides, shortcut=self.shortcut,
+                    name=names[s],
                 )(x, train=train)
-        x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(self.num_classes, name="head")(x)
+        return x
 
 
 # --------------------------------------------------------------------- FEMNIST CNN
@@ -408,22 +512,33 @@ class FEMNISTCNN(nn.Module):
     maxpool 2 -> flatten -> Dense 2048 -> ReLU -> Dense(num_classes). On 28x28x1
     with 62 classes this has 6,603,710 parameters, exactly the paper's count
     (and its "weak" suffix, the last Dense, has 127,038).
-    Layers: ``conv1``, ``conv2``, ``fc1``, ``head``. Needs images of at least 4x4.
+    Layers and stages: ``conv1``, ``conv2``, ``fc1``, ``head``. Needs images of at
+    least 4x4. EmbracingFL's moderate clients train from stage 2 (``fc1``), weak
+    ones from stage 3 (``head``).
     """
 
     num_classes: int
     features: tuple[int, int] = (32, 64)
     hidden: int = 2048
 
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(f"conv{i + 1}" for i in range(len(self.features))) + ("fc1", "head")
+
     @nn.nowrap
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
         _require_min_hw("femnist_cnn", input_shape, 4, "its two 2x2 max-pools")
 
     @nn.compact
-    def __call__(self, x, train: bool = False):
+    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
         del train
-        x = jnp.asarray(x, jnp.float32)
-        self.validate_input_shape(x.shape[1:])
-        x = _conv_relu_pool(x, self.features, 5)
-        x = nn.relu(nn.Dense(self.hidden, name="fc1")(_flatten(x)))
-        return nn.Dense(self.num_classes, name="head")(x)
+        x = _prepare_input(self, x, start)
+        n_conv = len(self.features)
+        for s in stage_range(len(self.stage_names), start, stop):
+            if s < n_conv:
+                x = _conv_relu_pool(x, s, self.features[s], 5)
+            elif s == n_conv:
+                x = nn.relu(nn.Dense(self.hidden, name="fc1")(_flatten(x)))
+            else:
+                x = nn.Dense(self.num_classes, name="head")(x)
+        return x

@@ -59,7 +59,7 @@ def rounds(mlp):
 
 def plan_of(r, state, c, key):
     """The plan the round computes for this state, cohort and key (its first jitted piece)."""
-    plan, _, _ = r._begin(state, c, key)
+    plan = r.preview(state, c, key).plan
     return jax.device_get(plan)
 
 
@@ -198,7 +198,7 @@ def test_dropped_neurons_have_no_effect_on_local_training(rounds, one_round, nam
     """
     r = rounds(name)
     state0, plan, _, _ = one_round(name)
-    init, step = jax.jit(r.client.init), jax.jit(r.client.step)
+    init, step = jax.jit(r.clients[0].init), jax.jit(r.clients[0].step)
     g = state0.variables
     data = cohort().data
     for k in range(K):
@@ -208,9 +208,9 @@ def test_dropped_neurons_have_no_effect_on_local_training(rounds, one_round, nam
                                  g[c], on[c]) for c in g}
         finals = []
         for start in (g, other):
-            local = init(start, (), plan_k)
+            local = init(start)
             for s in range(data.x.shape[1]):
-                local = step(local, jax.tree.map(lambda a: a[k, s], data), plan_k, g, ())
+                local = step(local, jax.tree.map(lambda a: a[k, s], data), plan_k, g, (), jax.random.key(k), s)
             local = jax.device_get(local)
             finals.append(local)
             # Outside the sub-model nothing moved.

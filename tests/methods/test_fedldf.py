@@ -94,7 +94,7 @@ def test_fedldf_aggregates_each_layer_over_its_selected_clients(mlp):
     sel = fedldf(2).select(ctx, view)
     assert [list(np.flatnonzero(col)) for col in np.asarray(sel.upload.layers).T] == EXPECTED_TOP2
     np.testing.assert_array_equal(sel.extra_upload_bytes, np.full(5, 3 * 4))
-    new = aggregation.aggregate(mlp.structure, g, trained, sel.upload, sel.weights)
+    new = aggregation.aggregate(mlp.structure, g, trained, sel.upload, sel.weights)[0]
     for collection in ("params", "batch_stats"):  # running statistics follow their layer's clients
         for path, leaf in leaf_paths(new[collection]):
             layer = mlp.structure.role(collection, path).layer
@@ -120,7 +120,7 @@ def test_fedadp_uploads_top_neurons_with_whole_columns(mlp):
     sel = fedadp(0.2).select(ctx, view)
     for chosen in sel.upload.neurons:
         np.testing.assert_array_equal(np.asarray(chosen), np.eye(1, chosen.shape[1], dtype=bool).repeat(5, 0))
-    new = aggregation.aggregate(mlp.structure, g, trained, sel.upload, sel.weights)
+    new = aggregation.aggregate(mlp.structure, g, trained, sel.upload, sel.weights)[0]
     kernel, g_kernel = np.asarray(new["params"]["fc2"]["kernel"]), np.asarray(g["params"]["fc2"]["kernel"])
     # Column 0 comes from every client (all rows, although the fc1 units feeding them were not
     # uploaded): the n_k-weighted mean; every other column keeps the global value.
@@ -230,10 +230,10 @@ def reference_fedldf_round(model, global_vars, cohort, n):
     plan, structure = ClientPlan(), model.structure
     trained = []
     for k in range(k_clients):
-        local = init(global_vars, (), plan)
+        local = init(global_vars)
         for s in range(cohort.data.step_mask.shape[1]):
             batch = Batch(*(np.asarray(a)[k, s] for a in cohort.data))
-            local = step(local, batch, plan, global_vars, ())
+            local = step(local, batch, plan, global_vars, (), jax.random.key(k), s)
         trained.append(jax.device_get(local.variables))
 
     num_layers = structure.num_layers

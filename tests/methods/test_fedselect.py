@@ -57,8 +57,8 @@ def run(rounds):
     states = [r.init(INIT_KEY)]
     begins, metrics = [], []
     for t in range(2):
-        plan, _, local = r._begin(states[-1], cohort(t), round_key(t))
-        begins.append(jax.device_get((plan, local.variables)))
+        preview = r.preview(states[-1], cohort(t), round_key(t))
+        begins.append(jax.device_get((preview.plan, preview.start_vars)))
         state, m = r(states[-1], cohort(t), round_key(t))
         states.append(state)
         metrics.append(jax.device_get(m))

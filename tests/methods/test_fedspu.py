@@ -49,7 +49,7 @@ def test_every_client_at_p1_is_fedavg(mlp):
 def test_active_counts_follow_tiers_and_output_is_never_masked(mlp):
     r = _round(mlp, fedspu())
     state = r.init(jax.random.key(0))
-    plan, _, _ = r._begin(state, make_cohort((4,), k=K, client_ids=IDS), jax.random.key(3))
+    plan = r.preview(state, make_cohort((4,), k=K, client_ids=IDS), jax.random.key(3)).plan
     # fc1 has 6 units, fc2 5: round-half-up of p·u, at least 1.
     np.testing.assert_array_equal(plan.train.neurons[0].sum(1), [1, 2, 4, 6])  # 1.2→1, 2.4→2, 3.6→4, 6
     np.testing.assert_array_equal(plan.train.neurons[1].sum(1), [1, 2, 3, 5])  # 1, 2, 3, 5
@@ -65,7 +65,7 @@ def test_frozen_parameters_bit_identical_and_inactive_global_elements_unchanged(
     ids = [0, 1, 2, 4]  # tiers 0.2, 0.2, 0.4, 0.4: some elements are active for nobody
     cohort = make_cohort((4,), k=K, client_ids=ids)
     key = jax.random.key(7)
-    plan, _, _ = r._begin(state, cohort, key)
+    plan = r.preview(state, cohort, key).plan
     new, _ = r(state, cohort, key)
     anyone = np.zeros(0)
     for i, cid in enumerate(ids):
@@ -124,7 +124,7 @@ def test_hand_computed_three_client_round(mlp):
     trained = personal  # client k returns the value k+1 everywhere
     view = _toy_view(mlp, plan, trained, g, personal, n=[1.0, 2.0, 3.0])
     sel = method.select(ctx, view)
-    agg = aggregation.aggregate(mlp.structure, g, trained, sel.upload, sel.weights, ("params", "batch_stats"))
+    agg = aggregation.aggregate(mlp.structure, g, trained, sel.upload, sel.weights, ("params", "batch_stats"))[0]
     p = agg["params"]
     # fc1 bias unit 1: active for all three: (1·1 + 2·2 + 3·3) / 6 = 14/6.
     np.testing.assert_allclose(p["fc1"]["bias"][1], 14 / 6, rtol=1e-6)
@@ -153,7 +153,7 @@ def test_hand_computed_three_client_round(mlp):
 def test_conv_to_dense_expansion_element_by_element(cnn):
     r = _round(cnn, fedspu())
     state = r.init(jax.random.key(0))
-    plan, _, _ = r._begin(state, make_cohort((4, 4, 1), k=K, client_ids=IDS), jax.random.key(5))
+    plan = r.preview(state, make_cohort((4, 4, 1), k=K, client_ids=IDS), jax.random.key(5)).plan
     for i in range(K):
         mask_i = _row(plan.train, i)
         conv1, conv2, _ = (np.asarray(n) for n in mask_i.neurons)
@@ -209,10 +209,10 @@ def _reference_round(model, state, cohort, plan, lr):
 def test_matches_plain_python_reference(mlp, strategy):
     lr = 0.2
     r = _round(mlp, fedspu(), strategy=strategy, opt=optax.sgd(lr))
-    state = _perturbed(r.init(jax.random.key(0)))
+    state = jax.device_get(_perturbed(r.init(jax.random.key(0))))  # host copy: the fused round donates
     cohort = make_cohort((4,), k=K, client_ids=IDS, real_steps=[3, 1, 2, 3], real_examples=[5, 3, 5, 4])
     key = jax.random.key(11)
-    plan, _, _ = r._begin(state, cohort, key)
+    plan = r.preview(state, cohort, key).plan
     new, _ = r(state, cohort, key)
     want, personal = _reference_round(mlp, state, cohort, plan, lr)
     for a, b in zip(jax.tree.leaves(new.variables["params"]), jax.tree.leaves(want)):
@@ -227,7 +227,7 @@ def test_traffic_counts_active_parameters_and_indices(mlp):
     state = r.init(jax.random.key(0))
     cohort = make_cohort((4,), k=K, client_ids=IDS)
     key = jax.random.key(2)
-    plan, _, _ = r._begin(state, cohort, key)
+    plan = r.preview(state, cohort, key).plan
     _, metrics = r(state, cohort, key)
     up = down = 0
     for i in range(K):

@@ -1,0 +1,157 @@
+"""One contract over every registered method (and the documented custom-method example).
+
+Whatever a method does, the engine promises: no retrace in round 2; the same seed
+gives identical results; the fused round equals the stepwise one (also ``fused:C``
+with K not a multiple of C); padded steps and examples change nothing; clients
+outside the cohort keep their state bit for bit; an element nobody uploaded keeps
+its global value bit for bit, even under a stateful server optimizer.
+"""
+
+import pathlib
+import runpy
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+from fedpartial import engine, masks
+from fedpartial.core import Batch
+from fedpartial.methods import METHODS, early_stopping, get_method
+from fedpartial.methods.base import Holdout
+from tests.conftest import make_cohort
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N, K = 8, 3
+OPT = optax.sgd(0.1, momentum=0.9)
+SERVER = optax.adam(0.05)
+KEY = jax.random.key(0)
+
+
+def custom_example():
+    return runpy.run_path(str(ROOT / "notebooks" / "custom_method.py"), run_name="contract")["random_layers"](0.5)
+
+
+BUILDERS = {name: (lambda name=name: get_method(name)) for name in METHODS}
+BUILDERS["fedldf"] = lambda: get_method("fedldf", n=2)  # n must not exceed K
+BUILDERS["random"] = lambda: get_method("random", n=2)
+BUILDERS["hdfl"] = lambda: get_method("hdfl", n=2)
+BUILDERS["fedspu+es"] = lambda: early_stopping(get_method("fedspu"))
+BUILDERS["custom_example"] = custom_example
+
+
+def cohorts(rounds=2, steps=3, seed=0):
+    """Unequal clients (3, 1, 2 real steps; 5, 2, 4 real examples), different cohorts each round."""
+    out = []
+    for t in range(rounds):
+        ids = np.sort(np.random.default_rng([seed, t]).choice(N, K, replace=False))
+        c = make_cohort((4,), k=K, steps=steps, seed=seed + t, real_steps=[3, 1, 2], real_examples=[5, 2, 4],
+                        client_ids=ids)
+        rng = np.random.default_rng(t)
+        holdout = Holdout(rng.normal(size=(K, 4, 4)).astype(np.float32), rng.integers(0, 3, (K, 4)).astype(np.int32),
+                          np.ones((K, 4), bool))
+        out.append(c._replace(holdout=holdout))
+    return out
+
+
+def padded(c):
+    """The same cohort with two more padded steps and three more padded examples per batch (garbage)."""
+    rng = np.random.default_rng(9)
+    d = c.data
+    k, s, b = d.step_mask.shape + (d.x.shape[2],)
+    x = rng.normal(size=(k, s + 2, b + 3, 4)).astype(np.float32) * 50
+    y = rng.integers(0, 3, (k, s + 2, b + 3)).astype(np.int32)
+    em = np.zeros((k, s + 2, b + 3), bool)
+    sm = np.zeros((k, s + 2), bool)
+    x[:, :s, :b], y[:, :s, :b], em[:, :s, :b], sm[:, :s] = d.x, d.y, d.example_mask, d.step_mask
+    return c._replace(data=Batch(x, y, em, sm))
+
+
+def build(model, method, strategy, record=False):
+    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
+                                 server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record)
+
+
+def run(model, name, strategy, data, record=False):
+    r = build(model, BUILDERS[name](), strategy, record)
+    state = r.init(KEY)
+    history = [jax.device_get(state)]
+    metrics = []
+    for t, c in enumerate(data):
+        state, m = r(state, c, jax.random.fold_in(KEY, t))
+        history.append(jax.device_get(state))
+        metrics.append(jax.device_get(m))
+    return r, history, metrics
+
+
+@pytest.fixture(scope="module")
+def data():
+    return cohorts()
+
+
+@pytest.fixture(scope="module")
+def reference(mlp, data):
+    """The stepwise run of every method (recording decisions), computed once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = run(mlp, name, engine.stepwise(1), data, record=True)
+        return cache[name]
+
+    return get
+
+
+NAMES = list(BUILDERS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_equals_stepwise_and_padding_changes_nothing(mlp, data, reference, name):
+    _, ref, ref_metrics = reference(name)
+    for strategy, cohorts_ in ((engine.fused(), data), (engine.fused(2), data),
+                               (engine.fused(), [padded(c) for c in data])):
+        _, got, metrics = run(mlp, name, strategy, cohorts_)
+        chex.assert_trees_all_close(got[-1].variables, ref[-1].variables, rtol=2e-5, atol=2e-6)
+        chex.assert_trees_all_close(got[-1].method_state, ref[-1].method_state, rtol=2e-5, atol=2e-6)
+        for m, r in zip(metrics, ref_metrics):
+            assert m["upload_bytes"] == r["upload_bytes"] and m["download_bytes"] == r["download_bytes"]
+            np.testing.assert_allclose(m["train_loss"], r["train_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_same_result_and_no_retrace(mlp, data, reference, name):
+    r, again, _ = run(mlp, name, engine.stepwise(1), data + cohorts(1, seed=5))
+    _, ref, _ = reference(name)
+    chex.assert_trees_all_equal(again[2], ref[2])  # bit-identical
+    traced = r.trace_count
+    state = jax.tree.map(np.asarray, again[-1])
+    state, _ = r(state, data[0], jax.random.key(7))  # round 4: same shapes, no new trace
+    assert r.trace_count == traced
+    fused = build(mlp, BUILDERS[name](), engine.fused())
+    s = fused.init(KEY)
+    s, _ = fused(s, data[0], KEY)
+    traced = fused.trace_count
+    s, _ = fused(s, data[1], KEY)
+    assert fused.trace_count == traced
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_outsiders_and_unuploaded_elements_keep_their_values(mlp, data, reference, name):
+    r, history, metrics = reference(name)
+    for t, (c, m) in enumerate(zip(data, metrics)):
+        before, after = history[t], history[t + 1]
+        # Clients outside the cohort: their per-client state rows are bit-identical.
+        outside = np.setdiff1d(np.arange(N), np.asarray(c.info.client_ids))
+        rows = lambda tree: jax.tree.map(lambda a: np.asarray(a)[outside], tree)  # noqa: E731
+        chex.assert_trees_all_equal(rows(after.method_state.clients), rows(before.method_state.clients))
+        # Elements no client uploaded (with non-zero weight): bit-identical global value under Adam.
+        sel = m["decisions"]["selection"]
+        g = before.variables["params"]
+        expanded = jax.vmap(lambda mask: masks.expand(r.ctx.structure, mask, g))(sel.upload)
+        weights = np.asarray(sel.weights)
+        received = jax.tree.map(lambda e: np.tensordot(weights, np.asarray(e, np.float64), axes=(0, 0)) > 0,
+                                expanded)
+        for new, old, got in zip(jax.tree.leaves(after.variables["params"]), jax.tree.leaves(g),
+                                 jax.tree.leaves(received)):
+            np.testing.assert_array_equal(np.asarray(new)[~np.asarray(got)], np.asarray(old)[~np.asarray(got)])
