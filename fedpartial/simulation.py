@@ -463,8 +463,8 @@ def save_decisions(path: str, decisions: dict) -> None:
     or ``plan/train/neurons/0`` (``[K, units_0]``); ``client_ids`` says whose rows they are.
     """
     arrays = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(decisions)[0]:
-        name = "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(decisions)[0]:
+        name = "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keys)
         arrays[name] = np.asarray(leaf)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     np.savez_compressed(path, **arrays)

@@ -86,3 +86,37 @@ def test_default_run_reaches_sensible_accuracy(tmp_path):
     assert main(["run", "--out", str(tmp_path), "--name", "default"]) == 0
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["final_test_accuracy"] > 0.9
+
+
+def test_method_flags_come_from_the_methods(capsys, tmp_path):
+    from fedpartial.cli import build_parser
+    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    for flag in ("--mu", "--n", "--adp-fraction", "--tiers", "--select-start", "--select-end"):
+        assert flag in text
+    # A flag of another method is refused in one sentence.
+    assert main(["run", "--method", "fedavg", "--mu", "0.1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--mu is an option of fedprox" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unexpected_errors_keep_their_traceback(monkeypatch, tmp_path):
+    """Only the project's own input errors become one sentence; a bug inside keeps its traceback."""
+    from fedpartial import simulation
+
+    def broken(self, *a, **k):
+        raise ValueError("a bug deep inside a method")
+
+    monkeypatch.setattr(simulation.Simulation, "__init__", broken)
+    with pytest.raises(ValueError, match="a bug deep inside"):
+        main(SMALL + ["--out", str(tmp_path)])
+
+
+def test_record_decisions_writes_masks(tmp_path):
+    import numpy as np
+    assert main(SMALL + ["--method", "fedldf", "--n", "2", "--record-decisions", "--out", str(tmp_path),
+                         "--name", "d"]) == 0
+    files = sorted((tmp_path / "d" / "decisions").iterdir())
+    assert [f.name for f in files] == ["round-00001.npz", "round-00002.npz"]
+    saved = np.load(files[0])
+    layers = saved["selection/upload/layers"]  # [K, L]: FedLDF's selection
+    assert layers.shape == (3, 3) and (layers.sum(axis=0) == 2).all() and saved["client_ids"].shape == (3,)

@@ -41,3 +41,20 @@ def test_summary_reports_personal_accuracy_and_state_memory():
 def test_bad_configuration_is_one_sentence(kw, match):
     with pytest.raises(ConfigError, match=match):
         RunConfig(**{**TINY, "method": "fedspu", **kw}).validate()
+
+
+def test_local_steps_alone_is_enough():
+    config = RunConfig(local_steps=3, num_clients=4, cohort_size=2, rounds=1, out_dir=None)
+    config.validate()
+    assert config.epochs is None and RunConfig().epochs == 2.0
+    with pytest.raises(ConfigError, match="only one"):
+        RunConfig(local_steps=3, local_epochs=1.0).validate()
+
+
+def test_custom_method_object_gets_the_driver(tmp_path):
+    """Simulation/run take a Method object: sampling, personalised evaluation and logging included."""
+    from fedpartial.methods import fedspu
+    method = fedspu(tiers=(0.5, 1.0))._replace(name="my-fedspu")
+    summary = run(RunConfig(**{**TINY, "out_dir": str(tmp_path)}), method=method)
+    assert summary["method"] == "my-fedspu" and 0 <= summary["final_personal_accuracy"] <= 1
+    assert summary["client_train_fraction"] == 0.7  # personalised: held-out split by default

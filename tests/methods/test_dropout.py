@@ -492,24 +492,6 @@ def test_personal_models_read_out(mlp, one_round):
 # ---- strategies --------------------------------------------------------------------------------
 
 
-def test_fused_and_stepwise_agree(rounds):
-    results = []
-    for strategy in ("fused", "stepwise"):
-        r = rounds("feddrop", strategy)
-        state = r.init(INIT_KEY)
-        metrics = []
-        for t in range(2):
-            state, m = r(state, cohort(seed=t, ids=[[0, 3, 5, 7], [1, 2, 5, 9]][t]), jax.random.fold_in(ROUND_KEY, t))
-            metrics.append(jax.device_get(m))
-        results.append((jax.device_get(state), metrics))
-    (a, ma), (b, mb) = results
-    chex.assert_trees_all_close(a.variables, b.variables, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(a.method_state, b.method_state, rtol=1e-5, atol=1e-5)
-    for x, y in zip(ma, mb):
-        assert x["upload_bytes"] == y["upload_bytes"] and x["download_bytes"] == y["download_bytes"]
-        np.testing.assert_allclose(x["train_loss"], y["train_loss"], rtol=1e-5)
-
-
 # ---- conv → flatten → dense --------------------------------------------------------------------
 
 

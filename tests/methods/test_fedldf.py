@@ -202,12 +202,6 @@ def test_n_equal_k_is_fedavg(three_rounds):
     chex.assert_trees_all_close(ldf.variables, avg.variables, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["fedldf", "random", "hdfl", "fedadp"])
-def test_round_two_does_not_retrace(three_rounds, name):
-    traces = three_rounds(name)[2]
-    assert traces[0] > 0 and traces[1] == traces[0] and traces[2] == traces[0]
-
-
 def permuted(c, perm):
     take = lambda a: np.asarray(a)[perm]
     return engine.Cohort(jax.tree.map(take, c.data), jax.tree.map(take, c.info))

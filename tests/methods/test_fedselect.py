@@ -278,15 +278,3 @@ def test_personal_read_out(mlp, run):
 # ---- strategies --------------------------------------------------------------------------------
 
 
-def test_fused_and_stepwise_agree(rounds, run):
-    states, _, metrics = run
-    r = rounds("fedselect", "fused")
-    state = r.init(INIT_KEY)
-    for t in range(2):
-        state, m = r(state, cohort(t), round_key(t))
-        m = jax.device_get(m)
-        assert m["upload_bytes"] == metrics[t]["upload_bytes"]
-        np.testing.assert_allclose(m["train_loss"], metrics[t]["train_loss"], rtol=1e-5)
-    state = jax.device_get(state)
-    chex.assert_trees_all_close(state.variables, states[2].variables, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(state.method_state, states[2].method_state, rtol=1e-5, atol=1e-5)

@@ -262,22 +262,6 @@ def test_rejects_bad_tiers_and_non_sequential_models(mlp):
         _round(not_sequential, fedspu()).init(jax.random.key(0))
 
 
-def test_no_retrace_and_same_seed_same_result(mlp):
-    r = _round(mlp, fedspu(), strategy=engine.fused())
-    cohort = make_cohort((4,), k=K, client_ids=IDS)
-    s1 = r.init(jax.random.key(0))
-    s1, _ = r(s1, cohort, jax.random.key(1))
-    traces = r.trace_count
-    s1, _ = r(s1, cohort, jax.random.key(2))
-    assert r.trace_count == traces
-    r2 = _round(mlp, fedspu(), strategy=engine.fused())
-    s2 = r2.init(jax.random.key(0))
-    for t in (1, 2):
-        s2, _ = r2(s2, cohort, jax.random.key(t))
-    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
-        np.testing.assert_array_equal(a, b)
-
-
 def test_personal_model_keeps_its_frozen_part_in_the_forward_pass(mlp):
     """Inactive parameters act in the forward pass: changing them changes the training loss."""
     r = _round(mlp, fedspu(tiers=(0.2,)), opt=optax.sgd(0.0))
