@@ -40,9 +40,11 @@ def merge_subtree(full: Any, part: Any) -> Any:
 def suffix(model: Model, cut: int) -> LocalGraph:
     """Train stages ``[cut, end)`` only, on prefix activations prepared once per round.
 
-    ``prepare`` runs the frozen prefix batch by batch (so 'static' BatchNorm uses the
-    same batch statistics a full forward pass would) with the round's start model.
-    ``cut == 0`` is :func:`whole`.
+    ``prepare`` runs the frozen prefix batch by batch in train mode, as a full forward
+    pass of local training would (a prefix BatchNorm normalises with the batch's own
+    statistics over its real examples; its running statistics are not updated, as the
+    prefix is frozen), so the result equals training the whole model with the prefix
+    frozen by a train mask.  ``cut == 0`` is :func:`whole`.
     """
     if not 0 <= cut < model.num_stages:
         raise ValueError(
@@ -55,9 +57,10 @@ def suffix(model: Model, cut: int) -> LocalGraph:
         return model.stage_variables(tree, cut)
 
     def prepare(variables: dict, data: Batch, batch_statistics: bool) -> Batch:
+        del batch_statistics  # local training always normalises with batch statistics
+
         def one(x, mask):
-            out, _ = model.apply_stages(variables, x, start=0, stop=cut, train=batch_statistics,
-                                        example_mask=mask if batch_statistics else None)
+            out, _ = model.apply_stages(variables, x, start=0, stop=cut, train=True, example_mask=mask)
             return out
 
         h = jax.vmap(one)(data.x, data.example_mask)  # [S, B, ...] one batch at a time
