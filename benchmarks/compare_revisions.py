@@ -67,6 +67,11 @@ class Trees:
         return {"path": path, "revision": rev, "commit": commit, "label": short}
 
     def from_dir(self, path: Path) -> dict:
+        if not (path / ".git").exists():  # an exported tree (e.g. copied to a machine without git)
+            stamp = path / "REVISION"
+            revision = stamp.read_text().strip() if stamp.exists() else "working tree"
+            label = "worktree" if path == self.root else slug(revision[:12])
+            return {"path": path, "revision": revision, "commit": revision, "label": label}
         diff = git("diff", "HEAD", "--stat", cwd=path).splitlines()
         untracked = git("ls-files", "--others", "--exclude-standard", cwd=path).splitlines()
         label = "worktree" if path == self.root else slug(path.name)
@@ -172,17 +177,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare_revisions", allow_abbrev=False,
                                 description=__doc__.split("\n")[0],
                                 epilog="Other arguments go to python -m benchmarks.strategies (e.g. --quick).")
-    p.add_argument("--before", required=True, help="git revision to compare against")
+    p.add_argument("--before", required=True,
+                   help="git revision to compare against, or a directory holding an exported tree "
+                        "(`git archive REV | tar -x -C DIR`, with the revision in DIR/REVISION)")
     p.add_argument("--after", help="working-tree directory or git revision (default: this working tree)")
     p.add_argument("--repeats", type=int, default=2, help="before/after pairs, interleaved (default 2)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/compare-<before>-vs-<after>-<device>.json)")
     args, passthrough = p.parse_known_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    root = Path(git("rev-parse", "--show-toplevel", cwd=HERE)).resolve()
+    root = HERE.parent.resolve()
     trees = Trees(root)
     try:
-        before = trees.from_rev(args.before, "before")
+        if Path(args.before).is_dir():
+            before = trees.from_dir(Path(args.before).resolve())
+        else:
+            before = trees.from_rev(args.before, "before")
         if args.after is None or Path(args.after).is_dir():
             after = trees.from_dir(Path(args.after or root).resolve())
         else:

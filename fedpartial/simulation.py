@@ -370,6 +370,7 @@ class Simulation:
             cohort = self.cohort(ids, pack_seed, valid)
             self.state, metrics = self.round(self.state, cohort, round_key)
             metrics = jax.device_get(metrics)
+            metrics.update(engine.traffic_totals(metrics))
             train_time = time.perf_counter() - start
             up_total += int(metrics["upload_bytes"])
             down_total += int(metrics["download_bytes"])

@@ -38,7 +38,7 @@ def run_rounds(model, method, strategy, cohorts, seed=0, k=4, server=None, n=8):
     out = []
     for t, c in enumerate(cohorts):
         state, m = r(state, c, jax.random.fold_in(jax.random.key(seed), t))
-        out.append(jax.device_get(m))
+        out.append({**jax.device_get(m), **engine.traffic_totals(m)})
     return r, state, out
 
 
@@ -123,7 +123,7 @@ def test_static_batchnorm_policy_neither_tracks_nor_uploads_statistics(mlp):
     new, m = r(state, c, jax.random.key(1))
     chex.assert_trees_all_equal(new.variables["batch_stats"], state.variables["batch_stats"])
     params_bytes = sum(a.size * 4 for a in jax.tree.leaves(state.variables["params"]))
-    assert int(m["upload_bytes"]) == 4 * params_bytes
+    assert engine.traffic_totals(m)["upload_bytes"] == 4 * params_bytes
     # 'global' aggregates running statistics like parameters: they move.
     g = engine.FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT)
     moved, _ = g(g.init(jax.random.key(0)), c, jax.random.key(1))

@@ -184,7 +184,7 @@ def test_debug_strategy_runs_hooks_eagerly_and_matches_stepwise(mlp):
     ref = build(mlp, get_method("fedavg"))
     b, mb = ref(ref.init(jax.random.key(0)), cohort, jax.random.key(1))
     chex.assert_trees_all_close(a.variables, b.variables, rtol=1e-5, atol=1e-6)
-    assert ma["upload_bytes"] == mb["upload_bytes"]
+    assert engine.traffic_totals(ma)["upload_bytes"] == engine.traffic_totals(mb)["upload_bytes"]
 
 
 def test_pure_round_can_be_scanned_over_rounds(mlp):

@@ -275,7 +275,7 @@ def test_engine_matches_plain_python_fedldf(mlp, rounds, strategy):
 def test_traffic_formulas(three_rounds):
     n, num_layers = 2, 3
     for t in range(3):
-        up = {name: int(three_rounds(name)[1][t]["upload_bytes"]) for name in FACTORIES}
+        up = {name: engine.traffic_totals(three_rounds(name)[1][t])["upload_bytes"] for name in FACTORIES}
         avg = up["fedavg"]
         assert avg == K * 107 * 4  # a full model: 107 floats (parameters + BatchNorm statistics)
         assert up["fedldf-all"] == avg + K * num_layers * 4

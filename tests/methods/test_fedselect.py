@@ -61,7 +61,7 @@ def run(rounds):
         begins.append(jax.device_get((preview.plan, preview.start_vars)))
         state, m = r(states[-1], cohort(t), round_key(t))
         states.append(state)
-        metrics.append(jax.device_get(m))
+        metrics.append(engine.traffic_totals(m))
     return [jax.device_get(s) for s in states], begins, metrics
 
 
@@ -121,6 +121,7 @@ def test_first_round_is_fedavg(rounds, run):
     # ... and everything is uploaded: one round is FedAvg's round.
     r = rounds("fedavg")
     avg, avg_metrics = r(r.init(INIT_KEY), cohort(0), round_key(0))
+    avg_metrics = engine.traffic_totals(avg_metrics)
     chex.assert_trees_all_close(states[1].variables, jax.device_get(avg.variables), rtol=0, atol=1e-6)
     # 107 floats (95 parameters + 12 BatchNorm statistics) = 428 bytes per client, no index bytes.
     np.testing.assert_array_equal(metrics[0]["upload_bytes_per_client"], [428] * K)

@@ -238,6 +238,7 @@ def test_traffic_counts_active_parameters_and_indices(mlp):
         index = min(4 * fc1, 1) + min(4 * fc2, 1)  # a 6- or 5-unit bit-mask is 1 byte
         up += 4 * params
         down += 4 * params + index
+    metrics = engine.traffic_totals(metrics)
     assert int(metrics["upload_bytes"]) == up
     assert int(metrics["download_bytes"]) == down
 
