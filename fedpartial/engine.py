@@ -270,7 +270,6 @@ class FederatedRound:
             for g in self.groups)
         self.communicated = ("params", "batch_stats") if bn_policy == "global" else ("params",)
         self.trace_count = 0
-        self._init = jax.jit(self.pure_init)
         # Jitted entry points take raw key data: typed key arrays miss jit's fast C++ dispatch
         # path, which costs ~0.2 ms a call — per local step, in the stepwise strategy.
         self._key_impl = None
@@ -327,10 +326,19 @@ class FederatedRound:
         )
 
     def init(self, key: jax.Array) -> ServerState:
-        if self.strategy.kind == "debug":
-            with jax.disable_jit():
-                return self.pure_init(key)
-        return self._init(key)
+        """The initial server state, computed eagerly (the model's own initialisation, bit for bit)
+        with no two leaves sharing a buffer (the fused round donates them)."""
+        with jax.disable_jit(self.strategy.kind == "debug"):
+            state = self.pure_init(key)
+        seen: set[int] = set()
+
+        def distinct(a):
+            if id(a) in seen:
+                return a.copy()
+            seen.add(id(a))
+            return a
+
+        return jax.tree.map(distinct, state)
 
     # ---- round -----------------------------------------------------------------
 

@@ -74,7 +74,7 @@ def run(model, method, strategy):
 def test_truncated_graph_equals_the_mask_only_variant(staged, strategy):
     _, cached, mc = run(staged, tiers(True), strategy)
     _, masked, mm = run(staged, tiers(False), engine.stepwise(1))
-    chex.assert_trees_all_close(cached.variables, masked.variables, rtol=2e-5, atol=2e-6)
+    chex.assert_trees_all_close(cached.variables, masked.variables, rtol=2e-5, atol=1e-5)  # TF32 on GPUs
     np.testing.assert_allclose(mc["client_loss"], mm["client_loss"], rtol=1e-5)
     assert engine.traffic_totals(mc)["upload_bytes"] == engine.traffic_totals(mm)["upload_bytes"]
 
