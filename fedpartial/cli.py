@@ -146,7 +146,7 @@ def _mb(n: float) -> str:
 
 
 def _run(args, console: Console) -> int:
-    from fedpartial import simulation  # imported late: argument errors answer without loading JAX
+    from fedpartial import simulation
 
     config = config_from_args(args)
     config.validate()

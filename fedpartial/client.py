@@ -26,7 +26,14 @@ import optax
 
 from fedpartial import graphs
 from fedpartial import masks as masks_lib
-from fedpartial.core import Batch, ClientPlan, LocalGraph, LocalStep, Method, MethodContext
+from fedpartial.core import (
+    Batch,
+    ClientPlan,
+    LocalGraph,
+    LocalStep,
+    Method,
+    MethodContext,
+)
 
 
 class LocalState(NamedTuple):

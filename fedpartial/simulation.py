@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import jax
 import numpy as np

@@ -1,8 +1,19 @@
 """Host-side data: sources (tfds, digits, Synthetic), partitions and cohort packing."""
 
-from fedpartial.data.packing import CohortBatches, max_steps, pack_cohort, steps_for_client
+from fedpartial.data.packing import (
+    CohortBatches,
+    max_steps,
+    pack_cohort,
+    steps_for_client,
+)
 from fedpartial.data.partition import SCHEMES, partition, train_holdout_split
-from fedpartial.data.sources import DATASETS, TFDS_DATASETS, ArrayDataset, DataError, load_dataset
+from fedpartial.data.sources import (
+    DATASETS,
+    TFDS_DATASETS,
+    ArrayDataset,
+    DataError,
+    load_dataset,
+)
 from fedpartial.data.synthetic import make_synthetic
 
 __all__ = [

@@ -34,13 +34,14 @@ Sources
 
 from __future__ import annotations
 
-from fedpartial.errors import UserError
 import dataclasses
 import inspect
 import os
 from typing import Any
 
 import numpy as np
+
+from fedpartial.errors import UserError
 
 __all__ = ["DataError", "ArrayDataset", "DATASETS", "TFDS_DATASETS", "load_dataset"]
 

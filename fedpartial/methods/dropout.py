@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from fedpartial import costs, masks
 from fedpartial.losses import model_loss
 from fedpartial.methods import selection, submodel
-from fedpartial.methods.registry import MethodSpec
 from fedpartial.methods.base import (
     ClientPlan,
     InitView,
@@ -63,6 +62,7 @@ from fedpartial.methods.base import (
     make_method,
     scatter_clients,
 )
+from fedpartial.methods.registry import MethodSpec
 
 #: bytes of FjORD's per-layer width (one int32)
 WIDTH_BYTES = 4

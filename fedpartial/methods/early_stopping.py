@@ -26,8 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedpartial.losses import model_loss
 from fedpartial.errors import UserError
+from fedpartial.losses import model_loss
 from fedpartial.methods.base import (
     InitView,
     LocalStep,

@@ -53,8 +53,21 @@ import jax.numpy as jnp
 from fedpartial import costs, masks
 from fedpartial.errors import UserError
 from fedpartial.methods import selection
-from fedpartial.methods.base import InitView, Method, MethodContext, MethodState, RoundView, Selection, make_method
-from fedpartial.methods.registry import MethodSpec, Option, in_unit_interval, positive_int
+from fedpartial.methods.base import (
+    InitView,
+    Method,
+    MethodContext,
+    MethodState,
+    RoundView,
+    Selection,
+    make_method,
+)
+from fedpartial.methods.registry import (
+    MethodSpec,
+    Option,
+    in_unit_interval,
+    positive_int,
+)
 
 #: bytes of one divergence scalar (float32) and of one neuron index (int32)
 SCALAR_BYTES = 4

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 from fedpartial import costs, masks
 from fedpartial.methods import selection, submodel
-from fedpartial.methods.registry import MethodSpec, Option, in_unit_interval
 from fedpartial.methods.base import (
     ClientPlan,
     InitView,
@@ -43,6 +42,7 @@ from fedpartial.methods.base import (
     make_method,
     scatter_clients,
 )
+from fedpartial.methods.registry import MethodSpec, Option, in_unit_interval
 
 
 class FedSelectState(NamedTuple):

@@ -33,7 +33,6 @@ from typing import Sequence
 
 from fedpartial import costs
 from fedpartial.methods import submodel
-from fedpartial.methods.registry import MethodSpec
 from fedpartial.methods.base import (
     ClientPlan,
     InitView,
@@ -45,6 +44,7 @@ from fedpartial.methods.base import (
     make_method,
     scatter_clients,
 )
+from fedpartial.methods.registry import MethodSpec
 
 
 def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:

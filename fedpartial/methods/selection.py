@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Sequence
 
