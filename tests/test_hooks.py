@@ -13,7 +13,7 @@ from fedpartial.client import make_client_fns
 from fedpartial.core import ClientPlan, MethodContext, MethodState
 from fedpartial.methods import get_method, make_method
 from fedpartial.methods.base import cross_entropy, upload_trained
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial.simulation import RunConfig, Simulation, server_examples
 from tests.conftest import make_cohort
 
 N, K = 6, 3
@@ -136,9 +136,10 @@ def test_init_receives_a_class_balanced_server_set_no_client_holds():
                      method=method)
     np.testing.assert_array_equal(sim.state.method_state.server, np.full(10, 3))
     held = set(np.concatenate(sim.clients).tolist())
-    server = {i for i, x in enumerate(sim.dataset.x_train)
-              if any(np.array_equal(x, s) for s in sim.server_data.x[:1])}
-    assert len(sim.server_data.y) == 30 and not (server & held)
+    server = set(server_examples(sim.dataset.y_train, 3, sim.config.seed).tolist())
+    np.testing.assert_array_equal(sim.server_data.x, sim.dataset.x_train[sorted(server)])
+    assert len(server) == 30 and not (server & held)
+    assert len(held) + len(server) == len(sim.dataset.y_train)  # every other example went to a client
 
 
 def test_method_metrics_reach_the_record_and_may_not_shadow_engine_names(mlp):

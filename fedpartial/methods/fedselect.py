@@ -94,9 +94,9 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
                          extra_upload_bytes=costs.index_bytes(ctx.structure, personal))
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        starts = jax.vmap(lambda state, plan: client_start(ctx, view.global_vars, state, plan))(
-            view.client_state, view.plan)
-        change = selection.neuron_update_norms(ctx.structure, view.trained_vars["params"], starts["params"])
+        # How far each neuron moved from where the client started (the engine hands over the start models).
+        change = selection.neuron_update_norms(ctx.structure, view.trained_vars["params"],
+                                               view.start_vars["params"])
         rows = FedSelectState(variables=view.trained_vars, change=change,
                               trained=jnp.ones_like(view.client_state.trained))
         clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, view.cohort.valid)
