@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", default=None, help="run folder name (made unique)")
     run.add_argument("--record-decisions", action="store_true",
                      help="save every round's plan and selection masks to RUN_DIR/decisions/round-NNNNN.npz")
+    cap = sub.add_parser("capacity", help="parameters, activations and capacity of each client tier of a model",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cap.add_argument("--model", default="resnet20", help="a staged zoo model, e.g. resnet20, femnist_cnn, bilstm")
+    cap.add_argument("--input-shape", default=None,
+                     help="one example's shape, e.g. 32,32,3 (default: the model's dataset in the paper)")
+    cap.add_argument("--classes", type=_positive_int, default=None, help="number of classes (default: as above)")
+    cap.add_argument("--batch-size", type=_positive_int, default=32, help="activations are counted per batch")
+    cap.add_argument("--cut", default=None, help="first trained stage of moderate and weak clients, e.g. 4,7")
     return parser
 
 
@@ -194,6 +202,28 @@ def _run(args, console: Console) -> int:
     return 0
 
 
+def _capacity(args, console: Console) -> int:
+    from fedpartial.methods import capacity
+
+    shape = None
+    if args.input_shape is not None:
+        try:
+            shape = tuple(int(d) for d in args.input_shape.split(","))
+        except ValueError:
+            raise UserError(f"--input-shape {args.input_shape!r} must be whole numbers separated by commas, "
+                            "e.g. 32,32,3.") from None
+    model = capacity.reference_model(args.model, shape, args.classes)
+    table = Table(title=f"client tiers of {model.name} {model.input_shape} — activations per batch of "
+                        f"{args.batch_size}")
+    for col in ("method", "tier", "trains", "parameters", "activations", "capacity", "paper"):
+        table.add_column(col, justify="left" if col in ("method", "tier", "trains") else "right")
+    for row in capacity.report(model, batch_size=args.batch_size, cut=args.cut):
+        table.add_row(row["method"], row["tier"], row["trains"], f"{row['params']:,}", f"{row['activations']:,}",
+                      f"{row['capacity']:.3f}", "–" if row["paper"] is None else f"{row['paper']:.2f}")
+    Console(width=max(console.width, 100)).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
@@ -201,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args, console)
+        if args.command == "capacity":
+            return _capacity(args, console)
     except UserError as e:  # the project's own input errors are meant for people; others keep a traceback
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"fedpartial: error: {message}\n")

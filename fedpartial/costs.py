@@ -52,8 +52,11 @@ def _check_mask(structure: ModelStructure, mask: Mask | None, name: str) -> None
         )
 
 
-def layer_output_shapes(model: Model) -> tuple[tuple[int, ...], ...]:
+def layer_output_shapes(model: Model, input_shape: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
     """Per layer (structure order), the shape of one example's Conv/Dense output, without a batch axis.
+
+    ``input_shape`` (default the model's) lets a caller ask for other inputs, e.g. a
+    sequence model fed half-length sequences.
 
     Found by intercepting the module calls of one abstract forward pass (eval mode,
     batch of 1), as :func:`fedpartial.models.adapter.from_linen` records the layer
@@ -75,7 +78,8 @@ def layer_output_shapes(model: Model) -> tuple[tuple[int, ...], ...]:
         return out
 
     variables = jax.eval_shape(model.init_variables, jax.random.key(0))
-    x = jax.ShapeDtypeStruct((1, *model.input_shape), jnp.float32)
+    shape = model.input_shape if input_shape is None else tuple(input_shape)
+    x = jax.ShapeDtypeStruct((1, *shape), model.input_dtype if hasattr(model, "input_dtype") else jnp.float32)
     with nn.intercept_methods(record):
         jax.eval_shape(lambda v, xb: model.apply(v, xb, False), variables, x)
     for layer in model.structure.layers:

@@ -14,7 +14,7 @@ coordinates and cuts them with ``extract``, and writes trained values back with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -70,3 +70,18 @@ def suffix(model: Model, cut: int) -> LocalGraph:
         return model.apply_stages(variables, x, start=cut, train=train, example_mask=example_mask)
 
     return LocalGraph(extract=extract, insert=merge_subtree, apply=apply, prepare=prepare)
+
+
+def map_inputs(graph: LocalGraph, fn: Callable[[jax.Array], jax.Array]) -> LocalGraph:
+    """``graph`` fed ``fn(x)`` instead of a client's raw inputs ``x`` (e.g. the first half of every sequence).
+
+    ``fn`` runs once per round on the client's whole local data ``[S, B, ...]``,
+    before the graph's own preparation; it must act on the trailing example axes
+    only and may change their shape (each client group compiles for its own).
+    """
+
+    def prepare(variables: dict, data: Batch, batch_statistics: bool) -> Batch:
+        data = data._replace(x=fn(data.x))
+        return data if graph.prepare is None else graph.prepare(variables, data, batch_statistics)
+
+    return graph._replace(prepare=prepare)

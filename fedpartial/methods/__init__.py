@@ -7,6 +7,7 @@
 
 from fedpartial.errors import UserError
 from fedpartial.methods import dropout as _dropout
+from fedpartial.methods import embracingfl as _embracingfl
 from fedpartial.methods import fedavg as _fedavg
 from fedpartial.methods import fedldf as _fedldf
 from fedpartial.methods import fedprox as _fedprox
@@ -33,6 +34,7 @@ from fedpartial.methods.base import (
 )
 from fedpartial.methods.dropout import feddrop, fedmp, fjord, hermes, prunefl
 from fedpartial.methods.early_stopping import early_stopping
+from fedpartial.methods.embracingfl import embracingfl
 from fedpartial.methods.fedavg import fedavg
 from fedpartial.methods.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial.methods.fedprox import fedprox
@@ -44,6 +46,7 @@ from fedpartial.methods.registry import MethodSpec, Option
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec for spec in (
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _fedselect.SPEC,
+        _embracingfl.SPEC,
     )
 }
 
@@ -58,7 +61,8 @@ def get_method(name: str, **options) -> Method:
 __all__ = [
     "Batch", "ClientGroup", "ClientPlan", "CohortInfo", "InitView", "LocalStep", "LossAux", "METHODS", "Method",
     "MethodContext", "MethodSpec", "MethodState", "Option", "RoundView", "Selection", "cross_entropy",
-    "early_stopping", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox", "fedselect", "fedspu", "fjord",
+    "early_stopping", "embracingfl", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox", "fedselect",
+    "fedspu", "fjord",
     "gather_clients", "get_method", "hdfl", "hermes", "make_method", "prunefl", "random_layers",
     "scatter_clients", "with_penalty",
 ]
