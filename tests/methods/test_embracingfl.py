@@ -114,12 +114,13 @@ def test_weak_clients_leave_the_prefix_bit_identical(staged):
     assert set(r.clients[0].init(state.variables).variables["params"]) == {"head"}
 
 
-@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(2)], ids=str)
-def test_cached_activations_equal_mask_only_training(staged, strategy):
+@pytest.mark.parametrize("strategy,bn_policy", [(engine.fused(), "global"), (engine.stepwise(2), "global"),
+                                                (engine.fused(), "static")], ids=str)
+def test_cached_activations_equal_mask_only_training(staged, strategy, bn_policy):
     mix = (2, 3, 3)  # cohort of 4: 1 strong, 2 moderate, 1 weak
     cs = cohorts([[0, 2, 4, 5], [1, 3, 4, 7]], k=4)
-    _, cached, mc = run(staged, embracingfl(tier_mix=mix), cs, 4, strategy)
-    _, masked, mm = run(staged, embracingfl(tier_mix=mix, cached=False), cs, 4)
+    _, cached, mc = run(staged, embracingfl(tier_mix=mix), cs, 4, strategy, bn_policy=bn_policy)
+    _, masked, mm = run(staged, embracingfl(tier_mix=mix, cached=False), cs, 4, bn_policy=bn_policy)
     chex.assert_trees_all_close(cached.variables, masked.variables, rtol=2e-5, atol=1e-5)
     np.testing.assert_allclose(mc[-1]["client_loss"], mm[-1]["client_loss"], rtol=1e-5)
     for t in ("strong", "moderate", "weak"):
@@ -197,3 +198,25 @@ def test_capacity_command(capsys):
     assert "6,551,614" in out and "0.986" in out and "0.99" in out  # moderate: ours and the paper's capacity
     assert cli.main(["capacity", "--model", "lenet5", "--cut", "1,9"]) == 2
     assert "--cut stage 9 is outside 0..4" in capsys.readouterr().err
+
+
+def test_simulation_samples_a_fixed_number_per_tier():
+    from fedpartial.data.sources import ArrayDataset
+    from fedpartial.simulation import RunConfig, Simulation
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 300).astype(np.int32)
+    data = ArrayDataset(name="toy", x_train=x, y_train=y, x_test=x[:60], y_test=y[:60], num_classes=3)
+    model = from_stages([Block(6), Block(5), Block(4), nn.Dense(3)], input_shape=(4,), num_classes=3,
+                        names=("b1", "b2", "b3", "head"), sequential=True, name="staged_mlp")
+    config = RunConfig(method="embracingfl", options={"capacity_case": 9}, num_clients=16, cohort_size=8, rounds=2,
+                       local_steps=2, batch_size=8, out_dir=None, partition="iid", bn_policy="static")
+    sim = Simulation(config, data, model=model)
+    assert [(g.name, g.size) for g in sim.round.groups] == [("strong", 1), ("moderate", 2), ("weak", 5)]
+    for t in range(4):
+        ids, valid, _, _ = sim.sample_cohort(t)  # case 9 on 16 clients: 2 strong, 4 moderate, 10 weak
+        assert valid.all() and set(ids[:1]) <= {0, 1} and set(ids[1:3]) <= set(range(2, 6))
+        assert set(ids[3:]) <= set(range(6, 16)) and len(set(ids)) == 8
+    records = list(sim.rounds())
+    assert np.isfinite(records[-1]["test_accuracy"]) and "train_loss_weak" in records[-1]
