@@ -80,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", default=None, help="run folder name (made unique)")
     run.add_argument("--record-decisions", action="store_true",
                      help="save every round's plan and selection masks to RUN_DIR/decisions/round-NNNNN.npz")
+    devices = run.add_argument_group(
+        "device model (simulated time: a client takes FLOPs/speed + bytes down/bandwidth + bytes up/bandwidth, "
+        "a round its slowest client; DIST is a number, lognormal:MEDIAN:SIGMA or uniform:LOW:HIGH)")
+    devices.add_argument("--device-profiles", default=None, metavar="CSV",
+                         help="device profiles with columns compute_flops_per_s, download_bytes_per_s, "
+                              "upload_bytes_per_s; client i gets row i mod rows (replaces the distributions)")
+    devices.add_argument("--compute-speed", default=d.compute_speed, metavar="DIST", help="FLOP/s per client")
+    devices.add_argument("--download-bandwidth", default=d.download_bandwidth, metavar="DIST",
+                         help="bytes/s per client")
+    devices.add_argument("--upload-bandwidth", default=d.upload_bandwidth, metavar="DIST", help="bytes/s per client")
+    devices.add_argument("--target-accuracy", type=_float, default=None,
+                         help="report the simulated time (and round) at which test accuracy first reaches this")
     cap = sub.add_parser("capacity", help="parameters, activations and capacity of each client tier of a model",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cap.add_argument("--model", default="resnet20", help="a staged zoo model, e.g. resnet20, femnist_cnn, bilstm")
@@ -146,11 +158,23 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         early_stopping=args.es, train_fraction=args.train_fraction,
         bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
+        device_profiles=args.device_profiles, compute_speed=args.compute_speed,
+        download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
+        target_accuracy=args.target_accuracy,
     )
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.2f} MB"
+
+
+def _duration(seconds: float) -> str:
+    """Simulated seconds for people: '42.0 s', '12.5 min', '3.20 h'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:,.2f} h"
 
 
 def _run(args, console: Console) -> int:
@@ -163,14 +187,15 @@ def _run(args, console: Console) -> int:
     progress = Progress(
         TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
         TextColumn("acc {task.fields[acc]}"), TextColumn("loss {task.fields[loss]}"),
-        TextColumn("up {task.fields[up]}"), TimeElapsedColumn(),
+        TextColumn("up {task.fields[up]}"), TextColumn("sim {task.fields[sim]}"), TimeElapsedColumn(),
         console=console, transient=False,
     )
     with progress:
-        task = progress.add_task("run", total=config.rounds, acc="–", loss="–", up="0 MB")
+        task = progress.add_task("run", total=config.rounds, acc="–", loss="–", up="0 MB", sim="0 s")
 
         def on_round(r):
-            fields = dict(loss=f"{r['train_loss']:.3f}", up=_mb(r["cumulative_upload_bytes"]))
+            fields = dict(loss=f"{r['train_loss']:.3f}", up=_mb(r["cumulative_upload_bytes"]),
+                          sim=_duration(r["cumulative_simulated_time_s"]))
             if "test_accuracy" in r:
                 fields["acc"] = f"{r['test_accuracy']:.4f}"
             progress.update(task, advance=1, **fields)
@@ -193,6 +218,12 @@ def _run(args, console: Console) -> int:
             ("personal state", _mb(summary["personal_state_bytes"]))]
           if "final_personal_accuracy" in summary else []),
         ("upload / download", f"{_mb(summary['total_upload_bytes'])} / {_mb(summary['total_download_bytes'])}"),
+        ("simulated device time", (f"{_duration(summary['total_simulated_time_s'])} "
+                                   f"({summary['total_client_flops'] / 1e9:,.2f} GFLOPs of local work)")),
+        *([(f"time to {config.target_accuracy:g} test accuracy",
+            f"{_duration(summary['time_to_target_s'])} (round {summary['round_to_target']})"
+            if summary["time_to_target_s"] is not None else f"not reached in {summary['rounds']} rounds")]
+          if config.target_accuracy is not None else []),
         ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s)"),
         ("results", str(summary["run_dir"])),
     ]
@@ -220,7 +251,7 @@ def _capacity(args, console: Console) -> int:
     for row in capacity.report(model, batch_size=args.batch_size, cut=args.cut):
         table.add_row(row["method"], row["tier"], row["trains"], f"{row['params']:,}", f"{row['activations']:,}",
                       f"{row['capacity']:.3f}", "–" if row["paper"] is None else f"{row['paper']:.2f}")
-    Console(width=max(console.width, 100)).print(table)
+    Console(width=max(console.width, 110)).print(table)
     return 0
 
 

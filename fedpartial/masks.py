@@ -41,7 +41,12 @@ class Mask(NamedTuple):
         layer's ``neurons``; otherwise a tuple, per layer, of ``[..., units_f]``
         bools for the units of the layer ``f`` feeding it (any shape for a layer
         fed by nobody).  :func:`unwired` uses it for masks that select a neuron
-        together with its whole incoming weight column (FedADP).
+        together with its whole incoming weight column (FedADP).  A layer the
+        structure leaves unwired (``feeds_from`` None, e.g. inside a residual
+        network) may be wired here explicitly with a non-empty ``[..., n]``
+        vector: each of its ``n`` units feeds ``fan_in / n`` input rows (NHWC
+        tiling); an empty ``[..., 0]`` leaves it unwired.  Width reduction uses
+        this for ResNet20 (:mod:`fedpartial.methods.heterofl`).
     """
 
     layers: jax.Array
@@ -112,7 +117,9 @@ def _input_units(structure: ModelStructure, layer: int, per_unit: Sequence[jax.A
     """Per input row of ``layer``'s kernel, the value of the feeding unit (None if unwired)."""
     spec = structure.layers[layer]
     if spec.feeds_from is None:
-        return None
+        if inputs is None or inputs[layer].shape[-1] == 0:
+            return None
+        return jnp.tile(inputs[layer], spec.fan_in // inputs[layer].shape[-1])  # explicitly wired
     units = per_unit[spec.feeds_from] if inputs is None else inputs[layer]
     # NHWC flatten: input row i is fed by channel i % C, i.e. the unit vector tiled.
     return jnp.tile(units, spec.input_tile)
@@ -189,8 +196,11 @@ def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: M
     if not role.has_input_axis:
         return on * n_out * math.prod(shape[:-1])
     spec = structure.layers[role.layer]
-    if spec.feeds_from is None:
+    if spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0):
         n_in = shape[-2]
+    elif spec.feeds_from is None:  # explicitly wired
+        feeding = mask.inputs[role.layer]
+        n_in = (spec.fan_in // feeding.shape[-1]) * jnp.sum(feeding, axis=-1, dtype=jnp.int32)
     else:
         feeding = mask.neurons[spec.feeds_from] if mask.inputs is None else mask.inputs[role.layer]
         n_in = spec.input_tile * jnp.sum(feeding, axis=-1, dtype=jnp.int32)

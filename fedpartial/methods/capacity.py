@@ -6,7 +6,9 @@ the Conv/Dense/LSTM outputs of the trained layers for one batch.  The paper's ow
 numbers are shown beside ours where it gives them; differences are explained in
 the README and tests:
 our ResNet20 lacks one 16→16 projection of the paper's implementation, and the
-paper counts FEMNIST's activations for one example rather than a batch.
+paper counts FEMNIST's activations for one example rather than a batch.  Width
+reduction (HeteroFL, the paper's Table 10) is listed for every model that has a
+width-reduced version.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Sequence
 
 from fedpartial.errors import UserError
 from fedpartial.methods.embracingfl import capacity_table
+from fedpartial.methods.heterofl import capacity_table as width_capacity_table
 from fedpartial.models.adapter import Model, from_linen
 from fedpartial.models.registry import MODELS, build_model
 
@@ -53,8 +56,17 @@ def report(model: Model, *, batch_size: int = 32, cut=None) -> list[dict]:
     for t, row in enumerate(capacity_table(model, batch_size=batch_size, cut=cut)):
         trains = f"from {row['cut_stage']}"
         if row["sequence_fraction"] < 1:
-            trains += f", first {row['sequence_fraction']:.0%} of sequences"
+            trains += f", {row['sequence_fraction']:.0%} of tokens"
         rows.append(dict(method="embracingfl", tier=row["tier"], trains=trains, params=row["params"],
                          activations=row["activations"], capacity=row["capacity"],
+                         paper=paper[t] if paper else None))
+    try:
+        widths = width_capacity_table(model, batch_size=batch_size)
+    except UserError:  # a model without a width-reduced version (e.g. the BiLSTM)
+        return rows
+    paper = PAPER_CAPACITY.get(("heterofl", model.name))
+    for t, row in enumerate(widths):
+        rows.append(dict(method="heterofl", tier=row["tier"], trains=f"{row['width']:.4g} of each layer's units",
+                         params=row["params"], activations=row["activations"], capacity=row["capacity"],
                          paper=paper[t] if paper else None))
     return rows

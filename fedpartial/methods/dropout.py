@@ -35,6 +35,11 @@ Decisions where the papers are vague:
   int32 indices or a bit-mask.  FjORD sends one int32 width per masked layer.
 * Evaluation: each client's personal model is the sub-model it last trained (its
   dropped neurons removed), on its own held-out split.
+* FjORD may instead take EmbracingFL's capacity tiers (``--tier-mix`` /
+  ``--capacity-case`` with ``--widths``, :mod:`fedpartial.methods.tiers`): strong
+  clients keep every neuron, moderate and weak ones the leftmost ``⌈r·u⌉`` —
+  the width-reduction baseline at the paper's capacities, as masks on the full
+  model (:mod:`fedpartial.methods.heterofl` runs the same widths as smaller graphs).
 
 :func:`fedselect` is different in kind (a personal part grows inside a full-width
 model) and is described there.
@@ -46,8 +51,10 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedpartial import costs, masks
+from fedpartial.errors import UserError
 from fedpartial.losses import model_loss
 from fedpartial.methods import selection, submodel
 from fedpartial.methods.base import (
@@ -62,7 +69,9 @@ from fedpartial.methods.base import (
     make_method,
     scatter_clients,
 )
+from fedpartial.methods.heterofl import DEFAULT_WIDTHS, WIDTHS_OPTION, tier_ratios
 from fedpartial.methods.registry import MethodSpec
+from fedpartial.methods.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION, resolve_mix
 
 #: bytes of FjORD's per-layer width (one int32)
 WIDTH_BYTES = 4
@@ -72,11 +81,14 @@ Chooser = Callable[[MethodContext, RoundView, tuple], tuple]
 
 def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], rounding: str = "round",
                     chosen_by: str = "client",
-                    index_cost: Callable | None = None) -> Method:
+                    index_cost: Callable | None = None,
+                    population_tiers: Callable[[MethodContext], np.ndarray] | None = None) -> Method:
     """A dropout method from its neuron choice ``choose(ctx, view, counts) -> neurons``.
 
     ``chosen_by`` ('server' or 'client') says which side pays the index bytes;
     ``index_cost(structure, mask) -> [K]`` overrides how many (default: indices or bit-mask).
+    ``population_tiers(ctx) -> [N]``: each client's index into ``tiers`` (None: equal
+    clusters by id, :func:`fedpartial.methods.submodel.tier_of`).
     """
     tiers = submodel.check_tiers(name, tiers)
     if chosen_by not in ("server", "client"):
@@ -89,7 +101,12 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
         return MethodState(clients=submodel.SubmodelState(variables=population, neurons=everything))
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
-        counts = submodel.cohort_counts(ctx, tiers, view.cohort.client_ids, rounding)
+        if population_tiers is None:
+            counts = submodel.cohort_counts(ctx, tiers, view.cohort.client_ids, rounding)
+        else:
+            table = jnp.asarray(submodel.keep_table(ctx.structure, tiers, rounding))
+            rows = table[jnp.asarray(population_tiers(ctx))[view.cohort.client_ids]]  # [K, L]
+            counts = tuple(rows[:, layer] for layer in range(ctx.structure.num_layers))
         kept = submodel.neuron_mask(ctx.structure, choose(ctx, view, counts))
         index = index_cost(ctx.structure, kept)
         return ClientPlan(dropout=kept, download=kept,
@@ -155,10 +172,25 @@ def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     return submodel_method("feddrop", _random, tiers=tiers, chosen_by="server")
 
 
-def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
-    """FjORD (ordered dropout): the leftmost ``⌈p_k·units⌉`` neurons of every layer."""
-    return submodel_method("fjord", _leftmost, tiers=tiers, rounding="ceil", chosen_by="server",
-                           index_cost=_width_bytes)
+def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS, tier_mix=None, capacity_case: int | None = None,
+          widths: Sequence[float] = DEFAULT_WIDTHS) -> Method:
+    """FjORD (ordered dropout): the leftmost ``⌈p_k·units⌉`` neurons of every layer.
+
+    ``p_k`` comes from equal clusters of ``tiers`` or, given ``tier_mix`` or
+    ``capacity_case``, from EmbracingFL's capacity tiers with ratios ``(1, *widths)``.
+    """
+    if tier_mix is None and capacity_case is None:
+        return submodel_method("fjord", _leftmost, tiers=tiers, rounding="ceil", chosen_by="server",
+                               index_cost=_width_bytes)
+    if tuple(tiers) != submodel.DEFAULT_TIERS:
+        raise UserError("fjord: give either --tiers (equal clusters) or --tier-mix / --capacity-case with --widths, "
+                        "not both.")
+
+    def population_tiers(ctx: MethodContext) -> np.ndarray:
+        return np.repeat(np.arange(3), resolve_mix(ctx.num_clients, tier_mix, capacity_case).counts)
+
+    return submodel_method("fjord", _leftmost, tiers=tier_ratios(widths), rounding="ceil", chosen_by="server",
+                           index_cost=_width_bytes, population_tiers=population_tiers)
 
 
 def hermes(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
@@ -176,8 +208,11 @@ def prunefl(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     return submodel_method("prunefl", _by_gradient_norm, tiers=tiers)
 
 
+#: FjORD also takes EmbracingFL's capacity tiers (the width-reduction baseline at the paper's capacities)
+_EXTRA_OPTIONS = {"fjord": (TIER_MIX_OPTION, CAPACITY_CASE_OPTION, WIDTHS_OPTION)}
+
 SPECS = tuple(
-    MethodSpec(name, factory, summary, (submodel.TIERS_OPTION,))
+    MethodSpec(name, factory, summary, (submodel.TIERS_OPTION, *_EXTRA_OPTIONS.get(name, ())))
     for name, factory, summary in (
         ("feddrop", feddrop, "The server keeps p_k of each layer's neurons at random (sub-models)."),
         ("fjord", fjord, "Ordered dropout: the leftmost ⌈p_k·units⌉ neurons of every layer."),

@@ -43,6 +43,7 @@ import numpy as np
 
 from fedpartial import costs, graphs, masks
 from fedpartial.core import ClientGroup, ClientPlan, LocalGraph, MethodContext, RoundView
+from fedpartial.data.text import first_part
 from fedpartial.errors import UserError
 from fedpartial.methods.base import make_method
 from fedpartial.methods.registry import MethodSpec, Option
@@ -127,17 +128,11 @@ def sequence_fractions(model: Model) -> tuple[float, float, float]:
     return SEQUENCE_FRACTIONS.get(model.name, (1.0, 1.0, 1.0))
 
 
-def first_part(x, fraction: float):
-    """The first ⌈fraction·T⌉ positions of a token batch ``[..., T]`` (static shapes)."""
-    t = x.shape[-1]
-    return x[..., : max(1, math.ceil(round(fraction * t, 9)))]
-
-
 def tier_graph(model: Model, cut: int, fraction: float, cached: bool) -> LocalGraph | None:
     """A tier's local graph: the suffix on cached prefix activations, or (``cached=False``) the whole model."""
     graph = graphs.suffix(model, cut) if cached and cut > 0 else None
     if fraction < 1.0:
-        graph = graphs.map_inputs(graph or graphs.whole(model), lambda x: first_part(x, fraction))
+        graph = graphs.map_inputs(graph or graphs.whole(model), lambda x: first_part(x, fraction, truncate=True))
     return graph
 
 
@@ -209,7 +204,7 @@ def tier_footprint(model: Model, cut: int, *, batch_size: int, fraction: float =
     params = sum(math.prod(a.shape) for a in jax.tree.leaves(model.stage_variables(variables, cut)["params"]))
     input_shape = model.input_shape
     if fraction < 1.0:
-        input_shape = (*input_shape[:-1], first_part(np.zeros(input_shape[-1:]), fraction).shape[-1])
+        input_shape = first_part(np.zeros(input_shape), fraction, truncate=True).shape
     shapes = costs.layer_output_shapes(model, input_shape=input_shape)
     acts = sum(math.prod(s) for s, stage in zip(shapes, model.stage_of_layer) if stage >= cut)
     return {"params": int(params), "activations": int(batch_size * acts)}

@@ -19,8 +19,6 @@ no client group.
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import numpy as np
 
 from fedpartial.errors import UserError
@@ -130,8 +128,3 @@ def describe(mix: TierMix, cohort_size: int) -> str:
     pop = " + ".join(f"{c} {n}" for c, n in zip(mix.counts, TIER_NAMES) if c)
     per_round = " + ".join(str(s) for s, c in zip(sizes, mix.counts) if c)
     return f"{pop}; per round {per_round}"
-
-
-def ceil_units(ratio: float, units: int) -> int:
-    """⌈ratio·units⌉, at least 1, robust to float noise (0.4375·16 = 7 exactly)."""
-    return max(1, math.ceil(round(ratio * units, 9)))

@@ -2,7 +2,7 @@
 
 ``input_shape`` is the shape of one example without the batch axis, e.g.
 ``(8, 8, 1)`` for the offline digits, ``(28, 28, 1)`` for (E/FE)MNIST,
-``(32, 32, 3)`` for CIFAR. ``sequential`` tells the engine whether the model is
+``(32, 32, 3)`` for CIFAR, ``(256,)`` (token ids) for IMDB. ``sequential`` tells the engine whether the model is
 a plain chain of layers (every layer feeds only the next one), the condition for
 neuron-level masks; residual models are not sequential.
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 
 from fedpartial.errors import UserError
-from fedpartial.models import zoo
+from fedpartial.models import text, zoo
 
-__all__ = ["ModelSpec", "MODELS", "build_model"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,11 @@ MODELS: dict[str, ModelSpec] = {
         description="LEAF FEMNIST CNN (EmbracingFL): conv5x5 32, conv5x5 64, Dense 2048, out.",
         sequential=True,
     ),
+    "bilstm": ModelSpec(
+        factory=lambda num_classes, input_shape: text.BiLSTM(num_classes=num_classes),
+        description="EmbracingFL IMDB BiLSTM: embedding 10,000x256, bidirectional LSTM 256, Dense (token ids).",
+        sequential=False,
+    ),
 }
 
 
@@ -111,3 +116,14 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
     if validate is not None:
         validate(shape)
     return module
+
+
+def build_narrow_model(name: str, num_classes: int, input_shape: Sequence[int], ratio: float, *,
+                       scaler: bool = True) -> nn.Module:
+    """Zoo model ``name`` with ``⌈ratio·C⌉`` channels/units in every hidden layer (:func:`zoo.narrowed`).
+
+    Raises:
+      UserError: as :func:`build_model`, a ratio outside (0, 1], or a model without a
+        width-reduced version.
+    """
+    return zoo.narrowed(build_model(name, num_classes, input_shape), ratio, scaler=scaler)

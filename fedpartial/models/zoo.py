@@ -25,6 +25,15 @@ Every model follows one contract, which the engine relies on to discover the
   ``[H, W, C]`` map the flat index of ``(h, w, c)`` is ``(h * W + w) * C + c``
   (channel ``c`` of a conv feeds dense input rows ``i`` with ``i % C == c``).
 
+**Width reduction** (HeteroFL, FjORD, EmbracingFL's baseline): every zoo model
+names the fields that set its hidden widths (``_width_fields``), and
+:func:`narrowed` returns the same architecture with ``⌈r·C⌉`` channels/units in
+every hidden layer (the classifier keeps every class).  Its variables are the
+full model's *leading* channels/units on every axis (a conv→flatten→dense kernel:
+the leading channels of every ``H·W`` block of rows), so a narrow model is a
+slice of the full one.  ``train_scale`` multiplies every hidden Conv/Dense output
+in training only (HeteroFL's "Scaler", ``1/r``); its default 1.0 changes nothing.
+
 Every convolutional model has a :meth:`validate_input_shape` that raises a
 ``ValueError`` naming the input shape when the image is too small for the
 network's pooling/valid convolutions; it is called by ``__call__`` and by
@@ -34,6 +43,7 @@ the batch axis.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -44,15 +54,17 @@ import jax.numpy as jnp
 from fedpartial.errors import UserError
 
 __all__ = [
-    "stage_range",
-    "MLP",
     "CNN2C1F",
     "CNN2C3F",
-    "LeNet5",
+    "FEMNISTCNN",
+    "MLP",
     "VGG9",
     "BasicBlock",
+    "LeNet5",
     "ResNet20",
-    "FEMNISTCNN",
+    "narrow_units",
+    "narrowed",
+    "stage_range",
 ]
 
 _he_normal = nn.initializers.he_normal()
@@ -72,13 +84,19 @@ def _flatten(x):
     return x.reshape((x.shape[0], -1))
 
 
-def _conv_relu_pool(x, index: int, features: int, kernel_size: int, padding: Any = "SAME"):
-    """Stage ``conv{index + 1}``: conv -> ReLU -> 2x2 max-pool.
+def _train_scaled(x, train: bool, scale: float):
+    """HeteroFL's Scaler: ``x · scale`` in training, ``x`` otherwise (and always for scale 1)."""
+    return x * scale if train and scale != 1.0 else x
+
+
+def _conv_relu_pool(x, index: int, features: int, kernel_size: int, padding: Any = "SAME", *,
+                    train: bool = False, scale: float = 1.0):
+    """Stage ``conv{index + 1}``: conv -> (train scale) -> ReLU -> 2x2 max-pool.
 
     Called from a parent's ``@nn.compact`` ``__call__``: the conv becomes its child.
     """
     x = nn.Conv(features, (kernel_size, kernel_size), padding=padding, name=f"conv{index + 1}")(x)
-    return _max_pool(nn.relu(x))
+    return _max_pool(nn.relu(_train_scaled(x, train, scale)))
 
 
 def stage_range(num_stages: int, start: int = 0, stop: int | None = None) -> range:
@@ -142,6 +160,9 @@ class MLP(nn.Module):
 
     num_classes: int
     hidden: tuple[int, ...] = (200, 200)
+    train_scale: float = 1.0
+
+    _width_fields = ("hidden",)
 
     @nn.nowrap
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
@@ -158,14 +179,14 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        del train  # no train-dependent layers
         if start == 0:
             x = jnp.asarray(x, jnp.float32)
         for s in stage_range(len(self.stage_names), start, stop):
             if s == 0:
                 x = _flatten(x)
             if s < len(self.hidden):
-                x = nn.relu(nn.Dense(self.hidden[s], name=f"fc{s + 1}")(x))
+                x = nn.Dense(self.hidden[s], name=f"fc{s + 1}")(x)
+                x = nn.relu(_train_scaled(x, train, self.train_scale))
             else:
                 x = nn.Dense(self.num_classes, name="head")(x)
         return x
@@ -188,6 +209,9 @@ class CNN2C1F(nn.Module):
     num_classes: int
     features: tuple[int, int] = (32, 64)
     kernel_size: int = 5
+    train_scale: float = 1.0
+
+    _width_fields = ("features",)
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -199,11 +223,10 @@ class CNN2C1F(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        del train
         x = _prepare_input(self, x, start)
         for s in stage_range(len(self.stage_names), start, stop):
             if s < len(self.features):
-                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size)
+                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, train=train, scale=self.train_scale)
             else:
                 x = nn.Dense(self.num_classes, name="head")(_flatten(x))
         return x
@@ -239,8 +262,10 @@ class CNN2C3F(nn.Module):
     hidden: tuple[int, ...] = (120, 84)
     kernel_size: int = 5
     padding: str = "auto"
+    train_scale: float = 1.0
 
     _model_name = "cnn2c3f"
+    _width_fields = ("features", "hidden")
 
     def __post_init__(self):
         if self.padding not in ("auto", "VALID", "SAME"):
@@ -291,7 +316,6 @@ class CNN2C3F(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        del train
         x = _prepare_input(self, x, start)
         padding = self.resolved_padding(x.shape[1:]) if start == 0 else self.padding
         n_conv, n_fc = len(self.features), len(self.hidden)
@@ -303,11 +327,13 @@ class CNN2C3F(nn.Module):
                         f"image size, which stage {s} ({self.stage_names[s]}) cannot see: use "
                         "for_input_shape(input_shape) or an explicit padding."
                     )
-                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, padding)
+                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, padding, train=train,
+                                    scale=self.train_scale)
             elif s < n_conv + n_fc:
                 if s == n_conv:
                     x = _flatten(x)
-                x = nn.relu(nn.Dense(self.hidden[s - n_conv], name=f"fc{s - n_conv + 1}")(x))
+                x = nn.Dense(self.hidden[s - n_conv], name=f"fc{s - n_conv + 1}")(x)
+                x = nn.relu(_train_scaled(x, train, self.train_scale))
             else:
                 x = nn.Dense(self.num_classes, name="head")(_flatten(x))
         return x
@@ -349,6 +375,9 @@ class VGG9(nn.Module):
     num_classes: int
     features: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512)
     pool_after: tuple[int, ...] = (2, 4, 6, 8)  # 1-based conv indices
+    train_scale: float = 1.0
+
+    _width_fields = ("features",)
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -375,13 +404,22 @@ class VGG9(nn.Module):
                 kernel_init=_he_normal,
                 name=f"conv{i}",
             )(x)
-            x = nn.relu(_batch_norm(train, f"bn{i}")(x))
+            x = nn.relu(_batch_norm(train, f"bn{i}")(_train_scaled(x, train, self.train_scale)))
             if i in self.pool_after:
                 x = _max_pool(x)
         return x
 
 
 # ---------------------------------------------------------------------- ResNet20
+
+
+def _place_channels(x, offset: int, features: int):
+    """``[..., C]`` -> ``[..., features]``: input channel ``j`` at ``offset + j``, zeros elsewhere."""
+    n = max(0, min(x.shape[-1], features - offset))
+    if n == 0:
+        return jnp.zeros((*x.shape[:-1], features), x.dtype)
+    pad = [(0, 0)] * (x.ndim - 1) + [(offset, features - offset - n)]
+    return jnp.pad(x[..., :n], pad)
 
 
 class BasicBlock(nn.Module):
@@ -391,11 +429,19 @@ class BasicBlock(nn.Module):
     with ``shortcut="projection"``) ``shortcut_conv``, ``shortcut_bn``. The
     shortcut is called after the main branch because its output joins the block
     output, i.e. it sits on the output side of the block's first conv.
+
+    ``shortcut="zeros"`` places input channel ``j`` at output channel
+    ``shortcut_offset + j`` (channels past ``features`` are cut off); None centres
+    the input, offset ``(features - in_features) // 2``.  A width-reduced block
+    keeps its full-width block's offset, so its channels are that block's leading
+    channels.  ``train_scale`` multiplies every conv output in training (before BN).
     """
 
     features: int
     strides: int = 1
     shortcut: str = "projection"
+    shortcut_offset: int | None = None
+    train_scale: float = 1.0
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -408,23 +454,25 @@ class BasicBlock(nn.Module):
             self.features, (3, 3), strides=s, padding=1, use_bias=False,
             kernel_init=_he_normal, name="conv1",
         )(x)
-        y = nn.relu(_batch_norm(train, "bn1")(y))
+        y = nn.relu(_batch_norm(train, "bn1")(_train_scaled(y, train, self.train_scale)))
         y = nn.Conv(
             self.features, (3, 3), padding=1, use_bias=False,
             kernel_init=_he_normal, name="conv2",
         )(y)
-        y = _batch_norm(train, "bn2")(y)
+        y = _batch_norm(train, "bn2")(_train_scaled(y, train, self.train_scale))
         if self.strides != 1 or in_features != self.features:
             if self.shortcut == "projection":
                 r = nn.Conv(
                     self.features, (1, 1), strides=s, padding=0, use_bias=False,
                     kernel_init=_he_normal, name="shortcut_conv",
                 )(x)
-                r = _batch_norm(train, "shortcut_bn")(r)
-            else:  # "zeros": option A, parameter-free
+                r = _batch_norm(train, "shortcut_bn")(_train_scaled(r, train, self.train_scale))
+            elif self.shortcut_offset is None:  # "zeros": option A, parameter-free
                 r = x[:, :: self.strides, :: self.strides, :]
                 extra = self.features - in_features
                 r = jnp.pad(r, ((0, 0), (0, 0), (0, 0), (extra // 2, extra - extra // 2)))
+            else:
+                r = _place_channels(x[:, :: self.strides, :: self.strides, :], self.shortcut_offset, self.features)
         else:
             r = x
         return nn.relu(y + r)
@@ -446,6 +494,13 @@ class ResNet20(nn.Module):
     Layers: ``conv1``/``bn1``, ``stage{s}_block{b}`` (see :class:`BasicBlock`),
     ``head``. Works for any image size (8x8 digits included).
 
+    Width reduction (:func:`narrowed`) scales ``stage_features``; with
+    ``shortcut="zeros"`` it fixes ``shortcut_offsets`` (per stage, the channel at
+    which the option-A shortcut entering the stage places its input; None:
+    centred) to the full model's, so the narrow residual stream is the full
+    stream's leading channels.  ``train_scale`` multiplies every conv output in
+    training (HeteroFL's Scaler, before BN).
+
     Stages are cut at block boundaries, where the residual stream is one tensor:
     ``stem`` (conv1 + bn1 + ReLU), one stage per block named like its module
     (``stage1_block1`` .. ``stage3_block3``), and ``head`` (global average pool +
@@ -457,6 +512,10 @@ class ResNet20(nn.Module):
     shortcut: str = "projection"
     stage_features: tuple[int, ...] = (16, 32, 64)
     blocks_per_stage: int = 3
+    shortcut_offsets: tuple[int, ...] | None = None
+    train_scale: float = 1.0
+
+    _width_fields = ("stage_features",)
 
     def __post_init__(self):
         if self.shortcut not in ("projection", "zeros"):
@@ -468,6 +527,12 @@ class ResNet20(nn.Module):
     @nn.nowrap
     def validate_input_shape(self, input_shape: Sequence[int]) -> None:
         _image_hw("resnet20", input_shape)  # stride-2 'SAME'-size convs never vanish
+
+    @nn.nowrap
+    def centred_offsets(self) -> tuple[int, ...]:
+        """Per stage, where a centred option-A shortcut entering it puts its input channels."""
+        widths = (self.stage_features[0], *self.stage_features)
+        return tuple((widths[i + 1] - widths[i]) // 2 for i in range(len(self.stage_features)))
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -488,16 +553,17 @@ class ResNet20(nn.Module):
                     self.stage_features[0], (3, 3), padding=1, use_bias=False,
                     kernel_init=_he_normal, name="conv1",
                 )(x)
-                x = nn.relu(_batch_norm(train, "bn1")(x))
+                x = nn.relu(_batch_norm(train, "bn1")(_train_scaled(x, train, self.train_scale)))
             elif s == len(names) - 1:
                 x = jnp.mean(x, axis=(1, 2))
                 x = nn.Dense(self.num_classes, name="head")(x)
             else:
                 si, bi = divmod(s - 1, self.blocks_per_stage)
                 strides = 2 if (si > 0 and bi == 0) else 1
+                offset = None if self.shortcut_offsets is None or bi else self.shortcut_offsets[si]
                 x = BasicBlock(
                     self.stage_features[si], strides=strides, shortcut=self.shortcut,
-                    name=names[s],
+                    shortcut_offset=offset, train_scale=self.train_scale, name=names[s],
                 )(x, train=train)
         return x
 
@@ -520,6 +586,9 @@ class FEMNISTCNN(nn.Module):
     num_classes: int
     features: tuple[int, int] = (32, 64)
     hidden: int = 2048
+    train_scale: float = 1.0
+
+    _width_fields = ("features", "hidden")
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -531,14 +600,52 @@ class FEMNISTCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        del train
         x = _prepare_input(self, x, start)
         n_conv = len(self.features)
         for s in stage_range(len(self.stage_names), start, stop):
             if s < n_conv:
-                x = _conv_relu_pool(x, s, self.features[s], 5)
+                x = _conv_relu_pool(x, s, self.features[s], 5, train=train, scale=self.train_scale)
             elif s == n_conv:
-                x = nn.relu(nn.Dense(self.hidden, name="fc1")(_flatten(x)))
+                x = nn.Dense(self.hidden, name="fc1")(_flatten(x))
+                x = nn.relu(_train_scaled(x, train, self.train_scale))
             else:
                 x = nn.Dense(self.num_classes, name="head")(x)
         return x
+
+
+# ----------------------------------------------------------------- width reduction
+
+
+def narrow_units(ratio: float, units: int) -> int:
+    """⌈ratio·units⌉, at least 1 (robust to float noise: 0.4375·16 = 7 exactly)."""
+    return max(1, math.ceil(round(ratio * units, 9)))
+
+
+def narrowed(module: nn.Module, ratio: float, *, scaler: bool = True) -> nn.Module:
+    """``module`` with ``⌈ratio·C⌉`` channels/units in every hidden layer (width reduction).
+
+    The classifier keeps every class.  ``scaler``: hidden Conv/Dense outputs are
+    multiplied by ``1/ratio`` in training (HeteroFL's Scaler); evaluation is never
+    scaled.  ``ratio = 1`` with ``scaler`` on is the module itself.
+
+    Raises:
+      UserError: ``ratio`` outside (0, 1], or a module without width fields
+        (not a zoo model).
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
+        raise UserError(f"width ratio {ratio!r} must be a number in (0, 1].")
+    fields = getattr(type(module), "_width_fields", None)
+    if fields is None:
+        raise UserError(
+            f"{type(module).__name__} has no width-reduced version; width reduction needs a model of "
+            "fedpartial.models.zoo (mlp, cnn2c1f, cnn2c3f, lenet5, vgg9, resnet20, femnist_cnn)."
+        )
+    changes: dict[str, Any] = {}
+    for field in fields:
+        value = getattr(module, field)
+        changes[field] = (narrow_units(ratio, value) if isinstance(value, numbers.Integral)
+                          else tuple(narrow_units(ratio, v) for v in value))
+    if isinstance(module, ResNet20) and module.shortcut == "zeros":
+        changes["shortcut_offsets"] = module.shortcut_offsets or module.centred_offsets()
+    changes["train_scale"] = module.train_scale / ratio if scaler else module.train_scale
+    return module.clone(**changes)

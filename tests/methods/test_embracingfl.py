@@ -11,26 +11,16 @@ from fedpartial import engine
 from fedpartial.core import Batch, CohortInfo
 from fedpartial.errors import UserError
 from fedpartial.methods import fedavg, get_method
-from fedpartial.methods.embracingfl import capacity_table, default_cuts, embracingfl, first_part, resolve_cuts
+from fedpartial.methods.embracingfl import capacity_table, default_cuts, embracingfl, resolve_cuts
 from fedpartial.methods.tiers import CAPACITY_CASES, TierMix, resolve_mix
 from fedpartial.models import from_stages
 from fedpartial.models.adapter import from_linen
 from fedpartial.models.registry import build_model
 from tests.conftest import make_cohort
+from tests.test_groups import Block  # Dense → BatchNorm → ReLU
 
 N = 8
 OPT = optax.sgd(0.1, momentum=0.9)
-
-
-class Block(nn.Module):
-    """Dense → BatchNorm → ReLU: a stage with running statistics."""
-
-    units: int
-
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        x = nn.Dense(self.units)(x.reshape((x.shape[0], -1)))
-        return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +119,9 @@ def test_cached_activations_equal_mask_only_training(staged, strategy, bn_policy
 
 def _alone(cohort, rows):
     """The cohort restricted to ``rows`` (same data, ids and sizes)."""
-    pick = lambda a: np.asarray(a)[list(rows)]
+    def pick(a):
+        return np.asarray(a)[list(rows)]
+
     return engine.Cohort(Batch(*map(pick, cohort.data)), CohortInfo(*map(pick, cohort.info)))
 
 
@@ -184,10 +176,30 @@ def test_capacity_table_matches_the_paper_for_resnet20():
     assert rows["weak"]["capacity"] == pytest.approx(0.168, abs=0.005)
 
 
-def test_first_part_keeps_the_leading_positions():
-    x = np.arange(2 * 7).reshape(2, 7)
-    np.testing.assert_array_equal(first_part(x, 0.5), x[:, :4])
-    assert first_part(x, 1.0).shape == (2, 7)
+def test_weak_bilstm_clients_train_on_the_first_half_of_each_sequence():
+    """Weak BiLSTM clients freeze the embedding and see half of every sequence; cached = mask-only."""
+    from fedpartial.models.text import BiLSTM
+
+    model = from_linen(BiLSTM(num_classes=2, vocab_size=50, embed_dim=8, hidden=6), input_shape=(12,),
+                       num_classes=2, name="bilstm")
+    assert default_cuts(model) == (1, 1)
+    rng = np.random.default_rng(0)
+    x = rng.integers(2, 50, (3, 2, 4, 12)).astype(np.int32)
+    data = Batch(x, rng.integers(0, 2, (3, 2, 4)).astype(np.int32), np.ones((3, 2, 4), bool), np.ones((3, 2), bool))
+    c = engine.Cohort(data, CohortInfo(np.array([0, 3, 6], np.int32), np.full(3, 8.0, np.float32), np.ones(3, bool)))
+    r, cached, _ = run(model, embracingfl(tier_mix=(3, 3, 2)), [c], 3)
+    weak = r.clients[2]
+    prepared = weak.prepare(cached.variables, jax.tree.map(lambda a: a[2], data))
+    assert prepared.x.shape == (2, 4, 6, 8)  # embeddings of the first 6 of 12 tokens
+    _, masked, _ = run(model, embracingfl(tier_mix=(3, 3, 2), cached=False), [c], 3)
+    chex.assert_trees_all_close(cached.variables, masked.variables, rtol=2e-5, atol=1e-6)
+    # A weak client alone: its update equals training on the half sequences with the embedding frozen.
+    half = engine.Cohort(data._replace(x=np.where(np.arange(12) < 6, x, 0)), c.info)
+    _, on_half, _ = run(model, embracingfl(tier_mix=(0, 0, 8)), [_alone(half, [2])], 1)
+    _, alone, _ = run(model, embracingfl(tier_mix=(0, 0, 8)), [_alone(c, [2])], 1)
+    chex.assert_trees_all_close(alone.variables, on_half.variables, rtol=2e-5, atol=1e-6)
+    rows = {row["tier"]: row for row in capacity_table(model, batch_size=1)}
+    assert rows["weak"]["activations"] < rows["moderate"]["activations"]
 
 
 def test_capacity_command(capsys):

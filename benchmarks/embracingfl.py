@@ -1,0 +1,367 @@
+"""Reproduction of EmbracingFL's comparisons (paper Tables 2–7 and §4.5) on data that runs offline.
+
+Three experiments, each EmbracingFL against width reduction (HeteroFL, static
+version) at the paper's capacities, from the same seeds, partitions and cohorts:
+
+* **scaling** (Table 2): 16 strong clients + 0/16/32/64/112 weak ones, full
+  participation — does adding weak clients help, and by how much each method?
+* **cases** (Tables 3–6): the ten 128-client mixes of strong/moderate/weak
+  clients, scaled to ``--clients`` (case 1 is all strong, i.e. FedAvg);
+* **bn** (§4.5): global vs static BatchNorm for both methods on a BN model.
+
+Plus **costs** per tier: XLA's FLOPs and peak memory of the compiled local step
+and its measured time, each against a strong client's step, for the paper's
+three models at their paper shapes (no data needed).
+
+Usage::
+
+    python -m benchmarks.embracingfl [--quick] [--experiments scaling,cases,bn,costs]
+        [--datasets mnist5k,synthetic,synthetic_text] [--rounds R] [--clients N] [--out DIR]
+
+Writes ``<out>/embracingfl-<device>.json`` (every round of every run), a plot and
+prints the tables: final and best accuracy, rounds to reach ``--target`` × the
+all-strong accuracy, per-tier FLOPs, memory and step time.  Datasets not
+prepared locally (tfds: cifar10, imdb_reviews) are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from fedpartial.data.sources import DataError
+from fedpartial.methods.tiers import CAPACITY_CASES, resolve_mix
+from fedpartial.simulation import RunConfig, Simulation
+
+METHODS = ("embracingfl", "heterofl")
+LABELS = {"embracingfl": "EmbracingFL", "heterofl": "Width red."}
+WEAK_COUNTS = (0, 16, 32, 64, 112)
+
+# dataset -> (model, batch, client lr, momentum, partition, alpha, bn model)
+# The paper: batch 32, 10 local steps, SGD momentum 0.9 (Appendix 6.1).
+SETUPS = {
+    "mnist5k": ("femnist_cnn", 32, 0.02, 0.9, "dirichlet", 0.5),
+    "synthetic": ("mlp", 32, 0.01, 0.9, "natural", 1.0),
+    "synthetic_text": ("bilstm", 32, 0.05, 0.9, "dirichlet", 0.5),
+    "digits": ("resnet20", 32, 0.05, 0.9, "dirichlet", 0.5),
+    "cifar10": ("resnet20", 32, 0.1, 0.9, "dirichlet", 0.5),
+    "imdb_reviews": ("bilstm", 32, 0.05, 0.9, "dirichlet", 0.5),
+}
+
+
+def small_bilstm(dataset):
+    """A BiLSTM sized for the synthetic text task on a CPU (embedding and LSTM 32 wide, the task's vocabulary)."""
+    from fedpartial.models.adapter import from_linen
+    from fedpartial.models.text import BiLSTM
+
+    vocab = int(dataset.x_train.max()) + 1
+    shape = tuple(dataset.x_train.shape[1:])
+    return from_linen(BiLSTM(num_classes=dataset.num_classes, vocab_size=vocab, embed_dim=32, hidden=32),
+                      input_shape=shape, num_classes=dataset.num_classes, name="bilstm")
+
+
+def population(dataset: str, args, total: int, used: int):
+    """The dataset split among ``total`` clients once (same seed), keeping the first ``used`` of them.
+
+    Every run of an experiment then shares the clients it has in common, and adding
+    weak clients adds their data (as in the paper, where each client has its own
+    local data) instead of re-splitting a fixed pool.
+    """
+    import dataclasses
+
+    from fedpartial.data.partition import partition
+    from fedpartial.data.sources import load_dataset
+
+    _, _, _, _, scheme, alpha = SETUPS[dataset]
+    key = (dataset, total, args.seed)
+    if key not in _POPULATIONS:
+        options = {"num_clients": total, "alpha": alpha, "beta": alpha} if dataset == "synthetic" else {}
+        data = load_dataset(dataset, data_dir=args.data_dir, seed=args.seed, **options)
+        parts = data.natural_partition or partition(data.y_train, total, scheme, alpha=alpha, seed=args.seed)
+        _POPULATIONS[key] = (data, tuple(parts))
+    data, parts = _POPULATIONS[key]
+    return dataclasses.replace(data, natural_partition=parts[:used], natural_test_partition=None)
+
+
+_POPULATIONS: dict = {}
+
+
+def run_one(dataset: str, method: str, options: dict, args, *, bn_policy: str = "global", total: int) -> dict:
+    name, batch, lr, momentum, _, _ = SETUPS[dataset]
+    num_clients = sum(options["tier_mix"]) if "tier_mix" in options else args.clients
+    data = population(dataset, args, total, num_clients)
+    config = RunConfig(
+        method=method, dataset=dataset, data_dir=args.data_dir, model=name, partition="natural",
+        num_clients=num_clients, cohort_size=num_clients, rounds=args.rounds, local_steps=args.steps,
+        batch_size=batch, client_lr=lr, momentum=momentum, seed=args.seed, eval_every=args.eval_every,
+        out_dir=None, bn_policy=bn_policy, options=options,
+    )
+    start = time.perf_counter()
+    model = small_bilstm(data) if name == "bilstm" and args.text_model == "small" else None
+    sim = Simulation(config, data, model=model)
+    records = list(sim.rounds())
+    return {"dataset": dataset, "method": method, "options": {k: list(v) if isinstance(v, tuple) else v
+                                                               for k, v in options.items()},
+            "bn_policy": bn_policy, "num_clients": num_clients, "model": sim.model.name,
+            "records": records, "time_s": time.perf_counter() - start}
+
+
+def accuracy_curve(run: dict) -> tuple[np.ndarray, np.ndarray]:
+    evaluated = [r for r in run["records"] if "test_accuracy" in r]
+    return np.array([r["round"] for r in evaluated]), np.array([r["test_accuracy"] for r in evaluated])
+
+
+def summary(run: dict, target: float | None) -> dict:
+    rounds, acc = accuracy_curve(run)
+    hit = np.flatnonzero(acc >= target) if target is not None else np.array([])
+    return {"final_accuracy": float(acc[-1]), "best_accuracy": float(acc.max()),
+            "rounds_to_target": int(rounds[hit[0]]) if hit.size else None}
+
+
+def scaling(dataset: str, args, log) -> list[dict]:
+    runs = []
+    strong = 16 // args.scale
+    for weak in (w // args.scale for w in WEAK_COUNTS):
+        for method in METHODS if weak else METHODS[:1]:  # the strong clients alone: both methods are FedAvg
+            total = strong + max(WEAK_COUNTS) // args.scale
+            run = run_one(dataset, method, {"tier_mix": (strong, 0, weak)}, args, total=total)
+            run["experiment"], run["strong"], run["weak"] = "scaling", strong, weak
+            log(run, f"{strong} strong + {weak:>3} weak")
+            runs.append(run)
+    return runs
+
+
+def cases(dataset: str, args, log) -> list[dict]:
+    runs = []
+    for case in args.cases:
+        for method in METHODS if case != 1 else METHODS[:1]:  # case 1 (all strong) is FedAvg for both
+            run = run_one(dataset, method, {"capacity_case": case}, args, total=args.clients)
+            run["experiment"], run["case"] = "cases", case
+            run["mix"] = list(resolve_mix(args.clients, capacity_case=case).counts)
+            log(run, f"case {case:>2} {tuple(run['mix'])}")
+            runs.append(run)
+    return runs
+
+
+def bn(dataset: str, args, log) -> list[dict]:
+    runs = []
+    for method in METHODS:
+        for policy in ("global", "static"):
+            run = run_one(dataset, method, {"capacity_case": args.bn_case}, args, bn_policy=policy,
+                          total=args.clients)
+            run["experiment"], run["case"] = "bn", args.bn_case
+            log(run, f"case {args.bn_case} BN {policy}")
+            runs.append(run)
+    return runs
+
+
+def tier_costs(repeats: int = 20) -> list[dict]:
+    """Per model and tier: XLA FLOPs, peak temp memory and time of one compiled local step (batch 32)."""
+    from fedpartial.methods import capacity
+
+    rows = []
+    for name in ("femnist_cnn", "resnet20", "bilstm"):
+        model = capacity.reference_model(name)
+        for method in METHODS:
+            try:
+                rows.extend(_method_tier_costs(model, method, repeats))
+            except Exception as e:  # noqa: BLE001 — a method that cannot run this model is reported, not fatal
+                rows.append({"model": name, "method": method, "error": str(e).splitlines()[0]})
+    return rows
+
+
+def _method_tier_costs(model, method: str, repeats: int) -> list[dict]:
+    """One client of each tier (mix 1,1,1): XLA FLOPs and peak memory (``devices.step_costs``) and the
+    measured time of its compiled local step, each against the strong client's."""
+    import optax
+
+    from fedpartial import devices, engine
+    from fedpartial.core import Batch, CohortInfo
+    from fedpartial.methods import get_method
+
+    n, steps, batch = 3, 10, 32
+    r = engine.FederatedRound(model, get_method(method, tier_mix=(1, 1, 1)), num_clients=n, cohort_size=n,
+                              client_optimizer=optax.sgd(0.01, momentum=0.9))
+    state = r.init(jax.random.key(0))
+    x = np.ones((n, steps, batch, *model.input_shape), np.int32 if model.name == "bilstm" else np.float32)
+    cohort = engine.Cohort(Batch(x, np.zeros((n, steps, batch), np.int32), np.ones((n, steps, batch), bool),
+                                 np.ones((n, steps), bool)),
+                           CohortInfo(np.arange(n, dtype=np.int32), np.full(n, steps * batch, np.float32),
+                                      np.ones(n, bool)))
+    costs = devices.step_costs(r, cohort, state)
+    rows = []
+    for group, fns, cost, li in zip(r.groups, r.clients, costs, r.local_inputs(state, cohort, jax.random.key(1))):
+        one = jax.tree.map(lambda a: a[0], li)
+        data = fns.prepare(one.start, one.data) if fns.prepare is not None else one.data
+        step = jax.jit(fns.step)
+        args = (fns.init(one.start), jax.tree.map(lambda a: a[0], data), one.plan, state.variables,
+                one.client_state, one.client_keys, 0)
+        jax.block_until_ready(step(*args))
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            out = step(*args)
+        jax.block_until_ready(out)
+        rows.append({"model": model.name, "method": method, "tier": group.name, "flops": cost.step_flops,
+                     "prepare_flops_per_batch": cost.prepare_flops, "peak_bytes": cost.step_peak_bytes,
+                     "step_time_s": (time.perf_counter() - t0) / repeats})
+    strong = rows[0]
+    for row in rows:
+        row["flops_vs_strong"] = row["flops"] / strong["flops"]
+        row["time_vs_strong"] = row["step_time_s"] / strong["step_time_s"]
+        row["memory_vs_strong"] = (row["peak_bytes"] / strong["peak_bytes"]
+                                   if row["peak_bytes"] and strong["peak_bytes"] else None)
+    return rows
+
+
+def tables(runs: list[dict], costs: list[dict], target: float) -> tuple[str, list[dict]]:
+    lines, rows = [], []
+    for dataset in sorted({r["dataset"] for r in runs}):
+        mine = [r for r in runs if r["dataset"] == dataset]
+        strong = [r for r in mine if r.get("case") == 1 or r.get("weak") == 0]
+        reference = max(summary(r, None)["best_accuracy"] for r in strong) if strong else None
+        goal = target * reference if reference is not None else None
+        lines.append(f"\n{dataset} ({mine[0]['model']}); target = {target:g} × all-strong best"
+                     + (f" = {goal:.4f}" if goal is not None else ""))
+        lines.append(f"{'experiment':<10} {'setting':<24} {'method':<12} {'final':>7} {'best':>7} {'rounds→tgt':>10}")
+        for r in mine:
+            s = summary(r, goal)
+            setting = (f"{r['strong']}+{r['weak']} weak" if r["experiment"] == "scaling" else
+                       f"case {r['case']} {tuple(r.get('mix', ()))}" if r["experiment"] == "cases" else
+                       f"case {r['case']} BN {r['bn_policy']}")
+            rows.append({"dataset": dataset, "experiment": r["experiment"], "setting": setting, "method": r["method"],
+                         **s, "time_s": r["time_s"]})
+            tgt = "–" if s["rounds_to_target"] is None else str(s["rounds_to_target"])
+            lines.append(f"{r['experiment']:<10} {setting:<24} {LABELS[r['method']]:<12} {s['final_accuracy']:>7.4f} "
+                         f"{s['best_accuracy']:>7.4f} {tgt:>10}")
+    if costs:
+        lines.append(f"\nper-tier local step (batch 32): {'model':<12} {'method':<12} {'tier':<9} {'MFLOPs':>10} "
+                     f"{'×strong':>8} {'memory ×':>9} {'time ×':>7}")
+        for c in costs:
+            if "error" in c:
+                lines.append(f"{'':32}{c['model']:<12} {LABELS[c['method']]:<12} not available: {c['error']}")
+                continue
+            memory = "–" if c["memory_vs_strong"] is None else f"{c['memory_vs_strong']:.3f}"
+            lines.append(f"{'':32}{c['model']:<12} {LABELS[c['method']]:<12} {c['tier']:<9} {c['flops'] / 1e6:>10.1f} "
+                         f"{c['flops_vs_strong']:>8.3f} {memory:>9} {c['time_vs_strong']:>7.3f}")
+    return "\n".join(lines), rows
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({r["dataset"] for r in runs})
+    fig, axes = plt.subplots(2, len(datasets), figsize=(5 * len(datasets), 7), squeeze=False)
+    for col, dataset in enumerate(datasets):
+        ax = axes[0][col]
+        for method in METHODS:
+            pts = sorted((r["weak"], summary(r, None)["best_accuracy"]) for r in runs
+                         if r["dataset"] == dataset and r["experiment"] == "scaling"
+                         and (r["method"] == method or r["weak"] == 0))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=LABELS[method])
+        ax.set(title=f"{dataset}: strong + weak clients", xlabel="weak clients", ylabel="best test accuracy")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        ax = axes[1][col]
+        for i, method in enumerate(METHODS):
+            pts = sorted((r["case"], summary(r, None)["best_accuracy"]) for r in runs
+                         if r["dataset"] == dataset and r["experiment"] == "cases"
+                         and (r["method"] == method or r["case"] == 1))
+            if pts:
+                xs, ys = zip(*pts)
+                ax.bar(np.array(xs) + (i - 0.5) * 0.4, ys, width=0.4, label=LABELS[method])
+        ax.set(title=f"{dataset}: capacity cases", xlabel="case", ylabel="best test accuracy")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def device_slug() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}-{d.device_kind}".lower().replace(" ", "-")
+
+
+EXPERIMENTS = {"scaling": scaling, "cases": cases, "bn": bn}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.embracingfl", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smoke test: synthetic, 2 cases, 3 rounds, 16 clients")
+    p.add_argument("--experiments", default="scaling,cases,bn,costs")
+    p.add_argument("--datasets", default="mnist5k,synthetic,synthetic_text")
+    p.add_argument("--bn-dataset", default="digits", help="dataset of the BN experiment (a BN model: resnet20)")
+    p.add_argument("--cases", default=",".join(map(str, CAPACITY_CASES)))
+    p.add_argument("--bn-case", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--steps", type=int, default=10, help="local steps per round (paper: 10)")
+    p.add_argument("--clients", type=int, default=128, help="population of the cases (paper: 128)")
+    p.add_argument("--scale", type=int, default=1, help="divide the scaling table's 16 strong + W weak by this")
+    p.add_argument("--text-model", choices=("small", "paper"), default="small",
+                   help="BiLSTM for synthetic_text: 32 wide (CPU) or the paper's 10,000x256 / 256")
+    p.add_argument("--tag", default="", help="appended to the output file names")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--target", type=float, default=0.95, help="target accuracy as a fraction of all-strong's best")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.datasets, args.rounds, args.clients, args.cases, args.eval_every = "synthetic", 3, 16, "1,10", 1
+        args.experiments, args.bn_dataset, args.steps = "cases,bn", "synthetic", 2
+    args.cases = [int(c) for c in args.cases.split(",")]
+    experiments = args.experiments.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    runs, notes, t0 = [], [], time.perf_counter()
+
+    def log(run, setting):
+        _, acc = accuracy_curve(run)
+        print(f"{run['dataset']:<14} {run['experiment']:<8} {setting:<24} {LABELS[run['method']]:<12} "
+              f"best {acc.max():.4f}  {run['time_s']:.1f}s", flush=True)
+
+    for name in experiments:
+        if name == "costs":
+            continue
+        if name not in EXPERIMENTS:
+            p.error(f"experiment {name!r} is unknown; choose from {', '.join([*EXPERIMENTS, 'costs'])}")
+        for dataset in ([args.bn_dataset] if name == "bn" else args.datasets.split(",")):
+            if dataset not in SETUPS:
+                p.error(f"dataset {dataset!r} has no EmbracingFL setup; choose from {', '.join(SETUPS)}")
+            try:
+                runs.extend(EXPERIMENTS[name](dataset, args, log))
+            except DataError as e:  # a tfds dataset not prepared here
+                notes.append(f"{dataset}: skipped ({e})")
+                print(notes[-1], file=sys.stderr)
+    costs = tier_costs() if "costs" in experiments else []
+    text, rows = tables(runs, costs, args.target)
+    print(text)
+    slug = device_slug() + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
+    result = {
+        "benchmark": "embracingfl",
+        "device": {"platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+                   "jax_version": jax.__version__},
+        "protocol": {k: v for k, v in vars(args).items()}, "notes": notes, "summary": rows, "costs": costs,
+        "runs": runs, "total_time_s": time.perf_counter() - t0,
+    }
+    json_path = os.path.join(args.out, f"embracingfl-{slug}.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    if runs:
+        plot(runs, os.path.join(args.out, f"embracingfl-{slug}.png"))
+    print(f"\nwrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
