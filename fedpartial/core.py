@@ -16,7 +16,9 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     step_plan     (one step)    (ctx, plan, key, step)     -> ClientPlan      e.g. resampled dropout
     objective     (one step)    (ctx, params, LocalStep)   -> (loss, LossAux)
     select        (cohort)      (ctx, RoundView)           -> Selection       upload masks, weights
-    ... aggregation + server optimizer (engine) ...
+    ... aggregation (engine) ...
+    server_correct (cohort)     (ctx, RoundView)           -> params          optional: e.g. FedNova's step
+    ... server optimizer (engine) ...
     update        (cohort)      (ctx, RoundView)           -> MethodState
     metrics       (cohort)      (ctx, RoundView)           -> {name: array}   reaches metrics.jsonl
 
@@ -145,6 +147,7 @@ class InitView(NamedTuple):
     global_vars: dict
     key: jax.Array
     server_data: ServerData | None = None
+    label_counts: jax.Array | None = None  # [N, C] every client's training examples per class (None: not given)
 
 
 class RoundView(NamedTuple):
@@ -169,6 +172,7 @@ class RoundView(NamedTuple):
     client_loss: jax.Array | None = None  # [K] mean local training loss
     start_vars: dict | None = None  # [K, ...] the model each client started local training from
     client_steps: jax.Array | None = None  # [K] int32 real local steps each client took
+    aggregated: dict | None = None  # Σ w m θ / Σ w m (else global), before server_correct and the server optimizer
 
 
 class LossAux(NamedTuple):
@@ -245,6 +249,17 @@ class Method(NamedTuple):
     data).  ``needs_holdout``: the method reads ``RoundView.holdout``.
     ``server_examples_per_class``: the server keeps that many training examples of
     every class (given to ``init`` as :class:`ServerData`; never a client's).
+
+    ``server_correct`` (optional): the server step when it is not the plain aggregate
+    (FedNova's normalised averaging, FedDyn's ``h`` correction).  It reads the round
+    with ``RoundView.aggregated`` set and returns new global ``params``, which the
+    server optimizer then treats as it treats the aggregate (pseudo-gradient
+    ``global - params``).  Elements nobody uploaded keep their global value whatever
+    it returns.  Its key is ``fold_in(update's key, 1)``.  None: the aggregate.
+
+    ``adapt_model`` (optional): the model the method trains, made from the one a run
+    names (MOON adds a projection head); :class:`fedpartial.simulation.Simulation`
+    applies it to the models it builds (a model passed in is used as it is).
     """
 
     name: str
@@ -262,3 +277,5 @@ class Method(NamedTuple):
     personalised: bool = False
     needs_holdout: bool = False
     server_examples_per_class: int = 0
+    server_correct: Callable[[MethodContext, RoundView], Any] | None = None
+    adapt_model: Callable[[Model], Model] | None = None

@@ -3,7 +3,7 @@
 One generic round runs every method::
 
     plan → per group: client_start → prepare → local steps → select → aggregate
-         → server optimizer → update → metrics
+         → [server_correct] → server optimizer → update → metrics
 
 The round is a pure function (:attr:`FederatedRound.functions`): a user may
 ``jit`` it, ``lax.scan`` it over rounds or ``vmap`` it over seeds.  Three
@@ -165,6 +165,16 @@ class RoundPreview(NamedTuple):
     start_vars: dict  # [K, ...]
 
 
+class LocalInputs(NamedTuple):
+    """What one client group's local training reads in a round; rows are the group's clients."""
+
+    start: dict  # [size, ...] each client's start model (full shape)
+    data: Batch  # [size, S, B, ...] raw local data (before the group's preparation)
+    plan: ClientPlan  # [size] the group's rows of the plan
+    client_state: Any  # [size, ...] the group's rows of the method's per-client state
+    client_keys: jax.Array  # [size] typed keys: client k trains with fold_in(train key, id_k)
+
+
 class HookKeys(NamedTuple):
     plan: jax.Array
     train: jax.Array
@@ -229,6 +239,8 @@ class FederatedRound:
       record_decisions: add the round's plan and selection (structured masks, ``[K]``)
         to the metrics under ``decisions`` (off by default; free when off).
       server_data: examples the server holds, handed to the method's ``init``.
+      label_counts: ``[N, C]`` every client's training examples per class, handed to the
+        method's ``init`` (FedDH's label distributions); None: not known.
     """
 
     def __init__(
@@ -245,6 +257,7 @@ class FederatedRound:
         rounds: int | None = None,
         record_decisions: bool = False,
         server_data: ServerData | None = None,
+        label_counts: Any = None,
     ):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"BatchNorm policy {bn_policy!r} is unknown; use one of {BN_POLICIES}.")
@@ -262,6 +275,7 @@ class FederatedRound:
         self.strategy = strategy or default_strategy()
         self.record_decisions = record_decisions
         self.server_data = server_data
+        self.label_counts = None if label_counts is None else np.asarray(label_counts)
         self.groups = self._resolve_groups()
         self.offsets = tuple(int(o) for o in np.cumsum([0] + [g.size for g in self.groups])[:-1])
         self.clients: tuple[ClientFns, ...] = tuple(
@@ -306,6 +320,16 @@ class FederatedRound:
             self._preview = jax.jit(preview)
         return self._preview(state, cohort, key)
 
+    def local_inputs(self, state: ServerState, cohort: Cohort, key: jax.Array) -> tuple[LocalInputs, ...]:
+        """Per client group, what its clients' local training reads in a round with these inputs
+        (pure, not jitted): e.g. to compile one client's step ahead of time (:mod:`fedpartial.devices`)."""
+        keys = hook_keys(key)
+        view = self._view(state, cohort, key)
+        plan = self._plan(view, keys)
+        rows = self._group_slices(self._starts(view, plan), cohort.data, plan, view.client_state,
+                                  self._client_keys(keys, cohort))
+        return tuple(LocalInputs(*r) for r in rows)
+
     @property
     def functions(self) -> RoundFunctions:
         """The pure ``init`` and fused ``round`` (not jitted: jit, scan or vmap them yourself)."""
@@ -322,7 +346,8 @@ class FederatedRound:
             variables=variables,
             opt_state=self.server_optimizer.init(variables["params"]),
             method_state=self.method.init(self.ctx, InitView(global_vars=variables, key=method_key,
-                                                             server_data=self.server_data)),
+                                                             server_data=self.server_data,
+                                                             label_counts=self.label_counts)),
         )
 
     def init(self, key: jax.Array) -> ServerState:
@@ -430,10 +455,15 @@ class FederatedRound:
         selection = selection._replace(weights=weights)
         aggregated, received = aggregation.aggregate(
             self.ctx.structure, state.variables, trained, selection.upload, weights, self.communicated)
+        view = view._replace(selection=selection, aggregated=aggregated)
+        target = aggregated["params"]
+        if self.method.server_correct is not None:  # e.g. FedNova, FedDyn: not the plain aggregate
+            proposed = self.method.server_correct(self.ctx, view._replace(key=jax.random.fold_in(keys.update, 1)))
+            target = jax.tree.map(jnp.where, received, proposed, target)  # nobody uploaded: the global value
         params, opt_state = aggregation.server_update(
-            self.server_optimizer, state.opt_state, state.variables["params"], aggregated["params"], received)
+            self.server_optimizer, state.opt_state, state.variables["params"], target, received)
         new_vars = {**aggregated, "params": params}
-        view = view._replace(selection=selection, new_global_vars=new_vars)
+        view = view._replace(new_global_vars=new_vars)
         method_state = self.method.update(self.ctx, view._replace(key=keys.update))
         new_state = ServerState(round=state.round + 1, variables=new_vars, opt_state=opt_state,
                                 method_state=method_state)

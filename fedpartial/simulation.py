@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial import engine
+from fedpartial import devices, engine
 from fedpartial.core import Holdout, Method, ServerData
 from fedpartial.data import packing, sources
 from fedpartial.data.partition import partition as split_population
@@ -33,6 +33,7 @@ from fedpartial.models.adapter import Model, from_linen
 DEFAULT_MODELS = {
     "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
     "emnist": "femnist_cnn", "cifar10": "vgg9", "cifar100": "resnet20", "svhn_cropped": "vgg9",
+    "mnist5k": "cnn2c1f", "synthetic_text": "bilstm", "imdb_reviews": "bilstm",
 }
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DEFAULT_LOCAL_EPOCHS = 2.0
@@ -77,6 +78,14 @@ class RunConfig:
     out_dir: str | None = "runs"
     run_name: str | None = None
     record_decisions: bool = False  # save every round's plan and selection masks (decisions/*.npz)
+    # Device model (simulated time, fedpartial.devices): a CSV of device profiles (rows cycled by client
+    # id) or, without one, distributions drawn with the seed: a number, 'lognormal:MEDIAN:SIGMA' or
+    # 'uniform:LOW:HIGH' in FLOP/s (compute) and bytes/s (bandwidths).
+    device_profiles: str | None = None
+    compute_speed: str = devices.DEFAULT_COMPUTE
+    download_bandwidth: str = devices.DEFAULT_DOWNLOAD
+    upload_bandwidth: str = devices.DEFAULT_UPLOAD
+    target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
 
     def validate(self, *, custom_method: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value and what is allowed.
@@ -138,6 +147,19 @@ class RunConfig:
             engine.parse_strategy(self.strategy)
         except ValueError as e:
             bad(str(e))
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            bad(f"target accuracy {self.target_accuracy} must be in (0, 1].")
+        try:
+            self.device_model()
+        except UserError as e:
+            bad(str(e))
+
+    def device_model(self) -> devices.DeviceProfiles:
+        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed."""
+        if self.device_profiles is not None:
+            return devices.load_profiles(self.device_profiles, self.num_clients)
+        return devices.sample_profiles(self.num_clients, self.seed, compute=self.compute_speed,
+                                       download=self.download_bandwidth, upload=self.upload_bandwidth)
 
     @property
     def epochs(self) -> float | None:
@@ -147,8 +169,13 @@ class RunConfig:
         return self.local_epochs
 
     def build_method(self) -> Method:
-        """The registered method with this configuration's options (before early stopping)."""
-        return get_method(self.method, **self.options)
+        """The registered method with this configuration's options (before early stopping), and this run's
+        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
+        if self.method not in METHODS:
+            return get_method(self.method)  # the one-sentence error naming the known methods
+        spec = METHODS[self.method]
+        settings = {name: getattr(self, name) for name in spec.run_settings}
+        return spec.factory(**spec.check(dict(self.options)), **settings)
 
 
 def _draw(key: jax.Array, members: np.ndarray, active: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -273,9 +300,16 @@ class Simulation:
             self.clients, held = train_holdout_split(self.clients, self.train_fraction, seed=config.seed)
             self.holdout = pad_holdouts([(dataset.x_train[h], dataset.y_train[h]) for h in held])
         self.sizes = np.array([len(c) for c in self.clients])
+        # [N, C] every client's training examples per class (FedDH's label distributions).
+        self.label_counts = np.stack([np.bincount(dataset.y_train[c], minlength=dataset.num_classes)
+                                      for c in self.clients]).astype(np.float32)
         self.num_steps = packing.max_steps(self.sizes, config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.epochs)
-        self.model = model if model is not None else build_model(config.model, dataset)
+        if model is None:
+            model = build_model(config.model, dataset)
+            if self.method.adapt_model is not None:  # e.g. MOON's projection head
+                model = self.method.adapt_model(model)
+        self.model = model
         if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
@@ -286,9 +320,12 @@ class Simulation:
             server_optimizer=server_optimizer or make_server_optimizer(config),
             bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy), rounds=config.rounds,
             record_decisions=config.record_decisions, server_data=self.server_data,
+            label_counts=self.label_counts,
         )
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.state = self.round.init(init_key)
+        self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
+        self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
         self.last_decisions = None
 
     @property
@@ -362,18 +399,27 @@ class Simulation:
         """Runs the configured rounds, yielding one metrics record per round."""
         cfg = self.config
         up_total = down_total = 0
+        simulated_total = 0.0
         for t in range(cfg.rounds):
             if not self.active_clients().any():
                 return  # early stopping: every client has stopped
             start = time.perf_counter()
             ids, valid, round_key, pack_seed = self.sample_cohort(t)
             cohort = self.cohort(ids, pack_seed, valid)
+            tick = time.perf_counter()
+            dropout = self.costs.round_dropout(self.state, cohort, round_key)  # sub-models' units, before the round
+            device_model_time = time.perf_counter() - tick
             self.state, metrics = self.round(self.state, cohort, round_key)
             metrics = jax.device_get(metrics)
             metrics.update(engine.traffic_totals(metrics))
-            train_time = time.perf_counter() - start
+            train_time = time.perf_counter() - start - device_model_time
             up_total += int(metrics["upload_bytes"])
             down_total += int(metrics["download_bytes"])
+            flops = self.costs.client_flops(cohort, metrics["client_steps_per_client"], dropout)
+            seconds = devices.client_times(self.devices, ids, flops, metrics["download_bytes_per_client"],
+                                           metrics["upload_bytes_per_client"])
+            simulated = devices.round_time(seconds, valid)
+            simulated_total += simulated
             record = {
                 "round": t + 1,
                 "train_loss": float(metrics["train_loss"]),
@@ -384,6 +430,9 @@ class Simulation:
                 "cumulative_download_bytes": down_total,
                 "round_time_s": train_time,
                 "clients": int(valid.sum()),
+                "client_flops": round(float(np.sum(flops[valid]))),
+                "simulated_time_s": simulated,
+                "cumulative_simulated_time_s": simulated_total,
             }
             # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
             for name, value in metrics.items():
@@ -481,6 +530,8 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
                 "global_client_accuracy")
         personal = {f"final_{k}": evaluated[-1][k] for k in keys}
         personal["best_personal_accuracy"] = max(r["personal_accuracy"] for r in evaluated)
+    target = config.target_accuracy
+    reached = next((r for r in evaluated if target is not None and r["test_accuracy"] >= target), None)
     stopping = {}
     if config.early_stopping:
         stopping = {"rounds_saved": config.rounds - len(records),
@@ -500,6 +551,11 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "total_upload_bytes": records[-1]["cumulative_upload_bytes"] if records else 0,
         "total_download_bytes": records[-1]["cumulative_download_bytes"] if records else 0,
         "total_client_steps": sum(r["client_steps"] for r in records),
+        "total_client_flops": sum(r["client_flops"] for r in records),
+        "total_simulated_time_s": records[-1]["cumulative_simulated_time_s"] if records else 0.0,
+        "target_accuracy": target,
+        "time_to_target_s": reached["cumulative_simulated_time_s"] if reached else None,
+        "round_to_target": reached["round"] if reached else None,
         "train_time_s": train_time,
         "rounds_per_s": len(records) / train_time if train_time else math.nan,
         "wall_time_s": wall,

@@ -20,7 +20,7 @@ def test_small_run_writes_results(tmp_path, capsys):
     assert [r["round"] for r in records] == [1, 2]
     first = records[0]
     for key in ("test_accuracy", "test_loss", "train_loss", "client_steps", "upload_bytes", "download_bytes",
-                "cumulative_upload_bytes", "round_time_s", "wall_time_s"):
+                "cumulative_upload_bytes", "round_time_s", "wall_time_s", "simulated_time_s", "client_flops"):
         assert key in first, key
     assert first["client_steps"] == 3 * 2
     # FedAvg on the 55,210-parameter MLP: every client moves the whole float32 model both ways.
@@ -54,6 +54,9 @@ def test_existing_results_are_never_overwritten(tmp_path):
         (["--partition", "pathological"], "partition 'pathological' is unknown"),
         (["--lr", "0"], "learning rate"),
         (["--bn-policy", "local"], "BatchNorm policy"),
+        (["--target-accuracy", "1.5"], "target accuracy 1.5 must be in (0, 1]"),
+        (["--compute-speed", "lognormal:fast:1"], "compute speed 'lognormal:fast:1'"),
+        (["--device-profiles", "/nonexistent/devices.csv"], "cannot be read"),
     ],
 )
 def test_invalid_input_exits_2_with_one_sentence(tmp_path, capsys, args, words):

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from fedpartial import engine, masks
-from fedpartial.core import Batch
+from fedpartial.core import Batch, ServerData
 from fedpartial.methods import METHODS, early_stopping, get_method
 from fedpartial.methods.base import Holdout
 from tests.conftest import make_cohort
@@ -69,9 +69,17 @@ def padded(c):
     return c._replace(data=Batch(x, y, em, sm))
 
 
+# Every client's label counts (FedDH's label distributions) and a class-balanced server set (FedDHE):
+# handed to every method, read only by those that need them.
+LABEL_COUNTS = np.random.default_rng(3).integers(0, 6, (N, 3)).astype(np.float32) + np.eye(N, 3, dtype=np.float32)
+SERVER_DATA = ServerData(np.random.default_rng(4).normal(size=(6, 4)).astype(np.float32),
+                         np.array([0, 1, 2, 2, 1, 0], np.int32))
+
+
 def build(model, method, strategy, record=False):
     return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
-                                 server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record)
+                                 server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record,
+                                 label_counts=LABEL_COUNTS, server_data=SERVER_DATA)
 
 
 def run(r, data):

@@ -9,10 +9,15 @@ from fedpartial.errors import UserError
 from fedpartial.methods import dropout as _dropout
 from fedpartial.methods import embracingfl as _embracingfl
 from fedpartial.methods import fedavg as _fedavg
+from fedpartial.methods import feddh as _feddh
+from fedpartial.methods import feddyn as _feddyn
 from fedpartial.methods import fedldf as _fedldf
+from fedpartial.methods import fednova as _fednova
 from fedpartial.methods import fedprox as _fedprox
 from fedpartial.methods import fedselect as _fedselect
 from fedpartial.methods import fedspu as _fedspu
+from fedpartial.methods import heterofl as _heterofl
+from fedpartial.methods import moon as _moon
 from fedpartial.methods.base import (
     Batch,
     ClientGroup,
@@ -36,17 +41,24 @@ from fedpartial.methods.dropout import feddrop, fedmp, fjord, hermes, prunefl
 from fedpartial.methods.early_stopping import early_stopping
 from fedpartial.methods.embracingfl import embracingfl
 from fedpartial.methods.fedavg import fedavg
+from fedpartial.methods.feddh import feddh, feddhe, fedjs, reweight
+from fedpartial.methods.feddyn import feddyn
 from fedpartial.methods.fedldf import fedadp, fedldf, hdfl, random_layers
+from fedpartial.methods.fednova import fednova
 from fedpartial.methods.fedprox import fedprox
 from fedpartial.methods.fedselect import fedselect
 from fedpartial.methods.fedspu import fedspu
+from fedpartial.methods.heterofl import heterofl
+from fedpartial.methods.moon import moon
 from fedpartial.methods.registry import MethodSpec, Option
 
 #: name -> MethodSpec, in the order ``fedpartial methods`` lists them
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec for spec in (
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _fedselect.SPEC,
-        _embracingfl.SPEC,
+        _embracingfl.SPEC, _heterofl.SPEC,
+        *_feddh.SPECS,
+        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC,
     )
 }
 
@@ -61,8 +73,10 @@ def get_method(name: str, **options) -> Method:
 __all__ = [
     "Batch", "ClientGroup", "ClientPlan", "CohortInfo", "InitView", "LocalStep", "LossAux", "METHODS", "Method",
     "MethodContext", "MethodSpec", "MethodState", "Option", "RoundView", "Selection", "cross_entropy",
-    "early_stopping", "embracingfl", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox", "fedselect",
-    "fedspu", "fjord",
+    "early_stopping", "embracingfl", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox", "fedselect", "fedspu", "fjord",
     "gather_clients", "get_method", "hdfl", "hermes", "make_method", "prunefl", "random_layers",
     "scatter_clients", "with_penalty",
+    "feddh", "feddhe", "fedjs", "reweight",
+    "heterofl",
+    "feddyn", "fednova", "moon",
 ]

@@ -140,18 +140,22 @@ def make_method(
     personalised: bool = False,
     needs_holdout: bool = False,
     server_examples_per_class: int = 0,
+    server_correct=None,
+    adapt_model=None,
 ) -> Method:
     """Builds a :class:`Method`; every piece not given is FedAvg's.
 
     ``step_plan`` None: the plan holds for every local step.  ``metrics`` None: no
     per-round values of the method's own.  ``groups`` None: the cohort is one group
     training the whole model.  ``active_clients`` None: every client may always be
-    sampled.
+    sampled.  ``server_correct`` None: the server steps to the aggregate.
+    ``adapt_model`` None: the method trains the model it is given.
     """
     return Method(name=name, init=init, plan=plan, client_start=client_start, step_plan=step_plan,
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, personalised=personalised,
-                  needs_holdout=needs_holdout, server_examples_per_class=server_examples_per_class)
+                  needs_holdout=needs_holdout, server_examples_per_class=server_examples_per_class,
+                  server_correct=server_correct, adapt_model=adapt_model)
 
 
 def broadcast_clients(tree: Any, num_clients: int) -> Any:

@@ -113,4 +113,6 @@ def early_stopping(method: Method, lam: float = 0.7) -> Method:
         client_start=client_start, objective=objective,
         select=lambda ctx, view: method.select(ctx, inner(view)), update=update,
         metrics=metrics if method.metrics is not None else None, personal=personal,
+        server_correct=None if method.server_correct is None
+        else lambda ctx, view: method.server_correct(ctx, inner(view)),
         active_clients=active_clients, needs_holdout=True)

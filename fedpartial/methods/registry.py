@@ -88,12 +88,21 @@ class Option:
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: ``build(**options)`` checks the options and calls ``factory``."""
+    """A registered method: ``build(**options)`` checks the options and calls ``factory``.
+
+    ``run_settings`` names settings of the run (fields of
+    :class:`fedpartial.simulation.RunConfig`) that the factory also takes as keyword
+    arguments — e.g. FedNova's ``momentum``, which must be the clients' optimizer's.
+    They are not options (no flag of their own): ``RunConfig.build_method`` passes the
+    run's values, and ``build`` / :func:`~fedpartial.methods.get_method` leave the
+    factory's defaults.
+    """
 
     name: str
     factory: Callable[..., Method]
     summary: str
     options: tuple[Option, ...] = ()
+    run_settings: tuple[str, ...] = ()
 
     def option(self, name: str) -> Option:
         for opt in self.options:
