@@ -125,11 +125,16 @@ def summary(run: dict, target: float | None) -> dict:
             "rounds_to_target": int(rounds[hit[0]]) if hit.size else None}
 
 
+def methods_for(dataset: str) -> tuple[str, ...]:
+    """Width reduction needs a zoo model with a width-reduced version (not the BiLSTM)."""
+    return METHODS[:1] if SETUPS[dataset][0] == "bilstm" else METHODS
+
+
 def scaling(dataset: str, args, log) -> list[dict]:
     runs = []
     strong = 16 // args.scale
     for weak in (w // args.scale for w in WEAK_COUNTS):
-        for method in METHODS if weak else METHODS[:1]:  # the strong clients alone: both methods are FedAvg
+        for method in methods_for(dataset) if weak else METHODS[:1]:  # the strong clients alone: both are FedAvg
             total = strong + max(WEAK_COUNTS) // args.scale
             run = run_one(dataset, method, {"tier_mix": (strong, 0, weak)}, args, total=total)
             run["experiment"], run["strong"], run["weak"] = "scaling", strong, weak
@@ -141,7 +146,7 @@ def scaling(dataset: str, args, log) -> list[dict]:
 def cases(dataset: str, args, log) -> list[dict]:
     runs = []
     for case in args.cases:
-        for method in METHODS if case != 1 else METHODS[:1]:  # case 1 (all strong) is FedAvg for both
+        for method in methods_for(dataset) if case != 1 else METHODS[:1]:  # case 1 (all strong) is FedAvg
             run = run_one(dataset, method, {"capacity_case": case}, args, total=args.clients)
             run["experiment"], run["case"] = "cases", case
             run["mix"] = list(resolve_mix(args.clients, capacity_case=case).counts)
@@ -152,7 +157,7 @@ def cases(dataset: str, args, log) -> list[dict]:
 
 def bn(dataset: str, args, log) -> list[dict]:
     runs = []
-    for method in METHODS:
+    for method in methods_for(dataset):
         for policy in ("global", "static"):
             run = run_one(dataset, method, {"capacity_case": args.bn_case}, args, bn_policy=policy,
                           total=args.clients)

@@ -79,7 +79,7 @@ def layer_output_shapes(model: Model, input_shape: Sequence[int] | None = None) 
 
     variables = jax.eval_shape(model.init_variables, jax.random.key(0))
     shape = model.input_shape if input_shape is None else tuple(input_shape)
-    x = jax.ShapeDtypeStruct((1, *shape), model.input_dtype if hasattr(model, "input_dtype") else jnp.float32)
+    x = jax.ShapeDtypeStruct((1, *shape), jnp.float32)  # models cast their input (token models to int32)
     with nn.intercept_methods(record):
         jax.eval_shape(lambda v, xb: model.apply(v, xb, False), variables, x)
     for layer in model.structure.layers:
