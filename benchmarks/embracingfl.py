@@ -36,6 +36,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import device_slug
 from fedpartial.data.sources import DataError
 from fedpartial.methods.tiers import CAPACITY_CASES, resolve_mix
 from fedpartial.simulation import RunConfig, Simulation
@@ -291,11 +292,6 @@ def plot(runs: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def device_slug() -> str:
-    d = jax.devices()[0]
-    return f"{d.platform}-{d.device_kind}".lower().replace(" ", "-")
 
 
 EXPERIMENTS = {"scaling": scaling, "cases": cases, "bn": bn}

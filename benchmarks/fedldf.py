@@ -30,6 +30,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import device_slug
 from fedpartial.data.sources import DataError
 from fedpartial.simulation import RunConfig, Simulation
 
@@ -145,11 +146,6 @@ def plot(runs: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def device_slug() -> str:
-    d = jax.devices()[0]
-    return f"{d.platform}-{d.device_kind}".lower().replace(" ", "-")
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import device_slug
 from fedpartial import costs
 from fedpartial.data import sources
 from fedpartial.data.sources import DataError
@@ -397,11 +398,6 @@ def merge(paths: list[str]) -> tuple[list[dict], list[str], list[str], dict, dic
         notes.append(f"merged runs were planned for different numbers of rounds ({planned}); tables mix them")
     settings = {"merged_from": list(paths), "datasets": datasets, "settings": [res["settings"] for res in results]}
     return runs, notes, datasets, settings, devices[0] if len(devices) == 1 else devices
-
-
-def device_slug() -> str:
-    d = jax.devices()[0]
-    return f"{d.platform}-{d.device_kind}".lower().replace(" ", "-")
 
 
 def main(argv=None) -> int:

@@ -66,3 +66,16 @@ def make_cohort(input_shape, *, k=4, steps=3, batch=5, seed=0, num_classes=3, re
     n = example_mask.sum(axis=(1, 2)).astype(np.float32)
     ids = np.arange(k, dtype=np.int32) if client_ids is None else np.asarray(client_ids, np.int32)
     return Cohort(Batch(x, y, example_mask, step_mask), CohortInfo(ids, n, np.ones((k,), bool)))
+
+
+def mlp_grad(p, x, y):
+    """Mean cross-entropy gradient of the MLP fc1 → ReLU → head, by hand in float64."""
+    pre = x @ p["fc1"]["kernel"] + p["fc1"]["bias"]
+    h = np.maximum(pre, 0.0)
+    logits = h @ p["head"]["kernel"] + p["head"]["bias"]
+    prob = np.exp(logits - logits.max(axis=1, keepdims=True))
+    prob /= prob.sum(axis=1, keepdims=True)
+    dlogits = (prob - np.eye(logits.shape[1])[y]) / len(y)
+    dpre = (dlogits @ p["head"]["kernel"].T) * (pre > 0)
+    return {"fc1": {"kernel": x.T @ dpre, "bias": dpre.sum(0)},
+            "head": {"kernel": h.T @ dlogits, "bias": dlogits.sum(0)}}

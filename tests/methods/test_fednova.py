@@ -13,7 +13,7 @@ from fedpartial.methods.fednova import normalizer
 from fedpartial.models import from_linen
 from fedpartial.models.zoo import MLP
 from fedpartial.simulation import RunConfig
-from tests.conftest import make_cohort
+from tests.conftest import make_cohort, mlp_grad
 
 N, K = 5, 3
 LR, MOMENTUM, WD = 0.1, 0.9, 1e-2
@@ -44,19 +44,6 @@ def run(r, data):
         state, m = r(state, c, jax.random.key(t))
         metrics.append(jax.device_get(m))
     return initial, jax.device_get(state), metrics
-
-
-def mlp_grad(p, x, y):
-    """Mean cross-entropy gradient of the MLP fc1 → ReLU → head, by hand in float64."""
-    pre = x @ p["fc1"]["kernel"] + p["fc1"]["bias"]
-    h = np.maximum(pre, 0.0)
-    logits = h @ p["head"]["kernel"] + p["head"]["bias"]
-    prob = np.exp(logits - logits.max(axis=1, keepdims=True))
-    prob /= prob.sum(axis=1, keepdims=True)
-    dlogits = (prob - np.eye(logits.shape[1])[y]) / len(y)
-    dpre = (dlogits @ p["head"]["kernel"].T) * (pre > 0)
-    return {"fc1": {"kernel": x.T @ dpre, "bias": dpre.sum(0)},
-            "head": {"kernel": h.T @ dlogits, "bias": dlogits.sum(0)}}
 
 
 def reference_round(params, cohort, momentum, wd):
