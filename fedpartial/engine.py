@@ -71,7 +71,8 @@ STRATEGY_KINDS = ("fused", "stepwise", "debug")
 #: metric names the engine writes; a method's ``metrics`` hook may not reuse them
 ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per_client",
                   "upload_bytes_per_layer", "download_bytes_per_layer", "decisions",
-                  "upload_bytes", "download_bytes", "upload_bytes_per_client", "download_bytes_per_client")
+                  "upload_bytes", "download_bytes", "upload_bytes_per_client", "download_bytes_per_client",
+                  "dropout_neurons")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,6 +492,8 @@ class FederatedRound:
             "download_bytes_per_layer": jnp.where(mask, down, 0),
             "client_loss": losses,
         }
+        if view.plan.dropout is not None:  # sub-model clients' kept units, for the device model's FLOPs
+            metrics["dropout_neurons"] = view.plan.dropout.neurons
         if self.record_decisions:
             metrics["decisions"] = {"plan": view.plan, "selection": selection}
         if self.method.metrics is not None:

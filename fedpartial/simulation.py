@@ -25,6 +25,7 @@ from fedpartial.data.partition import partition as split_population
 from fedpartial.data.partition import train_holdout_split
 from fedpartial.errors import UserError
 from fedpartial.evaluation import evaluate, evaluate_clients, pad_holdouts
+from fedpartial.masks import Mask
 from fedpartial.methods import METHODS, early_stopping, get_method
 from fedpartial.models import registry
 from fedpartial.models.adapter import Model, from_linen
@@ -406,13 +407,14 @@ class Simulation:
             start = time.perf_counter()
             ids, valid, round_key, pack_seed = self.sample_cohort(t)
             cohort = self.cohort(ids, pack_seed, valid)
-            tick = time.perf_counter()
-            dropout = self.costs.round_dropout(self.state, cohort, round_key)  # sub-models' units, before the round
-            device_model_time = time.perf_counter() - tick
             self.state, metrics = self.round(self.state, cohort, round_key)
             metrics = jax.device_get(metrics)
             metrics.update(engine.traffic_totals(metrics))
-            train_time = time.perf_counter() - start - device_model_time
+            train_time = time.perf_counter() - start
+            dropout = None  # a sub-model method's kept units, as the round's own plan chose them
+            if "dropout_neurons" in metrics:
+                neurons = tuple(np.asarray(n) for n in metrics["dropout_neurons"])
+                dropout = Mask(layers=np.ones((len(ids), len(neurons)), bool), neurons=neurons)
             up_total += int(metrics["upload_bytes"])
             down_total += int(metrics["download_bytes"])
             flops = self.costs.client_flops(cohort, metrics["client_steps_per_client"], dropout)

@@ -405,3 +405,20 @@ def test_simulation_records_time_and_flops_and_time_to_target(tmp_path):
 def test_bad_device_configuration_is_one_sentence(kw, words):
     with pytest.raises(ConfigError, match=words):
         RunConfig(**{**TINY, **kw}).validate()
+
+
+def test_simulation_charges_sub_models_for_the_units_their_round_kept():
+    """The units come from the round's own plan (engine metrics): the same count as planning it again."""
+    from fedpartial.simulation import RunConfig, Simulation
+
+    sim = Simulation(RunConfig(method="fjord", num_clients=10, cohort_size=5, rounds=1, local_steps=2, batch_size=8,
+                               out_dir=None, strategy="stepwise"))
+    ids, valid, key, pack_seed = sim.sample_cohort(0)
+    cohort = sim.cohort(ids, pack_seed, valid)
+    planned = sim.costs.round_dropout(jax.device_get(sim.state), cohort, key)
+    record = next(sim.rounds())
+    steps = np.full(len(ids), 2)
+    expected = sim.costs.client_flops(cohort, steps, planned)
+    full = sim.costs.client_flops(cohort, steps, None)
+    assert record["client_flops"] == round(float(np.sum(expected)))
+    assert record["client_flops"] < np.sum(full)  # the tiers' smaller sub-models cost less
