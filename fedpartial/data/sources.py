@@ -195,17 +195,7 @@ def _load_digits(*, seed: int, test_fraction: float) -> ArrayDataset:
     images = np.asarray(bunch.images, dtype=np.float32) / np.float32(16.0)
     x = images[..., None]  # [n, 8, 8, 1]
     y = np.asarray(bunch.target, dtype=np.int32)
-    test_idx = stratified_test_indices(y, test_fraction, seed)
-    is_test = np.zeros(len(y), dtype=bool)
-    is_test[test_idx] = True
-    return ArrayDataset(
-        name="digits",
-        x_train=np.ascontiguousarray(x[~is_test]),
-        y_train=y[~is_test],
-        x_test=np.ascontiguousarray(x[is_test]),
-        y_test=y[is_test],
-        num_classes=10,
-    )
+    return stratified_split("digits", x, y, 10, test_fraction, seed)
 
 
 # ---------------------------------------------------------------- mnist5k
@@ -231,16 +221,16 @@ def _load_mnist5k(*, seed: int, test_fraction: float) -> ArrayDataset:
         images = (np.asarray(pixels, np.float32) / np.float32(255.0)).reshape(-1, 28, 28, 1)
         _MNIST5K_CACHE.append((images, np.asarray(labels, np.int32)))
     x, y = _MNIST5K_CACHE[0]
+    return stratified_split("mnist5k", x, y, 10, test_fraction, seed)
+
+
+def stratified_split(name: str, x: np.ndarray, y: np.ndarray, num_classes: int, test_fraction: float,
+                     seed: int) -> ArrayDataset:
+    """An :class:`ArrayDataset` of ``(x, y)`` with a stratified seeded test split (:func:`stratified_test_indices`)."""
     is_test = np.zeros(len(y), dtype=bool)
     is_test[stratified_test_indices(y, test_fraction, seed)] = True
-    return ArrayDataset(
-        name="mnist5k",
-        x_train=x[~is_test],
-        y_train=y[~is_test],
-        x_test=x[is_test],
-        y_test=y[is_test],
-        num_classes=10,
-    )
+    return ArrayDataset(name=name, x_train=np.ascontiguousarray(x[~is_test]), y_train=y[~is_test],
+                        x_test=np.ascontiguousarray(x[is_test]), y_test=y[is_test], num_classes=num_classes)
 
 
 def stratified_test_indices(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:

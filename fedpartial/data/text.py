@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial.data.sources import ArrayDataset, DataError, stratified_test_indices
+from fedpartial.data.sources import ArrayDataset, DataError, stratified_split
 
 __all__ = [
     "PAD", "SIGNAL_WORDS", "UNK", "build_vocabulary", "encode", "first_part", "make_synthetic_text", "tokenize",
@@ -195,16 +195,7 @@ def make_synthetic_text(
     x[positions >= lengths[:, None]] = PAD
     x = x.astype(np.int32)
 
-    is_test = np.zeros(n, bool)
-    is_test[stratified_test_indices(labels, test_fraction, seed)] = True
-    return ArrayDataset(
-        name="synthetic_text",
-        x_train=np.ascontiguousarray(x[~is_test]),
-        y_train=labels[~is_test],
-        x_test=np.ascontiguousarray(x[is_test]),
-        y_test=labels[is_test],
-        num_classes=c,
-    )
+    return stratified_split("synthetic_text", x, labels, c, test_fraction, seed)
 
 
 def _validate(num_examples, seq_len, vocab_size, num_classes, test_fraction) -> None:
