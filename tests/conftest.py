@@ -1,5 +1,8 @@
 """Shared fixtures: tiny models and cohorts small enough to check by hand."""
 
+import os
+import pathlib
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -10,6 +13,18 @@ from fedpartial.methods.base import Batch, CohortInfo
 from fedpartial.models.adapter import from_linen
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Many tests compile the same programs (a zoo model's step, evaluation) in fresh closures, which jit's
+# in-memory cache cannot share; XLA's persistent cache keys on the program itself, so each is compiled once
+# per suite (measured: ~30% less CPU for the benchmark smoke tests on a cold cache).  Subprocesses (CLI,
+# checkpoint tests) inherit it through the environment.  The cache lives in pytest's own ignored folder.
+_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-compilation"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class TinyMLP(nn.Module):
