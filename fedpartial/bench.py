@@ -14,16 +14,18 @@ the suite packs one cohort of random data and builds, side by side:
 
 Every runner does one warm-up round (compilation, and the correctness check: FedAvg
 must match the plain loop, every other method its own first strategy), then the
-runners take turns, one timed round each, R times, so load on a shared machine hits
-them alike.  Per method the phases are jitted separately on the same inputs and timed:
-local training (the cohort vmapped, steps in ``lax.scan``), selection (the method's
+runners take turns, one timed round each, R times (the median counts), so load on a
+shared machine hits them alike.  Per method the phases are jitted separately on the same
+inputs and timed: local training (steps in ``lax.scan``, the cohort vmapped; on a CPU one
+client after another, as vmapped conv steps are slow there), selection (the method's
 ``select``: FedLDF's divergence and top-n), aggregation (the masked weighted mean and
 the server optimizer), evaluation (the global model on ``eval_examples`` test examples).
 ``round_flops`` is XLA's count for the whole fused round; ``achieved_flops_per_s`` is
 that times rounds/s, next to ``device.matmul_flops_per_s``, a large float32 matmul
 timed in the same run.
 
-Memory: before a cell is built its size is estimated (:func:`estimate_bytes`) and a
+A preset may leave out cells or strategies too slow for it (``Settings.skip``, recorded
+as skipped).  Memory: before a cell is built its size is estimated (:func:`estimate_bytes`) and a
 cell above 70% of the available memory is skipped with the reason.  ``peak_memory_bytes``
 is, on a GPU, ``memory_stats()['peak_bytes_in_use']`` (the process's high-water mark so
 far); on a CPU the process's maximum resident set size so far.  ``memory_growth_bytes``
@@ -289,7 +291,7 @@ class Runner:
 
 
 def _engine_runner(model, method_name: str, strategy_text: str, cohort, k: int, settings: Settings,
-                   key: jax.Array) -> tuple[Runner, Callable[[], Any]]:
+                   key: jax.Array) -> Runner:
     strategy = engine.parse_strategy(strategy_text, model=model)
     rnd = engine.FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
                                 client_optimizer=client_optimizer(settings.lr, settings.momentum),
@@ -305,7 +307,7 @@ def _engine_runner(model, method_name: str, strategy_text: str, cohort, k: int, 
     runner = Runner(f"{method_name} {strategy_text}", method_name, strategy_text, step, k)
     runner.entry.update(resolved_strategy=str(strategy), chunk_size=strategy.chunk_size)
     runner.round = rnd
-    return runner, lambda: holder["state"]
+    return runner
 
 
 def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> dict:
@@ -347,20 +349,18 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
     runners = [Runner("plain_loop", "fedavg", "plain_loop", plain_step, m)]
     if m < k:
         runners[0].entry["extrapolated_from_clients"] = m
-    states = {}
     for method_name in settings.methods:
         resolved = {}
         for text in settings.strategies:
             if skipped_by(settings, model_name, k, text):
                 continue
-            runner, state_of = _engine_runner(model, method_name, text, cohort, k, settings, key)
+            runner = _engine_runner(model, method_name, text, cohort, k, settings, key)
             same = resolved.get(runner.entry["resolved_strategy"])
             if same is not None:  # e.g. 'auto' resolving to a strategy also listed: measured once
                 same.entry.setdefault("also", []).append(text)
                 continue
             resolved[runner.entry["resolved_strategy"]] = runner
             runners.append(runner)
-            states.setdefault(method_name, state_of)
 
     # warm-up: compilation, memory, correctness
     reference: dict[str, Any] = {}
@@ -402,7 +402,7 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
                             client_steps_per_s=k * s / seconds)
 
     # phases and FLOPs, per method (on a fused round's inputs)
-    for method_name, state_of in states.items():
+    for method_name in dict.fromkeys(r.method for r in runners[1:]):
         rnd = engine.FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
                                     client_optimizer=client_optimizer(settings.lr, settings.momentum),
                                     strategy=engine.fused(None))
