@@ -340,21 +340,27 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
     loop = PlainLoop(module, client_optimizer(settings.lr, settings.momentum), shape)
     m = min(k, settings.plain_clients)
     loop_data = packed if m == k else first_clients(packed, m)
-    plain_state = {"params": loop.init(key)}
+    plain_state = {"variables": loop.init_variables(key)}
 
     def plain_step():
-        plain_state["params"], loss = loop(plain_state["params"], loop_data)
-        return plain_state["params"], loss
+        plain_state["variables"], loss = loop.round(plain_state["variables"], loop_data)
+        return plain_state["variables"]["params"], loss
 
     runners = [Runner("plain_loop", "fedavg", "plain_loop", plain_step, m)]
     if m < k:
         runners[0].entry["extrapolated_from_clients"] = m
+    not_run: list[dict] = []
     for method_name in settings.methods:
         resolved = {}
         for text in settings.strategies:
             if skipped_by(settings, model_name, k, text):
                 continue
-            runner = _engine_runner(model, method_name, text, cohort, k, settings, key)
+            try:
+                runner = _engine_runner(model, method_name, text, cohort, k, settings, key)
+            except UserError as e:  # e.g. a neuron-level method on a residual model: not applicable
+                not_run.append({"method": method_name, "strategy": text, "skipped": str(e)})
+                log(f"  {method_name} {text}: skipped, {e}")
+                break
             same = resolved.get(runner.entry["resolved_strategy"])
             if same is not None:  # e.g. 'auto' resolving to a strategy also listed: measured once
                 same.entry.setdefault("also", []).append(text)
@@ -416,7 +422,7 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
             phases["error"] = f"{type(e).__name__}: {e}"
         record["phases"][method_name] = phases
 
-    record["runners"] = [r.entry for r in runners]
+    record["runners"] = [r.entry for r in runners] + not_run
     derive(record)
     record["peak_memory_bytes"] = peak_memory_bytes()
     return record
@@ -485,8 +491,9 @@ def table(record: dict) -> str:
             else f"{e['strategy']}={e['resolved_strategy']}"
         if e.get("also"):
             strategy += " (" + ",".join(e["also"]) + ")"
-        if e.get("error"):
-            lines.append(f"{e['method']:<8}{strategy:<28}  error: {e['error'][:80]}")
+        if e.get("error") or e.get("skipped"):
+            lines.append(f"{e['method']:<8}{strategy:<28}  " + (f"error: {e['error'][:80]}" if e.get("error")
+                                                                 else f"skipped: {e['skipped'][:80]}"))
             continue
 
         def fmt(value, spec):

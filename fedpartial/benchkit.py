@@ -52,45 +52,60 @@ def make_data(k: int, *, batch_size: int, local_steps: int, input_shape, seed: i
 
 class PlainLoop:
     """FedAvg as a per-client Python loop over a jitted single-client SGD step (only the
-    Flax module is shared with the engine)."""
+    Flax module is shared with the engine).  BatchNorm statistics, if the model has them,
+    are trained and averaged with the same weights (the engine's 'global' policy)."""
 
     def __init__(self, module, optimizer: optax.GradientTransformation, input_shape):
         self.module = module
         self.optimizer = optimizer
         self.input_shape = tuple(input_shape)
 
-        def loss_fn(params, x, y):
-            logits = module.apply({"params": params}, x, train=True)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        def loss_fn(params, stats, x, y):
+            if not stats:
+                logits = module.apply({"params": params}, x, train=True)
+            else:
+                logits, updated = module.apply({"params": params, "batch_stats": stats}, x, train=True,
+                                               mutable=["batch_stats"])
+                stats = updated["batch_stats"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), stats
 
-        def sgd_step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        def sgd_step(params, stats, opt_state, x, y):
+            (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, x, y)
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            return optax.apply_updates(params, updates), stats, opt_state, loss
 
         self.sgd_step = jax.jit(sgd_step)
 
+    def init_variables(self, key: jax.Array) -> dict:
+        return dict(self.module.init(key, jnp.zeros((1, *self.input_shape), jnp.float32), train=False))
+
     def init(self, key: jax.Array):
-        return self.module.init(key, jnp.zeros((1, *self.input_shape), jnp.float32), train=False)["params"]
+        return self.init_variables(key)["params"]
 
-    def __call__(self, params, packed):
-        """One round: every client trains from ``params``.
+    def round(self, variables: dict, packed):
+        """One round: every client trains from ``variables`` ({'params'[, 'batch_stats']}).
 
-        Returns the ``n_k``-weighted mean of the client parameters and the mean step
+        Returns the ``n_k``-weighted mean of the client variables and the mean step
         loss (every client runs the same number of steps, so this is the mean over
         clients of each client's mean loss, the engine's ``train_loss``).
         """
         num_clients, num_steps = packed.step_mask.shape
-        client_params, losses = [], []
+        params, stats = variables["params"], variables.get("batch_stats", {})
+        clients, losses = [], []
         for k in range(num_clients):
-            p, opt_state = params, self.optimizer.init(params)
-            for s in range(num_steps):
-                p, opt_state, loss = self.sgd_step(p, opt_state, packed.x[k, s], packed.y[k, s])
+            p, s, opt_state = params, stats, self.optimizer.init(params)
+            for step in range(num_steps):
+                p, s, opt_state, loss = self.sgd_step(p, s, opt_state, packed.x[k, step], packed.y[k, step])
                 losses.append(loss)
-            client_params.append(p)
+            clients.append({"params": p, "batch_stats": s} if stats else {"params": p})
         weights = jnp.asarray(packed.num_samples / packed.num_samples.sum(), jnp.float32)
-        new = jax.tree.map(lambda *leaves: jnp.tensordot(weights, jnp.stack(leaves), axes=1), *client_params)
+        new = jax.tree.map(lambda *leaves: jnp.tensordot(weights, jnp.stack(leaves), axes=1), *clients)
         return new, jnp.mean(jnp.stack(losses))
+
+    def __call__(self, params, packed):
+        """:meth:`round` for a model without BatchNorm, on its parameters alone."""
+        new, loss = self.round({"params": params}, packed)
+        return new["params"], loss
 
 
 def first_clients(packed: CohortBatches, m: int) -> CohortBatches:
