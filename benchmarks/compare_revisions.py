@@ -13,7 +13,7 @@ working tree this script lives in, uncommitted changes included; it may be anoth
 ``PYTHONPATH`` set to its tree (checked: ``fedpartial.__file__`` must lie in that tree), in
 the order before, after, before, after, ... (``--repeats`` pairs), so slow drift of the
 machine hits both sides.  Both sides run the *after* tree's ``benchmarks/strategies.py``
-(copied into the before tree), so the measuring code is the same.
+and ``fedpartial/benchkit.py`` (copied into the before tree), so the measuring code is the same.
 
 For every (model, K, strategy) the report has the median rounds/s of each side, the ratio
 after/before, and each side's median speed-up over the plain loop.  It prints a table and
@@ -39,6 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCH = Path("benchmarks") / "strategies.py"
+KIT = Path("fedpartial") / "benchkit.py"  # strategies.py's measuring pieces: copied with it
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -203,6 +204,8 @@ def main(argv=None) -> int:
             (before["path"] / BENCH).parent.mkdir(exist_ok=True)
             (before["path"] / BENCH).write_bytes(code)
             (before["path"] / "benchmarks" / "__init__.py").touch()
+        if (after["path"] / KIT).exists():
+            (before["path"] / KIT).write_bytes((after["path"] / KIT).read_bytes())
         for tree in (before, after):
             check_import(tree)
         runs: dict[str, list[dict]] = {"before": [], "after": []}

@@ -35,24 +35,19 @@ strategy disagrees with the plain loop by more than ``FAIL_TOLERANCE``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
-import flax
 import jax
-import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 
+from fedpartial import benchkit as bench
 from fedpartial import engine
-from fedpartial.data.packing import pack_cohort
+from fedpartial.benchkit import PlainLoop, device_info, int_list, log, max_abs_diff, name_list, slug, timed
 from fedpartial.methods.fedavg import fedavg
 from fedpartial.models import registry
 from fedpartial.models.adapter import from_linen
@@ -62,7 +57,7 @@ ENGINE_STRATEGIES = STRATEGY_NAMES[1:]
 CHUNK = 20  # clients per chunk of the chunked strategies (at most K)
 WARN_TOLERANCE = 1e-4
 FAIL_TOLERANCE = 1e-3
-NUM_CLASSES = 10
+NUM_CLASSES = bench.NUM_CLASSES
 SEED = 0
 
 DEFAULTS = dict(models=("mlp", "cnn2c1f"), cohorts=(20, 200), local_steps=5, batch_size=32, rounds=3,
@@ -86,85 +81,16 @@ def engine_strategy(name: str, k: int) -> engine.Strategy:
 
 
 def client_optimizer(cfg: dict) -> optax.GradientTransformation:
-    return optax.sgd(cfg["lr"], momentum=cfg["momentum"])
+    return bench.client_optimizer(cfg["lr"], cfg["momentum"])
 
 
 def make_data(k: int, cfg: dict, seed: int):
-    """Random-normal images and random labels for ``k`` clients of unequal size (all >= B).
-
-    Returns ``(packed, client_indices)``; every packed example slot is real, so the
-    plain loop's unmasked mean cross-entropy is the engine's masked one.
-    """
-    rng = np.random.default_rng([seed, k])
-    b, s = cfg["batch_size"], cfg["local_steps"]
-    sizes = rng.integers(b, 4 * b + 1, size=k)
-    total = int(sizes.sum())
-    x = rng.normal(size=(total, cfg["input_size"], cfg["input_size"], 1)).astype(np.float32)
-    y = rng.integers(0, NUM_CLASSES, size=total).astype(np.int32)
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    clients = [np.arange(bounds[i], bounds[i + 1]) for i in range(k)]
-    packed = pack_cohort(x, y, clients, batch_size=b, num_steps=s, local_steps=s, seed=rng)
-    assert packed.example_mask.all() and packed.step_mask.all(), "benchmark data must have no padding"
-    return packed
-
-
-# ---- the baseline: a plain per-client Python loop -------------------------------------
-
-
-class PlainLoop:
-    """FedAvg as a per-client Python loop over a jitted single-client SGD step."""
-
-    def __init__(self, module, optimizer: optax.GradientTransformation, input_shape):
-        self.module = module
-        self.optimizer = optimizer
-        self.input_shape = tuple(input_shape)
-
-        def loss_fn(params, x, y):
-            logits = module.apply({"params": params}, x, train=True)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        def sgd_step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        self.sgd_step = jax.jit(sgd_step)
-
-    def init(self, key: jax.Array):
-        return self.module.init(key, jnp.zeros((1, *self.input_shape), jnp.float32), train=False)["params"]
-
-    def __call__(self, params, packed):
-        """One round: every client trains from ``params``.
-
-        Returns the ``n_k``-weighted mean of the client parameters and the mean step
-        loss (every client runs the same number of steps, so this is the mean over
-        clients of each client's mean loss, the engine's ``train_loss``).
-        """
-        num_clients, num_steps = packed.step_mask.shape
-        client_params, losses = [], []
-        for k in range(num_clients):
-            p, opt_state = params, self.optimizer.init(params)
-            for s in range(num_steps):
-                p, opt_state, loss = self.sgd_step(p, opt_state, packed.x[k, s], packed.y[k, s])
-                losses.append(loss)
-            client_params.append(p)
-        weights = jnp.asarray(packed.num_samples / packed.num_samples.sum(), jnp.float32)
-        new = jax.tree.map(lambda *leaves: jnp.tensordot(weights, jnp.stack(leaves), axes=1), *client_params)
-        return new, jnp.mean(jnp.stack(losses))
+    """Random data for ``k`` clients (:func:`fedpartial.bench.make_data`), ``input_size``² grey images."""
+    return bench.make_data(k, batch_size=cfg["batch_size"], local_steps=cfg["local_steps"],
+                           input_shape=(cfg["input_size"], cfg["input_size"], 1), seed=seed)
 
 
 # ---- measuring ----------------------------------------------------------------------
-
-
-def max_abs_diff(a, b) -> float:
-    diffs = jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)
-    return max(jax.tree.leaves(diffs))
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - start
 
 
 def measure_plain(module, model_input_shape, packed, cfg, key) -> tuple[dict, Any]:
@@ -270,32 +196,6 @@ def describe(entry: dict) -> str:
 # ---- output -------------------------------------------------------------------------
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
-def device_info() -> dict:
-    dev = jax.devices()[0]
-    return {
-        "backend": jax.default_backend(),
-        "platform": dev.platform,
-        "device_kind": dev.device_kind,
-        "num_devices": jax.device_count(),
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib.__version__,
-        "flax_version": flax.__version__,
-        "optax_version": optax.__version__,
-        "numpy_version": np.__version__,
-        "python_version": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-    }
-
-
 def default_out(device: dict) -> str:
     name = f"strategies-{device['backend']}-{slug(device['device_kind'])}.json"
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
@@ -324,14 +224,6 @@ def table(record: dict) -> str:
 
 
 # ---- entry point --------------------------------------------------------------------
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
-
-
-def name_list(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def parse_args(argv):
@@ -386,11 +278,8 @@ def main(argv=None) -> int:
 
     def write(complete: bool) -> None:
         # Rewritten after every configuration, so an interrupted run keeps what it measured.
-        report = {"benchmark": "strategies", "complete": complete, "device": device, "config": config,
-                  "results": results, "total_time_s": time.perf_counter() - started}
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2)
+        bench.write_json(out, {"benchmark": "strategies", "complete": complete, "device": device, "config": config,
+                               "results": results, "total_time_s": time.perf_counter() - started})
 
     for model_name in cfg["models"]:
         for k in cfg["cohorts"]:

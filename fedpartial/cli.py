@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from fedpartial import __version__
+from fedpartial import __version__, bench
 from fedpartial.checkpoint import RunInterrupted, is_diverged
 from fedpartial.data.sources import DATASETS
 from fedpartial.errors import UserError
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--batch-size", type=_whole_number, default=32, help="activations are counted per batch")
     cap.add_argument("--cut", default=None, help="first trained stage of moderate and weak clients, e.g. 4,7 "
                                                   "(default: the paper's)")
+    bench.add_arguments(sub.add_parser(
+        "bench", help="throughput: rounds/s of every method and strategy next to a plain per-client loop",
+        formatter_class=_Formatter))
     lister = sub.add_parser("list", help="the methods, models or datasets, one line each", formatter_class=_Formatter)
     lister.add_argument("what", nargs="?", choices=("methods", "models", "datasets"), default=None,
                         help="what to list (default: all three)")
@@ -497,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     if args.command is None:
         parser.print_usage(sys.stderr)
-        sys.stderr.write("fedpartial: error: a command is required: run, compare, plot, list or capacity "
+        sys.stderr.write("fedpartial: error: a command is required: run, compare, plot, bench, list or capacity "
                          "(fedpartial --help says more).\n")
         return 2
     console = Console()
@@ -513,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             return _capacity(args, console)
         if args.command == "list":
             return _list(args)
+        if args.command == "bench":
+            return bench.main(args)
     except RunInterrupted as e:  # SIGINT/SIGTERM: the run stopped between rounds and says what it kept
         sys.stderr.write(f"fedpartial: {e.message}\n")
         return e.exit_code

@@ -449,7 +449,8 @@ class Simulation:
             num_clients=config.num_clients, cohort_size=config.cohort_size,
             client_optimizer=client_optimizer or make_client_optimizer(config),
             server_optimizer=server_optimizer or make_server_optimizer(config),
-            bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy), rounds=config.rounds,
+            bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy, self.model),
+            rounds=config.rounds,
             record_decisions=config.record_decisions, server_data=self.server_data,
             label_counts=self.label_counts,
         )

@@ -1,0 +1,103 @@
+"""Smoke test of ``fedpartial bench``: the smoke preset end to end, the JSON's fields, skips and flag errors."""
+
+import json
+
+import jax
+import pytest
+
+from fedpartial import bench, cli, engine
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "t.json"
+    assert cli.main(["bench", "--preset", "smoke", "--out", str(out)]) == 0
+    return json.loads(out.read_text()), out
+
+
+def test_report_has_device_versions_and_settings(report):
+    data, out = report
+    assert data["benchmark"] == "throughput" and data["complete"] is True
+    device = data["device"]
+    assert device["backend"] == jax.default_backend() and device["jax_version"] == jax.__version__
+    assert device["matmul_flops_per_s"] > 0 and device["matmul_size"] > 0
+    assert data["config"]["preset"] == "smoke" and data["config"]["cohorts"] == [4]
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_every_runner_is_measured_next_to_the_plain_loop(report):
+    data, _ = report
+    [record] = data["results"]
+    settings = bench.PRESETS["smoke"]
+    k, steps = record["cohort_size"], settings.local_steps
+    assert (record["model"], k) == ("mlp", 4) and record["peak_memory_bytes"] > 0
+    runners = {(e["method"], e["strategy"]): e for e in record["runners"]}
+    auto = str(engine.default_strategy(jax.default_backend()))
+    assert set(runners) == {("fedavg", "plain_loop"), ("fedavg", "auto"), ("fedavg", "fused:2"),
+                            ("fedldf", "auto"), ("fedldf", "fused:2")}
+    for (method, strategy), e in runners.items():
+        where = f"{method} {strategy}"
+        assert "error" not in e, where
+        assert e["rounds_per_s"] > 0 and e["warmup_s"] > 0, where
+        assert e["client_steps_per_s"] == pytest.approx(k * steps * e["rounds_per_s"]), where
+        assert e["ratio_to_plain"] > 0 and e["peak_memory_bytes"] > 0, where
+        if strategy == "plain_loop":
+            continue
+        assert not e["retraced_while_timing"], where
+        assert e["achieved_flops_per_s"] > 0, where
+        if strategy == "auto":
+            assert e["resolved_strategy"] == auto, where
+        if not e.get("reference"):  # fedavg: against the plain loop; fedldf: against its first strategy
+            assert e["correct"] and e["max_abs_diff_vs_reference"] <= 1e-4, where
+    assert runners[("fedavg", "auto")]["max_abs_diff_vs_reference"] <= 1e-4  # the plain loop is FedAvg
+    for strategy in ("auto", "fused:2"):
+        ratio = runners[("fedldf", strategy)]["round_time_over_fedavg"]
+        assert ratio == pytest.approx(runners[("fedldf", strategy)]["round_s"]
+                                      / runners[("fedavg", strategy)]["round_s"])
+    fedldf, fedavg = record["phases"]["fedldf"], record["phases"]["fedavg"]
+    added = sum(fedldf[p] - fedavg[p] for p in ("selection_s", "aggregation_s"))
+    assert runners[("fedldf", "auto")]["phase_overhead_over_fedavg"] == pytest.approx(
+        1 + added / runners[("fedavg", "auto")]["round_s"])
+    assert "phase_overhead_over_fedavg" not in runners[("fedavg", "auto")]
+
+
+def test_phases_and_flops_per_method(report):
+    data, _ = report
+    [record] = data["results"]
+    assert set(record["phases"]) == {"fedavg", "fedldf"}
+    for method, phases in record["phases"].items():
+        assert "error" not in phases, method
+        for name in ("local_training_s", "selection_s", "aggregation_s", "evaluation_s"):
+            assert phases[name] > 0, (method, name)
+        assert phases["round_flops"] > 0 and phases["evaluation_examples"] == bench.PRESETS["smoke"].eval_examples
+    # FedLDF does FedAvg's work and more: its divergences and top-n are counted too
+    assert record["phases"]["fedldf"]["round_flops"] > record["phases"]["fedavg"]["round_flops"]
+
+
+def test_a_cell_too_big_for_memory_is_skipped_with_its_estimate(monkeypatch):
+    monkeypatch.setattr(bench, "available_bytes", lambda: 1000)
+    record = bench.run_cell("mlp", 4, bench.PRESETS["smoke"], {})
+    assert record["estimated_bytes"] > 1000 and not record["runners"]
+    assert record["skipped"].startswith("estimated ") and "available" in record["skipped"]
+
+
+def test_preset_skips_match_model_cohort_and_strategy():
+    s = bench.Settings(models=("mlp",), cohorts=(4,), methods=("fedavg",), strategies=("auto",),
+                       skip=("cnn2c1f/100", "*/*/fused:20"))
+    assert bench.skipped_by(s, "cnn2c1f", 100) and not bench.skipped_by(s, "cnn2c1f", 20)
+    assert bench.skipped_by(s, "mlp", 20, "fused:20") and not bench.skipped_by(s, "mlp", 20, "stepwise:20")
+    assert not bench.skipped_by(s, "mlp", 20)  # a strategy entry leaves the cell itself in
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--models", "nope"], "--models"),
+    (["--methods", "nope"], "--methods"),
+    (["--strategies", "parallel"], "--strategies"),
+    (["--cohorts", "4,x"], "--cohorts"),
+    (["--rounds", "0"], "--rounds"),
+    (["--preset", "huge"], "--preset"),
+])
+def test_bad_flags_are_one_sentence_naming_the_flag(flags, flag, capsys):
+    assert cli.main(["bench", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedpartial: error: ") and flag in err and len(err.splitlines()) == 1
