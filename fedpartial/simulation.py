@@ -250,9 +250,15 @@ class RunConfig:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
         try:
-            engine.parse_strategy(self.strategy)
+            strategy = engine.parse_strategy(self.strategy)
         except ValueError as e:
             bad(f"--{e}")
+        if strategy.kind == "stream" and not custom_method:
+            problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
+                       if self.early_stopping else engine.stream_refusal(self.build_method()))
+            if problem:
+                bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
+                    "or stepwise:N.")
         try:
             if self.device_profiles is None:  # name the flag; the profiles CSV is read by device_model below
                 for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
@@ -519,6 +525,8 @@ class Simulation:
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
         cfg = self.config
         valid = np.ones(len(ids), bool) if valid is None else valid
+        if self.round.strategy.kind == "stream":
+            return self._streamed_cohort(ids, pack_seed, valid)
         empty = np.zeros(0, np.int64)
         packed = packing.pack_cohort(
             self.dataset.x_train, self.dataset.y_train, [self.clients[i] if v else empty for i, v in zip(ids, valid)],
@@ -530,6 +538,33 @@ class Simulation:
             x, y, mask = self.holdout
             holdout = Holdout(x[ids], y[ids], mask[ids] & valid[:, None])
         return engine.cohort_from_packed(packed, ids, valid, holdout)
+
+    def _streamed_cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray) -> engine.Cohort:
+        """The cohort with its data packed a chunk at a time (:class:`engine.ClientData`): each client's
+        batches come from its own seed ``(pack_seed, id)``, so they do not depend on its chunk."""
+        cfg = self.config
+        empty = np.zeros(0, np.int64)
+        x, y = self.dataset.x_train, self.dataset.y_train
+
+        def take(rows):
+            packed = packing.pack_cohort(
+                x, y, [self.clients[i] if v else empty for i, v in zip(ids[rows], valid[rows])],
+                batch_size=cfg.batch_size, num_steps=self.num_steps, local_steps=cfg.local_steps,
+                local_epochs=cfg.epochs, seed=pack_seed, client_keys=ids[rows])
+            return engine.cohort_from_packed(packed, ids[rows]).data
+
+        k, s, b = len(ids), self.num_steps, cfg.batch_size
+        x_dtype = x.dtype if np.issubdtype(x.dtype, np.integer) else np.dtype(np.float32)
+        spec = engine.Batch(jax.ShapeDtypeStruct((k, s, b, *x.shape[1:]), x_dtype),
+                            jax.ShapeDtypeStruct((k, s, b), np.int32), jax.ShapeDtypeStruct((k, s, b), bool),
+                            jax.ShapeDtypeStruct((k, s), bool))
+        sizes = np.where(valid, self.sizes[ids], 0).astype(np.float32)
+        cohort = engine.Cohort(engine.ClientData(take, spec), engine.CohortInfo(np.asarray(ids, np.int32), sizes,
+                                                                                np.asarray(valid, bool)))
+        if self.holdout is not None:
+            hx, hy, mask = self.holdout
+            cohort = cohort._replace(holdout=Holdout(hx[ids], hy[ids], mask[ids] & valid[:, None]))
+        return cohort
 
     def evaluate_personal(self) -> dict:
         """Every client's own model on its held-out split, and the global model on the same splits."""
@@ -585,7 +620,7 @@ class Simulation:
                 dropout = Mask(layers=np.ones((len(ids), len(neurons)), bool), neurons=neurons)
             self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
             self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
-            flops = self.costs.client_flops(cohort, metrics["client_steps_per_client"], dropout)
+            flops = self.costs.client_flops(engine.data_spec(cohort), metrics["client_steps_per_client"], dropout)
             seconds = devices.client_times(self.devices, ids, flops, metrics["download_bytes_per_client"],
                                            metrics["upload_bytes_per_client"])
             simulated = devices.round_time(seconds, valid)
