@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial import checkpoint, devices, engine
+from fedpartial import checkpoint, devices, engine, memory
 from fedpartial.core import Holdout, Method, ServerData
 from fedpartial.data import packing, sources
 from fedpartial.data.partition import partition as split_population
@@ -175,6 +175,9 @@ class RunConfig:
     download_bandwidth: str = devices.DEFAULT_DOWNLOAD
     upload_bandwidth: str = devices.DEFAULT_UPLOAD
     target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
+    # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
+    # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
+    max_samples: int | None = None
 
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
@@ -204,6 +207,8 @@ class RunConfig:
             _check_int(self, field, 1)
         if self.local_steps is not None:
             _check_int(self, "local_steps", 1)
+        if self.max_samples is not None:
+            _check_int(self, "max_samples", 1)
         if self.local_steps is not None and self.local_epochs is not None:
             bad("give only one of --local-steps or --local-epochs.")
         if not _is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
@@ -236,6 +241,8 @@ class RunConfig:
             bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
         if self.model != "auto" and self.model not in registry.MODELS:
             bad(f"--model {self.model!r} is unknown; choose 'auto' or one of {', '.join(sorted(registry.MODELS))}.")
+        if self.max_samples is not None and self.dataset != "synthetic":
+            bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
         if self.partition not in PARTITIONS:
             bad(f"--partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
         if self.partition == "dirichlet" and not self.alpha > 0:
@@ -401,12 +408,15 @@ class Simulation:
     ``method``, ``model`` and the optimizers default to what ``config`` names; pass
     your own (e.g. a method built with :func:`fedpartial.methods.make_method`) and it
     gets the same sampling, early stopping, personalised evaluation and logging.
+
+    ``check_memory``: before any array is built, refuse (:class:`ConfigError`) a run whose
+    estimated peak memory (:mod:`fedpartial.memory`) exceeds what is available.
     """
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
                  method: Method | None = None, model: Model | None = None,
                  client_optimizer: optax.GradientTransformation | None = None,
-                 server_optimizer: optax.GradientTransformation | None = None):
+                 server_optimizer: optax.GradientTransformation | None = None, check_memory: bool = True):
         if method is not None:
             config = dataclasses.replace(config, method=method.name, options={})
         config.validate(custom_method=method is not None)
@@ -415,6 +425,8 @@ class Simulation:
             options = {}
             if config.dataset == "synthetic":
                 options = dict(alpha=config.alpha, beta=config.alpha, num_clients=config.num_clients)
+                if config.max_samples is not None:
+                    options.update(max_samples=config.max_samples, min_samples=min(50, config.max_samples))
             dataset = sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
         self.dataset = dataset
         base = method if method is not None else config.build_method()
@@ -438,9 +450,12 @@ class Simulation:
             self.holdout = pad_holdouts([(dataset.x_train[h], dataset.y_train[h]) for h in held])
         self.sizes = np.array([len(c) for c in self.clients])
         # [N, C] every client's training examples per class (FedDH's label distributions).
-        self.label_counts = np.stack([np.bincount(dataset.y_train[c], minlength=dataset.num_classes)
-                                      for c in self.clients]).astype(np.float32)
-        self.num_steps = packing.max_steps(self.sizes, config.batch_size, local_steps=config.local_steps,
+        # (one bincount over (client, label) pairs and steps of the distinct sizes: no per-client Python work)
+        owner = np.repeat(np.arange(len(self.clients)), self.sizes)
+        labels = dataset.y_train[np.concatenate(self.clients)] if self.sizes.sum() else np.zeros(0, np.int64)
+        self.label_counts = np.bincount(owner * dataset.num_classes + labels, minlength=len(self.clients) *
+                                        dataset.num_classes).reshape(len(self.clients), -1).astype(np.float32)
+        self.num_steps = packing.max_steps(np.unique(self.sizes), config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.epochs)
         if model is None:
             model = build_model(config.model, dataset)
@@ -459,6 +474,11 @@ class Simulation:
             record_decisions=config.record_decisions, server_data=self.server_data,
             label_counts=self.label_counts,
         )
+        self.memory = memory.estimate(self.round, num_steps=self.num_steps, batch_size=config.batch_size,
+                                      example_shape=self.model.input_shape,
+                                      x_itemsize=np.dtype(dataset.x_train.dtype).itemsize)
+        if check_memory:
+            self._check_memory()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
         self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
@@ -470,6 +490,25 @@ class Simulation:
         #: with ``state`` it is everything a checkpoint restores (:mod:`fedpartial.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
                          "cumulative_simulated_time_s": 0.0}
+
+    def _check_memory(self) -> None:
+        """Refuses the run in one sentence when its estimate exceeds the available memory (see
+        :mod:`fedpartial.memory`); on an accelerator the packed data's host copy is checked against RAM."""
+        est = self.memory
+        available, where = memory.available_bytes()
+        if available is None:
+            return
+        if where != "RAM":  # the device holds all but the host copy of the data
+            host, _ = memory.available_bytes(jax.devices("cpu")[0])
+            if host is not None and est.data / 2 > memory.HEADROOM * host:
+                raise ConfigError(f"the run's packed data needs about {memory.gib(est.data / 2)} but "
+                                  f"{memory.gib(host)} of RAM is available; use --strategy stream:"
+                                  f"{max(1, int(memory.HEADROOM * host // max(est.data / 2 / est.in_flight, 1)))}.")
+        problem = memory.refusal(est, available, where, strategy=str(self.round.strategy),
+                                 cohort_size=self.config.cohort_size,
+                                 streamable=engine.stream_refusal(self.method) is None)
+        if problem:
+            raise ConfigError(problem[0].upper() + problem[1:])
 
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its
