@@ -100,7 +100,8 @@ def available_bytes(device=None) -> tuple[int | None, str]:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """Bytes for people: GiB with one decimal, or whole MiB below 1 GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def refusal(est: MemoryEstimate, available: int, where: str, *, strategy: str, cohort_size: int,

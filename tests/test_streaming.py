@@ -1,5 +1,7 @@
 """The streamed strategy: the cohort a chunk at a time, aggregated from running sums, equals the fused round."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import aggregation, engine, masks
+from fedpartial import aggregation, engine, masks, memory
 from fedpartial.errors import UserError
 from fedpartial.methods import fedavg, fedprox, fedspu
 from fedpartial.methods.fedldf import fedldf, random_layers
-from fedpartial.simulation import ConfigError, RunConfig
+from fedpartial.simulation import ConfigError, RunConfig, Simulation
 from tests.conftest import make_cohort
 
 OPT = optax.sgd(0.1, momentum=0.9)
@@ -188,3 +190,47 @@ def test_run_config_refuses_streaming_what_cannot_stream():
     assert engine.parse_strategy("stream:50") == engine.streamed(50)
     with pytest.raises(ValueError, match="'stream:N'"):
         engine.parse_strategy("stream")
+
+
+# ---- memory estimate and refusal ------------------------------------------------------------------
+
+
+def test_estimate_grows_with_clients_in_flight(mlp):
+    fused = round_for(mlp, "fedavg", engine.fused())
+    streamed = round_for(mlp, "fedavg", engine.streamed(3))
+    a = memory.estimate(fused, num_steps=3, batch_size=5, example_shape=(4,))
+    b = memory.estimate(streamed, num_steps=3, batch_size=5, example_shape=(4,))
+    assert (a.in_flight, b.in_flight) == (K, 3)
+    assert a.server == b.server and a.per_client == b.per_client
+    assert a.total - b.total == (K - 3) * a.per_client
+    # per client: the packed data (twice) is exactly S·B·(4 floats + label + mask) + S step flags
+    assert a.data == K * 2 * (3 * 5 * (4 * 4 + 4 + 1) + 3)
+
+
+def test_refusal_names_the_estimate_and_the_fix():
+    est = memory.MemoryEstimate(server=2**30, clients=8 * 2**30, data=2 * 2**30, in_flight=10_000,
+                                per_client=2**20)
+    assert memory.refusal(est, 100 * 2**30, "RAM", strategy="fused", cohort_size=10_000, streamable=True) is None
+    # (0.9 · 8 GiB − 1 GiB) / 1 MiB = 6348 clients fit; 2 significant digits
+    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000, streamable=True) == (
+        "the run needs about 11.0 GiB (fused strategy, 10000 clients in flight) but 8.0 GiB of RAM is "
+        "available; use --strategy stream:6300.")
+    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000,
+                          streamable=False).endswith("; use a --cohort of at most 6300.")
+    assert "even for one client at a time" in memory.refusal(est, 2**30, "RAM", strategy="fused",
+                                                             cohort_size=10_000, streamable=True)
+
+
+def test_simulation_is_refused_before_anything_is_built(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (32 * 2**20, "RAM"))  # the fused estimate is ~47 MiB
+    built = []
+    monkeypatch.setattr(engine.FederatedRound, "init", lambda self, key: built.append(key))
+    config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
+                       out_dir=None, strategy="fused")
+    with pytest.raises(ConfigError, match=r"^The run needs about 4\d MiB \(fused strategy, 40 clients in "
+                                          r"flight\) but 32 MiB of RAM is available; use --strategy stream:\d+\.$"):
+        Simulation(config)
+    assert not built
+    chunk = int(str(pytest.raises(ConfigError, Simulation, config).value).rsplit(":", 1)[1].rstrip("."))
+    Simulation(dataclasses.replace(config, strategy=f"stream:{chunk}"))  # the fix it names is accepted
+    assert len(built) == 1
