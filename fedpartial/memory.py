@@ -2,8 +2,9 @@
 
 The estimate adds, in bytes (every shape from ``jax.eval_shape``: nothing is allocated):
 
-* ``server``: the global model, the server optimizer state and the method's
-  per-client state (``[N, ...]`` rows, e.g. FedSPU's N personal models);
+* ``server``: the global model, the server optimizer state, the method's
+  per-client state (``[N, ...]`` rows, e.g. FedSPU's N personal models) and
+  ``RUNTIME_BYTES`` for compilation and the runtime's buffers (measured);
 * ``clients``: per client *in flight* (the cohort K, or the chunk C of the streamed
   strategy) its start model, trained model, gradient, client optimizer state, the
   aggregation's masked copy and expanded upload mask, and its activations
@@ -28,6 +29,8 @@ import numpy as np
 
 #: activations kept per example and unit: forward values, their gradients and XLA's temporaries
 ACTIVATION_FACTOR = 4
+#: compilation and runtime buffers beyond the arrays counted (peak RSS minus the estimate, measured on CPU)
+RUNTIME_BYTES = 256 * 2**20
 #: share of the available memory a run may plan to use
 HEADROOM = 0.9
 
@@ -65,7 +68,7 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
     model = tree_bytes(shapes.variables)
     params = tree_bytes(shapes.variables["params"])
     client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.init, shapes.variables["params"]))
-    server = 2 * model + tree_bytes(shapes.opt_state) + tree_bytes(shapes.method_state)
+    server = 2 * model + tree_bytes(shapes.opt_state) + tree_bytes(shapes.method_state) + RUNTIME_BYTES
     # start + trained model, gradient, optimizer state, masked copy (float) and upload mask (bool) for aggregation
     per_client_model = 3 * model + params + client_opt + model // 4
     units = sum(fr.ctx.structure.units) + math.prod(example_shape)

@@ -222,13 +222,14 @@ def test_refusal_names_the_estimate_and_the_fix():
 
 
 def test_simulation_is_refused_before_anything_is_built(monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (32 * 2**20, "RAM"))  # the fused estimate is ~47 MiB
+    # the fused estimate is about 303 MiB
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
     built = []
     monkeypatch.setattr(engine.FederatedRound, "init", lambda self, key: built.append(key))
     config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
                        out_dir=None, strategy="fused")
-    with pytest.raises(ConfigError, match=r"^The run needs about 4\d MiB \(fused strategy, 40 clients in "
-                                          r"flight\) but 32 MiB of RAM is available; use --strategy stream:\d+\.$"):
+    with pytest.raises(ConfigError, match=r"^The run needs about 30\d MiB \(fused strategy, 40 clients in "
+                                          r"flight\) but 288 MiB of RAM is available; use --strategy stream:\d+\.$"):
         Simulation(config)
     assert not built
     chunk = int(str(pytest.raises(ConfigError, Simulation, config).value).rsplit(":", 1)[1].rstrip("."))
