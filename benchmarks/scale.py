@@ -27,7 +27,7 @@ CASES = {
     # A 10,000-client cohort (every client of the population every round), streamed 1,000 at a time.
     "cohort-10k": dict(num_clients=10_000, cohort_size=10_000, strategy="stream:1000", rounds=2),
     # A 1,000,000-client population (≤ 10 examples each), 1,000-client cohorts.
-    "population-1m": dict(num_clients=1_000_000, cohort_size=1_000, strategy="stream:1000", rounds=3,
+    "population-1m": dict(num_clients=1_000_000, cohort_size=1_000, strategy="stream:1000", rounds=2,
                           max_samples=10),
 }
 COMMON = dict(dataset="synthetic", model="mlp", local_steps=10, batch_size=32, out_dir=None, alpha=1.0)

@@ -299,6 +299,13 @@ def _rows_mask(rows: jax.Array, a: jax.Array) -> jax.Array:
     return rows.reshape((-1,) + (1,) * (a.ndim - 1))
 
 
+def _clean_faults(trained: dict, losses: jax.Array, starts: dict):
+    """``(finite [K], trained, losses)``: a client whose result is not finite gets its start model, loss 0."""
+    finite = _finite_rows((trained, losses))
+    trained = jax.tree.map(lambda t, s: jnp.where(_rows_mask(finite, t), t, s.astype(t.dtype)), trained, starts)
+    return finite, trained, jnp.where(finite, losses, jnp.zeros_like(losses))
+
+
 def _concat(parts: list) -> Any:
     return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
 
@@ -543,12 +550,9 @@ class FederatedRound:
         # trained nothing (its start model, loss 0), so select, aggregation, server_correct, update and
         # metrics all see one consistent cohort and no NaN reaches a sum (0 · NaN is NaN).
         sent = view.cohort.valid
-        finite = _finite_rows((trained, losses))
-        valid = sent & finite
         raw_losses = losses
-        trained = jax.tree.map(lambda t, s: jnp.where(_rows_mask(finite, t), t, s.astype(t.dtype)), trained, starts)
-        losses = jnp.where(finite, losses, jnp.zeros_like(losses))
-        view = view._replace(cohort=view.cohort._replace(valid=valid))
+        finite, trained, losses = _clean_faults(trained, losses, starts)
+        view = view._replace(cohort=view.cohort._replace(valid=sent & finite))
         view = view._replace(plan=plan, trained_vars=trained, client_loss=losses, start_vars=starts,
                              client_steps=steps)
         view = self._summarize(view)
@@ -705,10 +709,9 @@ class FederatedRound:
         trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         start = lambda cstate, plan_k: self.method.client_start(self.ctx, state.variables, cstate, plan_k)  # noqa: E731
         starts = jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
-        finite = _finite_rows((trained, losses))
-        trained = jax.tree.map(lambda t, s: jnp.where(_rows_mask(finite, t), t, s.astype(t.dtype)), trained, starts)
+        finite, trained, clean = _clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
-                             client_loss=jnp.where(finite, losses, 0.0), start_vars=starts, client_steps=steps)
+                             client_loss=clean, start_vars=starts, client_steps=steps)
         return self._summarize(view), losses
 
     def _stream_per_client(self, state, plan, ckeys, rows, info, data, key, sums):

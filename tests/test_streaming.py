@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from fedpartial import aggregation, engine, masks, memory
+from fedpartial.data import packing
 from fedpartial.errors import UserError
 from fedpartial.methods import fedavg, fedprox, fedspu
 from fedpartial.methods.fedldf import fedldf, random_layers
@@ -235,3 +236,16 @@ def test_simulation_is_refused_before_anything_is_built(monkeypatch):
     chunk = int(str(pytest.raises(ConfigError, Simulation, config).value).rsplit(":", 1)[1].rstrip("."))
     Simulation(dataclasses.replace(config, strategy=f"stream:{chunk}"))  # the fix it names is accepted
     assert len(built) == 1
+
+
+def test_packing_with_client_keys_does_not_depend_on_the_others():
+    x = np.arange(40, dtype=np.float32).reshape(40, 1)
+    y = np.arange(40) % 3
+    clients = [np.arange(0, 9), np.arange(9, 30), np.arange(30, 40)]
+    both = packing.pack_cohort(x, y, clients, batch_size=4, num_steps=6, local_epochs=1.0, seed=3,
+                               client_keys=[11, 12, 13])
+    alone = packing.pack_cohort(x, y, clients[2:], batch_size=4, num_steps=6, local_epochs=1.0, seed=3,
+                                client_keys=[13])
+    for a, b in zip(both, alone):
+        np.testing.assert_array_equal(a[2:], b)
+    assert sorted(both.x[2][both.example_mask[2]].ravel()) == list(range(30, 40))  # one epoch: each once
