@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=d.model, help="'auto' or a zoo model name")
     run.add_argument("--partition", default=d.partition, help="iid, dirichlet, shards or natural")
     run.add_argument("--alpha", type=_float, default=d.alpha, help="Dirichlet α (also Synthetic α and β)")
+    run.add_argument("--max-samples", type=_whole_number, default=None, metavar="N",
+                     help="synthetic: cap each client's examples at N (fewer per client, e.g. for 1,000,000 clients)")
     run.add_argument("--classes-per-client", type=_whole_number, default=d.classes_per_client,
                      help="classes per client of the shards partition")
     run.add_argument("--clients", type=_whole_number, default=d.num_clients, help="population size N")
@@ -323,7 +325,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
         download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
-        target_accuracy=args.target_accuracy,
+        target_accuracy=args.target_accuracy, max_samples=args.max_samples,
     )
 
 

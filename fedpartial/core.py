@@ -182,6 +182,7 @@ class RoundView(NamedTuple):
     start_vars: dict | None = None  # [K, ...] the model each client started local training from
     client_steps: jax.Array | None = None  # [K] int32 real local steps each client took
     aggregated: dict | None = None  # Σ w m θ / Σ w m (else global), before server_correct and the server optimizer
+    summary: Any = None  # [K, ...] the method's per-client statistic of the trained cohort (``Method.summarize``)
 
 
 class LossAux(NamedTuple):
@@ -273,6 +274,27 @@ class Method(NamedTuple):
     ``adapt_model`` (optional): the model the method trains, made from the one a run
     names (MOON adds a projection head); :class:`fedpartial.simulation.Simulation`
     applies it to the models it builds (a model passed in is used as it is).
+
+    ``summarize`` (optional): a small per-client statistic of the trained cohort,
+    ``[K, ...]`` (FedLDF's ``[K, L]`` layer divergences), read from ``trained_vars``,
+    ``start_vars`` and ``global_vars``; the engine sets ``RoundView.summary`` to it
+    before ``select``.  Row ``k`` must depend on client ``k``'s rows only.
+
+    ``streamable``: whether the streamed strategy (:func:`fedpartial.engine.streamed`,
+    the cohort a chunk of clients at a time, bounded memory) can run the method.  In
+    every case ``plan``, ``select``, ``update`` and ``metrics`` read no ``data``, and
+    ``update`` and ``metrics`` no ``trained_vars`` or ``start_vars`` (they are None
+    there), there is no ``server_correct``, no client groups and no per-client state:
+
+    * ``"per_client"`` — ``select``'s row ``k`` depends only on client ``k``'s rows
+      (FedAvg's ``n_k`` weights and trained parts): it is called chunk by chunk and
+      the round trains every client once.
+    * ``"summary"`` — ``select`` reads the whole cohort's ``summary`` but not
+      ``trained_vars`` (FedLDF's top-n over the ``[L, K]`` divergences): a first pass
+      trains every chunk and keeps only the summaries; after selection, the clients
+      that upload anything are trained again (same keys: identical results) and
+      aggregated.
+    * None — the method needs the whole cohort at once (every other strategy).
     """
 
     name: str
@@ -293,3 +315,5 @@ class Method(NamedTuple):
     server_correct: Callable[[MethodContext, RoundView], Any] | None = None
     adapt_model: Callable[[Model], Model] | None = None
     needs_execution_times: bool = False
+    summarize: Callable[[MethodContext, RoundView], Any] | None = None
+    streamable: str | None = None

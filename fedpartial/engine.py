@@ -78,11 +78,12 @@ from fedpartial.core import (
     RoundView,
     ServerData,
 )
+from fedpartial.errors import UserError
 from fedpartial.methods.base import gather_clients
 from fedpartial.models.adapter import Model
 
 BN_POLICIES = ("global", "static")
-STRATEGY_KINDS = ("fused", "stepwise", "debug")
+STRATEGY_KINDS = ("fused", "stepwise", "debug", "stream")
 
 #: metric names the engine writes; a method's ``metrics`` hook may not reuse them
 ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per_client",
@@ -93,7 +94,7 @@ ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """How a round executes. Build with :func:`fused`, :func:`stepwise` or :func:`debug`."""
+    """How a round executes. Build with :func:`fused`, :func:`stepwise`, :func:`debug` or :func:`streamed`."""
 
     kind: str
     chunk_size: int | None = None
@@ -123,6 +124,14 @@ def stepwise(chunk_size: int = 1) -> Strategy:
     return Strategy("stepwise", chunk_size)
 
 
+def streamed(chunk_size: int) -> Strategy:
+    """The cohort ``chunk_size`` clients at a time, folded into running sums of the one formula:
+    peak memory O(chunk × model), not O(K × model); only :attr:`Method.streamable` methods."""
+    if chunk_size is None:
+        raise ValueError("the streamed strategy needs a chunk size (clients trained at a time).")
+    return Strategy("stream", chunk_size)
+
+
 def debug() -> Strategy:
     """Nothing jitted, one client and one step at a time (for finding errors, not speed)."""
     return Strategy("debug")
@@ -148,18 +157,22 @@ def default_strategy(platform: str | None = None, model: Model | None = None) ->
 
 def parse_strategy(text: str, model: Model | None = None) -> Strategy:
     """'auto', 'fused', 'fused:N' (N clients vmapped at a time), 'fused-unrolled[:N]',
-    'stepwise', 'stepwise:N' or 'debug'.  'auto' is :func:`default_strategy` for this platform and ``model``."""
+    'stepwise', 'stepwise:N', 'stream:N' (N clients at a time, bounded memory) or 'debug'.  'auto' is
+    :func:`default_strategy` for this platform and ``model``."""
     if text == "auto":
         return default_strategy(model=model)
     if text == "debug":
         return debug()
     kind, _, chunk = text.partition(":")
-    if kind not in ("fused", "fused-unrolled", "stepwise") or (chunk and not (chunk.isdigit() and int(chunk) > 0)):
+    if kind not in ("fused", "fused-unrolled", "stepwise", "stream") or (
+            chunk and not (chunk.isdigit() and int(chunk) > 0)) or (kind == "stream" and not chunk):
         raise ValueError(
             f"strategy {text!r} is not one of 'auto', 'fused', 'fused:N', 'fused-unrolled', "
-            "'fused-unrolled:N', 'stepwise', 'stepwise:N', 'debug' (N a positive number of clients)."
+            "'fused-unrolled:N', 'stepwise', 'stepwise:N', 'stream:N', 'debug' (N a positive number of clients)."
         )
     size = int(chunk) if chunk else None
+    if kind == "stream":
+        return streamed(size)
     if kind == "stepwise":
         return stepwise(size or 1)
     return fused(size, unroll=kind == "fused-unrolled")
@@ -174,10 +187,36 @@ class ServerState(NamedTuple):
     method_state: Any
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClientData:
+    """A cohort's local data made on demand, some clients at a time (host side; not a pytree).
+
+    ``take(rows)`` returns the :class:`Batch` ``[len(rows), S, B, ...]`` of the cohort
+    positions ``rows`` (a client's batches must not depend on which others are taken
+    with it); ``spec`` is the whole cohort's :class:`Batch` of ``jax.ShapeDtypeStruct``
+    ``[K, S, B, ...]``.  The streamed strategy takes one chunk at a time, so the host
+    never holds ``[K, S, B, ...]``; other strategies take every row at once.
+    """
+
+    take: Callable[[np.ndarray], Batch]
+    spec: Batch
+
+    @classmethod
+    def of(cls, data: Batch) -> "ClientData":
+        """Rows of an already packed ``[K, ...]`` batch."""
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), data)
+        return cls(lambda rows: jax.tree.map(lambda a: a[rows], data), spec)
+
+
+def data_spec(cohort: "Cohort") -> "Cohort":
+    """The cohort with :class:`ClientData` replaced by its shapes (for shape-only uses, e.g. FLOP counts)."""
+    return cohort._replace(data=cohort.data.spec) if isinstance(cohort.data, ClientData) else cohort
+
+
 class Cohort(NamedTuple):
     """A round's input: the cohort's local data and who the clients are."""
 
-    data: Batch  # [K, S, B, ...]
+    data: Batch | ClientData  # [K, S, B, ...]
     info: CohortInfo
     holdout: Holdout | None = None  # [K, H, ...] validation data (early stopping needs it)
 
@@ -273,6 +312,13 @@ def _rows_mask(rows: jax.Array, a: jax.Array) -> jax.Array:
     return rows.reshape((-1,) + (1,) * (a.ndim - 1))
 
 
+def _clean_faults(trained: dict, losses: jax.Array, starts: dict):
+    """``(finite [K], trained, losses)``: a client whose result is not finite gets its start model, loss 0."""
+    finite = _finite_rows((trained, losses))
+    trained = jax.tree.map(lambda t, s: jnp.where(_rows_mask(finite, t), t, s.astype(t.dtype)), trained, starts)
+    return finite, trained, jnp.where(finite, losses, jnp.zeros_like(losses))
+
+
 def _concat(parts: list) -> Any:
     return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
 
@@ -332,6 +378,10 @@ class FederatedRound:
         self.label_counts = None if label_counts is None else np.asarray(label_counts)
         self.execution_times = None if execution_times is None else np.asarray(execution_times)
         self.groups = self._resolve_groups()
+        if self.strategy.kind == "stream":
+            problem = stream_refusal(method)
+            if problem:
+                raise UserError(f"{problem}; use the fused, stepwise or debug strategy.")
         self.offsets = tuple(int(o) for o in np.cumsum([0] + [g.size for g in self.groups])[:-1])
         self.clients: tuple[ClientFns, ...] = tuple(
             make_client_fns(self.ctx, method, client_optimizer, track_batch_stats=bn_policy == "global",
@@ -347,6 +397,7 @@ class FederatedRound:
         self._finish = jax.jit(lambda s, c, k, p, l: self._finish_round(s, c, self._wrap(k), p, l))
         self._steps: dict[tuple[int, int | None], Any] = {}
         self._preview = None
+        self._stream_fns: dict[str, Any] = {}
 
     def _resolve_groups(self) -> tuple[ClientGroup, ...]:
         k = self.ctx.cohort_size
@@ -427,6 +478,10 @@ class FederatedRound:
         """Runs one round; returns ``(new_state, metrics)``, device arrays (nothing waits for the device:
         :func:`traffic_totals` turns the per-layer traffic into int64 totals on the host)."""
         self._check_cohort(cohort)
+        if self.strategy.kind == "stream":
+            return self._stream_round(state, cohort, key)
+        if isinstance(cohort.data, ClientData):  # every other strategy takes the whole cohort's data at once
+            cohort = cohort._replace(data=cohort.data.take(np.arange(self.ctx.cohort_size)))
         if self.strategy.kind == "fused":
             state, metrics = self._fused(state, cohort, self._key_data(key))
         elif self.strategy.kind == "stepwise":
@@ -451,7 +506,7 @@ class FederatedRound:
         k = np.shape(ids)[0]
         if k != self.ctx.cohort_size:
             raise ValueError(f"cohort has {k} clients but the round was built for {self.ctx.cohort_size}.")
-        x_shape = tuple(np.shape(cohort.data.x)[3:])
+        x_shape = tuple(data_spec(cohort).data.x.shape[3:])
         if x_shape != self.model.input_shape:
             raise ValueError(
                 f"client data has example shape {x_shape} but model {self.model.name} expects "
@@ -508,19 +563,32 @@ class FederatedRound:
         # trained nothing (its start model, loss 0), so select, aggregation, server_correct, update and
         # metrics all see one consistent cohort and no NaN reaches a sum (0 · NaN is NaN).
         sent = view.cohort.valid
-        finite = _finite_rows((trained, losses))
-        valid = sent & finite
         raw_losses = losses
-        trained = jax.tree.map(lambda t, s: jnp.where(_rows_mask(finite, t), t, s.astype(t.dtype)), trained, starts)
-        losses = jnp.where(finite, losses, jnp.zeros_like(losses))
-        view = view._replace(cohort=view.cohort._replace(valid=valid))
+        finite, trained, losses = _clean_faults(trained, losses, starts)
+        view = view._replace(cohort=view.cohort._replace(valid=sent & finite))
         view = view._replace(plan=plan, trained_vars=trained, client_loss=losses, start_vars=starts,
                              client_steps=steps)
-        selection = self.method.select(self.ctx, view._replace(key=keys.select))
-        weights = jnp.where(view.cohort.valid, selection.weights, 0.0)
-        selection = selection._replace(weights=weights)
+        view = self._summarize(view)
+        selection = self._select(view, keys)
         aggregated, received = aggregation.aggregate(
-            self.ctx.structure, state.variables, trained, selection.upload, weights, self.communicated)
+            self.ctx.structure, state.variables, trained, selection.upload, selection.weights, self.communicated)
+        return self._conclude(state, view, keys, selection, aggregated, received, raw_losses, sent)
+
+    def _summarize(self, view: RoundView) -> RoundView:
+        """The view with the method's per-client ``summary`` of the trained cohort (if it has one)."""
+        if self.method.summarize is None:
+            return view
+        return view._replace(summary=self.method.summarize(self.ctx, view))
+
+    def _select(self, view: RoundView, keys: HookKeys):
+        """The method's selection, with padding and failed clients' weights zeroed."""
+        selection = self.method.select(self.ctx, view._replace(key=keys.select))
+        return selection._replace(weights=jnp.where(view.cohort.valid, selection.weights, 0.0))
+
+    def _conclude(self, state, view: RoundView, keys: HookKeys, selection, aggregated, received, raw_losses, sent):
+        """From the aggregate: server_correct, server optimizer, update, metrics."""
+        valid = view.cohort.valid
+        losses, steps = view.client_loss, view.client_steps
         view = view._replace(selection=selection, aggregated=aggregated)
         target = aggregated["params"]
         if self.method.server_correct is not None:  # e.g. FedNova, FedDyn: not the plain aggregate
@@ -539,7 +607,7 @@ class FederatedRound:
                                 method_state=method_state)
         metrics = self._metrics(view._replace(key=keys.metrics), selection, losses, steps, sent)
         metrics["client_loss"] = raw_losses  # NaN shows which client failed
-        metrics["nonfinite_clients"] = jnp.sum(sent & ~finite).astype(jnp.int32)
+        metrics["nonfinite_clients"] = jnp.sum(sent & ~valid).astype(jnp.int32)
         metrics["diverged"] = diverged
         return new_state, metrics
 
@@ -600,19 +668,7 @@ class FederatedRound:
         for fns, (data, plan_g, cstate, ckeys) in zip(
                 self.clients, self._group_slices(cohort.data, plan, view.client_state, client_keys)):
 
-            def train_one(args, fns=fns):
-                data_k, plan_k, cstate_k, key_k = args
-                start = self.method.client_start(self.ctx, state.variables, cstate_k, plan_k)
-                inputs = fns.prepare(start, data_k)
-
-                def body(local, xs):
-                    batch, index = xs
-                    return fns.step(local, batch, plan_k, state.variables, cstate_k, key_k, index), None
-
-                local = jax.lax.scan(body, fns.init(start), (inputs, jnp.arange(num_steps)),
-                                     unroll=self.strategy.unroll)[0]
-                return fns.final(local, start)
-
+            train_one = functools.partial(self._train_one, state, fns, num_steps)
             args = (data, plan_g, cstate, ckeys)
             if self.strategy.chunk_size is None:
                 outs.append(jax.vmap(train_one)(args))
@@ -621,6 +677,143 @@ class FederatedRound:
         trained, losses, steps = (_concat([o[i] for o in outs]) for i in range(3))
         starts = self._starts(view, plan)  # recomputed, not carried: XLA fuses it into the fault check's select
         return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)
+
+    def _train_one(self, state: ServerState, fns: ClientFns, num_steps: int, args):
+        """One client's local training, steps in ``lax.scan``: ``(trained, loss, steps)``."""
+        data_k, plan_k, cstate_k, key_k = args
+        start = self.method.client_start(self.ctx, state.variables, cstate_k, plan_k)
+        inputs = fns.prepare(start, data_k)
+
+        def body(local, xs):
+            batch, index = xs
+            return fns.step(local, batch, plan_k, state.variables, cstate_k, key_k, index), None
+
+        local = jax.lax.scan(body, fns.init(start), (inputs, jnp.arange(num_steps)), unroll=self.strategy.unroll)[0]
+        return fns.final(local, start)
+
+    # ---- streamed strategy -------------------------------------------------------
+    # The cohort runs ``chunk_size`` clients at a time: each chunk is trained (one jitted
+    # call, clients vmapped) and folded into running sums Σ w·m·θ and Σ w·m per collection
+    # (aggregation.add_sums), so no [K, model] array ever exists.  "per_client" methods
+    # select chunk by chunk (one pass); "summary" methods keep only each client's summary
+    # in a first pass, select over the whole cohort, then train again (same keys: the
+    # same results) only the clients that upload anything, and sum those.
+
+    def _stream_fn(self, name: str, fn: Callable, donate=()):
+        if name not in self._stream_fns:
+            self._stream_fns[name] = jax.jit(fn, donate_argnums=donate)
+        return self._stream_fns[name]
+
+    def _stream_begin(self, state: ServerState, info: CohortInfo, key):
+        """The whole cohort's plan ``[K]`` and client keys (raw ``[K, ...]``); no data is read."""
+        self.trace_count += 1
+        keys = hook_keys(self._wrap(key))
+        cohort = Cohort(data=None, info=info)
+        plan = self._plan(self._view(state, cohort, keys.plan), keys)
+        return plan, jax.random.key_data(self._client_keys(keys, cohort))
+
+    def _stream_train(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, data: Batch, key):
+        """Trains one chunk (cohort positions ``rows`` ``[C]``); a view of it, faults cleaned as in
+        :meth:`_aggregate_and_update`, and its raw losses."""
+        keys = hook_keys(self._wrap(key))
+        plan = jax.tree.map(lambda a: a[rows], plan)
+        view = self._view(state, Cohort(data=None, info=info), keys.plan)
+        train_one = functools.partial(self._train_one, state, self.clients[0], data.step_mask.shape[1])
+        trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
+        start = lambda cstate, plan_k: self.method.client_start(self.ctx, state.variables, cstate, plan_k)  # noqa: E731
+        starts = jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
+        finite, trained, clean = _clean_faults(trained, losses, starts)
+        view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
+                             client_loss=clean, start_vars=starts, client_steps=steps)
+        return self._summarize(view), losses
+
+    def _stream_per_client(self, state, plan, ckeys, rows, info, data, key, sums):
+        """One pass of a "per_client" method: train a chunk, select its rows, add them to ``sums``."""
+        self.trace_count += 1
+        view, raw = self._stream_train(state, plan, ckeys, rows, info, data, key)
+        selection = self._select(view, hook_keys(self._wrap(key)))
+        sums = aggregation.add_sums(self.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
+                                    selection.weights)
+        return sums, (raw, view.client_steps, view.cohort.valid, view.summary, selection)
+
+    def _stream_summaries(self, state, plan, ckeys, rows, info, data, key):
+        """First pass of a "summary" method: train a chunk, keep only its per-client summaries."""
+        self.trace_count += 1
+        view, raw = self._stream_train(state, plan, ckeys, rows, info, data, key)
+        return raw, view.client_steps, view.cohort.valid, view.summary
+
+    def _stream_selection(self, state, info, plan, key, valid, losses, steps, summary):
+        """The whole cohort's selection from the summaries; ``[K]`` True for clients that upload anything."""
+        self.trace_count += 1
+        keys = hook_keys(self._wrap(key))
+        view = self._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
+        view = view._replace(plan=plan, client_loss=jnp.where(valid, losses, 0.0), client_steps=steps,
+                             summary=summary)
+        selection = self._select(view, keys)
+        uploads = (selection.weights > 0) & jnp.any(selection.upload.layers, axis=-1)
+        return selection, uploads
+
+    def _stream_add(self, state, plan, ckeys, rows, info, data, key, selection, sums):
+        """Second pass of a "summary" method: train a chunk again and add its selected parts to ``sums``."""
+        self.trace_count += 1
+        view, _ = self._stream_train(state, plan, ckeys, rows, info, data, key)
+        selection = jax.tree.map(lambda a: a[rows], selection)
+        weights = jnp.where(view.cohort.valid, selection.weights, 0.0)
+        return aggregation.add_sums(self.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
+                                    weights)
+
+    def _stream_finish(self, state, info, plan, key, sums, selection, raw, steps, valid, summary):
+        self.trace_count += 1
+        keys = hook_keys(self._wrap(key))
+        view = self._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
+        losses = jnp.where(valid, raw, 0.0)  # a failed client's loss is NaN; 0 for the metrics, as fused
+        view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary)
+        aggregated, received = aggregation.finish_sums(state.variables, sums)
+        return self._conclude(state, view, keys, selection, aggregated, received, raw, info.valid)
+
+    def _stream_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
+        k, c = self.ctx.cohort_size, min(self.strategy.chunk_size, self.ctx.cohort_size)
+        source = cohort.data if isinstance(cohort.data, ClientData) else ClientData.of(cohort.data)
+        info = CohortInfo(*(np.asarray(a) for a in cohort.info))
+        key_data = self._key_data(key)
+        plan, ckeys = self._stream_fn("begin", self._stream_begin)(state, info, key_data)
+        sums = aggregation.zero_sums(state.variables, self.communicated)
+
+        def chunks(positions):
+            """(rows [C] int32, chunk info, chunk data) for every C of ``positions``; the last padded."""
+            for lo in range(0, len(positions), c):
+                real = positions[lo:lo + c]
+                pad = c - len(real)
+                rows = np.concatenate([real, np.full(pad, real[0])]).astype(np.int32)
+                real_row = np.arange(c) < len(real)
+                chunk_info = CohortInfo(info.client_ids[rows].astype(np.int32),
+                                        np.where(real_row, info.num_samples[rows], 0).astype(np.float32),
+                                        real_row & info.valid[rows].astype(bool))
+                data = source.take(real)
+                if pad:  # padding clients: no real example or step
+                    data = jax.tree.map(lambda a: np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]), data)
+                yield len(real), rows, chunk_info, data
+
+        outs = []
+        if self.method.streamable == "per_client":
+            step = self._stream_fn("per_client", self._stream_per_client, donate=(7,))
+            for size, rows, chunk_info, data in chunks(np.arange(k)):
+                sums, out = step(state, plan, ckeys, rows, chunk_info, data, key_data, sums)
+                outs.append((size, out))
+            raw, steps, valid, summary, selection = _concat_rows(outs)
+        else:
+            first = self._stream_fn("summaries", self._stream_summaries)
+            for size, rows, chunk_info, data in chunks(np.arange(k)):
+                outs.append((size, first(state, plan, ckeys, rows, chunk_info, data, key_data)))
+            raw, steps, valid, summary = _concat_rows(outs)
+            selection, uploads = self._stream_fn("selection", self._stream_selection)(
+                state, info, plan, key_data, valid, raw, steps, summary)
+            again = np.flatnonzero(np.asarray(uploads))  # e.g. FedLDF: at most n·L clients
+            add = self._stream_fn("add", self._stream_add, donate=(8,))
+            for _, rows, chunk_info, data in chunks(again):
+                sums = add(state, plan, ckeys, rows, chunk_info, data, key_data, selection, sums)
+        return self._stream_fn("finish", self._stream_finish, donate=(0,))(
+            state, info, plan, key_data, sums, selection, raw, steps, valid, summary)
 
     # ---- stepwise strategy -------------------------------------------------------
 
@@ -717,6 +910,21 @@ class FederatedRound:
                     results.append(local)
                 locals_.append(jax.tree.map(lambda *a: jnp.stack(a), *results))
             return self._finish_round(state, cohort, key, plan, tuple(locals_))
+
+
+def stream_refusal(method: Method) -> str | None:
+    """Why the streamed strategy cannot run ``method`` (one clause), or None when it can."""
+    if method.streamable not in ("per_client", "summary"):
+        return f"method {method.name} needs the whole cohort at once, so it cannot be streamed"
+    if method.groups is not None or method.server_correct is not None or method.needs_holdout:
+        return f"method {method.name} has client groups, a server correction or held-out data, so it cannot be streamed"
+    return None
+
+
+def _concat_rows(parts: list) -> Any:
+    """Per-chunk outputs ``(size, tree of [C, ...])`` → one tree of ``[K, ...]`` (padding rows dropped)."""
+    return jax.tree.map(lambda *a: jnp.concatenate([x[:size] for (size, _), x in zip(parts, a)]),
+                        *[tree for _, tree in parts])
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial import checkpoint, devices, engine
+from fedpartial import checkpoint, devices, engine, memory
 from fedpartial.core import Holdout, Method, ServerData
 from fedpartial.data import packing, sources
 from fedpartial.data.partition import partition as split_population
@@ -175,6 +175,9 @@ class RunConfig:
     download_bandwidth: str = devices.DEFAULT_DOWNLOAD
     upload_bandwidth: str = devices.DEFAULT_UPLOAD
     target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
+    # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
+    # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
+    max_samples: int | None = None
 
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
@@ -204,6 +207,8 @@ class RunConfig:
             _check_int(self, field, 1)
         if self.local_steps is not None:
             _check_int(self, "local_steps", 1)
+        if self.max_samples is not None:
+            _check_int(self, "max_samples", 1)
         if self.local_steps is not None and self.local_epochs is not None:
             bad("give only one of --local-steps or --local-epochs.")
         if not _is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
@@ -236,6 +241,8 @@ class RunConfig:
             bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
         if self.model != "auto" and self.model not in registry.MODELS:
             bad(f"--model {self.model!r} is unknown; choose 'auto' or one of {', '.join(sorted(registry.MODELS))}.")
+        if self.max_samples is not None and self.dataset != "synthetic":
+            bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
         if self.partition not in PARTITIONS:
             bad(f"--partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
         if self.partition == "dirichlet" and not self.alpha > 0:
@@ -250,9 +257,15 @@ class RunConfig:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
         try:
-            engine.parse_strategy(self.strategy)
+            strategy = engine.parse_strategy(self.strategy)
         except ValueError as e:
             bad(f"--{e}")
+        if strategy.kind == "stream" and not custom_method:
+            problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
+                       if self.early_stopping else engine.stream_refusal(self.build_method()))
+            if problem:
+                bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
+                    "or stepwise:N.")
         try:
             if self.device_profiles is None:  # name the flag; the profiles CSV is read by device_model below
                 for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
@@ -395,12 +408,15 @@ class Simulation:
     ``method``, ``model`` and the optimizers default to what ``config`` names; pass
     your own (e.g. a method built with :func:`fedpartial.methods.make_method`) and it
     gets the same sampling, early stopping, personalised evaluation and logging.
+
+    ``check_memory``: before any array is built, refuse (:class:`ConfigError`) a run whose
+    estimated peak memory (:mod:`fedpartial.memory`) exceeds what is available.
     """
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
                  method: Method | None = None, model: Model | None = None,
                  client_optimizer: optax.GradientTransformation | None = None,
-                 server_optimizer: optax.GradientTransformation | None = None):
+                 server_optimizer: optax.GradientTransformation | None = None, check_memory: bool = True):
         if method is not None:
             config = dataclasses.replace(config, method=method.name, options={})
         config.validate(custom_method=method is not None)
@@ -409,6 +425,8 @@ class Simulation:
             options = {}
             if config.dataset == "synthetic":
                 options = dict(alpha=config.alpha, beta=config.alpha, num_clients=config.num_clients)
+                if config.max_samples is not None:
+                    options.update(max_samples=config.max_samples, min_samples=min(50, config.max_samples))
             dataset = sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
         self.dataset = dataset
         base = method if method is not None else config.build_method()
@@ -432,9 +450,12 @@ class Simulation:
             self.holdout = pad_holdouts([(dataset.x_train[h], dataset.y_train[h]) for h in held])
         self.sizes = np.array([len(c) for c in self.clients])
         # [N, C] every client's training examples per class (FedDH's label distributions).
-        self.label_counts = np.stack([np.bincount(dataset.y_train[c], minlength=dataset.num_classes)
-                                      for c in self.clients]).astype(np.float32)
-        self.num_steps = packing.max_steps(self.sizes, config.batch_size, local_steps=config.local_steps,
+        # (one bincount over (client, label) pairs and steps of the distinct sizes: no per-client Python work)
+        owner = np.repeat(np.arange(len(self.clients)), self.sizes)
+        labels = dataset.y_train[np.concatenate(self.clients)] if self.sizes.sum() else np.zeros(0, np.int64)
+        self.label_counts = np.bincount(owner * dataset.num_classes + labels, minlength=len(self.clients) *
+                                        dataset.num_classes).reshape(len(self.clients), -1).astype(np.float32)
+        self.num_steps = packing.max_steps(np.unique(self.sizes), config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.epochs)
         if model is None:
             model = build_model(config.model, dataset)
@@ -454,6 +475,11 @@ class Simulation:
             record_decisions=config.record_decisions, server_data=self.server_data,
             label_counts=self.label_counts,
         )
+        self.memory = memory.estimate(self.round, num_steps=self.num_steps, batch_size=config.batch_size,
+                                      example_shape=self.model.input_shape,
+                                      x_itemsize=np.dtype(dataset.x_train.dtype).itemsize)
+        if check_memory:
+            self._check_memory()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
         self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
@@ -465,6 +491,25 @@ class Simulation:
         #: with ``state`` it is everything a checkpoint restores (:mod:`fedpartial.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
                          "cumulative_simulated_time_s": 0.0}
+
+    def _check_memory(self) -> None:
+        """Refuses the run in one sentence when its estimate exceeds the available memory (see
+        :mod:`fedpartial.memory`); on an accelerator the packed data's host copy is checked against RAM."""
+        est = self.memory
+        available, where = memory.available_bytes()
+        if available is None:
+            return
+        if where != "RAM":  # the device holds all but the host copy of the data
+            host, _ = memory.available_bytes(jax.devices("cpu")[0])
+            if host is not None and est.data / 2 > memory.HEADROOM * host:
+                raise ConfigError(f"the run's packed data needs about {memory.gib(est.data / 2)} but "
+                                  f"{memory.gib(host)} of RAM is available; use --strategy stream:"
+                                  f"{max(1, int(memory.HEADROOM * host // max(est.data / 2 / est.in_flight, 1)))}.")
+        problem = memory.refusal(est, available, where, strategy=str(self.round.strategy),
+                                 cohort_size=self.config.cohort_size,
+                                 streamable=engine.stream_refusal(self.method) is None)
+        if problem:
+            raise ConfigError(problem[0].upper() + problem[1:])
 
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its
@@ -520,6 +565,8 @@ class Simulation:
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
         cfg = self.config
         valid = np.ones(len(ids), bool) if valid is None else valid
+        if self.round.strategy.kind == "stream":
+            return self._streamed_cohort(ids, pack_seed, valid)
         empty = np.zeros(0, np.int64)
         packed = packing.pack_cohort(
             self.dataset.x_train, self.dataset.y_train, [self.clients[i] if v else empty for i, v in zip(ids, valid)],
@@ -531,6 +578,33 @@ class Simulation:
             x, y, mask = self.holdout
             holdout = Holdout(x[ids], y[ids], mask[ids] & valid[:, None])
         return engine.cohort_from_packed(packed, ids, valid, holdout)
+
+    def _streamed_cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray) -> engine.Cohort:
+        """The cohort with its data packed a chunk at a time (:class:`engine.ClientData`): each client's
+        batches come from its own seed ``(pack_seed, id)``, so they do not depend on its chunk."""
+        cfg = self.config
+        empty = np.zeros(0, np.int64)
+        x, y = self.dataset.x_train, self.dataset.y_train
+
+        def take(rows):
+            packed = packing.pack_cohort(
+                x, y, [self.clients[i] if v else empty for i, v in zip(ids[rows], valid[rows])],
+                batch_size=cfg.batch_size, num_steps=self.num_steps, local_steps=cfg.local_steps,
+                local_epochs=cfg.epochs, seed=pack_seed, client_keys=ids[rows])
+            return engine.cohort_from_packed(packed, ids[rows]).data
+
+        k, s, b = len(ids), self.num_steps, cfg.batch_size
+        x_dtype = x.dtype if np.issubdtype(x.dtype, np.integer) else np.dtype(np.float32)
+        spec = engine.Batch(jax.ShapeDtypeStruct((k, s, b, *x.shape[1:]), x_dtype),
+                            jax.ShapeDtypeStruct((k, s, b), np.int32), jax.ShapeDtypeStruct((k, s, b), bool),
+                            jax.ShapeDtypeStruct((k, s), bool))
+        sizes = np.where(valid, self.sizes[ids], 0).astype(np.float32)
+        cohort = engine.Cohort(engine.ClientData(take, spec), engine.CohortInfo(np.asarray(ids, np.int32), sizes,
+                                                                                np.asarray(valid, bool)))
+        if self.holdout is not None:
+            hx, hy, mask = self.holdout
+            cohort = cohort._replace(holdout=Holdout(hx[ids], hy[ids], mask[ids] & valid[:, None]))
+        return cohort
 
     def evaluate_personal(self) -> dict:
         """Every client's own model on its held-out split, and the global model on the same splits."""
@@ -586,7 +660,7 @@ class Simulation:
                 dropout = Mask(layers=np.ones((len(ids), len(neurons)), bool), neurons=neurons)
             self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
             self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
-            flops = self.costs.client_flops(cohort, metrics["client_steps_per_client"], dropout)
+            flops = self.costs.client_flops(engine.data_spec(cohort), metrics["client_steps_per_client"], dropout)
             seconds = devices.client_times(self.devices, ids, flops, metrics["download_bytes_per_client"],
                                            metrics["upload_bytes_per_client"])
             simulated = devices.round_time(seconds, valid)

@@ -147,8 +147,15 @@ def pack_cohort(
     local_steps: int | None = None,
     local_epochs: float | None = None,
     seed: int | np.random.Generator,
+    client_keys: Sequence[int] | None = None,
 ) -> CohortBatches:
-    """Pack the examples ``x[client_indices[k]]`` of each cohort member k (see module doc)."""
+    """Pack the examples ``x[client_indices[k]]`` of each cohort member k (see module doc).
+
+    ``client_keys``: one integer per client (e.g. its id); client k then draws from its
+    own ``numpy.random.default_rng([seed, client_keys[k]])`` (``seed`` an int), so its
+    batches do not depend on which other clients are packed with it — what packing a
+    cohort a chunk at a time needs.  None: every client draws from ``seed`` in turn.
+    """
     _check_mode(local_steps, local_epochs)
     batch = _check_positive_int("batch_size", batch_size)
     steps_cap = _check_positive_int("num_steps", num_steps)
@@ -162,6 +169,8 @@ def pack_cohort(
     num_clients = len(client_indices)
     if num_clients == 0:
         raise DataError("pack_cohort needs at least one client.")
+    if client_keys is not None and (isinstance(seed, np.random.Generator) or len(client_keys) != len(client_indices)):
+        raise DataError("client_keys needs an int seed and one key per client.")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     n_total = x.shape[0]
 
@@ -180,6 +189,8 @@ def pack_cohort(
         if n == 0:
             continue
         members = members.astype(np.int64, copy=False)
+        if client_keys is not None:
+            rng = np.random.default_rng([int(seed), int(client_keys[k])])
         if members.min() < 0 or members.max() >= n_total:
             raise DataError(
                 f"Client {k} has example indices outside 0..{n_total - 1} (the dataset's size)."

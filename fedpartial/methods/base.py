@@ -143,6 +143,8 @@ def make_method(
     server_correct=None,
     adapt_model=None,
     needs_execution_times: bool = False,
+    summarize=None,
+    streamable: str | None = None,
 ) -> Method:
     """Builds a :class:`Method`; every piece not given is FedAvg's.
 
@@ -150,14 +152,15 @@ def make_method(
     per-round values of the method's own.  ``groups`` None: the cohort is one group
     training the whole model.  ``active_clients`` None: every client may always be
     sampled.  ``server_correct`` None: the server steps to the aggregate.
-    ``adapt_model`` None: the method trains the model it is given.
+    ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
+    no per-client statistic.  ``streamable`` None: the streamed strategy refuses the method.
     """
     return Method(name=name, init=init, plan=plan, client_start=client_start, step_plan=step_plan,
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, personalised=personalised,
                   needs_holdout=needs_holdout, server_examples_per_class=server_examples_per_class,
                   server_correct=server_correct, adapt_model=adapt_model,
-                  needs_execution_times=needs_execution_times)
+                  needs_execution_times=needs_execution_times, summarize=summarize, streamable=streamable)
 
 
 def broadcast_clients(tree: Any, num_clients: int) -> Any:

@@ -12,7 +12,7 @@ from fedpartial.methods.registry import MethodSpec
 
 def fedavg() -> Method:
     """FedAvg: full-model local training, ``n_k``-weighted aggregation."""
-    return make_method("fedavg")
+    return make_method("fedavg", streamable="per_client")
 
 
 SPEC = MethodSpec("fedavg", fedavg, "Full-model training, n_k-weighted mean (FedOpt with --server-opt).")

@@ -102,13 +102,18 @@ def fedldf(n: int = 4) -> Method:
     """FedLDF: per layer, the ``n`` clients whose layer moved farthest from the global model."""
     init, n = _check_n("fedldf", n), int(n)
 
+    def summarize(ctx: MethodContext, view: RoundView):
+        # [K, L]: every client's per-layer divergence from the model it started from (the feedback).
+        return selection.layer_divergence(ctx.structure, view.trained_vars["params"], view.global_vars["params"]).T
+
+    def divergence(ctx: MethodContext, view: RoundView):
+        """``[L, K]``: the engine's summary (a hook called on its own computes it)."""
+        return (summarize(ctx, view) if view.summary is None else view.summary).T
+
     def select(ctx: MethodContext, view: RoundView) -> Selection:
         k, num_layers = _cohort_size(view), ctx.structure.num_layers
-        # [L, K]: every client's per-layer divergence from the model it started from (the feedback).
-        divergence = selection.layer_divergence(
-            ctx.structure, view.trained_vars["params"], view.global_vars["params"])
-        # Per layer (row), the n largest; ties to the lowest client index.
-        chosen = selection.top_n_per_row(divergence, n, view.cohort.valid)
+        # Per layer (row of the [L, K] divergence matrix), the n largest; ties to the lowest client index.
+        chosen = selection.top_n_per_row(divergence(ctx, view), n, view.cohort.valid)
         return Selection(
             upload=masks.from_layers(ctx.structure, chosen.T),  # [K, L]: the layers each client uploads
             weights=view.cohort.num_samples,  # n_k
@@ -116,13 +121,14 @@ def fedldf(n: int = 4) -> Method:
         )
 
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        divergence = selection.layer_divergence(
-            ctx.structure, view.trained_vars["params"], view.global_vars["params"])
         valid = view.cohort.valid
-        mean = jnp.sum(jnp.where(valid, divergence, 0.0), axis=1) / jnp.maximum(jnp.sum(valid), 1)
+        mean = jnp.sum(jnp.where(valid, divergence(ctx, view), 0.0), axis=1) / jnp.maximum(jnp.sum(valid), 1)
         return {**uploads_per_client(ctx, view), "mean_divergence_per_layer": mean}
 
-    return make_method("fedldf", init=init, select=select, metrics=metrics)
+    # The streamed strategy keeps only the [K, L] divergences of the whole cohort, then trains the
+    # selected clients again (at most n·L of them) to aggregate their layers.
+    return make_method("fedldf", init=init, select=select, metrics=metrics, summarize=summarize,
+                       streamable="summary")
 
 
 def random_layers(n: int = 4) -> Method:
@@ -138,7 +144,7 @@ def random_layers(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("random", init=init, select=select, metrics=uploads_per_client)
+    return make_method("random", init=init, select=select, metrics=uploads_per_client, streamable="summary")
 
 
 def hdfl(n: int = 4) -> Method:
@@ -155,7 +161,7 @@ def hdfl(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client)
+    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client, streamable="summary")
 
 
 def index_bytes(units: int, kept: int) -> int:

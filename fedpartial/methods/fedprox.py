@@ -23,7 +23,7 @@ def proximal_term(mu: float):
 
 def fedprox(mu: float = 0.01) -> Method:
     """FedProx with proximal coefficient ``mu``."""
-    return make_method("fedprox", objective=with_penalty(proximal_term(mu)))
+    return make_method("fedprox", objective=with_penalty(proximal_term(mu)), streamable="per_client")
 
 
 SPEC = MethodSpec("fedprox", fedprox, "FedAvg whose local objective adds μ/2·||w − w_global||².",

@@ -1,0 +1,116 @@
+"""Bounded memory at scale: big cohorts and big populations of the Synthetic MLP, with peak RSS.
+
+Each case runs in its own subprocess (so ``ru_maxrss`` is its own peak): the dataset is
+generated once per case, then each method runs a :class:`fedpartial.simulation.Simulation`
+on it for a few rounds.  Recorded per run: seconds to generate the data and to build the
+simulation, seconds per round, the memory estimate of :mod:`fedpartial.memory` (and
+whether the check would refuse the run), and peak RSS before and after.
+
+    python benchmarks/scale.py                       # both default cases
+    python benchmarks/scale.py --cases cohort-10k    # one of them
+
+Writes ``benchmarks/results/scale-<backend>-<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+CASES = {
+    # A 10,000-client cohort (every client of the population every round), streamed 1,000 at a time.
+    "cohort-10k": dict(num_clients=10_000, cohort_size=10_000, strategy="stream:1000", rounds=2),
+    # A 1,000,000-client population (≤ 10 examples each), 1,000-client cohorts.
+    "population-1m": dict(num_clients=1_000_000, cohort_size=1_000, strategy="stream:1000", rounds=2,
+                          max_samples=10),
+}
+COMMON = dict(dataset="synthetic", model="mlp", local_steps=10, batch_size=32, out_dir=None, alpha=1.0)
+METHODS = ("fedavg", "fedldf")
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(case: str, methods: tuple[str, ...]) -> dict:
+    """Runs one case in this process; returns its measurements."""
+    from fedpartial import memory, simulation
+    from fedpartial.data import sources
+
+    settings = {**COMMON, **CASES[case]}
+    base = simulation.RunConfig(**settings, eval_every=settings["rounds"])
+    out = {"case": case, "settings": settings, "rss_start": _rss(), "runs": []}
+    t0 = time.perf_counter()
+    options = dict(alpha=base.alpha, beta=base.alpha, num_clients=base.num_clients)
+    if base.max_samples is not None:
+        options.update(max_samples=base.max_samples, min_samples=min(50, base.max_samples))
+    dataset = sources.load_dataset("synthetic", seed=base.seed, **options)
+    out["generate_s"] = time.perf_counter() - t0
+    out["train_examples"] = int(len(dataset.y_train))
+    out["dataset_bytes"] = int(dataset.x_train.nbytes + dataset.x_test.nbytes)
+    out["rss_after_data"] = _rss()
+    for method in methods:
+        config = dataclasses.replace(base, method=method)
+        t0 = time.perf_counter()
+        sim = simulation.Simulation(config, dataset, check_memory=False)
+        build = time.perf_counter() - t0
+        available, where = memory.available_bytes()
+        refusal = memory.refusal(sim.memory, available, where, strategy=str(sim.round.strategy),
+                                 cohort_size=config.cohort_size, streamable=True) if available else None
+        rss_built = _rss()
+        records = list(sim.rounds())
+        out["runs"].append({
+            "method": method, "build_s": build, "num_params": sim.num_params, "num_steps": sim.num_steps,
+            "round_s": [r["round_time_s"] for r in records], "train_loss": [r["train_loss"] for r in records],
+            "test_accuracy": records[-1].get("test_accuracy"), "client_steps": records[-1]["client_steps"],
+            "estimate_bytes": sim.memory.total, "estimate": sim.memory._asdict(), "available_bytes": available,
+            "would_refuse": refusal, "rss_after_build": rss_built, "peak_rss": _rss(),
+        })
+        del sim
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--out", help="JSON path (default benchmarks/results/scale-<backend>-<device>.json)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if args.worker:
+        print(json.dumps(worker(args.worker, methods)), flush=True)
+        return 0
+    from benchmarks.strategies import default_out, device_info, log
+
+    device = device_info()
+    out = args.out or default_out(device).replace("strategies-", "scale-")
+    results = []
+    started = time.perf_counter()
+    for case in (c for c in args.cases.split(",") if c):
+        log(f"{case}: {CASES[case]}")
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--worker", case, "--methods",
+                               ",".join(methods)], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if proc.returncode:
+            results.append({"case": case, "error": proc.stderr[-2000:]})
+        else:
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        log(json.dumps(results[-1])[:1500])
+        report = {"benchmark": "scale", "device": device, "common": COMMON, "results": results,
+                  "note": "2 CPU cores shared with other jobs while measured: seconds are noisy",
+                  "total_time_s": time.perf_counter() - started}
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

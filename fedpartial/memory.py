@@ -1,0 +1,134 @@
+"""A run's peak memory, estimated from shapes before anything is built, and the check that refuses it.
+
+The estimate adds, in bytes (every shape from ``jax.eval_shape``: nothing is allocated):
+
+* ``server``: the global model, the server optimizer state, the method's
+  per-client state (``[N, ...]`` rows, e.g. FedSPU's N personal models) and
+  ``RUNTIME_BYTES`` for compilation and the runtime's buffers (measured);
+* ``clients``: per client *in flight* (the cohort K, or the chunk C of the streamed
+  strategy) its start model, trained model, gradient, client optimizer state, the
+  aggregation's masked copy and expanded upload mask, and its activations
+  (``ACTIVATION_FACTOR`` × batch × (input + every layer's units) float32 — exact for
+  dense layers, low for convolutions, whose spatial maps the layer structure does
+  not tell);
+* ``data``: the packed local data ``[F, S, B, ...]`` of the clients in flight (the
+  packed host copy and the device's copy).
+
+On a CPU all three share the host RAM; on an accelerator ``data``'s host copy is
+RAM and the rest device memory, each compared with its own budget.  The estimate
+was checked against measured peak RSS (README, "Bounded memory").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+#: activations kept per example and unit: forward values, their gradients and XLA's temporaries
+ACTIVATION_FACTOR = 4
+#: compilation and runtime buffers beyond the arrays counted (peak RSS minus the estimate, measured on CPU)
+RUNTIME_BYTES = 256 * 2**20
+#: share of the available memory a run may plan to use
+HEADROOM = 0.9
+
+
+class MemoryEstimate(NamedTuple):
+    """Estimated peak bytes of a run, by part; ``in_flight`` clients are trained at once."""
+
+    server: int
+    clients: int
+    data: int
+    in_flight: int
+    per_client: int  # clients + data bytes of one client in flight
+
+    @property
+    def total(self) -> int:
+        return self.server + self.clients + self.data
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every leaf of a tree of arrays or shapes."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, ...], x_itemsize: int = 4,
+             in_flight: int | None = None) -> MemoryEstimate:
+    """The peak-memory estimate of a round of ``fr`` (a :class:`~fedpartial.engine.FederatedRound`).
+
+    ``in_flight``: clients trained at once (default: the strategy's — the chunk of the
+    streamed strategy, else the whole cohort).
+    """
+    if in_flight is None:
+        in_flight = fr.strategy.chunk_size if fr.strategy.kind == "stream" else fr.ctx.cohort_size
+    in_flight = min(in_flight, fr.ctx.cohort_size)
+    shapes = jax.eval_shape(fr.pure_init, jax.random.key(0))
+    model = tree_bytes(shapes.variables)
+    params = tree_bytes(shapes.variables["params"])
+    client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.init, shapes.variables["params"]))
+    server = 2 * model + tree_bytes(shapes.opt_state) + tree_bytes(shapes.method_state) + RUNTIME_BYTES
+    # start + trained model, gradient, optimizer state, masked copy (float) and upload mask (bool) for aggregation
+    per_client_model = 3 * model + params + client_opt + model // 4
+    units = sum(fr.ctx.structure.units) + math.prod(example_shape)
+    activations = ACTIVATION_FACTOR * batch_size * units * 4
+    example = math.prod(example_shape) * x_itemsize + 4 + 1  # x, label, example mask
+    per_client_data = 2 * (num_steps * batch_size * example + num_steps)  # host pack + device copy
+    per_client = per_client_model + activations + per_client_data
+    return MemoryEstimate(server=server, clients=in_flight * (per_client_model + activations),
+                          data=in_flight * per_client_data, in_flight=in_flight, per_client=per_client)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_bytes(device=None) -> tuple[int | None, str]:
+    """Bytes a run may still use and where: an accelerator's free memory
+    (``memory_stats()['bytes_limit'] - bytes_in_use``), else the host's ``MemAvailable``."""
+    device = device or jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} memory"
+    return _meminfo_available(), "RAM"
+
+
+def gib(n: float) -> str:
+    """Bytes for people: GiB with one decimal, or whole MiB below 1 GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def refusal(est: MemoryEstimate, available: int, where: str, *, strategy: str, cohort_size: int,
+            streamable: bool) -> str | None:
+    """One sentence when ``est`` exceeds ``HEADROOM`` of ``available``: the estimate, what is available
+    and the option that fixes it; None when it fits."""
+    budget = HEADROOM * available
+    if est.total <= budget:
+        return None
+    fits = int((budget - est.server) // max(est.per_client, 1))
+    head = (f"the run needs about {gib(est.total)} ({strategy} strategy, {est.in_flight} clients in flight) "
+            f"but {gib(available)} of {where} is available")
+    if fits >= 1 and streamable:
+        chunk = _round_down(min(fits, cohort_size))
+        return f"{head}; use --strategy stream:{chunk}."
+    if fits >= 1:
+        return f"{head}; use a --cohort of at most {_round_down(min(fits, cohort_size))}."
+    return (f"{head}, even for one client at a time; use fewer --clients (per-client state), "
+            "a smaller --batch-size or fewer --local-steps.")
+
+
+def _round_down(n: int) -> int:
+    """``n`` rounded down to 2 significant digits (a number people type)."""
+    if n < 100:
+        return max(n, 1)
+    scale = 10 ** (len(str(n)) - 2)
+    return n // scale * scale

@@ -1,0 +1,251 @@
+"""The streamed strategy: the cohort a chunk at a time, aggregated from running sums, equals the fused round."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedpartial import aggregation, engine, masks, memory
+from fedpartial.data import packing
+from fedpartial.errors import UserError
+from fedpartial.methods import fedavg, fedprox, fedspu
+from fedpartial.methods.fedldf import fedldf, random_layers
+from fedpartial.simulation import ConfigError, RunConfig, Simulation
+from tests.conftest import make_cohort
+
+OPT = optax.sgd(0.1, momentum=0.9)
+K, N = 7, 12
+REAL_STEPS = [3, 1, 2, 3, 2, 3, 1]
+REAL_EXAMPLES = [5, 2, 4, 5, 3, 5, 1]
+#: metrics that are integers: they must be equal, not close
+EXACT = ("client_steps", "client_steps_per_client", "upload_bytes_per_layer", "download_bytes_per_layer",
+         "nonfinite_clients", "diverged", "layers_uploaded_per_client")
+
+
+def cohorts(rounds=2, valid=None):
+    """Unequal clients; the last round's client 5 is a padding slot when ``valid`` says so."""
+    out = []
+    for s in range(rounds):
+        c = make_cohort((4,), k=K, steps=3, seed=s, real_steps=REAL_STEPS, real_examples=REAL_EXAMPLES,
+                        client_ids=(np.arange(K) * 5 + s) % N)
+        if valid is not None:
+            c = c._replace(info=c.info._replace(valid=np.asarray(valid, bool)))
+        out.append(c)
+    return out
+
+
+_ROUNDS = {}
+
+
+def round_for(model, name, strategy):
+    """One FederatedRound per (method, strategy), shared by the tests: each is compiled once."""
+    if (name, str(strategy)) not in _ROUNDS:
+        factory, server = METHODS[name]
+        _ROUNDS[name, str(strategy)] = engine.FederatedRound(
+            model, factory(), num_clients=N, cohort_size=K, client_optimizer=OPT, server_optimizer=server,
+            strategy=strategy)
+    return _ROUNDS[name, str(strategy)]
+
+
+def run(model, name, strategy, rounds):
+    r = round_for(model, name, strategy)
+    state = r.init(jax.random.key(0))
+    metrics = []
+    for t, c in enumerate(rounds):
+        state, m = r(state, c, jax.random.fold_in(jax.random.key(1), t))
+        metrics.append(jax.device_get(m))
+    return r, state, metrics
+
+
+def assert_same_round(a, b):
+    (_, state_a, metrics_a), (_, state_b, metrics_b) = a, b
+    chex.assert_trees_all_close(state_a.variables, state_b.variables, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state_a.opt_state, state_b.opt_state, rtol=1e-5, atol=1e-6)
+    for ma, mb in zip(metrics_a, metrics_b):
+        assert set(ma) == set(mb)
+        for name in ma:
+            if name in EXACT:
+                np.testing.assert_array_equal(ma[name], mb[name], err_msg=name)
+            else:
+                chex.assert_trees_all_close(ma[name], mb[name], rtol=1e-5, atol=1e-6)
+
+
+METHODS = {
+    "fedavg": (fedavg, None),
+    "fedprox": (lambda: fedprox(mu=0.1), None),
+    "fedadam": (fedavg, optax.adam(0.05, b1=0.9, b2=0.99, eps=1e-3)),  # the --server-opt adam of a run
+    "fedldf": (lambda: fedldf(2), None),
+    "random": (lambda: random_layers(2), None),
+}
+SLOW = pytest.mark.slow  # the same paths as the unmarked cases, other methods and chunk sizes
+CASES = [("fedavg", 3), ("fedldf", 3)] + [pytest.param(*c, marks=SLOW) for c in (
+    ("fedprox", 3), ("fedadam", 3), ("fedavg", 7), ("fedldf", 7), ("random", 3))]
+
+
+@pytest.mark.parametrize("name, chunk", CASES)
+def test_streamed_equals_fused(mlp, name, chunk):
+    rounds = cohorts(valid=[True, True, True, True, True, False, True])  # 7 clients, one padding slot
+    fused = run(mlp, name, engine.fused(), rounds)
+    streamed = run(mlp, name, engine.streamed(chunk), rounds)
+    assert_same_round(fused, streamed)
+
+
+def test_streamed_takes_one_chunk_of_data_at_a_time(mlp):
+    c = cohorts(1)[0]
+    taken = []
+
+    def take(rows):
+        taken.append(list(rows))
+        return jax.tree.map(lambda a: a[rows], c.data)
+
+    lazy = c._replace(data=engine.ClientData(take, engine.ClientData.of(c.data).spec))
+    streamed = run(mlp, "fedldf", engine.streamed(3), [lazy])
+    # first pass: every client once, 3 at a time; second pass: only clients that upload a layer
+    assert taken[:3] == [[0, 1, 2], [3, 4, 5], [6]]
+    uploads = streamed[2][0]["layers_uploaded_per_client"]
+    assert sorted(sum(taken[3:], [])) == list(np.flatnonzero(uploads))
+    assert all(len(t) <= 3 for t in taken)
+    assert_same_round(run(mlp, "fedldf", engine.fused(), [c]), streamed)
+
+
+def test_streamed_excludes_a_nonfinite_client_as_fused_does(mlp):
+    c = cohorts(1)[0]
+    x = c.data.x.copy()
+    x[2, 0, 0, 0] = np.inf  # client 2's first example
+    bad = [c._replace(data=c.data._replace(x=x))]
+    fused = run(mlp, "fedldf", engine.fused(), bad)  # both passes clean faults with the same code
+    streamed = run(mlp, "fedldf", engine.streamed(3), bad)
+    assert int(streamed[2][0]["nonfinite_clients"]) == 1
+    assert_same_round(fused, streamed)
+
+
+def test_no_retrace_across_rounds(mlp):
+    for name, traced in (("fedavg", 3), ("fedldf", 5)):  # begin, chunk pass(es), selection, finish
+        r = round_for(mlp, name, engine.streamed(3))
+        before = r.trace_count
+        state = r.init(jax.random.key(0))
+        counts = []
+        for t, c in enumerate(cohorts(3)):
+            state, _ = r(state, c, jax.random.key(t))
+            counts.append(r.trace_count)
+        assert counts[0] <= traced and counts == [counts[0]] * 3
+        assert before in (0, counts[0])
+
+
+def test_three_clients_streamed_by_hand():
+    # One leaf of 2 elements; client k uploads element j where m[k, j]; weights w.
+    theta = np.array([[1.0, 10.0], [3.0, 20.0], [5.0, 40.0]], np.float32)
+    m = np.array([[True, False], [True, True], [False, False]])
+    w = np.array([1.0, 3.0, 2.0], np.float32)
+    g = {"params": {"a": jnp.array([7.0, 8.0])}}
+    sums = {"params": ({"a": jnp.zeros(2)}, {"a": jnp.zeros(2)})}
+    for rows in ([0, 1], [2]):  # chunks of 2 and 1
+        num, den = aggregation._sums(jnp.asarray(theta[rows]), jnp.asarray(m[rows]), jnp.asarray(w[rows]))
+        sums = {"params": ({"a": sums["params"][0]["a"] + num}, {"a": sums["params"][1]["a"] + den})}
+    new, received = aggregation.finish_sums(g, sums)
+    # element 0: (1·1 + 3·3) / (1 + 3) = 2.5; element 1: only client 1 → 20
+    np.testing.assert_allclose(new["params"]["a"], [2.5, 20.0])
+    np.testing.assert_array_equal(received["a"], [True, True])
+    # nobody uploads element 1: the global value stays
+    sums = {"params": ({"a": jnp.array([4.0, 0.0])}, {"a": jnp.array([2.0, 0.0])})}
+    new, received = aggregation.finish_sums(g, sums)
+    np.testing.assert_allclose(new["params"]["a"], [2.0, 8.0])
+    np.testing.assert_array_equal(received["a"], [True, False])
+
+
+def test_add_sums_over_chunks_equals_aggregate(mlp):
+    g = mlp.init_variables(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    cohort_vars = jax.tree.map(lambda a: a[None] + rng.normal(size=(5, *a.shape)).astype(np.float32), g)
+    layers = jnp.asarray(rng.random((5, mlp.structure.num_layers)) < 0.6)
+    upload = masks.from_layers(mlp.structure, layers)
+    w = jnp.asarray([1.0, 2.0, 0.0, 4.0, 5.0])
+    ref, ref_received = aggregation.aggregate(mlp.structure, g, cohort_vars, upload, w)
+    sums = aggregation.zero_sums(g)
+    for lo, hi in ((0, 2), (2, 4), (4, 5)):
+        part = lambda t, lo=lo, hi=hi: jax.tree.map(lambda a: a[lo:hi], t)  # noqa: E731
+        sums = aggregation.add_sums(mlp.structure, sums, g, part(cohort_vars), part(upload), w[lo:hi])
+    new, received = aggregation.finish_sums(g, sums)
+    chex.assert_trees_all_close(new, ref, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_equal(received, ref_received)
+
+
+def test_a_method_that_needs_the_whole_cohort_is_refused(mlp):
+    with pytest.raises(UserError, match="^method fedspu needs the whole cohort at once, so it cannot be streamed; "
+                                        "use the fused, stepwise or debug strategy.$"):
+        engine.FederatedRound(mlp, fedspu(), num_clients=N, cohort_size=K, client_optimizer=OPT,
+                              strategy=engine.streamed(3))
+
+
+def test_run_config_refuses_streaming_what_cannot_stream():
+    with pytest.raises(ConfigError, match="^--strategy stream:50 is not allowed: method fedspu needs the whole "
+                                          "cohort at once"):
+        RunConfig(method="fedspu", strategy="stream:50", out_dir=None).validate()
+    with pytest.raises(ConfigError, match=r"^--strategy stream:50 is not allowed: early stopping \(--es\)"):
+        RunConfig(method="fedavg", strategy="stream:50", early_stopping=True, out_dir=None).validate()
+    RunConfig(method="fedldf", strategy="stream:50", out_dir=None).validate()
+    assert engine.parse_strategy("stream:50") == engine.streamed(50)
+    with pytest.raises(ValueError, match="'stream:N'"):
+        engine.parse_strategy("stream")
+
+
+# ---- memory estimate and refusal ------------------------------------------------------------------
+
+
+def test_estimate_grows_with_clients_in_flight(mlp):
+    fused = round_for(mlp, "fedavg", engine.fused())
+    streamed = round_for(mlp, "fedavg", engine.streamed(3))
+    a = memory.estimate(fused, num_steps=3, batch_size=5, example_shape=(4,))
+    b = memory.estimate(streamed, num_steps=3, batch_size=5, example_shape=(4,))
+    assert (a.in_flight, b.in_flight) == (K, 3)
+    assert a.server == b.server and a.per_client == b.per_client
+    assert a.total - b.total == (K - 3) * a.per_client
+    # per client: the packed data (twice) is exactly S·B·(4 floats + label + mask) + S step flags
+    assert a.data == K * 2 * (3 * 5 * (4 * 4 + 4 + 1) + 3)
+
+
+def test_refusal_names_the_estimate_and_the_fix():
+    est = memory.MemoryEstimate(server=2**30, clients=8 * 2**30, data=2 * 2**30, in_flight=10_000,
+                                per_client=2**20)
+    assert memory.refusal(est, 100 * 2**30, "RAM", strategy="fused", cohort_size=10_000, streamable=True) is None
+    # (0.9 · 8 GiB − 1 GiB) / 1 MiB = 6348 clients fit; 2 significant digits
+    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000, streamable=True) == (
+        "the run needs about 11.0 GiB (fused strategy, 10000 clients in flight) but 8.0 GiB of RAM is "
+        "available; use --strategy stream:6300.")
+    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000,
+                          streamable=False).endswith("; use a --cohort of at most 6300.")
+    assert "even for one client at a time" in memory.refusal(est, 2**30, "RAM", strategy="fused",
+                                                             cohort_size=10_000, streamable=True)
+
+
+def test_simulation_is_refused_before_anything_is_built(monkeypatch):
+    # the fused estimate is about 303 MiB
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
+    built = []
+    monkeypatch.setattr(engine.FederatedRound, "init", lambda self, key: built.append(key))
+    config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
+                       out_dir=None, strategy="fused")
+    with pytest.raises(ConfigError, match=r"^The run needs about 30\d MiB \(fused strategy, 40 clients in "
+                                          r"flight\) but 288 MiB of RAM is available; use --strategy stream:\d+\.$"):
+        Simulation(config)
+    assert not built
+    chunk = int(str(pytest.raises(ConfigError, Simulation, config).value).rsplit(":", 1)[1].rstrip("."))
+    Simulation(dataclasses.replace(config, strategy=f"stream:{chunk}"))  # the fix it names is accepted
+    assert len(built) == 1
+
+
+def test_packing_with_client_keys_does_not_depend_on_the_others():
+    x = np.arange(40, dtype=np.float32).reshape(40, 1)
+    y = np.arange(40) % 3
+    clients = [np.arange(0, 9), np.arange(9, 30), np.arange(30, 40)]
+    both = packing.pack_cohort(x, y, clients, batch_size=4, num_steps=6, local_epochs=1.0, seed=3,
+                               client_keys=[11, 12, 13])
+    alone = packing.pack_cohort(x, y, clients[2:], batch_size=4, num_steps=6, local_epochs=1.0, seed=3,
+                                client_keys=[13])
+    for a, b in zip(both, alone):
+        np.testing.assert_array_equal(a[2:], b)
+    assert sorted(both.x[2][both.example_mask[2]].ravel()) == list(range(30, 40))  # one epoch: each once
