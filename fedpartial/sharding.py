@@ -84,6 +84,26 @@ def padding_ids(cohort: np.ndarray, num_clients: int, count: int) -> np.ndarray:
     return np.resize(pool, count).astype(np.asarray(cohort).dtype)
 
 
+def pad_cohort(cohort: Any, size: int, num_clients: int) -> Any:
+    """A :class:`~fedpartial.engine.Cohort` of ``K`` clients (host arrays) padded to ``size`` rows with padding
+    clients: zero data and masks (no step, no example), ``valid`` False, ids from :func:`padding_ids`.
+
+    For callers of the engine; :class:`~fedpartial.simulation.Simulation` pads when it samples.
+    """
+    ids = np.asarray(cohort.info.client_ids)
+    extra = size - len(ids)
+    if extra <= 0:
+        return cohort
+
+    def pad(a):
+        a = np.asarray(a)
+        return np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
+
+    padded = jax.tree.map(pad, cohort)
+    return padded._replace(info=padded.info._replace(
+        client_ids=np.concatenate([ids, padding_ids(ids, num_clients, extra)])))
+
+
 def shard_cohort(cohort: Any, mesh: Mesh) -> Any:
     """Places every leaf of a cohort (leading axis ``K``, a multiple of the mesh size) split over the mesh.
 
