@@ -290,9 +290,10 @@ class RunConfig:
         fused = engine.parse_strategy(self.strategy).kind == "fused"
         return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
 
-    def run_strategy(self) -> engine.Strategy:
-        """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices)."""
-        if self.strategy == "auto" and self.num_devices > 1:
+    def run_strategy(self, num_devices: int | None = None) -> engine.Strategy:
+        """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
+        ``num_devices``, default :attr:`num_devices`)."""
+        if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
             return engine.fused()
         return engine.parse_strategy(self.strategy)
 
@@ -485,6 +486,10 @@ class Simulation:
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
         # The cohort split over devices is padded to a multiple of their number with padding clients.
+        if jax.process_count() > 1 and config.devices is not None:
+            raise ConfigError(f"--devices {config.devices} is not used by a run over {jax.process_count()} "
+                              f"processes, which splits the cohort over all their {jax.device_count()} devices; "
+                              "leave it out.")
         self.mesh = _client_mesh(config.num_devices)
         num_devices = 1 if self.mesh is None else self.mesh.size
         if num_devices > 1 and self.method.groups is not None:
@@ -495,7 +500,7 @@ class Simulation:
             num_clients=config.num_clients, cohort_size=sharding.padded_size(config.cohort_size, num_devices),
             client_optimizer=client_optimizer or make_client_optimizer(config),
             server_optimizer=server_optimizer or make_server_optimizer(config),
-            bn_policy=config.bn_policy, strategy=config.run_strategy(), rounds=config.rounds,
+            bn_policy=config.bn_policy, strategy=config.run_strategy(num_devices), rounds=config.rounds,
             record_decisions=config.record_decisions, server_data=self.server_data,
             label_counts=self.label_counts, devices=self.mesh,
         )
