@@ -112,6 +112,11 @@ def test_refusals_are_one_sentence_naming_the_values(four_devices):
                                   "one device; use --devices 1.")
 
 
+def test_global_cohort_assembles_this_process_rows(four_devices):
+    """sharding.process_rows / global_cohort (the multi-host path) in one process: all 8 rows, same arrays."""
+    assert four_devices["global_cohort"] == {"rows": [0, 8], "equal": True, "devices": 4}
+
+
 # ---- one process, no subprocess ------------------------------------------------------------------
 
 
@@ -184,3 +189,11 @@ def test_two_processes_finish_with_the_parameters_of_one():
         assert r["upload_bytes"] == reference["upload_bytes"]
         for mine, theirs in zip(r["params"], reference["params"]):
             np.testing.assert_allclose(mine, theirs, rtol=0, atol=ATOL)
+
+
+def test_the_flag_reaches_the_config():
+    from fedpartial.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["run", "--devices", "2", "--strategy", "fused:4"])
+    assert config_from_args(args).devices == 2
+    assert config_from_args(build_parser().parse_args(["run"])).devices is None
