@@ -142,6 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 0.7 for personalised methods and --es, else 1)")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
+    run.add_argument("--devices", type=_whole_number, default=d.devices, metavar="N",
+                     help="split each round's cohort over N local devices (fused strategy; the cohort is padded "
+                          "to a multiple of N with clients that weigh nothing); default: all local devices for "
+                          "the fused strategy on a GPU/TPU, else 1")
+    hosts = run.add_argument_group(
+        "several processes (multi-host: every process runs the same command with its own --process-id; "
+        "the cohort is split over every process's devices; see docs/multihost.md)")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="address of process 0, for jax.distributed.initialize")
+    hosts.add_argument("--num-processes", type=_whole_number, default=None, metavar="P", help="processes in all")
+    hosts.add_argument("--process-id", type=_whole_number, default=None, metavar="I", help="this process, 0 to P-1")
     run.add_argument("--seed", type=_whole_number, default=d.seed, help="seed of every random choice")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
@@ -321,7 +332,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         server_optimizer=args.server_opt, server_lr=args.server_lr, options=options,
         early_stopping=args.es, train_fraction=args.train_fraction,
-        bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
+        bn_policy=args.bn_policy, strategy=args.strategy, devices=args.devices, seed=args.seed,
+        eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
         download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
@@ -369,9 +381,30 @@ def _run_checked(args, console: Console, checkpoint) -> int:
         return _run_stoppable(args, console, stop)
 
 
+def _join_processes(args) -> None:
+    """``jax.distributed.initialize`` when --coordinator, --num-processes and --process-id are given (all or none)."""
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    if all(v is None for v in given.values()):
+        return
+    missing = [flag for flag, v in given.items() if v is None]
+    if missing:
+        raise UserError(f"a run over several processes needs --coordinator, --num-processes and --process-id; "
+                        f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing.")
+    if args.num_processes < 1:
+        raise UserError(f"--num-processes {args.num_processes} is not allowed: it must be a whole number ≥ 1.")
+    if not args.process_id < args.num_processes:
+        raise UserError(f"--process-id {args.process_id} is not allowed: it must be between 0 and "
+                        f"{args.num_processes - 1} (--num-processes {args.num_processes}).")
+    import jax
+
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+
+
 def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial import simulation
 
+    _join_processes(args)  # before anything touches a JAX backend
     if args.resume is not None:
         config = simulation.load_config(args.resume)
     else:

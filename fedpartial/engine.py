@@ -65,6 +65,7 @@ import optax
 
 from fedpartial import aggregation, graphs
 from fedpartial import masks as masks_lib
+from fedpartial import sharding as sharding_lib
 from fedpartial.client import ClientFns, make_client_fns
 from fedpartial.core import (
     Batch,
@@ -340,6 +341,14 @@ class FederatedRound:
       execution_times: ``[N]`` each device's time for a round of full-model local work,
         handed to the method's ``init`` (FedAD); None: no device model.  An attribute:
         a simulation sets it once it has counted a step's FLOPs, before ``init``.
+      devices: split the client axis over devices (fused strategy only): a number ``D``
+        of this process's devices, or a :class:`jax.sharding.Mesh` with one axis
+        ``'clients'`` (:func:`fedpartial.sharding.client_mesh`; several processes: the
+        multi-host mesh).  None or 1: one device.  The cohort size, and every client
+        group's size, must be a multiple of the device count (pad the cohort with
+        padding clients, as :class:`~fedpartial.simulation.Simulation` does).  The
+        cohort is split over the devices, each device trains its own clients, and the
+        server state is replicated (see :mod:`fedpartial.sharding`).
     """
 
     def __init__(
@@ -358,6 +367,7 @@ class FederatedRound:
         server_data: ServerData | None = None,
         label_counts: Any = None,
         execution_times: Any = None,
+        devices: int | jax.sharding.Mesh | None = None,
     ):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"BatchNorm policy {bn_policy!r} is unknown; use one of {BN_POLICIES}.")
@@ -382,6 +392,7 @@ class FederatedRound:
             problem = stream_refusal(method)
             if problem:
                 raise UserError(f"{problem}; use the fused, stepwise or debug strategy.")
+        self.mesh = self._resolve_mesh(devices)
         self.offsets = tuple(int(o) for o in np.cumsum([0] + [g.size for g in self.groups])[:-1])
         self.clients: tuple[ClientFns, ...] = tuple(
             make_client_fns(self.ctx, method, client_optimizer, track_batch_stats=bn_policy == "global",
@@ -392,7 +403,13 @@ class FederatedRound:
         # Jitted entry points take raw key data: typed key arrays miss jit's fast C++ dispatch
         # path, which costs ~0.2 ms a call — per local step, in the stepwise strategy.
         self._key_impl = None
-        self._fused = jax.jit(lambda s, c, k: self.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
+        if self.mesh is None:
+            self._fused = jax.jit(lambda s, c, k: self.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
+        else:  # the outputs replicated too: every process can read the metrics and feed the state back
+            everywhere = sharding_lib.replicated(self.mesh)
+            self._fused = jax.jit(
+                lambda s, c, k: jax.lax.with_sharding_constraint(self.pure_round(s, c, self._wrap(k)), everywhere),
+                in_shardings=(everywhere, sharding_lib.cohort_sharding(self.mesh), everywhere), donate_argnums=(0,))
         self._begin = jax.jit(lambda s, c, k: self._begin_round(s, c, self._wrap(k)))
         self._finish = jax.jit(lambda s, c, k, p, l: self._finish_round(s, c, self._wrap(k), p, l))
         self._steps: dict[tuple[int, int | None], Any] = {}
@@ -415,6 +432,25 @@ class FederatedRound:
                     f"method {self.method.name}: group {g.name!r} samples {g.size} clients per round "
                     f"from only {len(g.members)} members.")
         return groups
+
+    def _resolve_mesh(self, devices) -> jax.sharding.Mesh | None:
+        """The client mesh (None: one device, nothing sharded)."""
+        if devices is None or (isinstance(devices, (int, np.integer)) and devices == 1):
+            return None
+        mesh = devices if isinstance(devices, jax.sharding.Mesh) else sharding_lib.client_mesh(devices)
+        d, k = mesh.size, self.ctx.cohort_size
+        if mesh.axis_names != (sharding_lib.CLIENT_AXIS,):
+            raise ValueError(f"the device mesh must have the one axis {sharding_lib.CLIENT_AXIS!r}, "
+                             f"not {mesh.axis_names}.")
+        if d > 1 and self.strategy.kind != "fused":
+            raise ValueError(f"the {self.strategy.kind} strategy runs on one device; only the fused strategy "
+                             f"splits the cohort over {d} devices.")
+        bad = [g.size for g in self.groups if g.size % d]
+        if bad:
+            what = f"cohort size {k}" if len(self.groups) == 1 else \
+                f"client groups of method {self.method.name} (sizes {[g.size for g in self.groups]})"
+            raise ValueError(f"the {what} must be a multiple of the {d} devices the cohort is split over.")
+        return mesh if d > 1 else None
 
     def preview(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundPreview:
         """The plan and every client's start model that a round with these inputs would use."""
@@ -470,7 +506,10 @@ class FederatedRound:
             seen.add(id(a))
             return a
 
-        return jax.tree.map(distinct, state)
+        state = jax.tree.map(distinct, state)
+        if self.mesh is not None:  # a global array on every device of the mesh (every process computed it)
+            state = jax.device_put(state, sharding_lib.replicated(self.mesh))
+        return state
 
     # ---- round -----------------------------------------------------------------
 
@@ -668,25 +707,33 @@ class FederatedRound:
         for fns, (data, plan_g, cstate, ckeys) in zip(
                 self.clients, self._group_slices(cohort.data, plan, view.client_state, client_keys)):
 
-            train_one = functools.partial(self._train_one, state, fns, num_steps)
-            args = (data, plan_g, cstate, ckeys)
-            if self.strategy.chunk_size is None:
-                outs.append(jax.vmap(train_one)(args))
-            else:
-                outs.append(jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size))
+            def train_group(global_vars, args, fns=fns):
+                train_one = functools.partial(self._train_one, global_vars, fns, num_steps)
+                if self.strategy.chunk_size is None:
+                    return jax.vmap(train_one)(args)
+                return jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size)
+
+            if self.mesh is not None:
+                # Each device trains its own rows (chunks are per device).  No collectives inside, so the
+                # replication check (which would ask every method to mark its scan carries) is off.
+                clients = jax.sharding.PartitionSpec(sharding_lib.CLIENT_AXIS)
+                train_group = jax.shard_map(train_group, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(),
+                                                                                   clients), out_specs=clients,
+                                            check_vma=False)
+            outs.append(train_group(state.variables, (data, plan_g, cstate, ckeys)))
         trained, losses, steps = (_concat([o[i] for o in outs]) for i in range(3))
         starts = self._starts(view, plan)  # recomputed, not carried: XLA fuses it into the fault check's select
         return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)
 
-    def _train_one(self, state: ServerState, fns: ClientFns, num_steps: int, args):
-        """One client's local training, steps in ``lax.scan``: ``(trained, loss, steps)``."""
+    def _train_one(self, global_vars, fns: ClientFns, num_steps: int, args):
+        """One client's local training from ``global_vars``, steps in ``lax.scan``: ``(trained, loss, steps)``."""
         data_k, plan_k, cstate_k, key_k = args
-        start = self.method.client_start(self.ctx, state.variables, cstate_k, plan_k)
+        start = self.method.client_start(self.ctx, global_vars, cstate_k, plan_k)
         inputs = fns.prepare(start, data_k)
 
         def body(local, xs):
             batch, index = xs
-            return fns.step(local, batch, plan_k, state.variables, cstate_k, key_k, index), None
+            return fns.step(local, batch, plan_k, global_vars, cstate_k, key_k, index), None
 
         local = jax.lax.scan(body, fns.init(start), (inputs, jnp.arange(num_steps)), unroll=self.strategy.unroll)[0]
         return fns.final(local, start)
@@ -718,7 +765,7 @@ class FederatedRound:
         keys = hook_keys(self._wrap(key))
         plan = jax.tree.map(lambda a: a[rows], plan)
         view = self._view(state, Cohort(data=None, info=info), keys.plan)
-        train_one = functools.partial(self._train_one, state, self.clients[0], data.step_mask.shape[1])
+        train_one = functools.partial(self._train_one, state.variables, self.clients[0], data.step_mask.shape[1])
         trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         start = lambda cstate, plan_k: self.method.client_start(self.ctx, state.variables, cstate, plan_k)  # noqa: E731
         starts = jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial import checkpoint, devices, engine, memory
+from fedpartial import checkpoint, devices, engine, memory, sharding
 from fedpartial.core import Holdout, Method, ServerData
 from fedpartial.data import packing, sources
 from fedpartial.data.partition import partition as split_population
@@ -178,6 +178,9 @@ class RunConfig:
     # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
     # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
     max_samples: int | None = None
+    # Devices the client axis is split over (None: see num_devices).  Last: the name hides the devices module
+    # from the class body.
+    devices: int | None = None
 
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
@@ -266,6 +269,8 @@ class RunConfig:
             if problem:
                 bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
                     "or stepwise:N.")
+        if self.devices is not None:
+            self._check_devices()
         try:
             if self.device_profiles is None:  # name the flag; the profiles CSV is read by device_model below
                 for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
@@ -276,6 +281,34 @@ class RunConfig:
         _check_output(self.out_dir, self.run_name)
         if check_model:
             self._check_model(custom_method)
+
+    def _check_devices(self) -> None:
+        """``--devices``: a whole number from 1 to this process's device count, with a strategy that splits."""
+        _check_int(self, "devices", 1)
+        available = jax.local_device_count()
+        if self.devices > available:
+            _refuse("devices", self.devices, f"between 1 and {available}, the number of local "
+                                             f"{jax.default_backend()} devices")
+        kind = engine.parse_strategy(self.strategy).kind
+        if self.devices > 1 and self.strategy != "auto" and kind != "fused":
+            raise ConfigError(f"--devices {self.devices} needs the fused strategy (--strategy fused or fused:N); "
+                              f"--strategy {self.strategy} runs on one device.")
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
+        fused on an accelerator, else 1 (fake CPU devices share the same cores: splitting gains nothing)."""
+        if self.devices is not None:
+            return self.devices
+        fused = engine.parse_strategy(self.strategy).kind == "fused"
+        return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
+
+    def run_strategy(self, num_devices: int | None = None, model=None) -> engine.Strategy:
+        """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
+        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
+        if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
+            return engine.fused()
+        return engine.parse_strategy(self.strategy, model)
 
     def _check_model(self, custom_method: bool) -> None:
         """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
@@ -320,6 +353,14 @@ class RunConfig:
         spec = METHODS[self.method]
         settings = {name: getattr(self, name) for name in spec.run_settings}
         return spec.factory(**spec.check(dict(self.options)), **settings)
+
+
+def _client_mesh(num_devices: int):
+    """The client mesh: this process's first ``num_devices`` devices, or every process's devices when the run
+    spans several processes (``jax.distributed``); None for one device."""
+    if jax.process_count() > 1:
+        return sharding.client_mesh(None)
+    return sharding.client_mesh(num_devices) if num_devices > 1 else None
 
 
 def _draw(key: jax.Array, members: np.ndarray, active: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -465,15 +506,25 @@ class Simulation:
         if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
+        # The cohort split over devices is padded to a multiple of their number with padding clients.
+        if jax.process_count() > 1 and config.devices is not None:
+            raise ConfigError(f"--devices {config.devices} is not used by a run over {jax.process_count()} "
+                              f"processes, which splits the cohort over all their {jax.device_count()} devices; "
+                              "leave it out.")
+        self.mesh = _client_mesh(config.num_devices)
+        num_devices = 1 if self.mesh is None else self.mesh.size
+        if num_devices > 1 and self.method.groups is not None:
+            raise ConfigError(f"--devices {num_devices} is not allowed for --method {self.method.name}: its "
+                              "client groups run on one device; use --devices 1.")
         self.round = engine.FederatedRound(
             self.model, self.method,
-            num_clients=config.num_clients, cohort_size=config.cohort_size,
+            num_clients=config.num_clients, cohort_size=sharding.padded_size(config.cohort_size, num_devices),
             client_optimizer=client_optimizer or make_client_optimizer(config),
             server_optimizer=server_optimizer or make_server_optimizer(config),
-            bn_policy=config.bn_policy, strategy=engine.parse_strategy(config.strategy, self.model),
+            bn_policy=config.bn_policy, strategy=config.run_strategy(num_devices, self.model),
             rounds=config.rounds,
             record_decisions=config.record_decisions, server_data=self.server_data,
-            label_counts=self.label_counts,
+            label_counts=self.label_counts, devices=self.mesh,
         )
         self.memory = memory.estimate(self.round, num_steps=self.num_steps, batch_size=config.batch_size,
                                       example_shape=self.model.input_shape,
@@ -517,7 +568,8 @@ class Simulation:
         and up): ``ET°_k`` of :func:`fedpartial.devices.expected_execution_time`."""
         cfg = self.config
         k = self.round.ctx.cohort_size
-        group_costs = self.costs.group_costs(self.cohort(np.arange(k), 0))  # same shapes as every round's
+        # same shapes as every round's (ids cycled: a cohort padded for several devices may exceed N)
+        group_costs = self.costs.group_costs(self.cohort(np.arange(k) % cfg.num_clients, 0))
         per_step = max(c.step_flops + c.prepare_flops for c in group_costs)  # a sub-model's count is full-width
         steps = np.array([packing.steps_for_client(int(n), cfg.batch_size, local_steps=cfg.local_steps,
                                                    local_epochs=cfg.epochs) if n else 0 for n in self.sizes])
@@ -548,19 +600,27 @@ class Simulation:
         has client groups); each group draws its fixed number of clients from its
         active members (stratified).  When fewer are active, all of them take part
         and the group's slots are filled with inactive members marked not valid
-        (they train on nothing and weigh nothing).
+        (they train on nothing and weigh nothing).  A cohort split over devices ends
+        with padding clients up to the round's size (ids outside the cohort, not valid);
+        the draw is the same as on one device.
         """
         sample_key, round_key, pack_key = jax.random.split(jax.random.fold_in(self.rounds_key, t), 3)
         active = self.active_clients()
         ids, valid = [], []
-        for g, group in enumerate(self.round.groups):
+        extra = self.round.ctx.cohort_size - self.config.cohort_size  # padding slots, at the end
+        groups = self.round.groups
+        for g, group in enumerate(groups):
             members = np.arange(len(active)) if group.members is None else np.asarray(group.members)
-            key = sample_key if len(self.round.groups) == 1 else jax.random.fold_in(sample_key, g)
-            chosen, real = _draw(key, members, active[members], group.size)
+            key = sample_key if len(groups) == 1 else jax.random.fold_in(sample_key, g)
+            chosen, real = _draw(key, members, active[members], group.size - (extra if g == len(groups) - 1 else 0))
             ids.append(chosen)
             valid.append(real)
         pack_seed = int(jax.random.randint(pack_key, (), 0, np.iinfo(np.int32).max))
-        return np.concatenate(ids), np.concatenate(valid), round_key, pack_seed
+        ids, valid = np.concatenate(ids), np.concatenate(valid)
+        if extra:
+            ids = np.concatenate([ids, sharding.padding_ids(ids, self.config.num_clients, extra)])
+            valid = np.concatenate([valid, np.zeros(extra, bool)])
+        return ids, valid, round_key, pack_seed
 
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
         cfg = self.config
@@ -606,6 +666,17 @@ class Simulation:
             cohort = cohort._replace(holdout=Holdout(hx[ids], hy[ids], mask[ids] & valid[:, None]))
         return cohort
 
+    def placed(self, cohort: engine.Cohort) -> engine.Cohort:
+        """The cohort split over the devices (unchanged on one device).  With several processes each keeps only
+        its own devices' rows and the global cohort is assembled from them (:func:`sharding.global_cohort`)."""
+        if self.mesh is None:
+            return cohort
+        if jax.process_count() == 1:
+            return sharding.shard_cohort(cohort, self.mesh)
+        rows = sharding.process_rows(self.round.ctx.cohort_size, self.mesh)
+        mine = jax.tree.map(lambda a: np.asarray(a)[rows], cohort)
+        return sharding.global_cohort(mine, self.mesh, self.round.ctx.cohort_size)
+
     def evaluate_personal(self) -> dict:
         """Every client's own model on its held-out split, and the global model on the same splits."""
         x, y, mask = self.holdout
@@ -642,7 +713,7 @@ class Simulation:
             start = time.perf_counter()
             ids, valid, round_key, pack_seed = self.sample_cohort(t)
             cohort = self.cohort(ids, pack_seed, valid)
-            self.state, metrics = self.round(self.state, cohort, round_key)
+            self.state, metrics = self.round(self.state, self.placed(cohort), round_key)
             metrics = jax.device_get(metrics)
             failed = int(metrics["nonfinite_clients"])
             if bool(metrics["diverged"]):
@@ -924,6 +995,7 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "model": sim.model.name,
         "num_params": sim.num_params,
         "strategy": f"{sim.round.strategy.kind}:{sim.round.strategy.chunk_size}",
+        "devices": 1 if sim.mesh is None else sim.mesh.size,
         "backend": jax.default_backend(),
         "rounds": len(records),
         "final_test_accuracy": accs[-1] if accs else math.nan,

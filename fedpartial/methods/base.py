@@ -174,10 +174,13 @@ def gather_clients(clients: Any, client_ids: jax.Array) -> Any:
 
 
 def scatter_clients(clients: Any, client_ids: jax.Array, rows: Any, valid: jax.Array) -> Any:
-    """Writes the cohort's rows back; padding clients (``valid`` False) write nothing."""
+    """Writes the cohort's rows back; padding clients (``valid`` False) write nothing.
+
+    A padding row is sent to the out-of-range index ``N`` and dropped, so its id may
+    even repeat a real client's (a padded cohort on several devices) without a race.
+    """
 
     def leaf(a, r):
-        keep = valid.reshape((-1,) + (1,) * (r.ndim - 1))
-        return a.at[client_ids].set(jnp.where(keep, r, a[client_ids]))
+        return a.at[jnp.where(valid, client_ids, a.shape[0])].set(r, mode="drop")
 
     return jax.tree.map(leaf, clients, rows)
