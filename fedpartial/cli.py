@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 0.7 for personalised methods and --es, else 1)")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
+    run.add_argument("--data-placement", default=d.data_placement,
+                     help="where the training data lives: device (placed once, batches gathered on the device), "
+                          "host (packed every round) or auto (device when it takes at most a quarter of the "
+                          "device's free memory)")
     run.add_argument("--seed", type=_whole_number, default=d.seed, help="seed of every random choice")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
@@ -316,7 +320,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         server_optimizer=args.server_opt, server_lr=args.server_lr, options=options,
         early_stopping=args.es, train_fraction=args.train_fraction,
-        bn_policy=args.bn_policy, strategy=args.strategy, seed=args.seed, eval_every=args.eval_every,
+        bn_policy=args.bn_policy, strategy=args.strategy, data_placement=args.data_placement, seed=args.seed,
+        eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
         download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
@@ -418,7 +423,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     rows = [
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
         ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
-        ("strategy", f"{summary['strategy']} on {summary['backend']}"),
+        ("strategy", f"{summary['strategy']} on {summary['backend']}, data on the {summary['data_placement']}"),
         ("rounds", str(summary["rounds"])
          + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
