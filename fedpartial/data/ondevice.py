@@ -122,6 +122,8 @@ def place(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray], sp
     x = np.asarray(x)
     order, offsets, sizes = layout(client_indices)
     steps = _client_steps(sizes, spec.batch_size, spec.local_steps, spec.local_epochs)
+    if order.size == 0:  # no client has an example: one zero row keeps the (never real) gathers in bounds
+        x, y, order = np.zeros((1,) + x.shape[1:], x.dtype), np.zeros(1, np.int32), np.zeros(1, np.int64)
     host = DevicePopulation(
         x=np.asarray(x[order], _out_dtype(x)), y=np.asarray(np.asarray(y)[order], np.int32),
         offsets=offsets.astype(np.int32), sizes=sizes.astype(np.int32), steps=steps.astype(np.int32))
