@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
     run.add_argument("--data-placement", default=d.data_placement,
                      help="where the training data lives: device (placed once, batches gathered on the device), "
-                          "host (packed every round) or auto (device when it takes at most a quarter of the "
-                          "device's free memory)")
+                          "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "
+                          "of its free memory, else host)")
     run.add_argument("--seed", type=_whole_number, default=d.seed, help="seed of every random choice")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")

@@ -176,7 +176,8 @@ class RunConfig:
     upload_bandwidth: str = devices.DEFAULT_UPLOAD
     target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
     # Where the clients' training data lives: 'device' (placed once, each round's batches gathered in jit),
-    # 'host' (packed with numpy every round) or 'auto' (device when it fits: Simulation.data_placement).
+    # 'host' (packed with numpy every round) or 'auto' (device on an accelerator when it fits in a quarter of
+    # its free memory, host on CPU: Simulation.data_placement).
     data_placement: str = "auto"
 
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
@@ -476,10 +477,10 @@ class Simulation:
         """Resolves ``config.data_placement`` into :attr:`data_placement` and, for ``device``, copies the
         clients' training data (and the padded holdout) to the device once.
 
-        ``auto`` is ``device`` when the placed data - every client's training examples, labels and index
-        tables, plus the holdout - takes at most :data:`ondevice.DEVICE_MEMORY_FRACTION` of the device's
-        free memory (an accelerator's ``bytes_limit`` less what is in use; on CPU the machine's available
-        RAM), else ``host``.
+        ``auto`` is ``device`` on an accelerator when the placed data - every client's training examples,
+        labels and index tables, plus the holdout - takes at most :data:`ondevice.DEVICE_MEMORY_FRACTION`
+        (a quarter) of its free memory (``bytes_limit`` less what is in use), else ``host``; on CPU it is
+        ``host`` (:func:`ondevice.resolve_placement` says why).
         """
         cfg = self.config
         #: bytes the data takes on the device (:func:`ondevice.population_bytes` plus the holdout)
@@ -487,7 +488,7 @@ class Simulation:
             0 if self.holdout is None else sum(int(a.nbytes) for a in self.holdout))
         #: ``host`` or ``device``: where this run's training data lives (``config.data_placement`` resolved)
         self.data_placement = ondevice.resolve_placement(cfg.data_placement, self.data_bytes,
-                                                         ondevice.available_memory())
+                                                         ondevice.available_memory(), jax.devices()[0].platform)
         self._population = self._device_holdout = self._gather_spec = None
         if self.data_placement == "device":
             self._gather_spec = ondevice.gather_spec(self.sizes, batch_size=cfg.batch_size, num_steps=self.num_steps,

@@ -202,10 +202,9 @@ def test_cli_sigint_at_any_moment_exits_130_and_says_what_was_kept(tmp_path, cap
 
 
 def test_divergence_is_status_diverged_and_exit_1(tmp_path, capsys):
-    # Client learning rate 30 on the tiny MLP: rounds 1 and 2 stay finite, round 3 does not (with the host's
-    # batch order; the device's draws other batches, so the round that diverges may differ).
+    # Client learning rate 30 on the tiny MLP: rounds 1 and 2 stay finite, round 3 does not.
     code = main(CLI + ["--lr", "30", "--momentum", "0", "--checkpoint-every", "1", "--out", str(tmp_path),
-                       "--name", "nan", "--data-placement", "host"])
+                       "--name", "nan"])
     assert code == 1
     assert "diverged: round 3" in capsys.readouterr().err
     status = _strict(os.path.join(tmp_path, "nan", "status.json"))[0]

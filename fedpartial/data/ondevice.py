@@ -219,11 +219,16 @@ def available_memory(device: jax.Device | None = None) -> int | None:
         return None
 
 
-def resolve_placement(requested: str, needed_bytes: int, available: int | None) -> str:
-    """``host`` or ``device``: ``auto`` is ``device`` when ``needed_bytes`` is at most
-    :data:`DEVICE_MEMORY_FRACTION` of ``available`` (unknown memory: ``host``)."""
+def resolve_placement(requested: str, needed_bytes: int, available: int | None, platform: str) -> str:
+    """``host`` or ``device``.  ``auto`` is ``device`` on an accelerator (``platform`` not ``cpu``) when
+    ``needed_bytes`` is at most :data:`DEVICE_MEMORY_FRACTION` of its ``available`` memory, else ``host``.
+
+    On CPU ``auto`` is ``host``: there the device's memory is the host's, nothing is transferred that the
+    gather would save, and the packing it replaces is a few milliseconds of a round that takes a hundred
+    or more (``benchmarks/data_placement.py`` measured device/host 0.8-1.0x end to end on CPU).
+    """
     if requested != "auto":
         return requested
-    if available is None:
+    if platform == "cpu" or available is None:
         return "host"
     return "device" if needed_bytes <= DEVICE_MEMORY_FRACTION * available else "host"

@@ -1,6 +1,7 @@
 """Data on the device: the jitted gather matches pack_cohort's masks, shuffles correctly, and runs in Simulation."""
 
 import copy
+import dataclasses
 
 import jax
 import numpy as np
@@ -161,22 +162,29 @@ TINY = dict(dataset="digits", model="mlp", num_clients=6, cohort_size=3, rounds=
 
 @pytest.fixture(scope="module")
 def sim():
-    """One Simulation of the tiny configuration (auto placement) and its initial state and progress."""
-    sim = Simulation(RunConfig(**TINY))
+    """One Simulation of the tiny configuration (device placement) and its initial state and progress."""
+    sim = Simulation(RunConfig(**TINY, data_placement="device"))
     return sim, jax.tree.map(lambda a: a.copy(), sim.state), dict(sim.progress)
 
 
-def test_auto_picks_device_for_digits_and_host_when_memory_is_small(sim, monkeypatch):
+def test_auto_is_device_on_an_accelerator_when_it_fits_and_host_otherwise(sim, monkeypatch):
     sim = sim[0]
-    assert sim.config.data_placement == "auto" and sim.data_placement == "device"
-    monkeypatch.setattr(ondevice, "available_memory", lambda device=None: 4 * sim.data_bytes - 4)
-    small = copy.copy(sim)
-    small._place_data()
-    assert small.data_placement == "host" and small._population is None
-    assert ondevice.resolve_placement("auto", 250, 1000) == "device"
-    assert ondevice.resolve_placement("auto", 251, 1000) == "host"
-    assert ondevice.resolve_placement("device", 10**12, 1000) == "device"
-    assert ondevice.resolve_placement("auto", 1, None) == "host"
+    assert sim.data_placement == "device" and sim.data_bytes > 0
+    fits = 4 * sim.data_bytes  # data_bytes is exactly a quarter of it
+    monkeypatch.setattr(ondevice, "available_memory", lambda device=None: fits)
+    monkeypatch.setattr(jax, "devices", lambda *a: [type("Gpu", (), {"platform": "gpu"})()])
+    for available, want in ((fits, "device"), (fits - 4, "host")):
+        other = copy.copy(sim)
+        other.config = dataclasses.replace(sim.config, data_placement="auto")
+        monkeypatch.setattr(ondevice, "available_memory", lambda device=None, a=available: a)
+        other._place_data()
+        assert other.data_placement == want and (other._population is None) == (want == "host")
+    assert ondevice.resolve_placement("auto", 250, 1000, "gpu") == "device"
+    assert ondevice.resolve_placement("auto", 251, 1000, "gpu") == "host"
+    assert ondevice.resolve_placement("auto", 1, None, "tpu") == "host"
+    assert ondevice.resolve_placement("auto", 1, 10**12, "cpu") == "host"  # measured: no gain on CPU
+    assert ondevice.resolve_placement("device", 10**12, 1000, "cpu") == "device"
+    assert ondevice.resolve_placement("host", 1, 10**12, "gpu") == "host"
 
 
 def test_device_cohort_has_the_host_cohorts_shapes_masks_and_holdout(sim):
