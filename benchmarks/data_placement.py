@@ -149,11 +149,12 @@ def main(argv=None) -> int:
     report = {"benchmark": "data_placement", "device": device, "rounds": rounds,
               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": sys.argv[1:] if argv is None else list(argv), "cases": []}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for name, (description, fields) in cases.items():
         report["cases"].append(measure_case(name, description, fields, rounds))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+        report["complete"] = len(report["cases"]) == len(cases)
+        with open(out, "w") as f:  # after every case, so that a cut-off run keeps what it measured
+            json.dump(report, f, indent=2)
     print("\n".join(table_rows(e) for e in report["cases"]))
     print(f"wrote {out}")
     return 0

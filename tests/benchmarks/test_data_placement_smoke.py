@@ -10,6 +10,7 @@ def test_quick_benchmark_times_every_phase_for_both_placements(tmp_path, capsys)
     assert data_placement.main(["--quick", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"]["backend"] and report["device"]["jax_version"] and report["rounds"] == 1
+    assert report["complete"] is True
     [case] = report["cases"]
     assert case["case"] == "tiny" and case["data_bytes"] > 0
     for placement in data_placement.PLACEMENTS:
