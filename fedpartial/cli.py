@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 0.7 for personalised methods and --es, else 1)")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
+    run.add_argument("--data-placement", default=d.data_placement,
+                     help="where the training data lives: device (placed once, batches gathered on the device), "
+                          "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "
+                          "of its free memory, else host)")
     run.add_argument("--devices", type=_whole_number, default=d.devices, metavar="N",
                      help="split each round's cohort over N local devices (fused strategy; the cohort is padded "
                           "to a multiple of N with clients that weigh nothing); default: all local devices for "
@@ -332,7 +336,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         server_optimizer=args.server_opt, server_lr=args.server_lr, options=options,
         early_stopping=args.es, train_fraction=args.train_fraction,
-        bn_policy=args.bn_policy, strategy=args.strategy, devices=args.devices, seed=args.seed,
+        bn_policy=args.bn_policy, strategy=args.strategy, devices=args.devices,
+        data_placement=args.data_placement, seed=args.seed,
         eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
@@ -456,7 +461,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     rows = [
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
         ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
-        ("strategy", f"{summary['strategy']} on {summary['backend']}"),
+        ("strategy", f"{summary['strategy']} on {summary['backend']}, data on the {summary['data_placement']}"),
         ("rounds", str(summary["rounds"])
          + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),

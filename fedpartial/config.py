@@ -237,6 +237,7 @@ def resolved(config, sim=None):
         if sim.model.name in registry.MODELS:
             changes["model"] = sim.model.name
         changes["train_fraction"] = float(sim.train_fraction)
+        changes["data_placement"] = sim.data_placement
     return dataclasses.replace(config, **changes)
 
 

@@ -22,8 +22,8 @@ import numpy as np
 import optax
 
 from fedpartial import checkpoint, devices, engine, memory, sharding
-from fedpartial.core import Holdout, Method, ServerData
-from fedpartial.data import packing, sources
+from fedpartial.core import CohortInfo, Holdout, Method, ServerData
+from fedpartial.data import ondevice, packing, sources
 from fedpartial.data.partition import partition as split_population
 from fedpartial.data.partition import train_holdout_split
 from fedpartial.errors import UserError
@@ -178,6 +178,10 @@ class RunConfig:
     # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
     # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
     max_samples: int | None = None
+    # Where the clients' training data lives: 'device' (placed once, each round's batches gathered in jit),
+    # 'host' (packed with numpy every round) or 'auto' (device on an accelerator when it fits in a quarter of
+    # its free memory, host on CPU: Simulation.data_placement).
+    data_placement: str = "auto"
     # Devices the client axis is split over (None: see num_devices).  Last: the name hides the devices module
     # from the class body.
     devices: int | None = None
@@ -259,6 +263,9 @@ class RunConfig:
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
+        if self.data_placement not in ondevice.PLACEMENTS:
+            bad(f"--data-placement {self.data_placement!r} is unknown; choose one of "
+                f"{', '.join(ondevice.PLACEMENTS)}.")
         try:
             strategy = engine.parse_strategy(self.strategy)
         except ValueError as e:
@@ -269,6 +276,9 @@ class RunConfig:
             if problem:
                 bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
                     "or stepwise:N.")
+        if strategy.kind == "stream" and self.data_placement == "device":
+            bad(f"--data-placement device is not allowed with --strategy {self.strategy}: a streamed cohort is "
+                "packed on the host a chunk at a time; use --data-placement host or auto.")
         if self.devices is not None:
             self._check_devices()
         try:
@@ -498,6 +508,7 @@ class Simulation:
                                         dataset.num_classes).reshape(len(self.clients), -1).astype(np.float32)
         self.num_steps = packing.max_steps(np.unique(self.sizes), config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.epochs)
+        self._place_data()
         if model is None:
             model = build_model(config.model, dataset)
             if self.method.adapt_model is not None:  # e.g. MOON's projection head
@@ -562,6 +573,32 @@ class Simulation:
         if problem:
             raise ConfigError(problem[0].upper() + problem[1:])
 
+    def _place_data(self) -> None:
+        """Resolves ``config.data_placement`` into :attr:`data_placement` and, for ``device``, copies the
+        clients' training data (and the padded holdout) to the device once.
+
+        ``auto`` is ``device`` on an accelerator when the placed data - every client's training examples,
+        labels and index tables, plus the holdout - takes at most :data:`ondevice.DEVICE_MEMORY_FRACTION`
+        (a quarter) of its free memory (``bytes_limit`` less what is in use), else ``host``; on CPU it is
+        ``host`` (:func:`ondevice.resolve_placement` says why).
+        """
+        cfg = self.config
+        #: bytes the data takes on the device (:func:`ondevice.population_bytes` plus the holdout)
+        self.data_bytes = ondevice.population_bytes(self.dataset.x_train, self.clients) + (
+            0 if self.holdout is None else sum(int(a.nbytes) for a in self.holdout))
+        #: ``host`` or ``device``: where this run's training data lives (``config.data_placement`` resolved)
+        self.data_placement = "host" if engine.parse_strategy(cfg.strategy).kind == "stream" else \
+            ondevice.resolve_placement(cfg.data_placement, self.data_bytes, ondevice.available_memory(),
+                                       jax.devices()[0].platform)  # a streamed cohort is packed a chunk at a time
+        self._population = self._device_holdout = self._gather_spec = None
+        if self.data_placement == "device":
+            self._gather_spec = ondevice.gather_spec(self.sizes, batch_size=cfg.batch_size, num_steps=self.num_steps,
+                                                     local_steps=cfg.local_steps, local_epochs=cfg.epochs)
+            self._population = ondevice.place(self.dataset.x_train, self.dataset.y_train, self.clients,
+                                              self._gather_spec)
+            if self.holdout is not None:
+                self._device_holdout = jax.device_put(Holdout(*self.holdout))
+
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its
         own data (its real steps × the step's FLOPs at its speed, plus the whole model down
@@ -623,10 +660,18 @@ class Simulation:
         return ids, valid, round_key, pack_seed
 
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
+        """The clients ``ids``' local data for one round, shuffled with ``pack_seed``: packed on the host, or
+        gathered on the device (:attr:`data_placement`; the two draw different, equally valid orders)."""
         cfg = self.config
-        valid = np.ones(len(ids), bool) if valid is None else valid
+        valid = np.ones(len(ids), bool) if valid is None else np.asarray(valid, bool)
         if self.round.strategy.kind == "stream":
             return self._streamed_cohort(ids, pack_seed, valid)
+        if self.data_placement == "device":
+            ids = np.asarray(ids, np.int32)
+            batch, num_samples, holdout = ondevice.gather_round(
+                self._population, self._device_holdout, ids, valid, np.uint32(pack_seed), spec=self._gather_spec)
+            return engine.Cohort(data=batch, info=CohortInfo(client_ids=ids, num_samples=num_samples, valid=valid),
+                                 holdout=holdout)
         empty = np.zeros(0, np.int64)
         packed = packing.pack_cohort(
             self.dataset.x_train, self.dataset.y_train, [self.clients[i] if v else empty for i, v in zip(ids, valid)],
@@ -713,6 +758,7 @@ class Simulation:
             start = time.perf_counter()
             ids, valid, round_key, pack_seed = self.sample_cohort(t)
             cohort = self.cohort(ids, pack_seed, valid)
+            host_time = time.perf_counter() - start  # sampling and packing (device placement: the gather's dispatch)
             self.state, metrics = self.round(self.state, self.placed(cohort), round_key)
             metrics = jax.device_get(metrics)
             failed = int(metrics["nonfinite_clients"])
@@ -746,6 +792,7 @@ class Simulation:
                 "cumulative_upload_bytes": self.progress["cumulative_upload_bytes"],
                 "cumulative_download_bytes": self.progress["cumulative_download_bytes"],
                 "round_time_s": train_time,
+                "host_time_s": host_time,
                 "clients": int(valid.sum()),
                 "nonfinite_clients": failed,
                 "client_flops": round(float(np.sum(flops[valid]))),
@@ -997,6 +1044,7 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "strategy": f"{sim.round.strategy.kind}:{sim.round.strategy.chunk_size}",
         "devices": 1 if sim.mesh is None else sim.mesh.size,
         "backend": jax.default_backend(),
+        "data_placement": sim.data_placement,
         "rounds": len(records),
         "final_test_accuracy": accs[-1] if accs else math.nan,
         "best_test_accuracy": max(accs) if accs else math.nan,

@@ -24,7 +24,7 @@ TINY = dict(dataset="digits", model="mlp", num_clients=6, cohort_size=3, rounds=
             batch_size=8)
 CLI = ["run", "--dataset", "digits", "--model", "mlp", "--clients", "6", "--cohort", "3", "--rounds", str(ROUNDS),
        "--local-steps", "2", "--batch-size", "8"]
-WALL_CLOCK = ("round_time_s", "wall_time_s")
+WALL_CLOCK = ("round_time_s", "wall_time_s", "host_time_s")
 
 
 def _records(run_dir):
@@ -104,7 +104,8 @@ def test_complete_run_writes_status_checkpoints_and_strict_json(compiled, baseli
     assert [r["round"] for r in _strict(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2, 3, 4, 5]
     # config.json holds the resolved settings (here: no held-out split, train fraction 1).
     assert load_config(run_dir) == dataclasses.replace(RunConfig(**TINY), out_dir=os.path.dirname(run_dir),
-                                                       run_name="base", train_fraction=1.0)
+                                                       run_name="base", train_fraction=1.0,
+                                                       data_placement=compiled[0].data_placement)
     # The final checkpoint is the final state, progress included.
     other = fresh(compiled, "unused", "unused")
     checkpoint.restore(run_dir, other)

@@ -118,7 +118,7 @@ def test_metrics_csv_scalars_only_empty_cell_for_nan_and_late_columns(tmp_path):
 
 
 def _metrics(run_dir):
-    drop = {"round_time_s", "wall_time_s"}
+    drop = {"round_time_s", "wall_time_s", "host_time_s"}
     return [{k: v for k, v in json.loads(line).items() if k not in drop}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
