@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
     run.add_argument("--seed", type=_whole_number, default=d.seed, help="seed of every random choice")
+    run.add_argument("--seeds", default=None, metavar="S,S,...",
+                     help="one replica per seed, e.g. 0,1,2,3, run as one vmapped simulation (the fused round): "
+                          "a run folder per seed and a mean ± std summary (instead of --seed)")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
     run.add_argument("--name", default=None,
@@ -182,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
-_NOT_COMPARED = ("help", "method", "seed", "out", "name", "resume", "checkpoint_every")
+_NOT_COMPARED = ("help", "method", "seed", "seeds", "out", "name", "resume", "checkpoint_every")
 
 
 def _add_compare_and_plot(sub, run: argparse.ArgumentParser) -> None:
@@ -348,6 +351,10 @@ def _run(args, console: Console, argv: list[str] | None = None) -> int:
         tokens = list(sys.argv[1:] if argv is None else argv)
         run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
         args.from_file = run_config.merge(args, run_parser, tokens[tokens.index("run") + 1:], args.config)
+    if args.seeds is not None:  # --seed on the command line conflicts (a config file's seed is replaced)
+        tokens = list(sys.argv[1:] if argv is None else argv)
+        run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
+        args.seed_given = "seed" in run_config.given_on_command_line(run_parser, tokens[tokens.index("run") + 1:])
     try:
         return _run_checked(args, console, checkpoint)
     except UserError as e:
@@ -367,6 +374,8 @@ def _run_checked(args, console: Console, checkpoint) -> int:
 def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial import simulation
 
+    if args.seeds is not None:
+        return _run_seeds(args, console, stop)
     if args.resume is not None:
         config = simulation.load_config(args.resume)
     else:
@@ -443,6 +452,43 @@ def _run_stoppable(args, console: Console, stop) -> int:
         table.add_row(k, v)
     console.print(table)
     return 0
+
+
+def _run_seeds(args, console: Console, stop) -> int:
+    """``fedpartial run --seeds``: the replicas as one vmapped simulation (:mod:`fedpartial.replicas`)."""
+    from fedpartial import compare, replicas
+
+    seeds = compare.parse_seeds(args.seeds)
+    if args.resume is not None:
+        raise UserError("--seeds cannot be combined with --resume; resume each seed's run folder on its own "
+                        "(fedpartial run --resume RUN_DIR).")
+    if getattr(args, "seed_given", False):
+        raise UserError("--seeds cannot be combined with --seed; give every seed in --seeds.")
+    config = config_from_args(args)
+    config.validate(check_model=True)
+    replicas.replica_strategy(config.strategy)
+    every = max(1, math.ceil(config.rounds / 50))
+
+    def on_round(t, records):
+        shown = [r for r in records if r is not None]
+        if args.quiet or not shown or not ((t + 1) % every == 0 or t + 1 == config.rounds):
+            return
+        accs = [f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "–" for r in shown]
+        print(f"round {t + 1}/{config.rounds}  acc {' '.join(accs)}  "
+              f"{len(shown)} of {len(seeds)} seeds running", flush=True)
+
+    done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every)
+    failed = [(s, r) for s, r in zip(seeds, done["results"]) if r["status"] != "complete"]
+    if args.quiet:
+        print(done["out_dir"], flush=True)
+    else:
+        if done["out_dir"]:
+            with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
+                print(f.read(), end="")
+        for seed, r in failed:
+            console.print(f"seed {seed}: {r['status']} ({r['run_dir']})")
+        console.print(f"results: {done['out_dir']}")
+    return 1 if failed else 0
 
 
 def _capacity(args, console: Console) -> int:

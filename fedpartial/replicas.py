@@ -94,7 +94,7 @@ def _pad_holdout(holdout, length: int):
 
 
 def _shapes(tree) -> list:
-    return [(tuple(np.shape(a)), np.result_type(a).name) for a in jax.tree.leaves(tree)]
+    return [(tuple(np.shape(a)), np.dtype(a.dtype).name) for a in jax.tree.leaves(tree)]
 
 
 def stack(trees: Sequence) -> object:
@@ -188,9 +188,8 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
                   statuses: Sequence[str]) -> dict:
     """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content."""
     rows = _summary_rows(run_dirs)
-    summary = {"seeds": list(seeds), "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
-               "statuses": list(statuses), "vmapped": True, "wall_time_s": wall,
-               "std": "population (ddof=0)", **rows[0]}
+    summary = {**rows[0], "seeds": list(seeds), "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
+               "statuses": list(statuses), "vmapped": True, "wall_time_s": wall, "std": "population (ddof=0)"}
     checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
     with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
         f.write(compare.table_markdown(rows, COLUMNS))
@@ -198,15 +197,16 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
 
 
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
-              stop: checkpoint.StopFlag | None = None, dataset_for: Callable[[RunConfig], object] | None = None
+              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None, dataset_for: Callable[[RunConfig], object] | None = None
               ) -> dict:
     """Runs ``config`` once per seed as one vmapped simulation and writes the run directories.
 
-    Returns ``{"out_dir", "run_dirs", "results", "summary"}``: the parent directory (None without
+    Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
     ``config.out_dir``), each seed's run directory, each seed's :func:`~fedpartial.simulation.run`-style
-    result (summary, ``run_dir`` and ``records``) and the mean ± std summary (None without a directory).
+    result (summary, ``run_dir`` and ``records``), the mean ± std summary (None without a directory) and
+    the seeds' :class:`Simulation` objects (their final states).
     A replica that diverged or failed has status ``diverged``/``failed`` in its directory and ``error``
-    in its result; the others complete.  ``on_round(t, records)`` gets each round's records (None for a
+    in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial.simulation.run`'s, per seed.  ``on_round(t, records)`` gets each round's records (None for a
     finished replica).  A stop signal ends every replica after the current round (status ``interrupted``).
     """
     t0 = time.perf_counter()
@@ -215,7 +215,7 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
         replica_configs(config, seeds, config.out_dir)  # every bad value before a folder is made
         parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds))
     replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for)
-    writers = [RunWriter(sim) for sim in replicas.sims]
+    writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
     count = len(writers)
     active, last, errors = [True] * count, [None] * count, [None] * count
     flag = stop if stop is not None else checkpoint.StopFlag()
@@ -254,5 +254,6 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
                                         f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "
                                         f"checkpoints and summaries are kept in {parent}",
                                         {"out_dir": parent, "run_dirs": run_dirs, "results": results})
-    return {"out_dir": parent, "run_dirs": run_dirs, "results": results, "summary": summary}
+    return {"out_dir": parent, "run_dirs": run_dirs, "results": results, "summary": summary,
+            "simulations": replicas.sims}
 
