@@ -340,6 +340,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:,.2f} h"
 
 
+def _run_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The ``run`` parser and the tokens given after ``run`` on the command line."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    return build_parser()._subparsers._group_actions[0].choices["run"], tokens[tokens.index("run") + 1:]
+
+
 def _run(args, console: Console, argv: list[str] | None = None) -> int:
     from fedpartial import checkpoint
     from fedpartial import config as run_config
@@ -348,13 +354,9 @@ def _run(args, console: Console, argv: list[str] | None = None) -> int:
     if args.config is not None:
         if args.resume is not None:
             raise UserError("--config cannot be combined with --resume: a resumed run keeps its own config.json.")
-        tokens = list(sys.argv[1:] if argv is None else argv)
-        run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
-        args.from_file = run_config.merge(args, run_parser, tokens[tokens.index("run") + 1:], args.config)
+        args.from_file = run_config.merge(args, *_run_flags(argv), args.config)
     if args.seeds is not None:  # --seed on the command line conflicts (a config file's seed is replaced)
-        tokens = list(sys.argv[1:] if argv is None else argv)
-        run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
-        args.seed_given = "seed" in run_config.given_on_command_line(run_parser, tokens[tokens.index("run") + 1:])
+        args.seed_given = "seed" in run_config.given_on_command_line(*_run_flags(argv))
     try:
         return _run_checked(args, console, checkpoint)
     except UserError as e:

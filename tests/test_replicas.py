@@ -95,16 +95,9 @@ def test_run_dirs_and_the_summary_is_mean_and_std(fedldf):
     assert md[2].startswith("| fedldf | 0,1 | ") and f"{np.mean(acc):.4f} ± {np.std(acc):.4f}" in md[2]
 
 
-def test_the_vmapped_round_is_traced_once(tmp_path):
-    config = RunConfig(dataset="synthetic", model="mlp", num_clients=6, cohort_size=2, rounds=3, batch_size=8,
-                       local_steps=2, out_dir=None)
-    reps = replicas.Replicas(config, [3, 4])
-    active, last = [True, True], [None, None]
-    reps.run_round(0, active, last)
-    traced = reps.round.trace_count
-    reps.run_round(1, active, last)
-    reps.run_round(2, active, last)
-    assert reps.round.trace_count == traced and active == [True, True]
+def test_the_vmapped_round_is_traced_once(fedldf):
+    """Two rounds ran: the first replica's round function was traced once (under vmap), no other ran."""
+    assert [sim.round.trace_count for sim in fedldf["simulations"]] == [1, 0]
 
 
 @pytest.mark.parametrize("args, words", [
