@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--num-processes", type=_whole_number, default=None, metavar="P", help="processes in all")
     hosts.add_argument("--process-id", type=_whole_number, default=None, metavar="I", help="this process, 0 to P-1")
     run.add_argument("--seed", type=_whole_number, default=d.seed, help="seed of every random choice")
+    run.add_argument("--seeds", default=None, metavar="S,S,...",
+                     help="one replica per seed, e.g. 0,1,2,3, run as one vmapped simulation (the fused round): "
+                          "a run folder per seed and a mean ± std summary (instead of --seed)")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
     run.add_argument("--name", default=None,
@@ -202,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
-_NOT_COMPARED = ("help", "method", "seed", "out", "name", "resume", "checkpoint_every")
+_NOT_COMPARED = ("help", "method", "seed", "seeds", "out", "name", "resume", "checkpoint_every")
 
 
 def _add_compare_and_plot(sub, run: argparse.ArgumentParser) -> None:
@@ -359,6 +362,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:,.2f} h"
 
 
+def _run_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The ``run`` parser and the tokens given after ``run`` on the command line."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    return build_parser()._subparsers._group_actions[0].choices["run"], tokens[tokens.index("run") + 1:]
+
+
 def _run(args, console: Console, argv: list[str] | None = None) -> int:
     from fedpartial import checkpoint
     from fedpartial import config as run_config
@@ -367,9 +376,9 @@ def _run(args, console: Console, argv: list[str] | None = None) -> int:
     if args.config is not None:
         if args.resume is not None:
             raise UserError("--config cannot be combined with --resume: a resumed run keeps its own config.json.")
-        tokens = list(sys.argv[1:] if argv is None else argv)
-        run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
-        args.from_file = run_config.merge(args, run_parser, tokens[tokens.index("run") + 1:], args.config)
+        args.from_file = run_config.merge(args, *_run_flags(argv), args.config)
+    if args.seeds is not None:  # --seed on the command line conflicts (a config file's seed is replaced)
+        args.seed_given = "seed" in run_config.given_on_command_line(*_run_flags(argv))
     try:
         return _run_checked(args, console, checkpoint)
     except UserError as e:
@@ -410,6 +419,8 @@ def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial import simulation
 
     _join_processes(args)  # before anything touches a JAX backend
+    if args.seeds is not None:
+        return _run_seeds(args, console, stop)
     if args.resume is not None:
         config = simulation.load_config(args.resume)
     else:
@@ -486,6 +497,43 @@ def _run_stoppable(args, console: Console, stop) -> int:
         table.add_row(k, v)
     console.print(table)
     return 0
+
+
+def _run_seeds(args, console: Console, stop) -> int:
+    """``fedpartial run --seeds``: the replicas as one vmapped simulation (:mod:`fedpartial.replicas`)."""
+    from fedpartial import compare, replicas
+
+    seeds = compare.parse_seeds(args.seeds)
+    if args.resume is not None:
+        raise UserError("--seeds cannot be combined with --resume; resume each seed's run folder on its own "
+                        "(fedpartial run --resume RUN_DIR).")
+    if getattr(args, "seed_given", False):
+        raise UserError("--seeds cannot be combined with --seed; give every seed in --seeds.")
+    config = config_from_args(args)
+    config.validate(check_model=True)
+    replicas.replica_strategy(config.strategy)
+    every = max(1, math.ceil(config.rounds / 50))
+
+    def on_round(t, records):
+        shown = [r for r in records if r is not None]
+        if args.quiet or not shown or not ((t + 1) % every == 0 or t + 1 == config.rounds):
+            return
+        accs = [f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "–" for r in shown]
+        print(f"round {t + 1}/{config.rounds}  acc {' '.join(accs)}  "
+              f"{len(shown)} of {len(seeds)} seeds running", flush=True)
+
+    done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every)
+    failed = [(s, r) for s, r in zip(seeds, done["results"]) if r["status"] != "complete"]
+    if args.quiet:
+        print(done["out_dir"], flush=True)
+    else:
+        if done["out_dir"]:
+            with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
+                print(f.read(), end="")
+        for seed, r in failed:
+            console.print(f"seed {seed}: {r['status']} ({r['run_dir']})")
+        console.print(f"results: {done['out_dir']}")
+    return 1 if failed else 0
 
 
 def _capacity(args, console: Console) -> int:

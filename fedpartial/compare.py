@@ -171,9 +171,9 @@ def _number(value) -> float:
     return math.nan if value is None else float(value)  # strict JSON writes NaN as null
 
 
-def table(runs: Sequence[dict]) -> list[dict]:
+def table(runs: Sequence[dict], columns: Sequence[tuple[str, str]] = COLUMNS) -> list[dict]:
     """One row per method (in first-seen order): ``method``, ``seeds`` and ``<key>_mean`` / ``<key>_std``
-    for every :data:`COLUMNS` key, over the method's runs (their ``summary.json``)."""
+    for every key of ``columns`` (default :data:`COLUMNS`), over the method's runs (their ``summary.json``)."""
     by_method: dict[str, list[dict]] = {}
     for run in runs:
         if run["summary"] is None:
@@ -182,7 +182,7 @@ def table(runs: Sequence[dict]) -> list[dict]:
     rows = []
     for method, group in by_method.items():
         row = {"method": method, "seeds": ",".join(str(r["config"]["seed"]) for r in group)}
-        for key, _ in COLUMNS:
+        for key, _ in columns:
             values = np.array([_number(r["summary"][key]) for r in group], np.float64)
             row[f"{key}_mean"], row[f"{key}_std"] = float(np.mean(values)), float(np.std(values))
         rows.append(row)
@@ -204,16 +204,16 @@ def _cell(key: str, mean: float, std: float) -> str:
         return f"{mean / 1e6:,.2f} ± {std / 1e6:,.2f} MB"
     if key == "rounds":
         return f"{mean:g} ± {std:g}"
-    if key == "total_simulated_time_s":
+    if key in ("total_simulated_time_s", "rounds_per_s"):
         return f"{mean:,.1f} ± {std:,.1f}"
     return f"{mean:.4f} ± {std:.4f}"
 
 
-def table_markdown(rows: Sequence[dict]) -> str:
-    head = ["method", "seeds"] + [title for _, title in COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * len(COLUMNS)) + "|"]
+def table_markdown(rows: Sequence[dict], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
+    head = ["method", "seeds"] + [title for _, title in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * len(columns)) + "|"]
     for row in rows:
-        cells = [row["method"], row["seeds"]] + [_cell(k, row[f"{k}_mean"], row[f"{k}_std"]) for k, _ in COLUMNS]
+        cells = [row["method"], row["seeds"]] + [_cell(k, row[f"{k}_mean"], row[f"{k}_std"]) for k, _ in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

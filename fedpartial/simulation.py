@@ -15,7 +15,7 @@ import os
 import signal
 import tempfile
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -747,75 +747,108 @@ class Simulation:
         :class:`fedpartial.errors.DivergedError` before its record is yielded (the command
         line exits with status 1; :func:`run` keeps the last good checkpoint and writes
         nothing of the diverged state).  ``self.state`` is then the diverged round's.
+
+        A round is :meth:`prepare_round` (host), the round itself, :meth:`finish_round` (host);
+        :mod:`fedpartial.replicas` runs the same two host halves around one vmapped round.
+        """
+        # Running totals live on the instance (``self.progress``) so a checkpoint can restore them.
+        for t in range(self.progress["round"], self.config.rounds):
+            prepared = self.prepare_round(t)
+            if prepared is None:
+                return  # early stopping: every client has stopped
+            self.state, metrics = self.round(self.state, self.placed(prepared.cohort), prepared.key)
+            yield self.finish_round(prepared, metrics)
+
+    def prepare_round(self, t: int) -> PreparedRound | None:
+        """Round ``t``'s cohort and key (the host work before the round); None when early stopping has
+        stopped every client."""
+        if not self.active_clients().any():
+            return None
+        start = time.perf_counter()
+        ids, valid, round_key, pack_seed = self.sample_cohort(t)
+        cohort = self.cohort(ids, pack_seed, valid)
+        return PreparedRound(t, ids, valid, round_key, cohort, start, time.perf_counter() - start)
+
+    def finish_round(self, prepared: PreparedRound, metrics: dict, round_time: float | None = None) -> dict:
+        """Round ``prepared.round``'s record from the metrics of its round (the state already updated):
+        divergence check, traffic, simulated time, running totals and evaluation.
+
+        ``round_time``: the record's ``round_time_s`` (default: the time since :meth:`prepare_round`
+        started, the round's host and device work); its ``wall_time_s`` adds the time taken here.
         """
         from fedpartial.errors import DivergedError  # here: only rounds() is this module's part for faults
 
         cfg = self.config
-        # Running totals live on the instance (``self.progress``) so a checkpoint can restore them.
-        for t in range(self.progress["round"], cfg.rounds):
-            if not self.active_clients().any():
-                return  # early stopping: every client has stopped
-            start = time.perf_counter()
-            ids, valid, round_key, pack_seed = self.sample_cohort(t)
-            cohort = self.cohort(ids, pack_seed, valid)
-            host_time = time.perf_counter() - start  # sampling and packing (device placement: the gather's dispatch)
-            self.state, metrics = self.round(self.state, self.placed(cohort), round_key)
-            metrics = jax.device_get(metrics)
-            failed = int(metrics["nonfinite_clients"])
-            if bool(metrics["diverged"]):
-                what = ("every client's update was non-finite (NaN/inf)" if failed == int(np.sum(valid))
-                        else "the global model became non-finite (NaN/inf)")
-                raise DivergedError(f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data")
-            metrics.update(engine.traffic_totals(metrics))
-            train_time = time.perf_counter() - start
-            dropout = None  # a sub-model method's kept units, as the round's own plan chose them
-            if KEEP_PROBABILITY in metrics:  # masks drawn per local step: each unit's keep probability
-                neurons = tuple(np.asarray(n, np.float64) for n in metrics[KEEP_PROBABILITY])
-            elif "dropout_neurons" in metrics:
-                neurons = tuple(np.asarray(n) for n in metrics["dropout_neurons"])
-            if KEEP_PROBABILITY in metrics or "dropout_neurons" in metrics:
-                dropout = Mask(layers=np.ones((len(ids), len(neurons)), bool), neurons=neurons)
-            self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
-            self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
-            flops = self.costs.client_flops(engine.data_spec(cohort), metrics["client_steps_per_client"], dropout)
-            seconds = devices.client_times(self.devices, ids, flops, metrics["download_bytes_per_client"],
-                                           metrics["upload_bytes_per_client"])
-            simulated = devices.round_time(seconds, valid)
-            self.progress["cumulative_simulated_time_s"] += simulated
-            self.progress["round"] = t + 1
-            record = {
-                "round": t + 1,
-                "train_loss": float(metrics["train_loss"]),
-                "client_steps": int(metrics["client_steps"]),
-                "upload_bytes": int(metrics["upload_bytes"]),
-                "download_bytes": int(metrics["download_bytes"]),
-                "cumulative_upload_bytes": self.progress["cumulative_upload_bytes"],
-                "cumulative_download_bytes": self.progress["cumulative_download_bytes"],
-                "round_time_s": train_time,
-                "host_time_s": host_time,
-                "clients": int(valid.sum()),
-                "nonfinite_clients": failed,
-                "client_flops": round(float(np.sum(flops[valid]))),
-                "simulated_time_s": simulated,
-                "cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
-            }
-            # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
-            for name, value in metrics.items():
-                if name not in engine.ENGINE_METRICS and name != KEEP_PROBABILITY and name not in record:
-                    record[name] = np.asarray(value).tolist()
-            if "decisions" in metrics:
-                self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
-            if self.method.active_clients is not None:
-                record["active_clients"] = int(self.active_clients().sum())
-            last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
-            if (t + 1) % cfg.eval_every == 0 or last:
-                result = self.evaluate()
-                record["test_accuracy"] = result["accuracy"]
-                record["test_loss"] = result["loss"]
-                if self.holdout is not None:
-                    record.update(self.evaluate_personal())
-            record["wall_time_s"] = time.perf_counter() - start
-            yield record
+        t, ids, valid, cohort = prepared.round, prepared.ids, prepared.valid, prepared.cohort
+        metrics = jax.device_get(metrics)
+        failed = int(metrics["nonfinite_clients"])
+        if bool(metrics["diverged"]):
+            what = ("every client's update was non-finite (NaN/inf)" if failed == int(np.sum(valid))
+                    else "the global model became non-finite (NaN/inf)")
+            raise DivergedError(f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data")
+        metrics.update(engine.traffic_totals(metrics))
+        finished = time.perf_counter()
+        train_time = finished - prepared.start if round_time is None else round_time
+        dropout = None  # a sub-model method's kept units, as the round's own plan chose them
+        if KEEP_PROBABILITY in metrics:  # masks drawn per local step: each unit's keep probability
+            neurons = tuple(np.asarray(n, np.float64) for n in metrics[KEEP_PROBABILITY])
+        elif "dropout_neurons" in metrics:
+            neurons = tuple(np.asarray(n) for n in metrics["dropout_neurons"])
+        if KEEP_PROBABILITY in metrics or "dropout_neurons" in metrics:
+            dropout = Mask(layers=np.ones((len(ids), len(neurons)), bool), neurons=neurons)
+        self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
+        self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
+        flops = self.costs.client_flops(engine.data_spec(cohort), metrics["client_steps_per_client"], dropout)
+        seconds = devices.client_times(self.devices, ids, flops, metrics["download_bytes_per_client"],
+                                       metrics["upload_bytes_per_client"])
+        simulated = devices.round_time(seconds, valid)
+        self.progress["cumulative_simulated_time_s"] += simulated
+        self.progress["round"] = t + 1
+        record = {
+            "round": t + 1,
+            "train_loss": float(metrics["train_loss"]),
+            "client_steps": int(metrics["client_steps"]),
+            "upload_bytes": int(metrics["upload_bytes"]),
+            "download_bytes": int(metrics["download_bytes"]),
+            "cumulative_upload_bytes": self.progress["cumulative_upload_bytes"],
+            "cumulative_download_bytes": self.progress["cumulative_download_bytes"],
+            "round_time_s": train_time,
+            "host_time_s": prepared.host_time,
+            "clients": int(valid.sum()),
+            "nonfinite_clients": failed,
+            "client_flops": round(float(np.sum(flops[valid]))),
+            "simulated_time_s": simulated,
+            "cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
+        }
+        # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
+        for name, value in metrics.items():
+            if name not in engine.ENGINE_METRICS and name != KEEP_PROBABILITY and name not in record:
+                record[name] = np.asarray(value).tolist()
+        if "decisions" in metrics:
+            self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
+        if self.method.active_clients is not None:
+            record["active_clients"] = int(self.active_clients().sum())
+        last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
+        if (t + 1) % cfg.eval_every == 0 or last:
+            result = self.evaluate()
+            record["test_accuracy"] = result["accuracy"]
+            record["test_loss"] = result["loss"]
+            if self.holdout is not None:
+                record.update(self.evaluate_personal())
+        record["wall_time_s"] = train_time + time.perf_counter() - finished
+        return record
+
+
+class PreparedRound(NamedTuple):
+    """One round's host inputs (:meth:`Simulation.prepare_round`): who takes part and their data."""
+
+    round: int  # t, counted from 0
+    ids: np.ndarray  # [K] client ids
+    valid: np.ndarray  # [K] which are real
+    key: jax.Array  # the round key
+    cohort: engine.Cohort
+    start: float  # time.perf_counter() when preparation began
+    host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
 
 
 #: a method metric (per layer ``[K, units]``) giving each unit's keep probability when masks are drawn
@@ -863,61 +896,14 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
                                          or checkpoint_every < 1):
         raise UserError(f"checkpoint interval {checkpoint_every!r} must be a whole number of rounds ≥ 1.")
     sim = sim or Simulation(config, **parts)
-    config = sim.config
-    run_dir = None
-    records = []
-    if resume is not None:
-        run_dir = resume
-        host = checkpoint.restore(run_dir, sim)
-        if checkpoint_every is None:
-            checkpoint_every = host.get("checkpoint_every")
-        records = _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), sim.progress["round"])
-    elif config.out_dir:
-        from fedpartial import config as run_record
-
-        name = config.run_name or f"{config.method}-{config.dataset}-seed{config.seed}"
-        run_dir = unique_run_dir(config.out_dir, name)
-        # Every value resolved (method options, local epochs, model, train fraction), so the run can be
-        # repeated from config.json or config.toml alone; environment.json says what it ran on.
-        full = run_record.resolved(config, sim)
-        checkpoint.write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(full))
-        with open(os.path.join(run_dir, "config.toml"), "w") as f:
-            f.write(run_record.to_toml(full))
-        checkpoint.write_json(os.path.join(run_dir, "environment.json"), run_record.environment(config))
-    elif checkpoint_every is not None:
-        raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
-    resumed_from = sim.progress["round"] if resume is not None else None
-    saved = checkpoint.latest_round(run_dir) if run_dir else None
-    extra = {"checkpoint_every": checkpoint_every}
-
-    def status(state, message=""):
-        if run_dir:
-            checkpoint.write_status(run_dir, state, round=sim.progress["round"], message=message,
-                                    checkpoint_round=saved)
-
-    status("running", "resumed from round %d" % resumed_from if resume is not None else "")
-    log = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume is not None else "w") if run_dir else None
-    if run_dir:  # scalar fields only, written each round (see fedpartial.config.MetricsCSV)
-        from fedpartial.config import MetricsCSV
-
-        table = MetricsCSV(os.path.join(run_dir, "metrics.csv"), records)
+    writer = RunWriter(sim, checkpoint_every=checkpoint_every, resume=resume)
     error = None
     # A caller's flag (the command line's, installed before the simulation was built) is used as it is.
     with contextlib.nullcontext(stop) if stop is not None else checkpoint.StopFlag() as flag:
         try:
             rounds = iter(()) if flag.stopped else sim.rounds()  # a signal while the simulation was built
             for record in rounds:
-                records.append(record)
-                if log:
-                    log.write(checkpoint.strict_json(record) + "\n")
-                    log.flush()
-                    table.write(record)
-                if run_dir and sim.last_decisions is not None:
-                    save_decisions(os.path.join(run_dir, "decisions", f"round-{record['round']:05d}.npz"),
-                                   sim.last_decisions)
-                if run_dir and checkpoint_every and record["round"] % checkpoint_every == 0:
-                    saved = checkpoint.save(run_dir, sim, extra=extra)
-                status("running")
+                writer.write(record)
                 if on_round:
                     on_round(record)
                 if flag.stopped:
@@ -925,25 +911,103 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
         except BaseException as e:  # written down as the run's status, then raised again below
             error = e
         finally:
-            if log:
-                log.close()
-                table.close()
+            writer.close()
+        return writer.finish(error, flag.signum, time.perf_counter() - t0)
+
+
+class RunWriter:
+    """A run directory written round by round: what :func:`run` writes, for one :class:`Simulation`.
+
+    Made with the simulation (a fresh directory under ``config.out_dir`` named ``config.run_name`` or
+    ``METHOD-DATASET-seedSEED``, or the ``resume`` directory); :meth:`write` takes each round's record,
+    :meth:`close` closes the files, :meth:`finish` writes the summary and status.  With no ``out_dir``
+    nothing is written and only the records are kept.  :mod:`fedpartial.replicas` keeps one per seed.
+    """
+
+    def __init__(self, sim: Simulation, *, checkpoint_every: int | None = None, resume: str | None = None):
+        config = sim.config
+        self.sim, self.checkpoint_every = sim, checkpoint_every
+        self.run_dir = None
+        self.records: list[dict] = []
+        if resume is not None:
+            self.run_dir = resume
+            host = checkpoint.restore(resume, sim)
+            if checkpoint_every is None:
+                self.checkpoint_every = host.get("checkpoint_every")
+            self.records = _truncate_metrics(os.path.join(resume, "metrics.jsonl"), sim.progress["round"])
+        elif config.out_dir:
+            from fedpartial import config as run_record
+
+            name = config.run_name or f"{config.method}-{config.dataset}-seed{config.seed}"
+            self.run_dir = unique_run_dir(config.out_dir, name)
+            # Every value resolved (method options, local epochs, model, train fraction), so the run can be
+            # repeated from config.json or config.toml alone; environment.json says what it ran on.
+            full = run_record.resolved(config, sim)
+            checkpoint.write_json(os.path.join(self.run_dir, "config.json"), dataclasses.asdict(full))
+            with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+                f.write(run_record.to_toml(full))
+            checkpoint.write_json(os.path.join(self.run_dir, "environment.json"), run_record.environment(config))
+        elif checkpoint_every is not None:
+            raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
+        self.resumed_from = sim.progress["round"] if resume is not None else None
+        self.saved = checkpoint.latest_round(self.run_dir) if self.run_dir else None
+        self.extra = {"checkpoint_every": self.checkpoint_every}
+        self.status("running", "resumed from round %d" % self.resumed_from if resume is not None else "")
+        self.log = self.table = None
+        if self.run_dir:  # scalar fields only, written each round (see fedpartial.config.MetricsCSV)
+            from fedpartial.config import MetricsCSV
+
+            self.log = open(os.path.join(self.run_dir, "metrics.jsonl"), "a" if resume is not None else "w")
+            self.table = MetricsCSV(os.path.join(self.run_dir, "metrics.csv"), self.records)
+
+    def status(self, state: str, message: str = "") -> None:
+        if self.run_dir:
+            checkpoint.write_status(self.run_dir, state, round=self.sim.progress["round"], message=message,
+                                    checkpoint_round=self.saved)
+
+    def write(self, record: dict) -> None:
+        """Keeps one round's record and writes it (metrics, decisions, a checkpoint when due, status)."""
+        self.records.append(record)
+        if not self.run_dir:
+            return
+        self.log.write(checkpoint.strict_json(record) + "\n")
+        self.log.flush()
+        self.table.write(record)
+        if self.sim.last_decisions is not None:
+            save_decisions(os.path.join(self.run_dir, "decisions", f"round-{record['round']:05d}.npz"),
+                           self.sim.last_decisions)
+        if self.checkpoint_every and record["round"] % self.checkpoint_every == 0:
+            self.saved = checkpoint.save(self.run_dir, self.sim, extra=self.extra)
+        self.status("running")
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+            self.table.close()
+            self.log = None
+
+    def finish(self, error: BaseException | None, signum: int | None, wall: float) -> dict:
+        """Writes the final checkpoint, ``summary.json`` and ``status.json``; raises ``error`` again, or
+        :class:`~fedpartial.checkpoint.RunInterrupted` when signal ``signum`` stopped the run early;
+        returns the summary with ``run_dir`` and ``records``."""
+        sim, run_dir, config = self.sim, self.run_dir, self.sim.config
         done = sim.progress["round"]
         where = f"after round {done} of {config.rounds}"
-        if error is None and flag.stopped and done < config.rounds:
+        if error is None and signum is not None and done < config.rounds:
             if run_dir:
-                saved = checkpoint.save(run_dir, sim, extra=extra)
-            name = signal.Signals(flag.signum).name
-            message = (f"stopped by {name} {where}; the checkpoint of round {saved}, metrics and summary are kept "
-                       f"in {run_dir}; continue with: fedpartial run --resume {run_dir}" if run_dir else
+                self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
+            name = signal.Signals(signum).name
+            message = (f"stopped by {name} {where}; the checkpoint of round {self.saved}, metrics and summary are "
+                       f"kept in {run_dir}; continue with: fedpartial run --resume {run_dir}" if run_dir else
                        f"stopped by {name} {where}; nothing was written (no output directory)")
             state = "interrupted"
         elif error is None:
             if run_dir:
-                saved = checkpoint.save(run_dir, sim, extra=extra)
+                self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
             state, message = "complete", f"{done} rounds"
         else:
-            kept = (f"the checkpoint of round {saved} is kept" if saved is not None else "no checkpoint was written")
+            kept = (f"the checkpoint of round {self.saved} is kept" if self.saved is not None
+                    else "no checkpoint was written")
             if checkpoint.is_diverged(error):
                 state, message = "diverged", f"{str(error).strip().rstrip('.')}; {kept}."
             elif isinstance(error, KeyboardInterrupt):
@@ -951,21 +1015,20 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
             else:
                 state, message = "failed", f"{type(error).__name__}: {str(error).strip().rstrip('.')}; {kept}."
         try:
-            summary = summarize(config, sim, records, time.perf_counter() - t0, status=state,
-                                resumed_from=resumed_from)
+            summary = summarize(config, sim, self.records, wall, status=state, resumed_from=self.resumed_from)
         except Exception:  # a failed run's summary must never hide its error
             if error is None:
                 raise
-            summary = {"status": state, "rounds": len(records)}
+            summary = {"status": state, "rounds": len(self.records)}
         if run_dir:
             checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
-            status(state, message)
-    if error is not None:
-        raise error
-    result = {**summary, "run_dir": run_dir, "records": records}
-    if state == "interrupted":
-        raise checkpoint.RunInterrupted(flag.signum, message, result)
-    return result
+            self.status(state, message)
+        if error is not None:
+            raise error
+        result = {**summary, "run_dir": run_dir, "records": self.records}
+        if state == "interrupted":
+            raise checkpoint.RunInterrupted(signum, message, result)
+        return result
 
 
 def load_config(run_dir: str) -> RunConfig:

@@ -1,0 +1,149 @@
+"""Many seeds in one run: the vmapped replicas against the same seeds run one after another.
+
+Usage::
+
+    python -m benchmarks.seeds [--quick] [--out PATH] [--models mlp,cnn2c1f] [--seeds 0,1,2,3]
+        [--rounds R] [--repeats N]
+
+For every model (``mlp`` on ``synthetic``, ``cnn2c1f`` on ``digits``) the script times, end to end
+as a user runs them (building the simulations, compiling, R rounds with evaluation; nothing written):
+
+* ``vmapped`` — :func:`fedpartial.replicas.run_seeds`: the seeds as one vmapped simulation
+  (the fused round vmapped over seeds);
+* ``sequential_fused`` — :func:`fedpartial.simulation.run` of each seed in turn with
+  ``--strategy fused`` (what each replica must equal);
+* ``sequential_default`` — the same with ``--strategy auto`` (stepwise on CPU, fused on GPU).
+
+The three alternate (``--repeats`` rounds of all three) so a shared machine's load hits them alike;
+the best repeat of each is reported.  Besides the whole wall time, ``steady_s`` is the rounds after
+the first (compilation excluded): the sum over seeds of their ``round_time_s`` (for the vmapped run,
+each seed's share of the vmapped round plus its host work, so the sum is the run's round time).
+The vmapped records are checked against ``sequential_fused``: integer fields equal, the final
+accuracy within ``1e-4``.  JSON goes to ``benchmarks/results/seeds-<backend>-<date>.json`` with the
+device and versions (:func:`benchmarks.strategies.device_info`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+from benchmarks.strategies import device_info, log
+from fedpartial import replicas
+from fedpartial.simulation import RunConfig, run
+
+VARIANTS = ("vmapped", "sequential_fused", "sequential_default")
+MODELS = {"mlp": "synthetic", "cnn2c1f": "digits"}
+DEFAULTS = dict(models=("mlp", "cnn2c1f"), seeds=(0, 1, 2, 3), rounds=10, clients=20, cohort=10, local_steps=5,
+                batch_size=16, repeats=2)
+QUICK = dict(models=("mlp",), seeds=(0, 1), rounds=2, clients=4, cohort=2, local_steps=1, batch_size=8, repeats=1)
+
+
+def base_config(model: str, cfg: dict) -> RunConfig:
+    return RunConfig(dataset=MODELS[model], model=model, num_clients=cfg["clients"], cohort_size=cfg["cohort"],
+                     rounds=cfg["rounds"], local_steps=cfg["local_steps"], batch_size=cfg["batch_size"],
+                     out_dir=None)
+
+
+def measure(variant: str, config: RunConfig, seeds) -> dict:
+    """One variant's wall time, steady-state time (rounds after the first) and per-seed records."""
+    start = time.perf_counter()
+    if variant == "vmapped":
+        records = [r["records"] for r in replicas.run_seeds(config, seeds)["results"]]
+    else:
+        strategy = "fused" if variant == "sequential_fused" else "auto"
+        records = [run(dataclasses.replace(config, seed=s, strategy=strategy))["records"] for s in seeds]
+    wall = time.perf_counter() - start
+    steady = sum(r["round_time_s"] for rs in records for r in rs[1:])
+    return {"variant": variant, "wall_s": wall, "steady_s": steady, "records": records}
+
+
+def agree(a: list, b: list) -> bool:
+    """Integer fields equal and final accuracies within 1e-4, seed by seed."""
+    for ra, rb in zip(a, b):
+        for x, y in zip(ra, rb):
+            if any(x[k] != y[k] for k in ("round", "client_steps", "upload_bytes", "download_bytes", "clients")):
+                return False
+        if abs(ra[-1]["test_accuracy"] - rb[-1]["test_accuracy"]) > 1e-4:
+            return False
+    return True
+
+
+def run_model(model: str, cfg: dict) -> dict:
+    config = base_config(model, cfg)
+    best: dict[str, dict] = {}
+    for rep in range(cfg["repeats"]):
+        for variant in VARIANTS:
+            m = measure(variant, config, cfg["seeds"])
+            log(f"{model} repeat {rep + 1}: {variant} {m['wall_s']:.1f} s (steady {m['steady_s']:.2f} s)")
+            if variant not in best or m["wall_s"] < best[variant]["wall_s"]:
+                best[variant] = m
+    ok = agree(best["vmapped"]["records"], best["sequential_fused"]["records"])
+    out = {"model": model, "dataset": MODELS[model], "vmapped_equals_sequential_fused": ok, "measurements": []}
+    for variant in VARIANTS:
+        m = best[variant]
+        entry = {"variant": variant, "wall_s": m["wall_s"], "steady_s": m["steady_s"]}
+        if variant != "vmapped":
+            entry["speedup_wall"] = m["wall_s"] / best["vmapped"]["wall_s"]
+            entry["speedup_steady"] = m["steady_s"] / best["vmapped"]["steady_s"] if best["vmapped"]["steady_s"] \
+                else None
+        out["measurements"].append(entry)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | variant | wall (s) | steady (s) | vmapped speed-up (wall) | (steady) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        for m in r["measurements"]:
+            up = f"{m['speedup_wall']:.2f}×" if "speedup_wall" in m else "–"
+            steady = f"{m['speedup_steady']:.2f}×" if m.get("speedup_steady") else "–"
+            lines.append(f"| {r['model']} | {m['variant']} | {m['wall_s']:.1f} | {m['steady_s']:.2f} | {up} | "
+                         f"{steady} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/seeds-<backend>-<date>.json)")
+    p.add_argument("--models", help="comma-separated, from " + ", ".join(MODELS))
+    p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3)")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--repeats", type=int)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = dict(QUICK if args.quick else DEFAULTS)
+    if args.models:
+        cfg["models"] = tuple(args.models.split(","))
+    if args.seeds:
+        cfg["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+    for name in ("rounds", "repeats"):
+        if getattr(args, name):
+            cfg[name] = getattr(args, name)
+    device = device_info()
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"seeds-{device['backend']}-{date}.json")
+    log(f"device: {device['backend']} / {device['device_kind']}  ({device['cpu_count']} CPUs)")
+    results = [run_model(model, cfg) for model in cfg["models"]]
+    report = {"benchmark": "seeds", "device": device, "config": {**cfg, "quick": args.quick}, "results": results,
+              "note": "the whole wall time includes building each simulation and compiling; steady excludes "
+                      "each run's first round"}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(table(results))
+    log(f"wrote {out}")
+    return 0 if all(r["vmapped_equals_sequential_fused"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

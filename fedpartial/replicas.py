@@ -1,0 +1,264 @@
+"""Many seeds in one run: independent replicas of one experiment as one vmapped simulation.
+
+``fedpartial run --seeds 0,1,2,3`` builds one :class:`~fedpartial.simulation.Simulation` per seed
+(host work stays per replica: data, partition, device profiles, sampling, packing), stacks their
+server states on a leading replica axis and runs every round as ONE ``jax.jit(jax.vmap(round))``
+over the stacked states, cohorts and keys.  Each replica's record is then built by the same host
+code as a single run (:meth:`Simulation.finish_round`) and written by the same writer
+(:class:`~fedpartial.simulation.RunWriter`), so every seed gets an ordinary run directory.
+
+Decisions:
+
+* **Strategy.**  The replicas run the fused round (the pure ``FederatedRound.functions.round``)
+  vmapped over seeds.  ``--strategy auto`` means ``fused``; ``fused:N`` and ``fused-unrolled[:N]``
+  keep their meaning for the client axis inside each replica; ``stepwise`` and ``debug`` drive a
+  host loop per client and cannot be vmapped, so they are refused.  Each replica equals a separate
+  ``fedpartial run --seed S --strategy fused`` (same chunking) of its seed.
+* **Shapes.**  Every replica's cohort is packed to the largest number of local steps over the
+  replicas' populations (``num_steps``): padded steps are exact no-ops (``client.py`` keeps the
+  state with ``where``; the packing draws do not depend on ``num_steps``).  Held-out splits are
+  padded to the longest one (masked examples).  Server states whose shapes still differ across
+  seeds are refused with one sentence.
+* **Early stopping and divergence** are per replica: a replica whose clients have all stopped, or
+  that diverged, is finished (its state frozen, its directory's status written) while the others go
+  on; its row of the stacked round keeps running on its last cohort and is ignored.
+* **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
+  of the vmapped round; ``rounds_per_s`` in each summary follows from that.
+* **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
+  (``METHOD-DATASET-seedS``, what ``fedpartial run --seed S`` writes) and ``seeds_summary.json`` /
+  ``seeds_summary.md``: mean ± std (population std, as ``fedpartial compare``) of final and best
+  accuracy, upload bytes, simulated time, rounds and rounds/s, from :mod:`fedpartial.compare`'s table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedpartial import checkpoint, compare, engine
+from fedpartial.simulation import ConfigError, RunConfig, RunWriter, Simulation, unique_run_dir
+
+#: the columns of ``seeds_summary.md``: fedpartial compare's, and the rounds per second
+COLUMNS = compare.COLUMNS + (("rounds_per_s", "rounds/s"),)
+
+
+def replica_strategy(strategy: str) -> str:
+    """The fused strategy the replicas run for ``--strategy`` (``auto`` → ``fused``); refuses host-loop ones."""
+    if strategy == "auto":
+        return "fused"
+    try:
+        kind = engine.parse_strategy(strategy).kind
+    except ValueError as e:
+        raise ConfigError(f"--{e}") from None
+    if kind != "fused":
+        raise ConfigError(f"--strategy {strategy} cannot run with --seeds: the replicas run the fused round "
+                          f"vmapped over seeds; use auto, fused, fused:N or fused-unrolled.")
+    return strategy
+
+
+def default_name(config: RunConfig, seeds: Sequence[int]) -> str:
+    """``METHOD-DATASET-seeds0-3`` for consecutive seeds, else ``METHOD-DATASET-seeds1_5_9``."""
+    ordered = sorted(seeds)
+    consecutive = len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1))
+    tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
+    return f"{config.method}-{config.dataset}-seeds{tag}"
+
+
+def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None) -> list[RunConfig]:
+    """One validated configuration per seed: ``config`` with the seed, the fused strategy and ``out_dir``."""
+    if len(seeds) < 1 or len(set(seeds)) < len(seeds):
+        raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
+    strategy = replica_strategy(config.strategy)
+    if config.devices is not None and config.devices > 1:
+        raise ConfigError(f"--devices {config.devices} cannot run with --seeds: the replicas are vmapped on one "
+                          "device; use --devices 1.")
+    configs = [dataclasses.replace(config, seed=s, strategy=strategy, out_dir=out_dir, run_name=None, devices=1)
+               for s in seeds]
+    for c in configs:
+        c.validate()
+    return configs
+
+
+def _pad_holdout(holdout, length: int):
+    """``(x, y, mask)`` ``[N, H, ...]`` padded to ``length`` examples per client (padding masked out)."""
+    x, y, mask = holdout
+    extra = length - x.shape[1]
+    if extra == 0:
+        return holdout
+    pad = lambda a: np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    return pad(x), pad(y), pad(mask)
+
+
+def _shapes(tree) -> list:
+    return [(tuple(np.shape(a)), np.dtype(a.dtype).name) for a in jax.tree.leaves(tree)]
+
+
+def stack(trees: Sequence) -> object:
+    """The trees stacked leaf by leaf on a new leading replica axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+class Replicas:
+    """One :class:`Simulation` per seed, advanced together by one vmapped round per round.
+
+    ``sims[i]`` is seed ``seeds[i]``'s simulation; its ``state`` is kept up to date (its row of the
+    stacked state) so evaluation, early stopping, checkpoints and summaries work as for one run.
+    """
+
+    def __init__(self, config: RunConfig, seeds: Sequence[int], *, out_dir: str | None = None,
+                 dataset_for: Callable[[RunConfig], object] | None = None):
+        self.seeds = list(seeds)
+        configs = replica_configs(config, self.seeds, out_dir)
+        self.sims = [Simulation(c, dataset_for(c) if dataset_for else None) for c in configs]
+        num_steps = max(sim.num_steps for sim in self.sims)
+        holdouts = [sim.holdout for sim in self.sims if sim.holdout is not None]
+        longest = max((h[0].shape[1] for h in holdouts), default=0)
+        for sim in self.sims:
+            sim.num_steps = num_steps  # padded steps are no-ops: the same training, one shape for all
+            if sim.holdout is not None:
+                sim.holdout = _pad_holdout(sim.holdout, longest)
+        first = self.sims[0]
+        for seed, sim in zip(self.seeds[1:], self.sims[1:]):
+            if jax.tree.structure(sim.state) != jax.tree.structure(first.state) or \
+                    _shapes(sim.state) != _shapes(first.state):
+                raise ConfigError(f"--seeds: seed {seed}'s server state differs in shape from seed {self.seeds[0]}'s "
+                                  f"(e.g. a data-dependent model or method state), so they cannot run as one "
+                                  f"vmapped simulation; run the seeds separately (fedpartial compare).")
+        round_fn = first.round.functions.round
+        impl = jax.random.key_impl(first.rounds_key)
+
+        def one(state, cohort, key_data):
+            return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
+
+        self.round = first.round  # its trace_count counts the vmapped round's traces
+        self._round = jax.jit(jax.vmap(one), donate_argnums=(0,))
+        count = len(self.sims)
+        self._unstack = jax.jit(lambda s: [jax.tree.map(lambda a: a[i], s) for i in range(count)])
+        self.state = stack([sim.state for sim in self.sims])
+
+    def run_round(self, t: int, active: list[bool], last: list) -> list:
+        """Round ``t`` of every active replica: host preparation, one vmapped round, then each active
+        replica's record (a :class:`~fedpartial.errors.DivergedError` object where it diverged, None
+        where it has stopped).  ``last`` holds each replica's latest prepared round (the stand-in cohort
+        of a finished replica's row); both lists are updated in place."""
+        host = [0.0] * len(self.sims)
+        for i, sim in enumerate(self.sims):
+            if active[i]:
+                start = time.perf_counter()
+                prepared = sim.prepare_round(t)
+                host[i] = time.perf_counter() - start
+                if prepared is None:  # early stopping stopped every client of this replica
+                    active[i] = False
+                else:
+                    last[i] = prepared
+        if not any(active):
+            return [None] * len(self.sims)
+        start = time.perf_counter()
+        # (cohorts gathered on the device are stacked there; packed ones on the host)
+        cohorts = jax.tree.map(lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a),
+                               *[p.cohort for p in last])
+        keys = np.stack([jax.random.key_data(p.key) for p in last])
+        self.state, metrics = self._round(self.state, cohorts, keys)
+        states, metrics = self._unstack(self.state), jax.device_get(metrics)
+        share = (time.perf_counter() - start) / sum(active)
+        records = []
+        for i, sim in enumerate(self.sims):
+            if not active[i]:
+                records.append(None)
+                continue
+            sim.state = states[i]
+            try:
+                records.append(sim.finish_round(last[i], jax.tree.map(lambda a: a[i], metrics),  # noqa: B023
+                                                round_time=host[i] + share))
+            except Exception as e:  # DivergedError (or a host error): this replica ends, the others go on
+                active[i] = False
+                records.append(e)
+        return records
+
+
+def _summary_rows(run_dirs: Sequence[str]) -> list[dict]:
+    """``fedpartial compare``'s mean ± std row over the seeds' ``summary.json``, with rounds/s added."""
+    runs = [compare.load_run(d) for d in run_dirs]
+    return compare.table(runs, COLUMNS)
+
+
+def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
+                  statuses: Sequence[str]) -> dict:
+    """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content."""
+    rows = _summary_rows(run_dirs)
+    summary = {**rows[0], "seeds": list(seeds), "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
+               "statuses": list(statuses), "vmapped": True, "wall_time_s": wall, "std": "population (ddof=0)"}
+    checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
+    with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
+        f.write(compare.table_markdown(rows, COLUMNS))
+    return summary
+
+
+def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
+              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None, dataset_for: Callable[[RunConfig], object] | None = None
+              ) -> dict:
+    """Runs ``config`` once per seed as one vmapped simulation and writes the run directories.
+
+    Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
+    ``config.out_dir``), each seed's run directory, each seed's :func:`~fedpartial.simulation.run`-style
+    result (summary, ``run_dir`` and ``records``), the mean ± std summary (None without a directory) and
+    the seeds' :class:`Simulation` objects (their final states).
+    A replica that diverged or failed has status ``diverged``/``failed`` in its directory and ``error``
+    in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial.simulation.run`'s, per seed.  ``on_round(t, records)`` gets each round's records (None for a
+    finished replica).  A stop signal ends every replica after the current round (status ``interrupted``).
+    """
+    t0 = time.perf_counter()
+    parent = None
+    if config.out_dir:
+        replica_configs(config, seeds, config.out_dir)  # every bad value before a folder is made
+        parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds))
+    replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for)
+    writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
+    count = len(writers)
+    active, last, errors = [True] * count, [None] * count, [None] * count
+    flag = stop if stop is not None else checkpoint.StopFlag()
+    results = []
+    with flag if stop is None else contextlib.nullcontext(flag):
+        try:
+            for t in range(config.rounds):
+                if flag.stopped or not any(active):
+                    break
+                records = replicas.run_round(t, active, last)
+                for i, record in enumerate(records):
+                    if isinstance(record, BaseException):
+                        errors[i] = record
+                    elif record is not None:
+                        writers[i].write(record)
+                if on_round:
+                    on_round(t, [r if isinstance(r, dict) else None for r in records])
+        except BaseException as e:  # every still-running replica records it
+            errors = [err if err is not None or not a else e for err, a in zip(errors, active)]
+        finally:
+            for w in writers:
+                w.close()
+        wall = time.perf_counter() - t0
+        for i, w in enumerate(writers):
+            try:
+                results.append(w.finish(errors[i], flag.signum, wall))
+            except BaseException as e:  # written down in its directory; reported in its result
+                results.append({"status": checkpoint.read_status(w.run_dir)["status"] if w.run_dir else "failed",
+                                "run_dir": w.run_dir, "records": w.records, "error": e})
+    run_dirs = [w.run_dir for w in writers]
+    summary = None
+    if parent:
+        summary = write_summary(parent, seeds, run_dirs, time.perf_counter() - t0, [r["status"] for r in results])
+    if flag.stopped:
+        raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
+                                        f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "
+                                        f"checkpoints and summaries are kept in {parent}",
+                                        {"out_dir": parent, "run_dirs": run_dirs, "results": results})
+    return {"out_dir": parent, "run_dirs": run_dirs, "results": results, "summary": summary,
+            "simulations": replicas.sims}
+

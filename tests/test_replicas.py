@@ -1,0 +1,132 @@
+"""``fedpartial run --seeds``: replicas as one vmapped simulation equal separate fused runs of each seed.
+
+Each replica is compared with ``simulation.run`` of its seed under ``--strategy fused``: every record
+field but the wall-clock times is equal, and the final variables agree to the tolerance below.  The
+seeds' populations need different numbers of local steps, so the padding of the shorter ones (padded
+steps are no-ops) is exercised too.
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+
+import jax
+import numpy as np
+import pytest
+
+from fedpartial import replicas
+from fedpartial.cli import main
+from fedpartial.simulation import ConfigError, RunConfig, Simulation, run
+
+#: float fields and final variables of a replica against its separate run: vmapping the round over
+#: replicas lets XLA reorder float operations in its kernels (measured on CPU: equal, or a few ulp apart
+#: in the train loss); integer fields (bytes, steps, clients, rounds) are exact
+RTOL, ATOL = 1e-5, 1e-6
+TIMES = ("round_time_s", "wall_time_s")
+
+
+def _separate(config, seed):
+    sim = Simulation(dataclasses.replace(config, seed=seed, strategy="fused", out_dir=None))
+    steps = sim.num_steps
+    return run(sim.config, sim=sim), sim, steps
+
+
+def _check_equal(config, seeds, tmp_path):
+    done = replicas.run_seeds(dataclasses.replace(config, out_dir=str(tmp_path)), seeds)
+    steps = []
+    for seed, result, vsim in zip(seeds, done["results"], done["simulations"]):
+        alone, sim, n = _separate(config, seed)
+        steps.append(n)
+        assert result["status"] == "complete" and len(result["records"]) == config.rounds
+        for mine, theirs in zip(result["records"], alone["records"]):
+            assert mine.keys() == theirs.keys()
+            for key in mine.keys() - set(TIMES):
+                if isinstance(mine[key], float) or isinstance(theirs[key], float):
+                    assert mine[key] == pytest.approx(theirs[key], rel=RTOL, abs=ATOL), (seed, key)
+                else:
+                    assert mine[key] == theirs[key], (seed, key)
+        for a, b in zip(jax.tree.leaves(vsim.state.variables), jax.tree.leaves(sim.state.variables)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+        assert int(vsim.state.round) == config.rounds
+    assert len(set(steps)) > 1, "the seeds should need different numbers of local steps (padding is tested)"
+    return done
+
+
+def test_fedavg_cnn_on_digits_equals_separate_fused_runs(tmp_path):
+    config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2,
+                       batch_size=32, local_epochs=0.5, seed=0)
+    _check_equal(config, [0, 1], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def fedldf(tmp_path_factory):
+    config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,
+                       cohort_size=3, rounds=2, batch_size=8, local_epochs=1.0)
+    return _check_equal(config, [0, 1], tmp_path_factory.mktemp("ldf"))
+
+
+def test_fedldf_mlp_on_synthetic_equals_separate_fused_runs(fedldf):
+    assert fedldf["summary"]["seeds"] == [0, 1]
+
+
+def test_run_dirs_and_the_summary_is_mean_and_std(fedldf):
+    parent = fedldf["out_dir"]
+    assert parent.endswith("fedldf-synthetic-seeds0-1")
+    summaries = []
+    for seed, run_dir in zip((0, 1), fedldf["run_dirs"]):
+        assert run_dir.endswith(f"fedldf-synthetic-seeds0-1/fedldf-synthetic-seed{seed}")
+        for name in ("config.json", "config.toml", "environment.json", "metrics.jsonl", "metrics.csv",
+                     "summary.json", "status.json"):
+            assert os.path.exists(f"{run_dir}/{name}"), name
+        assert json.load(open(f"{run_dir}/config.json"))["seed"] == seed
+        assert json.load(open(f"{run_dir}/status.json"))["status"] == "complete"
+        summaries.append(json.load(open(f"{run_dir}/summary.json")))
+    written = json.load(open(f"{parent}/seeds_summary.json"))
+    for key in ("final_test_accuracy", "best_test_accuracy", "total_upload_bytes", "total_simulated_time_s",
+                "rounds", "rounds_per_s"):
+        values = [s[key] for s in summaries]
+        assert written[f"{key}_mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
+        assert written[f"{key}_std"] == pytest.approx(statistics.pstdev(values), rel=1e-9, abs=1e-15)
+    assert written["statuses"] == ["complete"] * 2
+    md = open(f"{parent}/seeds_summary.md").read().splitlines()
+    assert md[0].startswith("| method | seeds | final accuracy") and md[0].endswith("rounds/s |")
+    acc = [s["final_test_accuracy"] for s in summaries]
+    assert md[2].startswith("| fedldf | 0,1 | ") and f"{np.mean(acc):.4f} ± {np.std(acc):.4f}" in md[2]
+
+
+def test_the_vmapped_round_is_traced_once(fedldf):
+    """Two rounds ran: the first replica's round function was traced once (under vmap), no other ran."""
+    assert [sim.round.trace_count for sim in fedldf["simulations"]] == [1, 0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seeds", "0,0"], "--seeds '0,0' names a seed twice"),
+    (["--seeds", "0,x"], "--seeds '0,x' is not allowed: it must be whole numbers"),
+    (["--seeds", "-1"], "--seeds '-1' is not allowed"),
+    (["--seeds", "0,1", "--seed", "2"], "--seeds cannot be combined with --seed"),
+    (["--seeds", "0,1", "--resume", "somewhere"], "--seeds cannot be combined with --resume"),
+    (["--seeds", "0,1", "--strategy", "stepwise"], "--strategy stepwise cannot run with --seeds"),
+    (["--seeds", "0,1", "--strategy", "debug"], "--strategy debug cannot run with --seeds"),
+])
+def test_bad_seeds_exit_2_with_one_sentence(tmp_path, capsys, args, words):
+    assert main(["run", "--dataset", "synthetic", "--rounds", "1", "--out", str(tmp_path / "o")] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.count("\n") == 0 and err.endswith(".")
+    assert not (tmp_path / "o").exists()
+
+
+def test_strategy_for_replicas():
+    assert replicas.replica_strategy("auto") == "fused"
+    assert replicas.replica_strategy("fused:4") == "fused:4"
+    with pytest.raises(ConfigError, match="--strategy stepwise:2 cannot run with --seeds"):
+        replicas.replica_strategy("stepwise:2")
+
+
+def test_cli_seeds_writes_the_parent_folder(tmp_path, capsys):
+    assert main(["run", "--dataset", "synthetic", "--clients", "6", "--cohort", "2", "--rounds", "1",
+                 "--local-steps", "1", "--seeds", "5,7", "--out", str(tmp_path), "--quiet"]) == 0
+    parent = capsys.readouterr().out.strip()
+    assert parent == str(tmp_path / "fedavg-synthetic-seeds5_7")
+    assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds5_7").iterdir()) == [
+        "fedavg-synthetic-seed5", "fedavg-synthetic-seed7", "seeds_summary.json", "seeds_summary.md"]
