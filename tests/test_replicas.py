@@ -23,7 +23,7 @@ from fedpartial.simulation import ConfigError, RunConfig, Simulation, run
 #: replicas lets XLA reorder float operations in its kernels (measured on CPU: equal, or a few ulp apart
 #: in the train loss); integer fields (bytes, steps, clients, rounds) are exact
 RTOL, ATOL = 1e-5, 1e-6
-TIMES = ("round_time_s", "wall_time_s")
+TIMES = ("round_time_s", "wall_time_s", "host_time_s")
 
 
 def _separate(config, seed):
@@ -121,6 +121,12 @@ def test_strategy_for_replicas():
     assert replicas.replica_strategy("fused:4") == "fused:4"
     with pytest.raises(ConfigError, match="--strategy stepwise:2 cannot run with --seeds"):
         replicas.replica_strategy("stepwise:2")
+
+
+def test_replicas_run_on_one_device():
+    assert {c.devices for c in replicas.replica_configs(RunConfig(dataset="synthetic"), [0, 1], None)} == {1}
+    with pytest.raises(ConfigError, match="--devices 2 cannot run with --seeds"):
+        replicas.replica_configs(RunConfig(dataset="synthetic", devices=2), [0, 1], None)
 
 
 def test_cli_seeds_writes_the_parent_folder(tmp_path, capsys):
