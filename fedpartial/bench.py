@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial import aggregation, devices, engine, evaluation
+from fedpartial import aggregation, devices, engine, evaluation, memory
 from fedpartial.benchkit import (
     NUM_CLASSES,
     PlainLoop,
@@ -95,20 +95,8 @@ def matmul_flops_per_s(platform_name: str | None = None) -> dict:
 
 
 def available_bytes() -> int | None:
-    """Memory a cell may use: the device's limit on a GPU, MemAvailable on a CPU (None: unknown)."""
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        stats = dev.memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        return None if limit is None else int(limit) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """Memory a cell may use: the device's free memory on a GPU, available RAM on a CPU (None: unknown)."""
+    return memory.available_bytes()[0]
 
 
 def peak_memory_bytes() -> int:

@@ -22,6 +22,7 @@ was checked against measured peak RSS (README, "Bounded memory").
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -80,7 +81,8 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
                           data=in_flight * per_client_data, in_flight=in_flight, per_client=per_client)
 
 
-def _meminfo_available() -> int | None:
+def _host_available() -> int | None:
+    """The host's ``MemAvailable`` (Linux), else its free physical pages; None when neither is known."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -88,18 +90,24 @@ def _meminfo_available() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def available_bytes(device=None) -> tuple[int | None, str]:
     """Bytes a run may still use and where: an accelerator's free memory
-    (``memory_stats()['bytes_limit'] - bytes_in_use``), else the host's ``MemAvailable``."""
+    (``memory_stats()['bytes_limit'] - bytes_in_use``), else the host's available RAM."""
     device = device or jax.devices()[0]
     if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - some backends do not implement it
+            stats = {}
+        if stats.get("bytes_limit"):
             return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} memory"
-    return _meminfo_available(), "RAM"
+    return _host_available(), "RAM"
 
 
 def gib(n: float) -> str:

@@ -38,13 +38,13 @@ for 320 read).
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedpartial import memory
 from fedpartial.core import Batch, Holdout
 from fedpartial.data import packing
 
@@ -204,25 +204,8 @@ def gather_holdout(holdout: Holdout, client_ids: jax.Array, valid: jax.Array) ->
 
 
 def available_memory(device: jax.Device | None = None) -> int | None:
-    """Bytes the device may hold: an accelerator's ``bytes_limit``; on CPU the machine's available RAM."""
-    device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - some backends do not implement it
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Bytes the device may hold: an accelerator's free memory; on CPU the machine's available RAM."""
+    return memory.available_bytes(device)[0]
 
 
 def resolve_placement(requested: str, needed_bytes: int, available: int | None, platform: str) -> str:
