@@ -87,9 +87,9 @@ def sim_run(devices, **overrides):
     return sim, list(sim.rounds())
 
 
-def compare_simulation(method, **options):
+def compare_simulation(method, options=None, **overrides):
     """The same run on 1 and 4 devices: K = 6, padded to 8 on 4."""
-    (sim1, rec1), (sim4, rec4) = sim_run(1, method=method, options=options), sim_run(4, method=method, options=options)
+    (sim1, rec1), (sim4, rec4) = (sim_run(d, method=method, options=options or {}, **overrides) for d in (1, 4))
     ints = ("client_steps", "upload_bytes", "download_bytes", "clients", "client_flops")
     ids4, valid4, _, _ = sim4.sample_cohort(0)
     return {"method": method, "cohort_size_1": sim1.round.ctx.cohort_size, "cohort_size_4": sim4.round.ctx.cohort_size,
@@ -134,6 +134,8 @@ def main() -> None:
     results["seconds"]["engine"] = time.perf_counter() - start
     start = time.perf_counter()
     results["simulation"] = compare_simulation("fedspu")
+    # data placed on the (first) device once, each round's gathered cohort then split over the four
+    results["simulation_device_data"] = compare_simulation("fedavg", data_placement="device")
     results["seconds"]["simulation"] = time.perf_counter() - start
     results["refusals"] = refusals(model)
     # the multi-host assembly, in one process: this process holds every row

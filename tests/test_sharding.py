@@ -97,6 +97,13 @@ def test_simulation_pads_the_cohort_and_counts_real_clients(four_devices):
     assert case["state_devices_4"] == 4
 
 
+def test_data_on_the_device_is_split_over_four_devices_too(four_devices):
+    """--data-placement device: the cohort gathered on the device, then split over 4; the runs agree."""
+    case = four_devices["simulation_device_data"]
+    assert case["ints_4"] == case["ints_1"] and case["max_diff"] <= ATOL and case["acc_4"] == case["acc_1"]
+    assert case["state_devices_4"] == 4
+
+
 def test_refusals_are_one_sentence_naming_the_values(four_devices):
     r = four_devices["refusals"]
     assert r["engine_stepwise"] == ("the stepwise strategy runs on one device; only the fused strategy splits "
