@@ -599,6 +599,25 @@ class Simulation:
             if self.holdout is not None:
                 self._device_holdout = jax.device_put(Holdout(*self.holdout))
 
+    def pad_shapes(self, num_steps: int, holdout_length: int | None = None) -> None:
+        """Pads every later cohort to ``num_steps`` local steps and the holdout to ``holdout_length`` examples
+        per client (:mod:`fedpartial.replicas` gives its seeds one shape).  Padded steps and examples are
+        masked no-ops, so training and evaluation are unchanged; on the device the gather's bounds follow
+        (its stream length depends on the population only, so the batches drawn stay the same)."""
+        if num_steps < self.num_steps:
+            raise ValueError(f"num_steps {num_steps} is below this run's {self.num_steps}; padding only grows it.")
+        self.num_steps = num_steps
+        if self._gather_spec is not None:
+            self._gather_spec = self._gather_spec._replace(num_steps=num_steps)
+        if self.holdout is None or holdout_length is None or holdout_length == self.holdout[0].shape[1]:
+            return
+        extra = holdout_length - self.holdout[0].shape[1]
+        if extra < 0:
+            raise ValueError(f"holdout_length {holdout_length} is below this run's {self.holdout[0].shape[1]}.")
+        self.holdout = tuple(np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2)) for a in self.holdout)
+        if self._device_holdout is not None:
+            self._device_holdout = jax.device_put(Holdout(*self.holdout))
+
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its
         own data (its real steps × the step's FLOPs at its speed, plus the whole model down
