@@ -86,14 +86,32 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     return configs
 
 
-def _pad_holdout(holdout, length: int):
-    """``(x, y, mask)`` ``[N, H, ...]`` padded to ``length`` examples per client (padding masked out)."""
-    x, y, mask = holdout
-    extra = length - x.shape[1]
-    if extra == 0:
-        return holdout
-    pad = lambda a: np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    return pad(x), pad(y), pad(mask)
+REPLICA_AXES = ("auto", "vmap", "map")
+
+
+def parse_replica_axis(axis: str, platform: str) -> tuple[str, int | None]:
+    """``(kind, batch)`` for ``axis``: ``vmap`` (every replica at once), ``map`` or ``map:N`` (``jax.lax.map``:
+    one replica, or N vmapped together, after another inside the one jitted round) or ``auto``.
+
+    ``auto`` is ``map`` on CPU and ``vmap`` on an accelerator.  On CPU a vmapped round over replicas
+    batches the per-replica weights into each matmul and convolution, which XLA:CPU runs slower than
+    the replicas one after another (``benchmarks/seeds.py``: the steady rounds of ``map`` were faster
+    for both models measured); an accelerator has the parallelism to run them at once.
+    """
+    kind, _, batch = axis.partition(":")
+    if kind not in REPLICA_AXES or (batch and (kind != "map" or not batch.isdigit() or int(batch) < 1)):
+        raise ConfigError(f"replica axis {axis!r} is not allowed: choose auto, vmap, map or map:N with N >= 1.")
+    if kind == "auto":
+        kind = "map" if platform == "cpu" else "vmap"
+    return kind, int(batch) if batch else None
+
+
+def over_replicas(fn: Callable, kind: str, batch: int | None = None) -> Callable:
+    """``fn(*args)`` of one replica lifted to arguments with a leading replica axis: ``jax.vmap`` for
+    ``vmap``, ``jax.lax.map`` (``batch_size=batch``) for ``map``; the result is the same either way."""
+    if kind == "vmap":
+        return jax.vmap(fn)
+    return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
 
 
 def _shapes(tree) -> list:
@@ -113,7 +131,7 @@ class Replicas:
     """
 
     def __init__(self, config: RunConfig, seeds: Sequence[int], *, out_dir: str | None = None,
-                 dataset_for: Callable[[RunConfig], object] | None = None):
+                 dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto"):
         self.seeds = list(seeds)
         configs = replica_configs(config, self.seeds, out_dir)
         self.sims = [Simulation(c, dataset_for(c) if dataset_for else None) for c in configs]
@@ -121,9 +139,9 @@ class Replicas:
         holdouts = [sim.holdout for sim in self.sims if sim.holdout is not None]
         longest = max((h[0].shape[1] for h in holdouts), default=0)
         for sim in self.sims:
-            sim.num_steps = num_steps  # padded steps are no-ops: the same training, one shape for all
-            if sim.holdout is not None:
-                sim.holdout = _pad_holdout(sim.holdout, longest)
+            # padded steps and examples are no-ops: the same training, one shape for all (the device
+            # gather's bounds and the placed holdout follow, so data_placement="device" works too)
+            sim.pad_shapes(num_steps, longest or None)
         first = self.sims[0]
         for seed, sim in zip(self.seeds[1:], self.sims[1:]):
             if jax.tree.structure(sim.state) != jax.tree.structure(first.state) or \
@@ -137,8 +155,10 @@ class Replicas:
         def one(state, cohort, key_data):
             return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
 
-        self.round = first.round  # its trace_count counts the vmapped round's traces
-        self._round = jax.jit(jax.vmap(one), donate_argnums=(0,))
+        self.round = first.round  # its trace_count counts the replica round's traces
+        #: ``(kind, batch)`` how the replica axis runs (:func:`replica_axis`)
+        self.replica_axis = parse_replica_axis(replica_axis, jax.devices()[0].platform)
+        self._round = jax.jit(over_replicas(one, *self.replica_axis), donate_argnums=(0,))
         count = len(self.sims)
         self._unstack = jax.jit(lambda s: [jax.tree.map(lambda a: a[i], s) for i in range(count)])
         self.state = stack([sim.state for sim in self.sims])
@@ -190,11 +210,12 @@ def _summary_rows(run_dirs: Sequence[str]) -> list[dict]:
 
 
 def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
-                  statuses: Sequence[str]) -> dict:
+                  statuses: Sequence[str], replica_axis: str = "vmap") -> dict:
     """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content."""
     rows = _summary_rows(run_dirs)
     summary = {**rows[0], "seeds": list(seeds), "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
-               "statuses": list(statuses), "vmapped": True, "wall_time_s": wall, "std": "population (ddof=0)"}
+               "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
+               "wall_time_s": wall, "std": "population (ddof=0)"}
     checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
     with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
         f.write(compare.table_markdown(rows, COLUMNS))
@@ -202,8 +223,8 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
 
 
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
-              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None, dataset_for: Callable[[RunConfig], object] | None = None
-              ) -> dict:
+              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None, dataset_for: Callable[[RunConfig], object] | None = None,
+              replica_axis: str = "auto") -> dict:
     """Runs ``config`` once per seed as one vmapped simulation and writes the run directories.
 
     Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
@@ -213,13 +234,15 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     A replica that diverged or failed has status ``diverged``/``failed`` in its directory and ``error``
     in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial.simulation.run`'s, per seed.  ``on_round(t, records)`` gets each round's records (None for a
     finished replica).  A stop signal ends every replica after the current round (status ``interrupted``).
+    ``replica_axis``: how the replicas run inside the one jitted round (:func:`parse_replica_axis`).
     """
     t0 = time.perf_counter()
+    parse_replica_axis(replica_axis, "cpu")  # a bad value before a folder is made
     parent = None
     if config.out_dir:
         replica_configs(config, seeds, config.out_dir)  # every bad value before a folder is made
         parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds))
-    replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for)
+    replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for, replica_axis=replica_axis)
     writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
     count = len(writers)
     active, last, errors = [True] * count, [None] * count, [None] * count
@@ -253,7 +276,8 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     run_dirs = [w.run_dir for w in writers]
     summary = None
     if parent:
-        summary = write_summary(parent, seeds, run_dirs, time.perf_counter() - t0, [r["status"] for r in results])
+        summary = write_summary(parent, seeds, run_dirs, time.perf_counter() - t0, [r["status"] for r in results],
+                                replica_axis=replicas.replica_axis[0])
     if flag.stopped:
         raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
                                         f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "

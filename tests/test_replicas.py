@@ -12,6 +12,7 @@ import os
 import statistics
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,8 +33,8 @@ def _separate(config, seed):
     return run(sim.config, sim=sim), sim, steps
 
 
-def _check_equal(config, seeds, tmp_path):
-    done = replicas.run_seeds(dataclasses.replace(config, out_dir=str(tmp_path)), seeds)
+def _check_equal(config, seeds, tmp_path, replica_axis="auto"):
+    done = replicas.run_seeds(dataclasses.replace(config, out_dir=str(tmp_path)), seeds, replica_axis=replica_axis)
     steps = []
     for seed, result, vsim in zip(seeds, done["results"], done["simulations"]):
         alone, sim, n = _separate(config, seed)
@@ -54,9 +55,23 @@ def _check_equal(config, seeds, tmp_path):
 
 
 def test_fedavg_cnn_on_digits_equals_separate_fused_runs(tmp_path):
+    """The replicas vmapped (the accelerator's choice); the other tests run ``auto``, which is ``map`` on CPU."""
     config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2,
                        batch_size=32, local_epochs=0.5, seed=0)
-    _check_equal(config, [0, 1], tmp_path)
+    done = _check_equal(config, [0, 1], tmp_path, replica_axis="vmap")
+    assert [sim.round.trace_count for sim in done["simulations"]] == [1, 0]  # one vmapped trace for 2 rounds
+    assert done["summary"]["replica_axis"] == "vmap" and done["summary"]["vmapped"] is True
+
+
+def test_data_on_the_device_equals_separate_device_runs(tmp_path):
+    """``data_placement="device"``: every replica's gather is padded to the common number of steps and its
+    placed holdout to the longest one (held-out splits: ``train_fraction``), drawing its own run's batches."""
+    config = RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
+                       local_epochs=0.5, train_fraction=0.7, data_placement="device", seed=0)
+    done = _check_equal(config, [0, 1], tmp_path, replica_axis="map")
+    sims = done["simulations"]
+    assert [s.data_placement for s in sims] == ["device", "device"]
+    assert len({s.holdout[0].shape for s in sims}) == 1 and "personal_accuracy" in done["results"][0]["records"][-1]
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +110,35 @@ def test_run_dirs_and_the_summary_is_mean_and_std(fedldf):
     assert md[2].startswith("| fedldf | 0,1 | ") and f"{np.mean(acc):.4f} ± {np.std(acc):.4f}" in md[2]
 
 
-def test_the_vmapped_round_is_traced_once(fedldf):
-    """Two rounds ran: the first replica's round function was traced once (under vmap), no other ran."""
+def test_the_replica_round_is_traced_once(fedldf):
+    """Two rounds ran: the first replica's round function was traced once (under ``auto``'s lax.map on
+    CPU, vmap elsewhere), no other ran."""
     assert [sim.round.trace_count for sim in fedldf["simulations"]] == [1, 0]
+    assert fedldf["summary"]["replica_axis"] == replicas.parse_replica_axis("auto", jax.devices()[0].platform)[0]
+
+
+@pytest.mark.parametrize("axis", ["vmap", "map", "map:2"])
+def test_every_replica_axis_gives_each_replica_its_own_result(axis):
+    """3 replicas of a small pure function (``map:2``: a batch of 2, then the remainder) equal a loop."""
+    def fn(w, x, key_data):
+        return jnp.tanh(x @ w) + jax.random.normal(jax.random.wrap_key_data(key_data), (x.shape[0], w.shape[1])), (w ** 2).sum()
+
+    w, x = jnp.arange(3 * 4 * 2.0).reshape(3, 4, 2) / 10, jnp.ones((3, 5, 4))
+    keys = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(0), 3))
+    got = jax.jit(replicas.over_replicas(fn, *replicas.parse_replica_axis(axis, "cpu")))(w, x, keys)
+    for i in range(3):
+        for a, b in zip(got, fn(w[i], x[i], keys[i])):
+            np.testing.assert_allclose(a[i], b, rtol=1e-6)
+
+
+def test_replica_axis_choices():
+    assert replicas.parse_replica_axis("auto", "cpu") == ("map", None)
+    assert replicas.parse_replica_axis("auto", "gpu") == ("vmap", None)
+    assert replicas.parse_replica_axis("vmap", "cpu") == ("vmap", None)
+    assert replicas.parse_replica_axis("map:3", "gpu") == ("map", 3)
+    for bad in ("pmap", "map:0", "map:x", "vmap:2", ""):
+        with pytest.raises(ConfigError, match=f"replica axis {bad!r} is not allowed"):
+            replicas.parse_replica_axis(bad, "cpu")
 
 
 @pytest.mark.parametrize("args, words", [
