@@ -1,4 +1,4 @@
-"""Many seeds in one run: the vmapped replicas against the same seeds run one after another.
+"""Many seeds in one run: the replicas (vmapped or lax.mapped) against the same seeds run one after another.
 
 Usage::
 
@@ -8,18 +8,20 @@ Usage::
 For every model (``mlp`` on ``synthetic``, ``cnn2c1f`` on ``digits``) the script times, end to end
 as a user runs them (building the simulations, compiling, R rounds with evaluation; nothing written):
 
-* ``vmapped`` — :func:`fedpartial.replicas.run_seeds`: the seeds as one vmapped simulation
-  (the fused round vmapped over seeds);
+* ``vmapped`` — :func:`fedpartial.replicas.run_seeds` with ``replica_axis="vmap"``: the seeds as one
+  simulation, the fused round vmapped over seeds;
+* ``mapped`` — the same with ``replica_axis="map"``: ``jax.lax.map`` over the seeds inside the one jit
+  (one seed's round after another, compiled once);
 * ``sequential_fused`` — :func:`fedpartial.simulation.run` of each seed in turn with
   ``--strategy fused`` (what each replica must equal);
 * ``sequential_default`` — the same with ``--strategy auto`` (stepwise on CPU, fused on GPU).
 
-The three alternate (``--repeats`` rounds of all three) so a shared machine's load hits them alike;
+The four alternate (``--repeats`` rounds of all four) so a shared machine's load hits them alike;
 the best repeat of each is reported.  Besides the whole wall time, ``steady_s`` is the rounds after
 the first (compilation excluded): the sum over seeds of their ``round_time_s`` (for the vmapped run,
 each seed's share of the vmapped round plus its host work, so the sum is the run's round time).
-The vmapped records are checked against ``sequential_fused``: integer fields equal, the final
-accuracy within ``1e-4``.  JSON goes to ``benchmarks/results/seeds-<backend>-<date>.json`` with the
+Each replica variant's records are checked against ``sequential_fused``: integer fields equal, the final
+accuracy within ``1e-4``; its speed-ups over both sequential variants are the sequential time over its own.  JSON goes to ``benchmarks/results/seeds-<backend>-<date>.json`` with the
 device and versions (:func:`benchmarks.strategies.device_info`).
 """
 
@@ -37,7 +39,9 @@ from benchmarks.strategies import device_info, log
 from fedpartial import replicas
 from fedpartial.simulation import RunConfig, run
 
-VARIANTS = ("vmapped", "sequential_fused", "sequential_default")
+VARIANTS = ("vmapped", "mapped", "sequential_fused", "sequential_default")
+#: the replica variants and their ``replica_axis``
+REPLICA_AXIS = {"vmapped": "vmap", "mapped": "map"}
 MODELS = {"mlp": "synthetic", "cnn2c1f": "digits"}
 DEFAULTS = dict(models=("mlp", "cnn2c1f"), seeds=(0, 1, 2, 3), rounds=10, clients=20, cohort=10, local_steps=5,
                 batch_size=16, repeats=2)
@@ -53,8 +57,9 @@ def base_config(model: str, cfg: dict) -> RunConfig:
 def measure(variant: str, config: RunConfig, seeds) -> dict:
     """One variant's wall time, steady-state time (rounds after the first) and per-seed records."""
     start = time.perf_counter()
-    if variant == "vmapped":
-        records = [r["records"] for r in replicas.run_seeds(config, seeds)["results"]]
+    if variant in REPLICA_AXIS:
+        done = replicas.run_seeds(config, seeds, replica_axis=REPLICA_AXIS[variant])
+        records = [r["records"] for r in done["results"]]
     else:
         strategy = "fused" if variant == "sequential_fused" else "auto"
         records = [run(dataclasses.replace(config, seed=s, strategy=strategy))["records"] for s in seeds]
@@ -83,28 +88,31 @@ def run_model(model: str, cfg: dict) -> dict:
             log(f"{model} repeat {rep + 1}: {variant} {m['wall_s']:.1f} s (steady {m['steady_s']:.2f} s)")
             if variant not in best or m["wall_s"] < best[variant]["wall_s"]:
                 best[variant] = m
-    ok = agree(best["vmapped"]["records"], best["sequential_fused"]["records"])
-    out = {"model": model, "dataset": MODELS[model], "vmapped_equals_sequential_fused": ok, "measurements": []}
+    out = {"model": model, "dataset": MODELS[model], "measurements": []}
+    for variant in REPLICA_AXIS:
+        out[f"{variant}_equals_sequential_fused"] = agree(best[variant]["records"], best["sequential_fused"]["records"])
     for variant in VARIANTS:
         m = best[variant]
         entry = {"variant": variant, "wall_s": m["wall_s"], "steady_s": m["steady_s"]}
-        if variant != "vmapped":
-            entry["speedup_wall"] = m["wall_s"] / best["vmapped"]["wall_s"]
-            entry["speedup_steady"] = m["steady_s"] / best["vmapped"]["steady_s"] if best["vmapped"]["steady_s"] \
-                else None
+        if variant in REPLICA_AXIS:  # how many times faster than the seeds one after another
+            entry["speedup"] = {
+                seq: {"wall": best[seq]["wall_s"] / m["wall_s"],
+                      "steady": best[seq]["steady_s"] / m["steady_s"] if m["steady_s"] else None}
+                for seq in VARIANTS if seq not in REPLICA_AXIS}
         out["measurements"].append(entry)
     return out
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | variant | wall (s) | steady (s) | vmapped speed-up (wall) | (steady) |",
-             "|---|---|---:|---:|---:|---:|"]
+    fmt = lambda x: f"{x:.2f}×" if x else "–"  # noqa: E731
+    lines = ["| model | variant | wall (s) | steady (s) | vs sequential fused (wall / steady) | "
+             "vs sequential default (wall / steady) |", "|---|---|---:|---:|---:|---:|"]
     for r in results:
         for m in r["measurements"]:
-            up = f"{m['speedup_wall']:.2f}×" if "speedup_wall" in m else "–"
-            steady = f"{m['speedup_steady']:.2f}×" if m.get("speedup_steady") else "–"
-            lines.append(f"| {r['model']} | {m['variant']} | {m['wall_s']:.1f} | {m['steady_s']:.2f} | {up} | "
-                         f"{steady} |")
+            ups = [f"{fmt(m['speedup'][seq]['wall'])} / {fmt(m['speedup'][seq]['steady'])}" if "speedup" in m
+                   else "–" for seq in ("sequential_fused", "sequential_default")]
+            lines.append(f"| {r['model']} | {m['variant']} | {m['wall_s']:.1f} | {m['steady_s']:.2f} | "
+                         f"{ups[0]} | {ups[1]} |")
     return "\n".join(lines)
 
 
@@ -142,7 +150,7 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=2)
     print(table(results))
     log(f"wrote {out}")
-    return 0 if all(r["vmapped_equals_sequential_fused"] for r in results) else 1
+    return 0 if all(r[f"{v}_equals_sequential_fused"] for r in results for v in REPLICA_AXIS) else 1
 
 
 if __name__ == "__main__":
