@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--process-id", type=_whole_number, default=None, metavar="I", help="this process, 0 to P-1")
     run.add_argument("--seed", type=_whole_number, default=d.seed, help="seed of every random choice")
     run.add_argument("--seeds", default=None, metavar="S,S,...",
-                     help="one replica per seed, e.g. 0,1,2,3, run as one vmapped simulation (the fused round): "
+                     help="one replica per seed, e.g. 0,1,2,3, run as one simulation (the fused round, jitted once): "
                           "a run folder per seed and a mean ± std summary (instead of --seed)")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
@@ -500,7 +500,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
 
 
 def _run_seeds(args, console: Console, stop) -> int:
-    """``fedpartial run --seeds``: the replicas as one vmapped simulation (:mod:`fedpartial.replicas`)."""
+    """``fedpartial run --seeds``: the replicas as one simulation (:mod:`fedpartial.replicas`)."""
     from fedpartial import compare, replicas
 
     seeds = compare.parse_seeds(args.seeds)

@@ -1,18 +1,20 @@
-"""Many seeds in one run: independent replicas of one experiment as one vmapped simulation.
+"""Many seeds in one run: independent replicas of one experiment as one simulation.
 
 ``fedpartial run --seeds 0,1,2,3`` builds one :class:`~fedpartial.simulation.Simulation` per seed
 (host work stays per replica: data, partition, device profiles, sampling, packing), stacks their
-server states on a leading replica axis and runs every round as ONE ``jax.jit(jax.vmap(round))``
-over the stacked states, cohorts and keys.  Each replica's record is then built by the same host
+server states on a leading replica axis and runs every round as ONE jitted function over the
+stacked states, cohorts and keys: ``jax.vmap`` of the round over the replica axis on an
+accelerator, ``jax.lax.map`` (one replica after another inside the jit) on CPU
+(:func:`parse_replica_axis`).  Each replica's record is then built by the same host
 code as a single run (:meth:`Simulation.finish_round`) and written by the same writer
 (:class:`~fedpartial.simulation.RunWriter`), so every seed gets an ordinary run directory.
 
 Decisions:
 
 * **Strategy.**  The replicas run the fused round (the pure ``FederatedRound.functions.round``)
-  vmapped over seeds.  ``--strategy auto`` means ``fused``; ``fused:N`` and ``fused-unrolled[:N]``
+  over seeds.  ``--strategy auto`` means ``fused``; ``fused:N`` and ``fused-unrolled[:N]``
   keep their meaning for the client axis inside each replica; ``stepwise`` and ``debug`` drive a
-  host loop per client and cannot be vmapped, so they are refused.  Each replica equals a separate
+  host loop per client and cannot run inside one jitted function, so they are refused.  Each replica equals a separate
   ``fedpartial run --seed S --strategy fused`` (same chunking) of its seed.
 * **Shapes.**  Every replica's cohort is packed to the largest number of local steps over the
   replicas' populations (``num_steps``): padded steps are exact no-ops (``client.py`` keeps the
@@ -22,8 +24,11 @@ Decisions:
 * **Early stopping and divergence** are per replica: a replica whose clients have all stopped, or
   that diverged, is finished (its state frozen, its directory's status written) while the others go
   on; its row of the stacked round keeps running on its last cohort and is ignored.
+* **Data on the device** (``data_placement="device"``) works as on the host: each replica's gather is
+  padded to the common ``num_steps`` and its placed holdout to the longest one
+  (:meth:`~fedpartial.simulation.Simulation.pad_shapes`), drawing the batches its own run draws.
 * **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
-  of the vmapped round; ``rounds_per_s`` in each summary follows from that.
+  of the replica round; ``rounds_per_s`` in each summary follows from that.
 * **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
   (``METHOD-DATASET-seedS``, what ``fedpartial run --seed S`` writes) and ``seeds_summary.json`` /
   ``seeds_summary.md``: mean ± std (population std, as ``fedpartial compare``) of final and best
@@ -59,7 +64,7 @@ def replica_strategy(strategy: str) -> str:
         raise ConfigError(f"--{e}") from None
     if kind != "fused":
         raise ConfigError(f"--strategy {strategy} cannot run with --seeds: the replicas run the fused round "
-                          f"vmapped over seeds; use auto, fused, fused:N or fused-unrolled.")
+                          f"as one jitted function over seeds; use auto, fused, fused:N or fused-unrolled.")
     return strategy
 
 
@@ -77,7 +82,7 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
         raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
     strategy = replica_strategy(config.strategy)
     if config.devices is not None and config.devices > 1:
-        raise ConfigError(f"--devices {config.devices} cannot run with --seeds: the replicas are vmapped on one "
+        raise ConfigError(f"--devices {config.devices} cannot run with --seeds: the replicas run on one "
                           "device; use --devices 1.")
     configs = [dataclasses.replace(config, seed=s, strategy=strategy, out_dir=out_dir, run_name=None, devices=1)
                for s in seeds]
@@ -124,7 +129,7 @@ def stack(trees: Sequence) -> object:
 
 
 class Replicas:
-    """One :class:`Simulation` per seed, advanced together by one vmapped round per round.
+    """One :class:`Simulation` per seed, advanced together by one jitted round over the replica axis per round.
 
     ``sims[i]`` is seed ``seeds[i]``'s simulation; its ``state`` is kept up to date (its row of the
     stacked state) so evaluation, early stopping, checkpoints and summaries work as for one run.
@@ -148,7 +153,7 @@ class Replicas:
                     _shapes(sim.state) != _shapes(first.state):
                 raise ConfigError(f"--seeds: seed {seed}'s server state differs in shape from seed {self.seeds[0]}'s "
                                   f"(e.g. a data-dependent model or method state), so they cannot run as one "
-                                  f"vmapped simulation; run the seeds separately (fedpartial compare).")
+                                  f"simulation; run the seeds separately (fedpartial compare).")
         round_fn = first.round.functions.round
         impl = jax.random.key_impl(first.rounds_key)
 
@@ -164,7 +169,7 @@ class Replicas:
         self.state = stack([sim.state for sim in self.sims])
 
     def run_round(self, t: int, active: list[bool], last: list) -> list:
-        """Round ``t`` of every active replica: host preparation, one vmapped round, then each active
+        """Round ``t`` of every active replica: host preparation, one replica round, then each active
         replica's record (a :class:`~fedpartial.errors.DivergedError` object where it diverged, None
         where it has stopped).  ``last`` holds each replica's latest prepared round (the stand-in cohort
         of a finished replica's row); both lists are updated in place."""
@@ -225,7 +230,8 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
               stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None, dataset_for: Callable[[RunConfig], object] | None = None,
               replica_axis: str = "auto") -> dict:
-    """Runs ``config`` once per seed as one vmapped simulation and writes the run directories.
+    """Runs ``config`` once per seed as one simulation (one jitted round over the seeds) and writes the run
+    directories.
 
     Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
     ``config.out_dir``), each seed's run directory, each seed's :func:`~fedpartial.simulation.run`-style
