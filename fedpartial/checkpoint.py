@@ -186,8 +186,9 @@ def _to_arrays(state) -> dict:
     return {f"{i:05d}": np.asarray(jax.random.key_data(x) if _is_key(x) else x) for i, x in enumerate(leaves)}
 
 
-def _from_arrays(arrays: dict, template):
-    """Rebuilds a state shaped like ``template`` from :func:`_to_arrays`'s output."""
+def _from_arrays(arrays: dict, template, *, put: bool = True):
+    """Rebuilds a state shaped like ``template`` from :func:`_to_arrays`'s output (numpy leaves on the host
+    unless ``put``; PRNG keys are always JAX arrays)."""
     leaves, treedef = jax.tree.flatten(template)
     if len(arrays) != len(leaves):
         raise UserError(f"the checkpoint holds {len(arrays)} arrays but this run's state has {len(leaves)}; "
@@ -201,7 +202,8 @@ def _from_arrays(arrays: dict, template):
             if tuple(a.shape) != tuple(t.shape):
                 raise UserError(f"checkpoint array {i} has shape {tuple(a.shape)} but this run's state needs "
                                 f"{tuple(t.shape)}; it was written by a different configuration.")
-            out.append(jax.device_put(np.asarray(a, dtype=t.dtype)))
+            a = np.asarray(a, dtype=t.dtype)
+            out.append(jax.device_put(a) if put else a)
     return jax.tree.unflatten(treedef, out)
 
 
@@ -227,11 +229,12 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
     import orbax.checkpoint as ocp
 
     step = int(sim.progress["round"])
-    host = {"progress": dict(sim.progress), "num_leaves": len(jax.tree.leaves(sim.state)), **(extra or {})}
+    state = sim.checkpoint_state()  # per-client rows kept off the device included
+    host = {"progress": dict(sim.progress), "num_leaves": len(jax.tree.leaves(state)), **(extra or {})}
     with _manager(run_dir) as mgr:
         if mgr.latest_step() == step:
             return step  # already saved after this round
-        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_arrays(sim.state)),
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_arrays(state)),
                                                host=ocp.args.JsonSave(_finite(host))), force=True)
         mgr.wait_until_finished()
     return step
@@ -246,10 +249,10 @@ def restore(run_dir: str, sim, step: int | None = None) -> dict:
         if step is None:
             raise UserError(f"{run_dir} has no checkpoint to resume from (it stopped before its first one); "
                             "start the run again.")
-        template = _to_arrays(sim.state)
+        template = _to_arrays(sim.checkpoint_state())
         restored = mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(template), host=ocp.args.JsonRestore()))
-    sim.state = _from_arrays(dict(restored["state"]), sim.state)
+    sim.load_state(_from_arrays(dict(restored["state"]), sim.checkpoint_state(), put=False))
     host = dict(restored["host"])
     sim.progress = {**sim.progress, **host["progress"]}
     return host

@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the training data lives: device (placed once, batches gathered on the device), "
                           "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "
                           "of its free memory, else host)")
+    run.add_argument("--client-state", default=d.client_state,
+                     help="where the method's per-client state (e.g. FedSPU's N personal models) lives: device, "
+                          "host (RAM; only the cohort's rows travel each round), disk (memory-mapped files in the "
+                          "temporary folder, $TMPDIR) or auto (device while it takes at most half the device's free "
+                          "memory, then host, then disk)")
     run.add_argument("--devices", type=_whole_number, default=d.devices, metavar="N",
                      help="split each round's cohort over N local devices (fused strategy; the cohort is padded "
                           "to a multiple of N with clients that weigh nothing); default: all local devices for "
@@ -340,7 +345,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         server_optimizer=args.server_opt, server_lr=args.server_lr, options=options,
         early_stopping=args.es, train_fraction=args.train_fraction,
         bn_policy=args.bn_policy, strategy=args.strategy, devices=args.devices,
-        data_placement=args.data_placement, seed=args.seed,
+        data_placement=args.data_placement, client_state=args.client_state, seed=args.seed,
         eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
@@ -472,7 +477,9 @@ def _run_stoppable(args, console: Console, stop) -> int:
     rows = [
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
         ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
-        ("strategy", f"{summary['strategy']} on {summary['backend']}, data on the {summary['data_placement']}"),
+        ("strategy", f"{summary['strategy']} on {summary['backend']}, data on the {summary['data_placement']}"
+                     + ("" if summary.get("client_state", "device") == "device"
+                        else f", clients' state on the {summary['client_state']}")),
         ("rounds", str(summary["rounds"])
          + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),

@@ -183,6 +183,9 @@ class RoundView(NamedTuple):
     client_steps: jax.Array | None = None  # [K] int32 real local steps each client took
     aggregated: dict | None = None  # Σ w m θ / Σ w m (else global), before server_correct and the server optimizer
     summary: Any = None  # [K, ...] the method's per-client statistic of the trained cohort (``Method.summarize``)
+    # [K] int32: the cohort's rows of ``method_state.clients`` — its client ids, or 0…K-1 when the round holds
+    # only the cohort's rows (per-client state kept off the device); write rows back at these (``scatter_clients``)
+    client_rows: jax.Array | None = None
 
 
 class LossAux(NamedTuple):
@@ -295,6 +298,14 @@ class Method(NamedTuple):
       that upload anything are trained again (same keys: identical results) and
       aggregated.
     * None — the method needs the whole cohort at once (every other strategy).
+
+    ``host_client_state``: the method reads its per-client state only as the cohort's
+    rows (``RoundView.client_state``) and writes it back only at ``RoundView.client_rows``
+    (:func:`~fedpartial.methods.base.cohort_rows`), so a run may keep the ``[N]`` state
+    on the host or on disk and hand each round just the cohort's rows
+    (``--client-state host|disk``); ``personal`` and ``active_clients`` then receive numpy
+    arrays.  False (e.g. FedDH, whose update reads every client's label distribution):
+    the state stays on the device.
     """
 
     name: str
@@ -317,3 +328,4 @@ class Method(NamedTuple):
     needs_execution_times: bool = False
     summarize: Callable[[MethodContext, RoundView], Any] | None = None
     streamable: str | None = None
+    host_client_state: bool = False

@@ -188,6 +188,20 @@ class ServerState(NamedTuple):
     method_state: Any
 
 
+#: where a method's per-client state lives (``FederatedRound(client_state=...)``)
+CLIENT_STATES = ("device", "host")
+
+
+def without_clients(state: ServerState) -> ServerState:
+    """The state with no per-client rows (``method_state.clients`` is ``()``)."""
+    return state._replace(method_state=state.method_state._replace(clients=()))
+
+
+def with_clients(state: ServerState, clients: Any) -> ServerState:
+    """The state holding ``clients`` as its per-client state (e.g. the cohort's rows from the host)."""
+    return state._replace(method_state=state.method_state._replace(clients=clients))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClientData:
     """A cohort's local data made on demand, some clients at a time (host side; not a pytree).
@@ -349,6 +363,14 @@ class FederatedRound:
         padding clients, as :class:`~fedpartial.simulation.Simulation` does).  The
         cohort is split over the devices, each device trains its own clients, and the
         server state is replicated (see :mod:`fedpartial.sharding`).
+      client_state: where the method's per-client state (``MethodState.clients``, ``[N, ...]``)
+        lives.  ``"device"``: in the state, gathered and written back inside the round.
+        ``"host"``: off the device (:class:`fedpartial.client_state.HostClientState`, RAM or
+        memory-mapped files): ``init`` leaves it out (``clients`` is ``()``), the caller
+        passes each round the cohort's rows ``[K, ...]`` in cohort order in
+        ``state.method_state.clients`` and gets them back updated; :meth:`client_state_shapes`
+        and :meth:`init_client_rows` build the ``[N]`` store a chunk at a time.  Only for a
+        method with ``host_client_state`` (or no per-client state), on one device.
     """
 
     def __init__(
@@ -368,6 +390,7 @@ class FederatedRound:
         label_counts: Any = None,
         execution_times: Any = None,
         devices: int | jax.sharding.Mesh | None = None,
+        client_state: str = "device",
     ):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"BatchNorm policy {bn_policy!r} is unknown; use one of {BN_POLICIES}.")
@@ -393,6 +416,8 @@ class FederatedRound:
             if problem:
                 raise UserError(f"{problem}; use the fused, stepwise or debug strategy.")
         self.mesh = self._resolve_mesh(devices)
+        self.client_state = self._resolve_client_state(client_state)
+        self._client_rows_fns: dict[int, Callable] = {}
         self.offsets = tuple(int(o) for o in np.cumsum([0] + [g.size for g in self.groups])[:-1])
         self.clients: tuple[ClientFns, ...] = tuple(
             make_client_fns(self.ctx, method, client_optimizer, track_batch_stats=bn_policy == "global",
@@ -452,6 +477,37 @@ class FederatedRound:
             raise ValueError(f"the {what} must be a multiple of the {d} devices the cohort is split over.")
         return mesh if d > 1 else None
 
+    def _resolve_client_state(self, where: str) -> str:
+        if where not in CLIENT_STATES:
+            raise ValueError(f"client state {where!r} is unknown; use one of {CLIENT_STATES}.")
+        if where == "host" and jax.tree.leaves(self.client_state_shapes()):
+            if not self.method.host_client_state:
+                raise UserError(f"method {self.method.name} reads every client's state in its hooks, so its "
+                                "per-client state cannot be kept off the device; keep it on the device.")
+            if self.mesh is not None:
+                raise UserError(f"per-client state kept on the host runs on one device, not the {self.mesh.size} "
+                                "the cohort is split over; use one device.")
+            if any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in
+                   jax.tree.leaves(self.client_state_shapes())):
+                raise UserError(f"method {self.method.name} keeps PRNG keys per client, which the host store "
+                                "cannot hold; keep its state on the device.")
+        return where
+
+    def client_state_shapes(self) -> Any:
+        """``jax.ShapeDtypeStruct`` of every leaf of the method's per-client state ``[N, ...]`` (nothing computed)."""
+        return jax.eval_shape(self.pure_init, jax.random.key(0)).method_state.clients
+
+    def init_client_rows(self, key: jax.Array, start: int, size: int) -> Any:
+        """Rows ``start … start+size-1`` of the initial per-client state of ``init(key)`` (the same values,
+        computed in one jitted call per chunk size: XLA keeps only the slice, e.g. ``size`` copies of a
+        broadcast model, not ``[N]``)."""
+        if size not in self._client_rows_fns:
+            def rows(key, start):
+                clients = self.pure_init(key).method_state.clients
+                return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), clients)
+            self._client_rows_fns[size] = jax.jit(rows)
+        return self._client_rows_fns[size](key, jnp.asarray(start, jnp.int32))
+
     def preview(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundPreview:
         """The plan and every client's start model that a round with these inputs would use."""
         if self._preview is None:
@@ -496,8 +552,11 @@ class FederatedRound:
     def init(self, key: jax.Array) -> ServerState:
         """The initial server state, computed eagerly (the model's own initialisation, bit for bit)
         with no two leaves sharing a buffer (the fused round donates them)."""
-        with jax.disable_jit(self.strategy.kind == "debug"):
-            state = self.pure_init(key)
+        if self.client_state == "host":  # jitted so XLA computes no [N] per-client rows (same values: tested)
+            state = jax.jit(lambda k: without_clients(self.pure_init(k)))(key)
+        else:
+            with jax.disable_jit(self.strategy.kind == "debug"):
+                state = self.pure_init(key)
         seen: set[int] = set()
 
         def distinct(a):
@@ -516,7 +575,7 @@ class FederatedRound:
     def __call__(self, state: ServerState, cohort: Cohort, key: jax.Array):
         """Runs one round; returns ``(new_state, metrics)``, device arrays (nothing waits for the device:
         :func:`traffic_totals` turns the per-layer traffic into int64 totals on the host)."""
-        self._check_cohort(cohort)
+        self._check_cohort(cohort, state)
         if self.strategy.kind == "stream":
             return self._stream_round(state, cohort, key)
         if isinstance(cohort.data, ClientData):  # every other strategy takes the whole cohort's data at once
@@ -540,11 +599,16 @@ class FederatedRound:
             raise ValueError(f"round keys must all be {self._key_impl} keys, got a {impl} key.")
         return jax.random.key_data(key)
 
-    def _check_cohort(self, cohort: Cohort) -> None:
+    def _check_cohort(self, cohort: Cohort, state: ServerState | None = None) -> None:
         ids = cohort.info.client_ids
         k = np.shape(ids)[0]
         if k != self.ctx.cohort_size:
             raise ValueError(f"cohort has {k} clients but the round was built for {self.ctx.cohort_size}.")
+        if state is not None and self.client_state == "host":
+            got = {np.shape(a)[0] for a in jax.tree.leaves(state.method_state.clients)}
+            if got - {k}:
+                raise ValueError(f"with per-client state on the host the state must hold the cohort's {k} rows "
+                                 f"(HostClientState.rows(ids)), not {sorted(got)}.")
         x_shape = tuple(data_spec(cohort).data.x.shape[3:])
         if x_shape != self.model.input_shape:
             raise ValueError(
@@ -564,10 +628,12 @@ class FederatedRound:
                         f"one of its members; lay the cohort out group by group (Simulation does).")
 
     def _view(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundView:
+        ids = jnp.asarray(cohort.info.client_ids)
+        rows = jnp.arange(ids.shape[0], dtype=ids.dtype) if self.client_state == "host" else ids
         return RoundView(
             key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,
-            client_state=gather_clients(state.method_state.clients, cohort.info.client_ids),
-            cohort=cohort.info, data=cohort.data, holdout=cohort.holdout,
+            client_state=gather_clients(state.method_state.clients, rows),
+            cohort=cohort.info, data=cohort.data, holdout=cohort.holdout, client_rows=rows,
         )
 
     def _plan(self, view: RoundView, keys: HookKeys) -> ClientPlan:

@@ -104,11 +104,19 @@ def evaluate_clients(model: Model, personal: PersonalModels, x: np.ndarray, y: n
     if chunk_size is None:
         chunk_size = 1 if jax.default_backend() == "cpu" else n
     chunk_size = min(chunk_size, n)
+    # Personal models held on the host (per-client state off the device, numpy or memory-mapped): each
+    # chunk's rows are cut on the host, so only they travel (the jitted slice then starts at 0).
+    on_host = personal.stacked and not any(isinstance(a, jax.Array) for a in jax.tree.leaves(personal.variables))
     losses, corrects, done = [], [], 0
     while done < n:
         start = min(done, n - chunk_size)  # the last chunk overlaps instead of changing shape
-        loss, correct = _eval_clients(model, chunk_size, personal.stacked, batch_statistics, personal.variables,
-                                      personal.submodel, start, x, y, mask)
+        if on_host:
+            rows = lambda t: jax.tree.map(lambda a: np.asarray(a[start:start + chunk_size]), t)  # noqa: E731
+            loss, correct = _eval_clients(model, chunk_size, True, batch_statistics, rows(personal.variables),
+                                          rows(personal.submodel), 0, *rows((x, y, mask)))
+        else:
+            loss, correct = _eval_clients(model, chunk_size, personal.stacked, batch_statistics,
+                                          personal.variables, personal.submodel, start, x, y, mask)
         losses.append(np.asarray(loss)[done - start:])
         corrects.append(np.asarray(correct)[done - start:])
         done = start + chunk_size

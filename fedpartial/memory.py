@@ -69,7 +69,11 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
     model = tree_bytes(shapes.variables)
     params = tree_bytes(shapes.variables["params"])
     client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.init, shapes.variables["params"]))
-    server = 2 * model + tree_bytes(shapes.opt_state) + tree_bytes(shapes.method_state) + RUNTIME_BYTES
+    method_state = tree_bytes(shapes.method_state)
+    if getattr(fr, "client_state", "device") == "host":  # only the cohort's rows reach the device
+        clients = tree_bytes(shapes.method_state.clients)
+        method_state += clients * fr.ctx.cohort_size // fr.ctx.num_clients - clients
+    server = 2 * model + tree_bytes(shapes.opt_state) + method_state + RUNTIME_BYTES
     # start + trained model, gradient, optimizer state, masked copy (float) and upload mask (bool) for aggregation
     per_client_model = 3 * model + params + client_opt + model // 4
     units = sum(fr.ctx.structure.units) + math.prod(example_shape)
@@ -116,15 +120,18 @@ def gib(n: float) -> str:
 
 
 def refusal(est: MemoryEstimate, available: int, where: str, *, strategy: str, cohort_size: int,
-            streamable: bool) -> str | None:
+            streamable: bool, movable_bytes: int = 0, move: str | None = None) -> str | None:
     """One sentence when ``est`` exceeds ``HEADROOM`` of ``available``: the estimate, what is available
-    and the option that fixes it; None when it fits."""
+    and the option that fixes it; None when it fits.  ``movable_bytes`` of the estimate (per-client
+    state) could leave this memory with the option ``move`` (e.g. ``--client-state disk``)."""
     budget = HEADROOM * available
     if est.total <= budget:
         return None
     fits = int((budget - est.server) // max(est.per_client, 1))
     head = (f"the run needs about {gib(est.total)} ({strategy} strategy, {est.in_flight} clients in flight) "
             f"but {gib(available)} of {where} is available")
+    if move and movable_bytes and est.total - movable_bytes <= budget:
+        return f"{head}, {gib(movable_bytes)} of it the clients' own state; use {move}."
     if fits >= 1 and streamable:
         chunk = _round_down(min(fits, cohort_size))
         return f"{head}; use --strategy stream:{chunk}."

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from fedpartial import checkpoint, devices, engine, memory, sharding
+from fedpartial import client_state as client_state_lib
 from fedpartial.core import CohortInfo, Holdout, Method, ServerData
 from fedpartial.data import ondevice, packing, sources
 from fedpartial.data.partition import partition as split_population
@@ -44,6 +45,8 @@ DEFAULT_LOCAL_EPOCHS = 2.0
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
+#: per-client state kept off the device is initialised about this many bytes at a time
+CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
 
 
 class ConfigError(UserError):
@@ -182,6 +185,9 @@ class RunConfig:
     # 'host' (packed with numpy every round) or 'auto' (device on an accelerator when it fits in a quarter of
     # its free memory, host on CPU: Simulation.data_placement).
     data_placement: str = "auto"
+    # Where the method's per-client state (e.g. FedSPU's N personal models) lives: 'device', 'host' (RAM),
+    # 'disk' (memory-mapped files) or 'auto' (Simulation.client_state; fedpartial.client_state.resolve).
+    client_state: str = "auto"
     # Devices the client axis is split over (None: see num_devices).  Last: the name hides the devices module
     # from the class body.
     devices: int | None = None
@@ -276,6 +282,12 @@ class RunConfig:
             if problem:
                 bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
                     "or stepwise:N.")
+        if self.client_state not in client_state_lib.PLACES:
+            bad(f"--client-state {self.client_state!r} is unknown; choose one of "
+                f"{', '.join(client_state_lib.PLACES)}.")
+        if self.client_state in ("host", "disk") and self.devices is not None and self.devices > 1:
+            bad(f"--client-state {self.client_state} is not allowed with --devices {self.devices}: per-client "
+                "state kept off the device runs on one device; use --devices 1.")
         if strategy.kind == "stream" and self.data_placement == "device":
             bad(f"--data-placement device is not allowed with --strategy {self.strategy}: a streamed cohort is "
                 "packed on the host a chunk at a time; use --data-placement host or auto.")
@@ -527,19 +539,30 @@ class Simulation:
         if num_devices > 1 and self.method.groups is not None:
             raise ConfigError(f"--devices {num_devices} is not allowed for --method {self.method.name}: its "
                               "client groups run on one device; use --devices 1.")
-        self.round = engine.FederatedRound(
-            self.model, self.method,
-            num_clients=config.num_clients, cohort_size=sharding.padded_size(config.cohort_size, num_devices),
-            client_optimizer=client_optimizer or make_client_optimizer(config),
-            server_optimizer=server_optimizer or make_server_optimizer(config),
-            bn_policy=config.bn_policy, strategy=config.run_strategy(num_devices, self.model),
-            rounds=config.rounds,
-            record_decisions=config.record_decisions, server_data=self.server_data,
-            label_counts=self.label_counts, devices=self.mesh,
-        )
+        client_optimizer = client_optimizer or make_client_optimizer(config)
+        server_optimizer = server_optimizer or make_server_optimizer(config)
+
+        def build_round(client_state: str) -> engine.FederatedRound:
+            return engine.FederatedRound(
+                self.model, self.method,
+                num_clients=config.num_clients, cohort_size=sharding.padded_size(config.cohort_size, num_devices),
+                client_optimizer=client_optimizer, server_optimizer=server_optimizer,
+                bn_policy=config.bn_policy, strategy=config.run_strategy(num_devices, self.model),
+                rounds=config.rounds,
+                record_decisions=config.record_decisions, server_data=self.server_data,
+                label_counts=self.label_counts, devices=self.mesh, client_state=client_state,
+            )
+
+        self.round = build_round("device")
+        self.client_state = self._resolve_client_state(self.round.client_state_shapes())
+        if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
+            self.round = build_round("host")
         self.memory = memory.estimate(self.round, num_steps=self.num_steps, batch_size=config.batch_size,
                                       example_shape=self.model.input_shape,
                                       x_itemsize=np.dtype(dataset.x_train.dtype).itemsize)
+        if self.client_state == "host" and jax.devices()[0].platform == "cpu":  # the store shares the RAM
+            stored = client_state_lib.tree_bytes(self.round.client_state_shapes())
+            self.memory = self.memory._replace(server=self.memory.server + stored)
         if check_memory:
             self._check_memory()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
@@ -548,11 +571,65 @@ class Simulation:
         if self.method.needs_execution_times:  # e.g. FedAD's per-device dropout targets, read by init
             self.round.execution_times = self.full_model_times()
         self.state = self.round.init(init_key)
+        #: the per-client state kept off the device (``client_state`` host or disk), else None
+        self.client_store = None
+        if self.client_state != "device":
+            shapes = self.round.client_state_shapes()
+            self.client_store = client_state_lib.HostClientState(shapes, disk=self.client_state == "disk")
+            per_client = max(1, client_state_lib.tree_bytes(shapes) // config.num_clients)
+            self.client_store.fill(lambda start, size: self.round.init_client_rows(init_key, start, size),
+                                   chunk=max(1, CLIENT_STATE_CHUNK_BYTES // per_client))
         self.last_decisions = None
         #: host-side totals :meth:`rounds` carries between rounds (rounds done, traffic, simulated time);
         #: with ``state`` it is everything a checkpoint restores (:mod:`fedpartial.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
                          "cumulative_simulated_time_s": 0.0}
+
+    def _resolve_client_state(self, shapes) -> str:
+        """``config.client_state`` resolved to ``device``, ``host`` or ``disk`` (refusing a method that cannot
+        keep its per-client state off the device); ``device`` when the method keeps none."""
+        cfg = self.config
+        state_bytes = client_state_lib.tree_bytes(shapes)
+        if cfg.client_state in ("host", "disk") and state_bytes and not self.method.host_client_state:
+            raise ConfigError(f"--client-state {cfg.client_state} is not allowed for --method {self.method.name}: "
+                              "it reads every client's state in its hooks; use --client-state device or auto.")
+        if state_bytes == 0:
+            return "device"
+        device_free, where = memory.available_bytes()
+        host_free = device_free if where == "RAM" else memory.available_bytes(jax.devices("cpu")[0])[0]
+        return client_state_lib.resolve(cfg.client_state, state_bytes, can_leave_device=self.method.host_client_state,
+                                        device_free=device_free, host_free=host_free,
+                                        platform=jax.devices()[0].platform)
+
+    def method_state(self):
+        """The method's whole state, per-client rows included (numpy arrays when they are kept off the device)."""
+        if self.client_store is None:
+            return self.state.method_state
+        return self.state.method_state._replace(clients=self.client_store.tree())
+
+    def checkpoint_state(self) -> engine.ServerState:
+        """What a checkpoint saves: the server state with every client's rows."""
+        return engine.with_clients(self.state, self.method_state().clients)
+
+    def load_state(self, state: engine.ServerState) -> None:
+        """Sets the state from a restored checkpoint (host arrays): per-client rows into their store."""
+        if self.client_store is not None:
+            self.client_store.load(state.method_state.clients)
+            state = engine.without_clients(state)
+        self.state = jax.device_put(state)
+
+    def run_round(self, prepared: PreparedRound):
+        """Runs the prepared round on the state (per-client rows off the device travel in and back); returns
+        its metrics."""
+        state = self.state
+        if self.client_store is not None:
+            state = engine.with_clients(state, self.client_store.rows(prepared.ids))
+        state, metrics = self.round(state, self.placed(prepared.cohort), prepared.key)
+        if self.client_store is not None:
+            self.client_store.write(prepared.ids, prepared.valid, state.method_state.clients)
+            state = engine.without_clients(state)
+        self.state = state
+        return metrics
 
     def _check_memory(self) -> None:
         """Refuses the run in one sentence when its estimate exceeds the available memory (see
@@ -567,9 +644,16 @@ class Simulation:
                 raise ConfigError(f"the run's packed data needs about {memory.gib(est.data / 2)} but "
                                   f"{memory.gib(host)} of RAM is available; use --strategy stream:"
                                   f"{max(1, int(memory.HEADROOM * host // max(est.data / 2 / est.in_flight, 1)))}.")
+        movable = 0
+        if self.client_state == "device" and self.method.host_client_state:
+            movable = client_state_lib.tree_bytes(self.round.client_state_shapes())
+        host, _ = memory.available_bytes(jax.devices("cpu")[0])
+        move = "--client-state host" if where != "RAM" and host and movable <= memory.HEADROOM * host \
+            else "--client-state disk"
         problem = memory.refusal(est, available, where, strategy=str(self.round.strategy),
                                  cohort_size=self.config.cohort_size,
-                                 streamable=engine.stream_refusal(self.method) is None)
+                                 streamable=engine.stream_refusal(self.method) is None,
+                                 movable_bytes=movable, move=move)
         if problem:
             raise ConfigError(problem[0].upper() + problem[1:])
 
@@ -641,13 +725,13 @@ class Simulation:
     @property
     def personal_state_bytes(self) -> int:
         """Device memory of the method's per-client state (e.g. N personal models)."""
-        return sum(int(a.nbytes) for a in jax.tree.leaves(self.state.method_state.clients))
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self.method_state().clients))
 
     def active_clients(self) -> np.ndarray:
         """``[N]`` bool: who may be sampled (all, unless early stopping removed some)."""
         if self.method.active_clients is None:
             return np.ones(self.config.num_clients, bool)
-        return np.asarray(self.method.active_clients(self.round.ctx, self.state.method_state))
+        return np.asarray(self.method.active_clients(self.round.ctx, self.method_state()))
 
     def sample_cohort(self, t: int) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
         """Round ``t``'s client ids, which are real, the round key and packing seed — all from the run's key.
@@ -745,7 +829,7 @@ class Simulation:
         """Every client's own model on its held-out split, and the global model on the same splits."""
         x, y, mask = self.holdout
         static = self.config.bn_policy == "static"
-        personal = self.method.personal(self.round.ctx, self.state.method_state, self.state.variables)
+        personal = self.method.personal(self.round.ctx, self.method_state(), self.state.variables)
         own = evaluate_clients(self.model, personal, x, y, mask, batch_statistics=static)
         shared = evaluate_clients(self.model, type(personal)(variables=self.state.variables, stacked=False),
                                   x, y, mask, batch_statistics=static)
@@ -775,8 +859,7 @@ class Simulation:
             prepared = self.prepare_round(t)
             if prepared is None:
                 return  # early stopping: every client has stopped
-            self.state, metrics = self.round(self.state, self.placed(prepared.cohort), prepared.key)
-            yield self.finish_round(prepared, metrics)
+            yield self.finish_round(prepared, self.run_round(prepared))
 
     def prepare_round(self, t: int) -> PreparedRound | None:
         """Round ``t``'s cohort and key (the host work before the round); None when early stopping has
@@ -1127,6 +1210,7 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "devices": 1 if sim.mesh is None else sim.mesh.size,
         "backend": jax.default_backend(),
         "data_placement": sim.data_placement,
+        "client_state": sim.client_state,
         "rounds": len(records),
         "final_test_accuracy": accs[-1] if accs else math.nan,
         "best_test_accuracy": max(accs) if accs else math.nan,

@@ -83,10 +83,10 @@ SERVER_DATA = ServerData(np.random.default_rng(4).normal(size=(6, 4)).astype(np.
                          np.array([0, 1, 2, 2, 1, 0], np.int32))
 
 
-def build(model, method, strategy, record=False):
+def build(model, method, strategy, record=False, client_state="device"):
     return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
                                  server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record,
-                                 label_counts=LABEL_COUNTS, server_data=SERVER_DATA)
+                                 label_counts=LABEL_COUNTS, server_data=SERVER_DATA, client_state=client_state)
 
 
 def run(r, data):

@@ -35,6 +35,7 @@ from fedpartial.methods.base import (
     MethodState,
     RoundView,
     Selection,
+    cohort_rows,
     cross_entropy,
     gather_clients,
     make_method,
@@ -78,7 +79,7 @@ def get_method(name: str, **options) -> Method:
 
 __all__ = [
     "Batch", "ClientGroup", "ClientPlan", "CohortInfo", "InitView", "LocalStep", "LossAux", "METHODS", "Method",
-    "MethodContext", "MethodSpec", "MethodState", "Option", "RoundView", "Selection", "cross_entropy",
+    "MethodContext", "MethodSpec", "MethodState", "Option", "RoundView", "Selection", "cohort_rows", "cross_entropy",
     "early_stopping", "embracingfl", "fedadp", "fedavg", "feddrop", "fedldf", "fedmp", "fedprox", "fedselect", "fedspu", "fjord",
     "gather_clients", "get_method", "hdfl", "hermes", "make_method", "prunefl", "random_layers",
     "scatter_clients", "with_penalty",

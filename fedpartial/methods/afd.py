@@ -74,6 +74,7 @@ from fedpartial.methods.base import (
     MethodState,
     RoundView,
     Selection,
+    cohort_rows,
     global_is_personal,
     scatter_clients,
 )
@@ -197,7 +198,7 @@ def afd(dropout_rate: float = DEFAULT_RATE, variant: str = "single") -> Method:
         valid = view.cohort.valid
         if multi:
             rows = judge(view.client_state, view.client_loss, used)
-            clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, valid)
+            clients = scatter_clients(view.method_state.clients, cohort_rows(view), rows, valid)
             return view.method_state._replace(clients=clients)
         server = view.method_state.server
         n_valid = jnp.sum(valid)

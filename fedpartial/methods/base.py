@@ -145,6 +145,7 @@ def make_method(
     needs_execution_times: bool = False,
     summarize=None,
     streamable: str | None = None,
+    host_client_state: bool = False,
 ) -> Method:
     """Builds a :class:`Method`; every piece not given is FedAvg's.
 
@@ -154,13 +155,15 @@ def make_method(
     sampled.  ``server_correct`` None: the server steps to the aggregate.
     ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
     no per-client statistic.  ``streamable`` None: the streamed strategy refuses the method.
+    ``host_client_state`` False: the per-client state stays on the device.
     """
     return Method(name=name, init=init, plan=plan, client_start=client_start, step_plan=step_plan,
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, personalised=personalised,
                   needs_holdout=needs_holdout, server_examples_per_class=server_examples_per_class,
                   server_correct=server_correct, adapt_model=adapt_model,
-                  needs_execution_times=needs_execution_times, summarize=summarize, streamable=streamable)
+                  needs_execution_times=needs_execution_times, summarize=summarize, streamable=streamable,
+                  host_client_state=host_client_state)
 
 
 def broadcast_clients(tree: Any, num_clients: int) -> Any:
@@ -171,6 +174,12 @@ def broadcast_clients(tree: Any, num_clients: int) -> Any:
 def gather_clients(clients: Any, client_ids: jax.Array) -> Any:
     """The cohort's rows ``[K, ...]`` of a population-wide ``[N, ...]`` tree."""
     return jax.tree.map(lambda a: a[client_ids], clients)
+
+
+def cohort_rows(view: RoundView) -> jax.Array:
+    """``[K]`` the cohort's rows of ``view.method_state.clients``: where ``update`` writes its clients'
+    state back (the client ids, unless the round holds only the cohort's rows)."""
+    return view.cohort.client_ids if view.client_rows is None else view.client_rows
 
 
 def scatter_clients(clients: Any, client_ids: jax.Array, rows: Any, valid: jax.Array) -> Any:

@@ -66,6 +66,7 @@ from fedpartial.methods.base import (
     PersonalModels,
     RoundView,
     Selection,
+    cohort_rows,
     make_method,
     scatter_clients,
 )
@@ -121,7 +122,7 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
         rows = submodel.SubmodelState(variables=view.trained_vars, neurons=view.plan.dropout.neurons)
-        clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, view.cohort.valid)
+        clients = scatter_clients(view.method_state.clients, cohort_rows(view), rows, view.cohort.valid)
         return view.method_state._replace(clients=clients)
 
     def personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> PersonalModels:
@@ -129,7 +130,7 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
                               submodel=masks.from_neurons(ctx.structure, state.clients.neurons))
 
     return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal,
-                       metrics=submodel.active_fraction, personalised=True)
+                       metrics=submodel.active_fraction, personalised=True, host_client_state=True)
 
 
 # ---- the neuron choices ------------------------------------------------------------

@@ -35,6 +35,7 @@ from fedpartial.methods.base import (
     MethodContext,
     MethodState,
     RoundView,
+    cohort_rows,
     scatter_clients,
 )
 
@@ -93,7 +94,7 @@ def early_stopping(method: Method, lam: float = 0.7) -> Method:
         stops = mixed > before.last_loss
         rows = StopState(last_loss=mixed, stopped=before.stopped | stops,
                          stop_round=jnp.where(stops & ~before.stopped, view.round, before.stop_round))
-        stop = scatter_clients(view.method_state.clients[1], view.cohort.client_ids, rows, view.cohort.valid)
+        stop = scatter_clients(view.method_state.clients[1], cohort_rows(view), rows, view.cohort.valid)
         return MethodState(server=new_inner.server, clients=(new_inner.clients, stop))
 
     def metrics(ctx: MethodContext, view: RoundView) -> dict:

@@ -55,6 +55,7 @@ from fedpartial.methods.base import (
     RoundView,
     Selection,
     broadcast_clients,
+    cohort_rows,
     make_method,
     scatter_clients,
     upload_trained,
@@ -127,10 +128,11 @@ def feddyn(alpha: float = 0.01) -> Method:
                             view.client_state, view.trained_vars["params"], view.global_vars["params"])
         state = view.method_state
         return MethodState(server=state.server._replace(h=new_h(ctx, view)),
-                           clients=scatter_clients(state.clients, view.cohort.client_ids, rows, view.cohort.valid))
+                           clients=scatter_clients(state.clients, cohort_rows(view), rows, view.cohort.valid))
 
     return make_method("feddyn", init=init, plan=plan, objective=with_penalty(dynamic_term), select=select,
-                       update=update, server_correct=server_correct if alpha > 0 else None)
+                       update=update, server_correct=server_correct if alpha > 0 else None,
+                       host_client_state=True)
 
 
 SPEC = MethodSpec("feddyn", feddyn, "Dynamic regularisation: per-client linear term λ_i and the server's h correction.",

@@ -39,6 +39,7 @@ from fedpartial.methods.base import (
     PersonalModels,
     RoundView,
     Selection,
+    cohort_rows,
     make_method,
     scatter_clients,
 )
@@ -99,14 +100,14 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
                                                view.start_vars["params"])
         rows = FedSelectState(variables=view.trained_vars, change=change,
                               trained=jnp.ones_like(view.client_state.trained))
-        clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, view.cohort.valid)
+        clients = scatter_clients(view.method_state.clients, cohort_rows(view), rows, view.cohort.valid)
         return view.method_state._replace(clients=clients)
 
     def personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> PersonalModels:
         return PersonalModels(variables=state.clients.variables)
 
     return make_method("fedselect", init=init, plan=plan, client_start=client_start, select=select,
-                       update=update, personal=personal, personalised=True)
+                       update=update, personal=personal, personalised=True, host_client_state=True)
 
 
 SPEC = MethodSpec("fedselect", fedselect, "A growing personal part: each client keeps its most-changed neurons.", (

@@ -41,6 +41,7 @@ from fedpartial.methods.base import (
     MethodState,
     PersonalModels,
     RoundView,
+    cohort_rows,
     make_method,
     scatter_clients,
 )
@@ -64,7 +65,7 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
         return submodel.merge(ctx.structure, plan.train, global_vars, personal)
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, view.trained_vars,
+        clients = scatter_clients(view.method_state.clients, cohort_rows(view), view.trained_vars,
                                   view.cohort.valid)
         return view.method_state._replace(clients=clients)
 
@@ -72,7 +73,8 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
         return PersonalModels(variables=state.clients)
 
     return make_method("fedspu", init=init, plan=plan, client_start=client_start, update=update,
-                       personal=personal, metrics=submodel.active_fraction, personalised=True)
+                       personal=personal, metrics=submodel.active_fraction, personalised=True,
+                       host_client_state=True)
 
 
 SPEC = MethodSpec("fedspu", fedspu, "Random active neurons per tier; personal models keep the rest.",

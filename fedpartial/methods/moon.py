@@ -61,6 +61,7 @@ from fedpartial.methods.base import (
     MethodState,
     RoundView,
     broadcast_clients,
+    cohort_rows,
     make_method,
     scatter_clients,
 )
@@ -124,13 +125,14 @@ def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
         k = view.cohort.client_ids.shape[0]
         rows = PreviousModel(variables=view.trained_vars, exists=jnp.ones((k,), bool))
-        clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, view.cohort.valid)
+        clients = scatter_clients(view.method_state.clients, cohort_rows(view), rows, view.cohort.valid)
         return view.method_state._replace(clients=clients)
 
     def adapt_model(model):
         return heads.with_projection_head(model, dim=projection_dim)
 
-    return make_method("moon", init=init, objective=objective, update=update, adapt_model=adapt_model)
+    return make_method("moon", init=init, objective=objective, update=update, adapt_model=adapt_model,
+                       host_client_state=True)
 
 
 def _positive(v) -> str | None:
