@@ -84,8 +84,11 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     if config.devices is not None and config.devices > 1:
         raise ConfigError(f"--devices {config.devices} cannot run with --seeds: the replicas run on one "
                           "device; use --devices 1.")
-    configs = [dataclasses.replace(config, seed=s, strategy=strategy, out_dir=out_dir, run_name=None, devices=1)
-               for s in seeds]
+    if config.client_state in ("host", "disk"):
+        raise ConfigError(f"--client-state {config.client_state} cannot run with --seeds: the replicas stack "
+                          "every seed's state on the device; use --client-state device.")
+    configs = [dataclasses.replace(config, seed=s, strategy=strategy, out_dir=out_dir, run_name=None, devices=1,
+                                   client_state="device") for s in seeds]
     for c in configs:
         c.validate()
     return configs

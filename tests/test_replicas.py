@@ -168,6 +168,8 @@ def test_replicas_run_on_one_device():
     assert {c.devices for c in replicas.replica_configs(RunConfig(dataset="synthetic"), [0, 1], None)} == {1}
     with pytest.raises(ConfigError, match="--devices 2 cannot run with --seeds"):
         replicas.replica_configs(RunConfig(dataset="synthetic", devices=2), [0, 1], None)
+    with pytest.raises(ConfigError, match="--client-state disk cannot run with --seeds"):
+        replicas.replica_configs(RunConfig(dataset="synthetic", client_state="disk"), [0, 1], None)
 
 
 def test_cli_seeds_writes_the_parent_folder(tmp_path, capsys):
