@@ -104,7 +104,8 @@ def test_needs_held_out_data(mlp):
 def _config(**kw):
     base = dict(method="fedspu", num_clients=N, cohort_size=K, rounds=4, local_steps=1, local_epochs=None,
                 batch_size=8,
-                early_stopping=True, out_dir=None, eval_every=100)
+                early_stopping=True, out_dir=None, eval_every=100,
+                client_state="device")  # these tests edit the stop state inside the server state
     return RunConfig(**{**base, **kw})
 
 
