@@ -597,7 +597,9 @@ class Simulation:
             return "device"
         device_free, where = memory.available_bytes()
         host_free = device_free if where == "RAM" else memory.available_bytes(jax.devices("cpu")[0])[0]
-        return client_state_lib.resolve(cfg.client_state, state_bytes, can_leave_device=self.method.host_client_state,
+        # (split over several devices the state stays there: the host store feeds one device)
+        return client_state_lib.resolve(cfg.client_state, state_bytes,
+                                        can_leave_device=self.method.host_client_state and self.mesh is None,
                                         device_free=device_free, host_free=host_free,
                                         platform=jax.devices()[0].platform)
 
