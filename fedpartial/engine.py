@@ -48,6 +48,13 @@ variables are not finite; the round is not undone (that would copy the whole sta
 every round), :class:`fedpartial.simulation.Simulation` stops the run with a
 :class:`fedpartial.errors.DivergedError` and the last good checkpoint stays.
 
+**Per-client state** (``MethodState.clients``, ``[N, ...]``) is gathered at the
+cohort's rows into ``RoundView.client_state`` and written back by the method's
+``update`` at ``RoundView.client_rows``.  With ``client_state="host"`` the state
+holds only the cohort's ``K`` rows (rows ``0 … K-1``), so the ``[N]`` rows can
+live off the device (:mod:`fedpartial.client_state`); the round is the same
+function and gives bit-identical results.
+
 **Traffic** is counted per client and layer (``[K, L]`` int32); totals are summed
 on the host in int64 (:func:`traffic_totals`), so they never overflow.
 """
