@@ -625,7 +625,8 @@ class Simulation:
         its metrics."""
         state = self.state
         if self.client_store is not None:
-            state = engine.with_clients(state, self.client_store.rows(prepared.ids))
+            # one copy to the device: the stepwise strategy hands the state to several jitted pieces
+            state = engine.with_clients(state, jax.device_put(self.client_store.rows(prepared.ids)))
         state, metrics = self.round(state, self.placed(prepared.cohort), prepared.key)
         if self.client_store is not None:
             self.client_store.write(prepared.ids, prepared.valid, state.method_state.clients)
