@@ -58,3 +58,30 @@ def test_custom_method_object_gets_the_driver(tmp_path):
     summary = run(RunConfig(**{**TINY, "out_dir": str(tmp_path)}), method=method)
     assert summary["method"] == "my-fedspu" and 0 <= summary["final_personal_accuracy"] <= 1
     assert summary["client_train_fraction"] == 0.7  # personalised: held-out split by default
+
+
+def test_cohort_draw_of_a_huge_population_is_distinct_uniform_and_o_of_k():
+    """Above 2^16 members the draw is Floyd's algorithm: k distinct ids, each member equally likely, and a
+    population of 2^30 costs what 2^17 does (a permutation of 2^30 ids would not fit in this test's memory)."""
+    import jax
+
+    from fedpartial.simulation import _PERMUTATION_MAX, _distinct_uniform
+
+    n, k, draws = 4 * _PERMUTATION_MAX, 4096, 256
+    counts = np.zeros(n)
+    for i in range(draws):
+        picked = _distinct_uniform(jax.random.fold_in(jax.random.key(0), i), n, k)
+        assert len(np.unique(picked)) == k and picked.min() >= 0 and picked.max() < n
+        counts[picked] += 1
+    p = k / n
+    expected_std = np.sqrt(draws * p * (1 - p))
+    assert abs(counts.mean() - draws * p) < 1e-9  # exactly k per draw
+    assert 0.9 < counts.std() / expected_std < 1.1  # binomial spread: no member favoured
+    # Low and high ids are drawn equally often (Floyd's last steps take the top ids when t collides).
+    quarter = n // 4
+    assert abs(counts[:quarter].mean() - counts[-quarter:].mean()) < 4 * expected_std / np.sqrt(quarter)
+    big = _distinct_uniform(jax.random.key(1), 1 << 30, 1000)
+    assert len(np.unique(big)) == 1000 and big.max() < 1 << 30
+    # Small populations keep the permutation draw, so earlier runs' cohorts are unchanged.
+    small = _distinct_uniform(jax.random.key(2), 100, 10)
+    np.testing.assert_array_equal(small, np.asarray(jax.random.choice(jax.random.key(2), 100, (10,), replace=False)))
