@@ -50,7 +50,8 @@ def test_every_client_is_evaluated_with_its_own_model_and_sub_model(mlp):
     keep = [np.array([1, 1, 0, 1, 0, 1], bool), np.ones(5, bool), np.ones(3, bool)]
     submodel = masks.from_neurons(mlp.structure, [np.stack([k] * 5) for k in keep])
     personal = PersonalModels(variables=stacked, submodel=submodel)
-    results = [evaluate_clients(mlp, personal, x, y, mask, chunk_size=c) for c in (1, 2, 5)]
+    results = [evaluate_clients(mlp, personal, x, y, mask, chunk_size=c, client_loop=loop)
+               for c in (None, 1, 2, 5) for loop in ("map", "vmap")]
     for i, (xi, yi) in enumerate(parts):
         if not len(yi):
             assert np.isnan(results[0]["accuracy"][i])
@@ -59,7 +60,7 @@ def test_every_client_is_evaluated_with_its_own_model_and_sub_model(mlp):
                               masks.submodel_scale(mlp.structure, jax.tree.map(lambda a: a[i], submodel),
                                                    models[i]["params"]))
         want = evaluate(mlp, {**models[i], "params": params}, xi, yi)
-        for r in results:  # chunks of 1, 2 (the last overlapping) and all clients agree
+        for r in results:  # chunks of 1, 2 (the last overlapping), all clients and the default; both loops
             np.testing.assert_allclose(r["accuracy"][i], want["accuracy"])
             np.testing.assert_allclose(r["loss"][i], want["loss"], rtol=1e-5)
     acc = results[0]["accuracy"]
@@ -73,8 +74,17 @@ def test_one_shared_model_on_every_clients_data(mlp):
 
     parts = _holdouts([4, 6, 2], seed=3)
     v = mlp.init_variables(jax.random.key(0))
-    r = evaluate_clients(mlp, PersonalModels(variables=v, stacked=False), *pad_holdouts(parts))
+    shared = PersonalModels(variables=v, stacked=False)
     pooled = evaluate(mlp, v, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    np.testing.assert_allclose(r["pooled"], pooled["accuracy"])
+    for chunk in (None, 1, 2):  # one flat batch of every client's examples, or of each chunk's
+        r = evaluate_clients(mlp, shared, *pad_holdouts(parts), chunk_size=chunk)
+        np.testing.assert_allclose(r["pooled"], pooled["accuracy"])
+        for i, (xi, yi) in enumerate(parts):
+            want = evaluate(mlp, v, xi, yi)
+            np.testing.assert_allclose(r["accuracy"][i], want["accuracy"])
+            np.testing.assert_allclose(r["loss"][i], want["loss"], rtol=1e-5)
+    # 'static' BatchNorm: each client's examples are normalised with their own statistics, not the batch's.
+    r = evaluate_clients(mlp, shared, *pad_holdouts(parts), batch_statistics=True)
     for i, (xi, yi) in enumerate(parts):
-        np.testing.assert_allclose(r["accuracy"][i], evaluate(mlp, v, xi, yi)["accuracy"])
+        want = evaluate(mlp, v, xi, yi, batch_statistics=True)
+        np.testing.assert_allclose(r["loss"][i], want["loss"], rtol=1e-5)
