@@ -72,6 +72,7 @@ def pad_holdouts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray
 CHUNK_BYTES_CPU = 64 * 2**20
 CHUNK_BYTES_MAX = 2 * 2**30
 CPU_FLAT_BATCH = 512  # examples a shared model evaluates per call on CPU
+ACCELERATOR_EXAMPLES = 8192  # examples per call on a GPU/TPU (personal or shared models)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -118,9 +119,10 @@ def _client_loop_and_chunk(personal: PersonalModels, x: np.ndarray, y: np.ndarra
     if jax.default_backend() == "cpu":
         loop, budget = "map", CHUNK_BYTES_CPU
         most = 64 if personal.stacked else max(1, CPU_FLAT_BATCH // x.shape[1])
-    else:
+    else:  # activations grow with the examples in flight, which the byte budget does not see
         available, _ = memory.available_bytes()
-        loop, budget, most = "vmap", min(CHUNK_BYTES_MAX, (available or CHUNK_BYTES_MAX) // 8), n
+        loop, budget = "vmap", min(CHUNK_BYTES_MAX, (available or CHUNK_BYTES_MAX) // 8)
+        most = max(1, ACCELERATOR_EXAMPLES // x.shape[1])
     return loop, max(1, min(n, most, budget // max(per_client, 1)))
 
 
@@ -137,7 +139,9 @@ def evaluate_clients(model: Model, personal: PersonalModels, x: np.ndarray, y: n
       x, y, mask: ``[N, H, ...]`` held-out examples (:func:`pad_holdouts`), on the host.
       batch_statistics: evaluate BatchNorm with batch statistics ('static' policy).
       chunk_size: clients evaluated per call; default: as many as fit a byte budget
-        (64 MiB on CPU; on an accelerator an eighth of its free memory, at most 2 GiB).
+        (64 MiB on CPU; on an accelerator an eighth of its free memory, at most 2 GiB),
+        and at most 64 personal models or 512 examples of a shared model on CPU, 8,192
+        examples on an accelerator.
       client_loop: 'map' (clients one after another inside the call) or 'vmap'
         (batched); default 'map' on CPU, where vmapped per-client convolutions are
         slow, and 'vmap' elsewhere.  A shared model always evaluates as one batch.

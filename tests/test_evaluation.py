@@ -88,3 +88,24 @@ def test_one_shared_model_on_every_clients_data(mlp):
     for i, (xi, yi) in enumerate(parts):
         want = evaluate(mlp, v, xi, yi, batch_statistics=True)
         np.testing.assert_allclose(r["loss"][i], want["loss"], rtol=1e-5)
+
+
+def test_chunks_are_bounded_by_bytes_and_examples_on_every_platform(monkeypatch):
+    """A population far larger than memory is evaluated in bounded chunks: CPU maps over at most 64 personal
+    models (or a 512-example flat batch of a shared model); an accelerator vmaps at most 8,192 examples and an
+    eighth of its free memory."""
+    from fedpartial import evaluation
+    from fedpartial.methods.base import PersonalModels
+
+    n, h = 100_000, 10
+    lazy = lambda shape, dtype: np.broadcast_to(np.zeros((), dtype), shape)  # noqa: E731 - sized, not allocated
+    x, y = lazy((n, h, 60), np.float32), lazy((n, h), np.int32)
+    big = PersonalModels(variables={"w": lazy((n, 1_000_000), np.float32)})  # 4 MB per client
+    shared = PersonalModels(variables={"w": np.zeros(250_000, np.float32)}, stacked=False)
+    monkeypatch.setattr(evaluation.jax, "default_backend", lambda: "cpu")
+    assert evaluation._client_loop_and_chunk(big, x, y, n) == ("map", evaluation.CHUNK_BYTES_CPU // 4_002_440)
+    assert evaluation._client_loop_and_chunk(shared, x, y, n) == ("map", 512 // h)
+    monkeypatch.setattr(evaluation.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(evaluation.memory, "available_bytes", lambda: (800 * 2**20, "GPU memory"))
+    assert evaluation._client_loop_and_chunk(big, x, y, n) == ("vmap", 100 * 2**20 // 4_002_440)
+    assert evaluation._client_loop_and_chunk(shared, x, y, n) == ("vmap", 8192 // h)
