@@ -122,6 +122,11 @@ def records(result):
     return [{k: v for k, v in r.items() if k not in TIMES} for r in result["records"]]
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("client_state")
+
+
 @pytest.fixture(scope="module")
 def device_run():
     return run(dataclasses.replace(BASE, client_state="device"))

@@ -18,6 +18,11 @@ TINY = ["--dataset", "synthetic", "--model", "mlp", "--clients", "6", "--cohort"
 METHODS, SEEDS = ("fedavg", "fedldf"), (0, 1)
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("compare")
+
+
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
     out = tmp_path_factory.mktemp("cmp") / "c"

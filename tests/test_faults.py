@@ -61,6 +61,11 @@ def one_round(model, strategy, c, server=None):
     return before, jax.device_get(after), jax.device_get(metrics)
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("faults")
+
+
 @pytest.fixture(scope="module")
 def poisoned_runs(mlp):
     return {name: one_round(mlp, s, cohort(poisoned=[1])) for name, s in STRATEGIES.items()}

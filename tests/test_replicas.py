@@ -74,6 +74,11 @@ def test_data_on_the_device_equals_separate_device_runs(tmp_path):
     assert len({s.holdout[0].shape for s in sims}) == 1 and "personal_accuracy" in done["results"][0]["records"][-1]
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("replicas")
+
+
 @pytest.fixture(scope="module")
 def fedldf(tmp_path_factory):
     config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,

@@ -55,6 +55,11 @@ def _result(process: subprocess.Popen) -> dict:
     return json.loads(out.read().strip().splitlines()[-1])
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("sharding")
+
+
 @pytest.fixture(scope="module")
 def four_devices():
     return _result(_start("tests.sharding_cases", devices=4))

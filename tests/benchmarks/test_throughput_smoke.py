@@ -7,6 +7,10 @@ import pytest
 
 from fedpartial import bench, cli, engine
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("throughput_smoke")
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):

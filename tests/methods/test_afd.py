@@ -233,6 +233,11 @@ def run(r, rounds, seed=0):
     return out
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("afd")
+
+
 @pytest.fixture(scope="module")
 def single_round(mlp):
     return build(mlp, afd(), record=True)

@@ -184,6 +184,11 @@ def cohorts():
     return out
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("feddst")
+
+
 @pytest.fixture(scope="module")
 def history(mlp):
     """Four FedDST rounds (s = 0.5, R_adj = 2, α = 0.5, T_end = 6): adjustments in rounds 1 and 3."""

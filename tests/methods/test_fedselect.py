@@ -35,6 +35,11 @@ def round_key(t):
     return jax.random.fold_in(jax.random.key(5), t)
 
 
+# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
+# builds it once.
+pytestmark = pytest.mark.xdist_group("fedselect")
+
+
 @pytest.fixture(scope="module")
 def rounds(mlp):
     cache = {}
