@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fedpartial import memory
 from fedpartial.losses import masked_cross_entropy, model_loss
@@ -90,9 +89,9 @@ def _eval_clients(model: Model, size: int, stacked: bool, batch_statistics: bool
 
     if not stacked and not batch_statistics:  # one shared model: the clients' examples are one flat batch
         logits, _ = model.apply(variables, x.reshape(-1, *x.shape[2:]), False, None)
-        logits = logits.reshape(*y.shape, -1).astype(jnp.float32)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        return jnp.sum(jnp.where(mask, ce, 0.0), axis=1), jnp.sum((jnp.argmax(logits, -1) == y) & mask, axis=1)
+        logits = logits.reshape(*y.shape, -1)
+        loss = jax.vmap(masked_cross_entropy)(logits, y, mask) * jnp.sum(mask, axis=1)
+        return loss, jnp.sum((jnp.argmax(logits, -1) == y) & mask, axis=1)
     if not stacked:  # ... normalised with each client's own batch statistics ('static' BatchNorm)
         return jax.vmap(lambda *d: one(variables, None, *d))(x, y, mask)
     variables = jax.tree.map(rows, variables)
