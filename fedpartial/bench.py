@@ -16,8 +16,9 @@ Every runner does one warm-up round (compilation, and the correctness check: Fed
 must match the plain loop, every other method its own first strategy), then the
 runners take turns, one timed round each, R times (the median counts), so load on a
 shared machine hits them alike.  Per method the phases are jitted separately on the same
-inputs and timed: local training (steps in ``lax.scan``, the cohort vmapped; on a CPU one
-client after another, as vmapped conv steps are slow there), selection (the method's
+inputs and timed: local training (on an accelerator steps in ``lax.scan``, the cohort vmapped; on a
+CPU a jitted step per client and step called from Python, as scanned and vmapped conv steps are
+slow there), selection (the method's
 ``select``: FedLDF's divergence and top-n), aggregation (the masked weighted mean and
 the server optimizer), evaluation (the global model on ``eval_examples`` test examples).
 ``round_flops`` is XLA's count for the whole fused round; ``achieved_flops_per_s`` is
@@ -214,11 +215,9 @@ def skipped_by(settings: Settings, model: str, k: int, strategy: str | None = No
 
 
 
-def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[engine.LocalInputs, ...],
-                   vmapped: bool = True):
-    """Every client's local training in one jit, steps in ``lax.scan``: the cohort vmapped (as the fused
-    strategy runs it) or, ``vmapped=False``, one client after another (``lax.map``: on a CPU, vmapped conv
-    steps are slow).  Returns ``(trained, losses, steps)`` ``[K, ...]``."""
+def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[engine.LocalInputs, ...]):
+    """Every client's local training as the fused strategy runs it: steps in ``lax.scan``, the cohort
+    vmapped.  Returns ``(trained, losses, steps)`` ``[K, ...]``."""
     outs = []
     for fns, part in zip(rnd.clients, inputs):
         def one(start, data, plan, cstate, key, fns=fns):
@@ -229,7 +228,29 @@ def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[
                 return fns.step(local, xs[0], plan, global_vars, cstate, key, xs[1]), None
 
             return fns.final(jax.lax.scan(body, fns.init(start), (prepared, steps))[0], start)
-        outs.append(jax.vmap(one)(*part) if vmapped else jax.lax.map(lambda a, one=one: one(*a), tuple(part)))
+        outs.append(jax.vmap(one)(*part))
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
+
+
+def local_training_loop(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[engine.LocalInputs, ...]):
+    """Every client's local training one client and one step at a time, each step a jitted call from
+    Python (the plain loop's and the ``stepwise:1`` strategy's layout: on a CPU, conv steps inside
+    ``lax.scan`` run several times slower).  Returns ``(trained, losses, steps)`` ``[K, ...]``."""
+    take = jax.jit(lambda tree, k: jax.tree.map(lambda a: a[k], tree))
+    outs = []
+    for fns, part in zip(rnd.clients, inputs):
+        begin = jax.jit(lambda start, data, fns=fns: (fns.init(start), fns.prepare(start, data)))
+        step = jax.jit(lambda local, data, s, plan, g, cstate, key, fns=fns: fns.step(
+            local, jax.tree.map(lambda a: a[s], data), plan, g, cstate, key, s), donate_argnums=(0,))
+        final = jax.jit(fns.final)
+        results = []
+        for k in range(jax.tree.leaves(part.start)[0].shape[0]):
+            start, data, plan, cstate, key = take(tuple(part), k)
+            local, prepared = begin(start, data)
+            for s in range(jax.tree.leaves(prepared)[0].shape[0]):
+                local = step(local, prepared, s, plan, global_vars, cstate, key)
+            results.append(final(local, start))
+        outs.append(jax.tree.map(lambda *a: jnp.stack(a), *results))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 
 
@@ -239,7 +260,10 @@ def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort
     inputs = rnd.local_inputs(state, cohort, key)
     preview = rnd.preview(state, cohort, key)
     vmapped = jax.default_backend() != "cpu"
-    train = jax.jit(lambda g, i: local_training(rnd, g, i, vmapped))
+    if vmapped:
+        train = jax.jit(lambda g, i: local_training(rnd, g, i))
+    else:
+        train = lambda g, i: local_training_loop(rnd, g, i)  # noqa: E731
     trained, losses, steps = train(state.variables, inputs)
     view = RoundView(
         key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,
@@ -263,7 +287,7 @@ def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort
         "aggregation_s": best_time(lambda: aggregate(state, trained, chosen.upload, chosen.weights), repeats),
         "evaluation_s": best_time(lambda: evaluation.evaluate(rnd.model, state.variables, x_test, y_test), repeats),
         "evaluation_examples": int(len(y_test)),
-        "local_training_mode": "vmapped" if vmapped else "lax.map, one client at a time",
+        "local_training_mode": "vmapped" if vmapped else "a jitted step per client and step, from Python",
     }
 
 
