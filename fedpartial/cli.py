@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", default=None, metavar="S,S,...",
                      help="one replica per seed, e.g. 0,1,2,3, run as one simulation (the fused round, jitted once): "
                           "a run folder per seed and a mean ± std summary (instead of --seed)")
+    run.add_argument("--lrs", default=None, metavar="LR,LR,...",
+                     help="one replica per client learning rate (with every seed of --seeds), e.g. 0.01,0.05,0.1, "
+                          "run as one simulation like --seeds: a run folder each and a mean ± std row per rate "
+                          "(instead of --lr)")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
     run.add_argument("--name", default=None,
@@ -210,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
-_NOT_COMPARED = ("help", "method", "seed", "seeds", "out", "name", "resume", "checkpoint_every")
+_NOT_COMPARED = ("help", "method", "seed", "seeds", "lrs", "out", "name", "resume", "checkpoint_every")
 
 
 def _add_compare_and_plot(sub, run: argparse.ArgumentParser) -> None:
@@ -382,8 +386,9 @@ def _run(args, console: Console, argv: list[str] | None = None) -> int:
         if args.resume is not None:
             raise UserError("--config cannot be combined with --resume: a resumed run keeps its own config.json.")
         args.from_file = run_config.merge(args, *_run_flags(argv), args.config)
-    if args.seeds is not None:  # --seed on the command line conflicts (a config file's seed is replaced)
-        args.seed_given = "seed" in run_config.given_on_command_line(*_run_flags(argv))
+    if args.seeds is not None or args.lrs is not None:  # --seed / --lr on the command line conflict
+        given = run_config.given_on_command_line(*_run_flags(argv))  # (a config file's values are replaced)
+        args.seed_given, args.lr_given = "seed" in given, "lr" in given
     try:
         return _run_checked(args, console, checkpoint)
     except UserError as e:
@@ -424,7 +429,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial import simulation
 
     _join_processes(args)  # before anything touches a JAX backend
-    if args.seeds is not None:
+    if args.seeds is not None or args.lrs is not None:
         return _run_seeds(args, console, stop)
     if args.resume is not None:
         config = simulation.load_config(args.resume)
@@ -507,15 +512,19 @@ def _run_stoppable(args, console: Console, stop) -> int:
 
 
 def _run_seeds(args, console: Console, stop) -> int:
-    """``fedpartial run --seeds``: the replicas as one simulation (:mod:`fedpartial.replicas`)."""
+    """``fedpartial run --seeds`` / ``--lrs``: the replicas as one simulation (:mod:`fedpartial.replicas`)."""
     from fedpartial import compare, replicas
 
-    seeds = compare.parse_seeds(args.seeds)
+    flag = "--seeds" if args.seeds is not None else "--lrs"
+    seeds = compare.parse_seeds(args.seeds) if args.seeds is not None else [args.seed]
+    lrs = replicas.parse_lrs(args.lrs) if args.lrs is not None else None
     if args.resume is not None:
-        raise UserError("--seeds cannot be combined with --resume; resume each seed's run folder on its own "
+        raise UserError(f"{flag} cannot be combined with --resume; resume each replica's run folder on its own "
                         "(fedpartial run --resume RUN_DIR).")
-    if getattr(args, "seed_given", False):
+    if args.seeds is not None and getattr(args, "seed_given", False):
         raise UserError("--seeds cannot be combined with --seed; give every seed in --seeds.")
+    if lrs is not None and getattr(args, "lr_given", False):
+        raise UserError("--lrs cannot be combined with --lr; give every learning rate in --lrs.")
     config = config_from_args(args)
     config.validate(check_model=True)
     replicas.replica_strategy(config.strategy)
@@ -527,18 +536,19 @@ def _run_seeds(args, console: Console, stop) -> int:
             return
         accs = [f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "–" for r in shown]
         print(f"round {t + 1}/{config.rounds}  acc {' '.join(accs)}  "
-              f"{len(shown)} of {len(seeds)} seeds running", flush=True)
+              f"{len(shown)} of {len(records)} replicas running", flush=True)
 
-    done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every)
-    failed = [(s, r) for s, r in zip(seeds, done["results"]) if r["status"] != "complete"]
+    done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every,
+                              lrs=lrs)
+    failed = [(os.path.basename(r["run_dir"] or "?"), r) for r in done["results"] if r["status"] != "complete"]
     if args.quiet:
         print(done["out_dir"], flush=True)
     else:
         if done["out_dir"]:
             with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
                 print(f.read(), end="")
-        for seed, r in failed:
-            console.print(f"seed {seed}: {r['status']} ({r['run_dir']})")
+        for name, r in failed:
+            console.print(f"{name}: {r['status']} ({r['run_dir']})")
         console.print(f"results: {done['out_dir']}")
     return 1 if failed else 0
 

@@ -129,6 +129,8 @@ def make_client_fns(
             elem = extract_params(masks_lib.expand(ctx.structure, train_mask, template))
             grads = jax.tree.map(lambda g, m: jnp.where(m, g, jnp.zeros_like(g)), grads, elem)
         updates, opt_state = optimizer.update(grads, local.opt_state, params)
+        if plan.lr_scale is not None:  # this client's learning rate over the optimizer's
+            updates = jax.tree.map(lambda u: u * plan.lr_scale.astype(u.dtype), updates)
         new_params = optax.apply_updates(params, updates)
         if train_mask is not None:
             new_params = jax.tree.map(jnp.where, elem, new_params, params)

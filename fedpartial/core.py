@@ -44,6 +44,9 @@ class CohortInfo(NamedTuple):
     client_ids: jax.Array  # int32, index into the population
     num_samples: jax.Array  # float32, n_k
     valid: jax.Array  # bool, False for padding clients (they weigh 0)
+    # float32, each client's learning rate over the client optimizer's (its updates are multiplied
+    # by it), or None for 1: replicas that sweep the learning rate share one round built with rate 1
+    lr_scale: jax.Array | None = None
 
 
 class Batch(NamedTuple):
@@ -88,6 +91,8 @@ class ClientPlan(NamedTuple):
       download_bytes_per_layer: ``[K, L]`` parameter bytes sent per layer when the
         payload is not what ``download`` masks (e.g. FedDST's sparse values and
         bit-masks), or None to count the masked elements.
+      lr_scale: ``[K]`` multipliers of each client's optimizer updates, or None for 1.
+        Set by the engine from the cohort's ``lr_scale`` after the method plans.
     """
 
     train: Mask | None = None
@@ -97,6 +102,7 @@ class ClientPlan(NamedTuple):
     extra_download_bytes: jax.Array | None = None
     extra: Any = None
     download_bytes_per_layer: jax.Array | None = None
+    lr_scale: jax.Array | None = None
 
 
 class Selection(NamedTuple):

@@ -644,7 +644,10 @@ class FederatedRound:
         )
 
     def _plan(self, view: RoundView, keys: HookKeys) -> ClientPlan:
-        return self.method.plan(self.ctx, view._replace(key=keys.plan))
+        plan = self.method.plan(self.ctx, view._replace(key=keys.plan))
+        if view.cohort.lr_scale is None:
+            return plan
+        return plan._replace(lr_scale=jnp.asarray(view.cohort.lr_scale, jnp.float32))
 
     def _client_keys(self, keys: HookKeys, cohort: Cohort) -> jax.Array:
         return jax.vmap(lambda i: jax.random.fold_in(keys.train, i))(jnp.asarray(cohort.info.client_ids))
@@ -894,7 +897,7 @@ class FederatedRound:
     def _stream_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
         k, c = self.ctx.cohort_size, min(self.strategy.chunk_size, self.ctx.cohort_size)
         source = cohort.data if isinstance(cohort.data, ClientData) else ClientData.of(cohort.data)
-        info = CohortInfo(*(np.asarray(a) for a in cohort.info))
+        info = jax.tree.map(np.asarray, cohort.info)
         key_data = self._key_data(key)
         plan, ckeys = self._stream_fn("begin", self._stream_begin)(state, info, key_data)
         sums = aggregation.zero_sums(state.variables, self.communicated)

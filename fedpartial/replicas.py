@@ -1,6 +1,7 @@
-"""Many seeds in one run: independent replicas of one experiment as one simulation.
+"""Many seeds (and learning rates) in one run: independent replicas of one experiment as one simulation.
 
 ``fedpartial run --seeds 0,1,2,3`` builds one :class:`~fedpartial.simulation.Simulation` per seed
+(``--lrs 0.01,0.1`` too: one per seed and client learning rate)
 (host work stays per replica: data, partition, device profiles, sampling, packing), stacks their
 server states on a leading replica axis and runs every round as ONE jitted function over the
 stacked states, cohorts and keys: ``jax.vmap`` of the round over the replica axis on an
@@ -16,6 +17,12 @@ Decisions:
   keep their meaning for the client axis inside each replica; ``stepwise`` and ``debug`` drive a
   host loop per client and cannot run inside one jitted function, so they are refused.  Each replica equals a separate
   ``fedpartial run --seed S --strategy fused`` (same chunking) of its seed.
+* **Learning rates.**  A replica's client learning rate is data, not a constant of the round: every
+  replica's simulation is built with the client optimizer at rate 1 and its cohort carries its rate
+  (``CohortInfo.lr_scale``), which multiplies each update.  ``sgd(1)`` then ``× lr`` is ``sgd(lr)``
+  bit for bit (negation and the product are exact and commute), so seeds-only replicas are unchanged
+  and each rate's replica equals its own separate run.  The server learning rate and other settings
+  stay one per run.
 * **Shapes.**  Every replica's cohort is packed to the largest number of local steps over the
   replicas' populations (``num_steps``): padded steps are exact no-ops (``client.py`` keeps the
   state with ``where``; the packing draws do not depend on ``num_steps``).  Held-out splits are
@@ -30,9 +37,11 @@ Decisions:
 * **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
   of the replica round; ``rounds_per_s`` in each summary follows from that.
 * **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
-  (``METHOD-DATASET-seedS``, what ``fedpartial run --seed S`` writes) and ``seeds_summary.json`` /
+  (``METHOD-DATASET-seedS``, what ``fedpartial run --seed S`` writes; with ``--lrs``
+  ``METHOD-DATASET-seedS-lrX`` in ``METHOD-DATASET-seedsA-B-lrsX_Y``) and ``seeds_summary.json`` /
   ``seeds_summary.md``: mean ± std (population std, as ``fedpartial compare``) of final and best
-  accuracy, upload bytes, simulated time, rounds and rounds/s, from :mod:`fedpartial.compare`'s table.
+  accuracy, upload bytes, simulated time, rounds and rounds/s, from :mod:`fedpartial.compare`'s table;
+  with ``--lrs`` one row per learning rate (``rows`` in the JSON).
 """
 
 from __future__ import annotations
@@ -48,7 +57,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial import checkpoint, compare, engine
-from fedpartial.simulation import ConfigError, RunConfig, RunWriter, Simulation, unique_run_dir
+from fedpartial.simulation import (
+    ConfigError,
+    RunConfig,
+    RunWriter,
+    Simulation,
+    make_client_optimizer,
+    unique_run_dir,
+)
 
 #: the columns of ``seeds_summary.md``: fedpartial compare's, and the rounds per second
 COLUMNS = compare.COLUMNS + (("rounds_per_s", "rounds/s"),)
@@ -63,32 +79,64 @@ def replica_strategy(strategy: str) -> str:
     except ValueError as e:
         raise ConfigError(f"--{e}") from None
     if kind != "fused":
-        raise ConfigError(f"--strategy {strategy} cannot run with --seeds: the replicas run the fused round "
+        raise ConfigError(f"--strategy {strategy} cannot run with --seeds or --lrs: the replicas run the fused round "
                           f"as one jitted function over seeds; use auto, fused, fused:N or fused-unrolled.")
     return strategy
 
 
-def default_name(config: RunConfig, seeds: Sequence[int]) -> str:
-    """``METHOD-DATASET-seeds0-3`` for consecutive seeds, else ``METHOD-DATASET-seeds1_5_9``."""
+def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] | None = None) -> str:
+    """``METHOD-DATASET-seeds0-3`` for consecutive seeds, else ``METHOD-DATASET-seeds1_5_9``; with learning
+    rates ``-lrs0.01_0.1`` after it."""
     ordered = sorted(seeds)
     consecutive = len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1))
     tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
-    return f"{config.method}-{config.dataset}-seeds{tag}"
+    rates = "" if lrs is None else "-lrs" + "_".join(f"{lr:g}" for lr in lrs)
+    return f"{config.method}-{config.dataset}-seeds{tag}{rates}"
 
 
-def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None) -> list[RunConfig]:
-    """One validated configuration per seed: ``config`` with the seed, the fused strategy and ``out_dir``."""
+def parse_lrs(text: str) -> list[float]:
+    """``"0.01,0.1"`` → ``[0.01, 0.1]``: distinct finite learning rates above 0, at least one."""
+    lrs = []
+    for part in str(text).split(","):
+        try:
+            lr = float(part.strip())
+        except ValueError:
+            lr = float("nan")
+        if not (np.isfinite(lr) and lr > 0):
+            raise ConfigError(f"--lrs {text!r} is not allowed: it must be learning rates above 0 separated by "
+                              f"commas, e.g. 0.01,0.05,0.1.")
+        lrs.append(lr)
+    if len(set(lrs)) < len(lrs):
+        raise ConfigError(f"--lrs {text!r} names a learning rate twice; name each once.")
+    return lrs
+
+
+def replica_settings(seeds: Sequence[int], lrs: Sequence[float] | None) -> list[tuple[int, float | None]]:
+    """Every replica's ``(seed, client learning rate)``: each rate with every seed (rate-major), or the
+    seeds alone (rate None: the config's)."""
+    return [(seed, lr) for lr in (lrs if lrs is not None else [None]) for seed in seeds]
+
+
+def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None,
+                    lrs: Sequence[float] | None = None) -> list[RunConfig]:
+    """One validated configuration per replica (:func:`replica_settings`): ``config`` with the seed, the
+    learning rate, the fused strategy and ``out_dir``."""
     if len(seeds) < 1 or len(set(seeds)) < len(seeds):
         raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
+    if lrs is not None and (len(lrs) < 1 or len(set(lrs)) < len(lrs)):
+        raise ConfigError(f"--lrs {','.join(map(str, lrs))} is not allowed: it must name distinct learning rates.")
     strategy = replica_strategy(config.strategy)
     if config.devices is not None and config.devices > 1:
-        raise ConfigError(f"--devices {config.devices} cannot run with --seeds: the replicas run on one "
+        raise ConfigError(f"--devices {config.devices} cannot run with --seeds or --lrs: the replicas run on one "
                           "device; use --devices 1.")
     if config.client_state in ("host", "disk"):
-        raise ConfigError(f"--client-state {config.client_state} cannot run with --seeds: the replicas stack "
+        raise ConfigError(f"--client-state {config.client_state} cannot run with --seeds or --lrs: the replicas stack "
                           "every seed's state on the device; use --client-state device.")
-    configs = [dataclasses.replace(config, seed=s, strategy=strategy, out_dir=out_dir, run_name=None, devices=1,
-                                   client_state="device") for s in seeds]
+    configs = [dataclasses.replace(
+        config, seed=s, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
+        client_lr=config.client_lr if lr is None else lr,
+        run_name=None if lr is None else f"{config.method}-{config.dataset}-seed{s}-lr{lr:g}")
+        for s, lr in replica_settings(seeds, lrs)]
     for c in configs:
         c.validate()
     return configs
@@ -132,18 +180,30 @@ def stack(trees: Sequence) -> object:
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-class Replicas:
-    """One :class:`Simulation` per seed, advanced together by one jitted round over the replica axis per round.
+def with_lr(cohort: engine.Cohort, lr: float) -> engine.Cohort:
+    """``cohort`` whose clients train at ``lr`` times the client optimizer's rate."""
+    size = np.shape(cohort.info.client_ids)[0]
+    return cohort._replace(info=cohort.info._replace(lr_scale=np.full(size, lr, np.float32)))
 
-    ``sims[i]`` is seed ``seeds[i]``'s simulation; its ``state`` is kept up to date (its row of the
-    stacked state) so evaluation, early stopping, checkpoints and summaries work as for one run.
+
+class Replicas:
+    """One :class:`Simulation` per replica (seed, or seed and learning rate), advanced together by one
+    jitted round over the replica axis per round.
+
+    ``sims[i]`` is replica ``i``'s simulation (seed ``seeds[i]``, client rate ``sims[i].config.client_lr``);
+    its ``state`` is kept up to date (its row of the stacked state) so evaluation, early stopping,
+    checkpoints and summaries work as for one run.
     """
 
     def __init__(self, config: RunConfig, seeds: Sequence[int], *, out_dir: str | None = None,
-                 dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto"):
-        self.seeds = list(seeds)
-        configs = replica_configs(config, self.seeds, out_dir)
-        self.sims = [Simulation(c, dataset_for(c) if dataset_for else None) for c in configs]
+                 dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
+                 lrs: Sequence[float] | None = None):
+        configs = replica_configs(config, seeds, out_dir, lrs)
+        self.seeds = [c.seed for c in configs]
+        # rate 1 in the optimizer, each replica's rate in its cohorts (with_lr): one round for all rates
+        self.sims = [Simulation(c, dataset_for(c) if dataset_for else None,
+                                client_optimizer=make_client_optimizer(dataclasses.replace(c, client_lr=1.0)))
+                     for c in configs]
         num_steps = max(sim.num_steps for sim in self.sims)
         holdouts = [sim.holdout for sim in self.sims if sim.holdout is not None]
         longest = max((h[0].shape[1] for h in holdouts), default=0)
@@ -192,7 +252,7 @@ class Replicas:
         start = time.perf_counter()
         # (cohorts gathered on the device are stacked there; packed ones on the host)
         cohorts = jax.tree.map(lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a),
-                               *[p.cohort for p in last])
+                               *[with_lr(p.cohort, sim.config.client_lr) for p, sim in zip(last, self.sims)])
         keys = np.stack([jax.random.key_data(p.key) for p in last])
         self.state, metrics = self._round(self.state, cohorts, keys)
         states, metrics = self._unstack(self.state), jax.device_get(metrics)
@@ -212,17 +272,29 @@ class Replicas:
         return records
 
 
-def _summary_rows(run_dirs: Sequence[str]) -> list[dict]:
-    """``fedpartial compare``'s mean ± std row over the seeds' ``summary.json``, with rounds/s added."""
+def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None) -> list[dict]:
+    """``fedpartial compare``'s mean ± std row over the seeds' ``summary.json``, with rounds/s added; with
+    learning rates one row per rate (``client_lr``, and the rate in ``method`` for the Markdown table)."""
     runs = [compare.load_run(d) for d in run_dirs]
-    return compare.table(runs, COLUMNS)
+    if lrs is None:
+        return compare.table(runs, COLUMNS)
+    rows = []
+    for lr in lrs:
+        [row] = compare.table([r for r in runs if r["config"]["client_lr"] == lr], COLUMNS)
+        rows.append({**row, "method": f"{row['method']} lr {lr:g}", "client_lr": lr})
+    return rows
 
 
 def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
-                  statuses: Sequence[str], replica_axis: str = "vmap") -> dict:
-    """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content."""
-    rows = _summary_rows(run_dirs)
-    summary = {**rows[0], "seeds": list(seeds), "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
+                  statuses: Sequence[str], replica_axis: str = "vmap", lrs: Sequence[float] | None = None) -> dict:
+    """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content.
+
+    Seeds only: the one row's fields at the top level.  With learning rates: ``lrs`` and ``rows``, one
+    row per rate (mean ± std over the seeds)."""
+    rows = _summary_rows(run_dirs, lrs)
+    top = rows[0] if lrs is None else {"lrs": list(lrs), "rows": rows}
+    summary = {**top, "seeds": sorted(set(seeds), key=list(seeds).index),
+               "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
                "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
                "wall_time_s": wall, "std": "population (ddof=0)"}
     checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
@@ -232,13 +304,14 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
 
 
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
-              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None, dataset_for: Callable[[RunConfig], object] | None = None,
-              replica_axis: str = "auto") -> dict:
-    """Runs ``config`` once per seed as one simulation (one jitted round over the seeds) and writes the run
-    directories.
+              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None,
+              dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
+              lrs: Sequence[float] | None = None) -> dict:
+    """Runs ``config`` once per seed (and, with ``lrs``, per client learning rate: every rate with every
+    seed) as one simulation (one jitted round over the replicas) and writes the run directories.
 
     Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
-    ``config.out_dir``), each seed's run directory, each seed's :func:`~fedpartial.simulation.run`-style
+    ``config.out_dir``), and per replica (:func:`replica_settings` order) its run directory, its :func:`~fedpartial.simulation.run`-style
     result (summary, ``run_dir`` and ``records``), the mean ± std summary (None without a directory) and
     the seeds' :class:`Simulation` objects (their final states).
     A replica that diverged or failed has status ``diverged``/``failed`` in its directory and ``error``
@@ -250,9 +323,10 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     parse_replica_axis(replica_axis, "cpu")  # a bad value before a folder is made
     parent = None
     if config.out_dir:
-        replica_configs(config, seeds, config.out_dir)  # every bad value before a folder is made
-        parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds))
-    replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for, replica_axis=replica_axis)
+        replica_configs(config, seeds, config.out_dir, lrs)  # every bad value before a folder is made
+        parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds, lrs))
+    replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for, replica_axis=replica_axis,
+                        lrs=lrs)
     writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
     count = len(writers)
     active, last, errors = [True] * count, [None] * count, [None] * count
@@ -286,8 +360,8 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     run_dirs = [w.run_dir for w in writers]
     summary = None
     if parent:
-        summary = write_summary(parent, seeds, run_dirs, time.perf_counter() - t0, [r["status"] for r in results],
-                                replica_axis=replicas.replica_axis[0])
+        summary = write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
+                                [r["status"] for r in results], replica_axis=replicas.replica_axis[0], lrs=lrs)
     if flag.stopped:
         raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
                                         f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "

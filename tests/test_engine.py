@@ -167,3 +167,35 @@ def test_traffic_totals_do_not_overflow_int32():
     totals = engine.traffic_totals({"upload_bytes_per_layer": per_layer, "download_bytes_per_layer": per_layer})
     assert totals["upload_bytes"] == 3_381_099_520 == 128 * 6_603_710 * 4
     assert totals["upload_bytes_per_client"].dtype == np.int64
+
+
+def _lr_round(mlp, strategy, lr, cohorts, scale=None):
+    """Final variables and last metrics of ``cohorts`` with SGD at ``lr`` and the cohorts' ``lr_scale``."""
+    opt = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(lr, momentum=0.9))
+    r = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=opt, strategy=strategy)
+    if scale is not None:
+        cohorts = [c._replace(info=c.info._replace(lr_scale=np.asarray(scale, np.float32))) for c in cohorts]
+    state = r.init(jax.random.key(0))
+    for t, c in enumerate(cohorts):
+        state, m = r(state, c, jax.random.key(t))
+    return state.variables, m
+
+
+@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.streamed(2)], ids=str)
+def test_cohort_lr_scale_equals_the_optimizer_at_that_rate_bit_for_bit(mlp, unequal_cohorts, strategy):
+    """A cohort's ``lr_scale`` multiplies each client's updates: with the optimizer at rate 1 and the
+    cohort at rate r, the rounds are those of the optimizer at rate r, bit for bit (how learning-rate
+    replicas share one round)."""
+    want, want_m = _lr_round(mlp, strategy, 0.07, unequal_cohorts)
+    got, got_m = _lr_round(mlp, strategy, 1.0, unequal_cohorts, [0.07] * 4)
+    chex.assert_trees_all_equal(got, want)
+    assert float(got_m["train_loss"]) == float(want_m["train_loss"])
+
+
+def test_cohort_lr_scale_is_per_client(mlp, unequal_cohorts):
+    """Rates 0.01..0.5 in one cohort: client k, alone in it (the others padding), trains as at its rate."""
+    rates, one = [0.01, 0.05, 0.2, 0.5], unequal_cohorts[:1]
+    for k in (0, 2):
+        alone = [c._replace(info=c.info._replace(valid=np.arange(4) == k)) for c in one]
+        chex.assert_trees_all_equal(_lr_round(mlp, engine.fused(), 1.0, alone, rates)[0],
+                                    _lr_round(mlp, engine.fused(), rates[k], alone)[0])

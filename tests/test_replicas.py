@@ -27,17 +27,21 @@ RTOL, ATOL = 1e-5, 1e-6
 TIMES = ("round_time_s", "wall_time_s", "host_time_s")
 
 
-def _separate(config, seed):
-    sim = Simulation(dataclasses.replace(config, seed=seed, strategy="fused", out_dir=None))
+def _separate(config, seed, lr=None):
+    lr = config.client_lr if lr is None else lr
+    sim = Simulation(dataclasses.replace(config, seed=seed, client_lr=lr, strategy="fused", out_dir=None))
     steps = sim.num_steps
     return run(sim.config, sim=sim), sim, steps
 
 
-def _check_equal(config, seeds, tmp_path, replica_axis="auto"):
-    done = replicas.run_seeds(dataclasses.replace(config, out_dir=str(tmp_path)), seeds, replica_axis=replica_axis)
+def _check_equal(config, seeds, tmp_path, replica_axis="auto", lrs=None):
+    done = replicas.run_seeds(dataclasses.replace(config, out_dir=str(tmp_path)), seeds, replica_axis=replica_axis,
+                              lrs=lrs)
     steps = []
-    for seed, result, vsim in zip(seeds, done["results"], done["simulations"]):
-        alone, sim, n = _separate(config, seed)
+    settings = replicas.replica_settings(seeds, lrs)
+    assert len(done["results"]) == len(settings)
+    for (seed, lr), result, vsim in zip(settings, done["results"], done["simulations"]):
+        alone, sim, n = _separate(config, seed, lr)
         steps.append(n)
         assert result["status"] == "complete" and len(result["records"]) == config.rounds
         for mine, theirs in zip(result["records"], alone["records"]):
@@ -184,3 +188,58 @@ def test_cli_seeds_writes_the_parent_folder(tmp_path, capsys):
     assert parent == str(tmp_path / "fedavg-synthetic-seeds5_7")
     assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds5_7").iterdir()) == [
         "fedavg-synthetic-seed5", "fedavg-synthetic-seed7", "seeds_summary.json", "seeds_summary.md"]
+
+
+def test_learning_rates_as_replicas_equal_separate_runs_at_each_rate(tmp_path):
+    """``--lrs``: every rate with every seed, one round for all (rate 1 in the optimizer, each replica's
+    rate in its cohort); each replica equals its separate run at its rate, and the summary has a row per
+    rate over the seeds."""
+    config = RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
+                       local_epochs=0.5, momentum=0.9, weight_decay=1e-3, seed=0)
+    lrs = [0.02, 0.3]
+    done = _check_equal(config, [0, 1], tmp_path, replica_axis="map", lrs=lrs)
+    assert [sim.round.trace_count for sim in done["simulations"]] == [1, 0, 0, 0]
+    parent = done["out_dir"]
+    assert parent.endswith("fedavg-digits-seeds0-1-lrs0.02_0.3")
+    names = [os.path.basename(d) for d in done["run_dirs"]]
+    assert names == [f"fedavg-digits-seed{s}-lr{lr:g}" for lr in lrs for s in (0, 1)]
+    finals = [r["records"][-1]["test_accuracy"] for r in done["results"]]
+    assert finals[:2] != finals[2:]  # the rates really differ
+    written = json.load(open(f"{parent}/seeds_summary.json"))
+    assert written["lrs"] == lrs and written["seeds"] == [0, 1] and len(written["rows"]) == 2
+    for i, (lr, row) in enumerate(zip(lrs, written["rows"])):
+        assert row["client_lr"] == lr and row["seeds"] == "0,1" and row["method"] == f"fedavg lr {lr:g}"
+        for key in ("final_test_accuracy", "total_upload_bytes", "rounds"):
+            values = [json.load(open(f"{d}/summary.json"))[key] for d in done["run_dirs"][2 * i:2 * i + 2]]
+            assert row[f"{key}_mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
+            assert row[f"{key}_std"] == pytest.approx(statistics.pstdev(values), rel=1e-9, abs=1e-15)
+    for d, (seed, lr) in zip(done["run_dirs"], replicas.replica_settings([0, 1], lrs)):
+        saved = json.load(open(f"{d}/config.json"))
+        assert (saved["seed"], saved["client_lr"]) == (seed, lr)
+    md = open(f"{parent}/seeds_summary.md").read().splitlines()
+    assert md[2].startswith("| fedavg lr 0.02 | 0,1 | ") and md[3].startswith("| fedavg lr 0.3 | 0,1 | ")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--lrs", "0.1,0.1"], "--lrs '0.1,0.1' names a learning rate twice"),
+    (["--lrs", "0.1,0"], "--lrs '0.1,0' is not allowed: it must be learning rates above 0"),
+    (["--lrs", "0.1,x"], "--lrs '0.1,x' is not allowed"),
+    (["--lrs", "0.1,nan"], "--lrs '0.1,nan' is not allowed"),
+    (["--lrs", "0.1,0.2", "--lr", "0.3"], "--lrs cannot be combined with --lr"),
+    (["--lrs", "0.1,0.2", "--resume", "somewhere"], "--lrs cannot be combined with --resume"),
+    (["--lrs", "0.1,0.2", "--strategy", "stepwise"], "--strategy stepwise cannot run with --seeds"),
+])
+def test_bad_lrs_exit_2_with_one_sentence(tmp_path, capsys, args, words):
+    assert main(["run", "--dataset", "synthetic", "--rounds", "1", "--out", str(tmp_path / "o")] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.count("\n") == 0 and err.endswith(".")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_lrs_without_seeds_uses_the_seed(tmp_path, capsys):
+    assert main(["run", "--dataset", "synthetic", "--clients", "6", "--cohort", "2", "--rounds", "1",
+                 "--local-steps", "1", "--seed", "3", "--lrs", "0.1,0.01", "--out", str(tmp_path), "--quiet"]) == 0
+    parent = capsys.readouterr().out.strip()
+    assert parent == str(tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01")
+    assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01").iterdir()) == [
+        "fedavg-synthetic-seed3-lr0.01", "fedavg-synthetic-seed3-lr0.1", "seeds_summary.json", "seeds_summary.md"]
