@@ -3,7 +3,10 @@
 Usage::
 
     python -m benchmarks.seeds [--quick] [--out PATH] [--models mlp,cnn2c1f] [--seeds 0,1,2,3]
-        [--rounds R] [--repeats N]
+        [--lrs 0.01,0.1] [--rounds R] [--repeats N]
+
+With ``--lrs`` the replicas are every client learning rate with every seed (``fedpartial run --seeds
+... --lrs ...``) and the sequential variants run each (seed, rate) in turn.
 
 For every model (``mlp`` on ``synthetic``, ``cnn2c1f`` on ``digits``) the script times, end to end
 as a user runs them (building the simulations, compiling, R rounds with evaluation; nothing written):
@@ -54,15 +57,17 @@ def base_config(model: str, cfg: dict) -> RunConfig:
                      out_dir=None)
 
 
-def measure(variant: str, config: RunConfig, seeds) -> dict:
-    """One variant's wall time, steady-state time (rounds after the first) and per-seed records."""
+def measure(variant: str, config: RunConfig, seeds, lrs=None) -> dict:
+    """One variant's wall time, steady-state time (rounds after the first) and per-replica records."""
     start = time.perf_counter()
     if variant in REPLICA_AXIS:
-        done = replicas.run_seeds(config, seeds, replica_axis=REPLICA_AXIS[variant])
+        done = replicas.run_seeds(config, seeds, replica_axis=REPLICA_AXIS[variant], lrs=lrs)
         records = [r["records"] for r in done["results"]]
     else:
         strategy = "fused" if variant == "sequential_fused" else "auto"
-        records = [run(dataclasses.replace(config, seed=s, strategy=strategy))["records"] for s in seeds]
+        records = [run(dataclasses.replace(config, seed=s, strategy=strategy,
+                                           client_lr=config.client_lr if lr is None else lr))["records"]
+                   for s, lr in replicas.replica_settings(seeds, lrs)]
     wall = time.perf_counter() - start
     steady = sum(r["round_time_s"] for rs in records for r in rs[1:])
     return {"variant": variant, "wall_s": wall, "steady_s": steady, "records": records}
@@ -84,7 +89,7 @@ def run_model(model: str, cfg: dict) -> dict:
     best: dict[str, dict] = {}
     for rep in range(cfg["repeats"]):
         for variant in VARIANTS:
-            m = measure(variant, config, cfg["seeds"])
+            m = measure(variant, config, cfg["seeds"], cfg.get("lrs"))
             log(f"{model} repeat {rep + 1}: {variant} {m['wall_s']:.1f} s (steady {m['steady_s']:.2f} s)")
             if variant not in best or m["wall_s"] < best[variant]["wall_s"]:
                 best[variant] = m
@@ -122,6 +127,7 @@ def parse_args(argv):
     p.add_argument("--out", help="JSON path (default benchmarks/results/seeds-<backend>-<date>.json)")
     p.add_argument("--models", help="comma-separated, from " + ", ".join(MODELS))
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3)")
+    p.add_argument("--lrs", help="comma-separated client learning rates, each with every seed (default: none)")
     p.add_argument("--rounds", type=int)
     p.add_argument("--repeats", type=int)
     return p.parse_args(argv)
@@ -134,12 +140,15 @@ def main(argv=None) -> int:
         cfg["models"] = tuple(args.models.split(","))
     if args.seeds:
         cfg["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+    if args.lrs:
+        cfg["lrs"] = tuple(replicas.parse_lrs(args.lrs))
     for name in ("rounds", "repeats"):
         if getattr(args, name):
             cfg[name] = getattr(args, name)
     device = device_info()
     date = datetime.date.today().isoformat()
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"seeds-{device['backend']}-{date}.json")
+    tag = "-lrs" if args.lrs else ""
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"seeds-{device['backend']}-{date}{tag}.json")
     log(f"device: {device['backend']} / {device['device_kind']}  ({device['cpu_count']} CPUs)")
     results = [run_model(model, cfg) for model in cfg["models"]]
     report = {"benchmark": "seeds", "device": device, "config": {**cfg, "quick": args.quick}, "results": results,
