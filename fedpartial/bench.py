@@ -232,26 +232,32 @@ def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[
     return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 
 
-def local_training_loop(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[engine.LocalInputs, ...]):
-    """Every client's local training one client and one step at a time, each step a jitted call from
-    Python (the plain loop's and the ``stepwise:1`` strategy's layout: on a CPU, conv steps inside
-    ``lax.scan`` run several times slower).  Returns ``(trained, losses, steps)`` ``[K, ...]``."""
+def local_training_loop(rnd: engine.FederatedRound) -> Callable:
+    """``train(global_vars, inputs)``: every client's local training one client and one step at a time, each
+    step a jitted call from Python (the plain loop's and the ``stepwise:1`` strategy's layout: on a CPU,
+    conv steps inside ``lax.scan`` run several times slower).  Returns ``(trained, losses, steps)``
+    ``[K, ...]``.  The jitted pieces are built once, here, so a timed call compiles nothing."""
     take = jax.jit(lambda tree, k: jax.tree.map(lambda a: a[k], tree))
-    outs = []
-    for fns, part in zip(rnd.clients, inputs):
-        begin = jax.jit(lambda start, data, fns=fns: (fns.init(start), fns.prepare(start, data)))
-        step = jax.jit(lambda local, data, s, plan, g, cstate, key, fns=fns: fns.step(
-            local, jax.tree.map(lambda a: a[s], data), plan, g, cstate, key, s), donate_argnums=(0,))
-        final = jax.jit(fns.final)
-        results = []
-        for k in range(jax.tree.leaves(part.start)[0].shape[0]):
-            start, data, plan, cstate, key = take(tuple(part), k)
-            local, prepared = begin(start, data)
-            for s in range(jax.tree.leaves(prepared)[0].shape[0]):
-                local = step(local, prepared, s, plan, global_vars, cstate, key)
-            results.append(final(local, start))
-        outs.append(jax.tree.map(lambda *a: jnp.stack(a), *results))
-    return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
+    stack = jax.jit(lambda parts: jax.tree.map(lambda *a: jnp.stack(a), *parts))
+    pieces = [(jax.jit(lambda start, data, fns=fns: (fns.init(start), fns.prepare(start, data))),
+               jax.jit(lambda local, data, s, plan, g, cstate, key, fns=fns: fns.step(
+                   local, jax.tree.map(lambda a: a[s], data), plan, g, cstate, key, s), donate_argnums=(0,)),
+               jax.jit(fns.final)) for fns in rnd.clients]
+
+    def train(global_vars, inputs):
+        outs = []
+        for (begin, step, final), part in zip(pieces, inputs):
+            results = []
+            for k in range(jax.tree.leaves(part.start)[0].shape[0]):
+                start, data, plan, cstate, key = take(tuple(part), k)
+                local, prepared = begin(start, data)
+                for s in range(jax.tree.leaves(prepared)[0].shape[0]):
+                    local = step(local, prepared, s, plan, global_vars, cstate, key)
+                results.append(final(local, start))
+            outs.append(stack(results))
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
+
+    return train
 
 
 def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort: engine.Cohort, key: jax.Array,
@@ -263,7 +269,7 @@ def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort
     if vmapped:
         train = jax.jit(lambda g, i: local_training(rnd, g, i))
     else:
-        train = lambda g, i: local_training_loop(rnd, g, i)  # noqa: E731
+        train = local_training_loop(rnd)
     trained, losses, steps = train(state.variables, inputs)
     view = RoundView(
         key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,
