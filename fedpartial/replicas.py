@@ -80,7 +80,7 @@ def replica_strategy(strategy: str) -> str:
         raise ConfigError(f"--{e}") from None
     if kind != "fused":
         raise ConfigError(f"--strategy {strategy} cannot run with --seeds or --lrs: the replicas run the fused round "
-                          f"as one jitted function over seeds; use auto, fused, fused:N or fused-unrolled.")
+                          f"as one jitted function over the replicas; use auto, fused, fused:N or fused-unrolled.")
     return strategy
 
 

@@ -122,7 +122,7 @@ def _alone(cohort, rows):
     def pick(a):
         return np.asarray(a)[list(rows)]
 
-    return engine.Cohort(Batch(*map(pick, cohort.data)), CohortInfo(*map(pick, cohort.info)))
+    return engine.Cohort(Batch(*map(pick, cohort.data)), jax.tree.map(pick, cohort.info))
 
 
 def test_layer_wise_aggregation_by_hand(staged):

@@ -217,7 +217,7 @@ def test_upload_excludes_exactly_the_personal_columns(mlp, rounds, run):
     plan1, _ = begins[1]
     r = rounds()
     c = cohort(1)
-    info = CohortInfo(*(jnp.asarray(a) for a in c.info))
+    info = jax.tree.map(jnp.asarray, c.info)
     view = RoundView(key=round_key(1), round=jnp.asarray(1), global_vars=states[1].variables,
                      method_state=states[1].method_state, client_state=None, cohort=info, data=c.data,
                      plan=plan1)
