@@ -33,6 +33,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,21 +66,32 @@ def parse_methods(text: str) -> list[str]:
     return names
 
 
+def parse_distinct(text: str, flag: str, convert: Callable[[str], Any], allowed: str, item: str) -> list:
+    """Comma-separated distinct values of ``flag``: ``convert(part)`` gives a value, or None where the part is
+    not ``allowed`` (a phrase, e.g. "whole numbers from 0 to 9"); ``item`` names one value in the message."""
+    values = []
+    for part in str(text).split(","):
+        value = convert(part.strip())
+        if value is None:
+            raise UserError(f"{flag} {text!r} is not allowed: it must be {allowed}.")
+        values.append(value)
+    if len(set(values)) < len(values):
+        raise UserError(f"{flag} {text!r} names {item} twice; name each {item.split(' ', 1)[1]} once.")
+    return values
+
+
+def _seed(part: str) -> int | None:
+    try:
+        seed = int(part)
+    except ValueError:
+        return None
+    return seed if 0 <= seed <= _MAX_SEED else None
+
+
 def parse_seeds(text: str) -> list[int]:
     """``"0,1,2"`` → ``[0, 1, 2]``: distinct whole numbers from 0 to 2³² − 1, at least one."""
-    seeds = []
-    for part in str(text).split(","):
-        try:
-            seed = int(part.strip())
-        except ValueError:
-            seed = -1
-        if not 0 <= seed <= _MAX_SEED:
-            raise UserError(f"--seeds {text!r} is not allowed: it must be whole numbers from 0 to {_MAX_SEED} "
-                            f"separated by commas, e.g. 0,1,2.")
-        seeds.append(seed)
-    if len(set(seeds)) < len(seeds):
-        raise UserError(f"--seeds {text!r} names a seed twice; name each seed once.")
-    return seeds
+    return parse_distinct(text, "--seeds", _seed,
+                          f"whole numbers from 0 to {_MAX_SEED} separated by commas, e.g. 0,1,2", "a seed")
 
 
 def parse_options(pairs: Sequence[str], methods: Sequence[str]) -> dict[str, dict]:

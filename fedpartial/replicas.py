@@ -94,21 +94,18 @@ def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] |
     return f"{config.method}-{config.dataset}-seeds{tag}{rates}"
 
 
+def _rate(part: str) -> float | None:
+    try:
+        lr = float(part)
+    except ValueError:
+        return None
+    return lr if np.isfinite(lr) and lr > 0 else None
+
+
 def parse_lrs(text: str) -> list[float]:
     """``"0.01,0.1"`` → ``[0.01, 0.1]``: distinct finite learning rates above 0, at least one."""
-    lrs = []
-    for part in str(text).split(","):
-        try:
-            lr = float(part.strip())
-        except ValueError:
-            lr = float("nan")
-        if not (np.isfinite(lr) and lr > 0):
-            raise ConfigError(f"--lrs {text!r} is not allowed: it must be learning rates above 0 separated by "
-                              f"commas, e.g. 0.01,0.05,0.1.")
-        lrs.append(lr)
-    if len(set(lrs)) < len(lrs):
-        raise ConfigError(f"--lrs {text!r} names a learning rate twice; name each once.")
-    return lrs
+    return compare.parse_distinct(text, "--lrs", _rate,
+                                  "learning rates above 0 separated by commas, e.g. 0.01,0.05,0.1", "a learning rate")
 
 
 def replica_settings(seeds: Sequence[int], lrs: Sequence[float] | None) -> list[tuple[int, float | None]]:
