@@ -232,30 +232,16 @@ def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[
     return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 
 
-def local_training_loop(rnd: engine.FederatedRound) -> Callable:
-    """``train(global_vars, inputs)``: every client's local training one client and one step at a time, each
-    step a jitted call from Python (the plain loop's and the ``stepwise:1`` strategy's layout: on a CPU,
-    conv steps inside ``lax.scan`` run several times slower).  Returns ``(trained, losses, steps)``
-    ``[K, ...]``.  The jitted pieces are built once, here, so a timed call compiles nothing."""
-    take = jax.jit(lambda tree, k: jax.tree.map(lambda a: a[k], tree))
-    stack = jax.jit(lambda parts: jax.tree.map(lambda *a: jnp.stack(a), *parts))
-    pieces = [(jax.jit(lambda start, data, fns=fns: (fns.init(start), fns.prepare(start, data))),
-               jax.jit(lambda local, data, s, plan, g, cstate, key, fns=fns: fns.step(
-                   local, jax.tree.map(lambda a: a[s], data), plan, g, cstate, key, s), donate_argnums=(0,)),
-               jax.jit(fns.final)) for fns in rnd.clients]
+def local_training_stepwise(rnd: engine.FederatedRound) -> Callable:
+    """``train(state, cohort, key)``: every client's local training as the ``stepwise:1`` strategy runs it
+    (the engine's own loop: a jitted step per client and step, called from Python; on a CPU, conv steps
+    inside ``lax.scan`` run several times slower).  Returns ``(trained, losses, steps)`` ``[K, ...]``.
+    Its jitted pieces are built once, so a timed call compiles nothing."""
+    final = jax.jit(rnd._final_results)
 
-    def train(global_vars, inputs):
-        outs = []
-        for (begin, step, final), part in zip(pieces, inputs):
-            results = []
-            for k in range(jax.tree.leaves(part.start)[0].shape[0]):
-                start, data, plan, cstate, key = take(tuple(part), k)
-                local, prepared = begin(start, data)
-                for s in range(jax.tree.leaves(prepared)[0].shape[0]):
-                    local = step(local, prepared, s, plan, global_vars, cstate, key)
-                results.append(final(local, start))
-            outs.append(stack(results))
-        return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
+    def train(state, cohort, key):
+        _, _, locals_ = rnd._stepwise_train(state, cohort, jax.random.key_data(key))
+        return final(rnd.preview(state, cohort, key).start_vars, locals_)
 
     return train
 
@@ -267,10 +253,12 @@ def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort
     preview = rnd.preview(state, cohort, key)
     vmapped = jax.default_backend() != "cpu"
     if vmapped:
-        train = jax.jit(lambda g, i: local_training(rnd, g, i))
+        fused_training = jax.jit(lambda g, i: local_training(rnd, g, i))
+        train = lambda: fused_training(state.variables, inputs)  # noqa: E731
     else:
-        train = local_training_loop(rnd)
-    trained, losses, steps = train(state.variables, inputs)
+        stepwise_training = local_training_stepwise(rnd)
+        train = lambda: stepwise_training(state, cohort, key)  # noqa: E731
+    trained, losses, steps = train()
     view = RoundView(
         key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,
         client_state=gather_clients(state.method_state.clients, cohort.info.client_ids), cohort=cohort.info,
@@ -288,12 +276,12 @@ def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort
     aggregate = jax.jit(aggregate)
     x_test, y_test = test
     return {
-        "local_training_s": best_time(lambda: train(state.variables, inputs), repeats),
+        "local_training_s": best_time(train, repeats),
         "selection_s": best_time(lambda: select(view), repeats),
         "aggregation_s": best_time(lambda: aggregate(state, trained, chosen.upload, chosen.weights), repeats),
         "evaluation_s": best_time(lambda: evaluation.evaluate(rnd.model, state.variables, x_test, y_test), repeats),
         "evaluation_examples": int(len(y_test)),
-        "local_training_mode": "vmapped" if vmapped else "a jitted step per client and step, from Python",
+        "local_training_mode": "vmapped" if vmapped else "the stepwise:1 strategy's loop of jitted steps",
     }
 
 

@@ -667,11 +667,14 @@ class FederatedRound:
         self.trace_count += 1
         view = self._view(state, cohort, key)
         starts = self._starts(view, plan)
+        trained, losses, steps = self._final_results(starts, locals_)
+        return self._aggregate_and_update(state, view, hook_keys(key), plan, starts, trained, losses, steps)
+
+    def _final_results(self, starts: dict, locals_) -> tuple:
+        """Every group's clients' local states ``locals_`` → ``(trained, losses, steps)`` ``[K, ...]``."""
         parts = [jax.vmap(fns.final)(local, start)
                  for fns, local, (start,) in zip(self.clients, locals_, self._group_slices(starts))]
-        trained, losses, steps = _concat([p[0] for p in parts]), _concat([p[1] for p in parts]), \
-            _concat([p[2] for p in parts])
-        return self._aggregate_and_update(state, view, hook_keys(key), plan, starts, trained, losses, steps)
+        return tuple(_concat([p[i] for p in parts]) for i in range(3))
 
     def _aggregate_and_update(self, state, view: RoundView, keys: HookKeys, plan, starts, trained, losses, steps):
         # Faults: a client whose result is not finite is from here on a padding client (valid False) that
@@ -982,9 +985,15 @@ class FederatedRound:
         return self._steps[group, chunk]
 
     def _stepwise_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
+        key_data = self._key_data(key)
+        cohort, plan, trained = self._stepwise_train(state, cohort, key_data)
+        return self._finish(state, cohort, key_data, plan, trained)
+
+    def _stepwise_train(self, state: ServerState, cohort: Cohort, key_data: jax.Array):
+        """The stepwise strategy's local training: ``(cohort on the device, plan, per group every client's
+        local state)`` (the benchmark times this phase on its own)."""
         step_mask = np.asarray(cohort.data.step_mask)
         cohort = jax.device_put(cohort)  # once; chunks below are sliced on the device
-        key_data = self._key_data(key)
         plan, groups = self._begin(state, cohort, key_data)
         trained = []
         for g, (group, offset, (local, inputs, plan_g, cstate, ckeys)) in enumerate(
@@ -1006,7 +1015,7 @@ class FederatedRound:
                     local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c, key_c)
                 local = _put(batched, start, local, local_c)
             trained.append(local)
-        return self._finish(state, cohort, key_data, plan, tuple(trained))
+        return cohort, plan, tuple(trained)
 
     # ---- debug strategy ----------------------------------------------------------
 

@@ -109,8 +109,8 @@ def test_bad_flags_are_one_sentence_naming_the_flag(flags, flag, capsys):
 
 @pytest.mark.parametrize("method", ["fedavg", "fedspu", "embracingfl"])
 def test_cpu_training_phase_loop_equals_the_vmapped_scan(method):
-    """On a CPU the training phase is timed as a host loop of jitted steps; it trains what the fused
-    strategy's vmapped scan trains (per-client plans, state and keys included)."""
+    """On a CPU the training phase is timed as the stepwise strategy's loop of jitted steps; it trains what
+    the fused strategy's vmapped scan trains (per-client plans, state and keys included)."""
     import numpy as np
 
     from fedpartial.benchkit import NUM_CLASSES, client_optimizer, make_data
@@ -128,6 +128,6 @@ def test_cpu_training_phase_loop_equals_the_vmapped_scan(method):
                                        np.arange(k))
     state, key = rnd.init(jax.random.key(0)), jax.random.key(1)
     inputs = rnd.local_inputs(state, cohort, key)
-    looped = bench.local_training_loop(rnd)(state.variables, inputs)
+    looped = bench.local_training_stepwise(rnd)(state, cohort, key)
     scanned = jax.jit(lambda g, i: bench.local_training(rnd, g, i))(state.variables, inputs)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), looped, scanned)
