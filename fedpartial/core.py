@@ -92,7 +92,7 @@ class ClientPlan(NamedTuple):
         payload is not what ``download`` masks (e.g. FedDST's sparse values and
         bit-masks), or None to count the masked elements.
       lr_scale: ``[K]`` multipliers of each client's optimizer updates, or None for 1.
-        Set by the engine from the cohort's ``lr_scale`` after the method plans.
+        The engine multiplies in the cohort's ``lr_scale`` after the method plans.
     """
 
     train: Mask | None = None

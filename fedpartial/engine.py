@@ -647,7 +647,8 @@ class FederatedRound:
         plan = self.method.plan(self.ctx, view._replace(key=keys.plan))
         if view.cohort.lr_scale is None:
             return plan
-        return plan._replace(lr_scale=jnp.asarray(view.cohort.lr_scale, jnp.float32))
+        scale = jnp.asarray(view.cohort.lr_scale, jnp.float32)  # a method's own per-client rates compose with it
+        return plan._replace(lr_scale=scale if plan.lr_scale is None else plan.lr_scale * scale)
 
     def _client_keys(self, keys: HookKeys, cohort: Cohort) -> jax.Array:
         return jax.vmap(lambda i: jax.random.fold_in(keys.train, i))(jnp.asarray(cohort.info.client_ids))

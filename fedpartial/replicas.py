@@ -90,7 +90,7 @@ def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] |
     ordered = sorted(seeds)
     consecutive = len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1))
     tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
-    rates = "" if lrs is None else "-lrs" + "_".join(f"{lr:g}" for lr in lrs)
+    rates = "" if lrs is None else "-lrs" + "_".join(map(repr, lrs))
     return f"{config.method}-{config.dataset}-seeds{tag}{rates}"
 
 
@@ -132,7 +132,7 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     configs = [dataclasses.replace(
         config, seed=s, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
         client_lr=config.client_lr if lr is None else lr,
-        run_name=None if lr is None else f"{config.method}-{config.dataset}-seed{s}-lr{lr:g}")
+        run_name=None if lr is None else f"{config.method}-{config.dataset}-seed{s}-lr{lr!r}")
         for s, lr in replica_settings(seeds, lrs)]
     for c in configs:
         c.validate()
@@ -189,7 +189,8 @@ class Replicas:
 
     ``sims[i]`` is replica ``i``'s simulation (seed ``seeds[i]``, client rate ``sims[i].config.client_lr``);
     its ``state`` is kept up to date (its row of the stacked state) so evaluation, early stopping,
-    checkpoints and summaries work as for one run.
+    checkpoints and summaries work as for one run.  Its ``round`` has the client optimizer at rate 1
+    (the replica round's); to train a replica on its own, build ``Simulation(sims[i].config)``.
     """
 
     def __init__(self, config: RunConfig, seeds: Sequence[int], *, out_dir: str | None = None,
@@ -278,7 +279,7 @@ def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None) -
     rows = []
     for lr in lrs:
         [row] = compare.table([r for r in runs if r["config"]["client_lr"] == lr], COLUMNS)
-        rows.append({**row, "method": f"{row['method']} lr {lr:g}", "client_lr": lr})
+        rows.append({**row, "method": f"{row['method']} lr {lr!r}", "client_lr": lr})
     return rows
 
 
@@ -290,7 +291,7 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
     row per rate (mean ± std over the seeds)."""
     rows = _summary_rows(run_dirs, lrs)
     top = rows[0] if lrs is None else {"lrs": list(lrs), "rows": rows}
-    summary = {**top, "seeds": sorted(set(seeds), key=list(seeds).index),
+    summary = {**top, "seeds": list(dict.fromkeys(seeds)),
                "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
                "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
                "wall_time_s": wall, "std": "population (ddof=0)"}

@@ -199,3 +199,15 @@ def test_cohort_lr_scale_is_per_client(mlp, unequal_cohorts):
         alone = [c._replace(info=c.info._replace(valid=np.arange(4) == k)) for c in one]
         chex.assert_trees_all_equal(_lr_round(mlp, engine.fused(), 1.0, alone, rates)[0],
                                     _lr_round(mlp, engine.fused(), rates[k], alone)[0])
+
+
+def test_a_methods_own_rates_compose_with_the_cohorts(mlp, unequal_cohorts):
+    """A method's ``ClientPlan.lr_scale`` (0.5) times the cohort's (0.2) is a rate of 0.1."""
+    halve = make_method("halve", plan=lambda ctx, view: ClientPlan(lr_scale=jnp.full(4, 0.5, jnp.float32)))
+    opt = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(1.0, momentum=0.9))
+    r = engine.FederatedRound(mlp, halve, num_clients=8, cohort_size=4, client_optimizer=opt)
+    state = r.init(jax.random.key(0))
+    for t, c in enumerate(unequal_cohorts):
+        state, _ = r(state, c._replace(info=c.info._replace(lr_scale=np.full(4, 0.2, np.float32))), jax.random.key(t))
+    want, _ = _lr_round(mlp, engine.default_strategy(), 0.1, unequal_cohorts)
+    chex.assert_trees_all_close(state.variables, want, rtol=1e-6, atol=1e-7)

@@ -202,13 +202,13 @@ def test_learning_rates_as_replicas_equal_separate_runs_at_each_rate(tmp_path):
     parent = done["out_dir"]
     assert parent.endswith("fedavg-digits-seeds0-1-lrs0.02_0.3")
     names = [os.path.basename(d) for d in done["run_dirs"]]
-    assert names == [f"fedavg-digits-seed{s}-lr{lr:g}" for lr in lrs for s in (0, 1)]
+    assert names == [f"fedavg-digits-seed{s}-lr{lr!r}" for lr in lrs for s in (0, 1)]
     finals = [r["records"][-1]["test_accuracy"] for r in done["results"]]
     assert finals[:2] != finals[2:]  # the rates really differ
     written = json.load(open(f"{parent}/seeds_summary.json"))
     assert written["lrs"] == lrs and written["seeds"] == [0, 1] and len(written["rows"]) == 2
     for i, (lr, row) in enumerate(zip(lrs, written["rows"])):
-        assert row["client_lr"] == lr and row["seeds"] == "0,1" and row["method"] == f"fedavg lr {lr:g}"
+        assert row["client_lr"] == lr and row["seeds"] == "0,1" and row["method"] == f"fedavg lr {lr!r}"
         for key in ("final_test_accuracy", "total_upload_bytes", "rounds"):
             values = [json.load(open(f"{d}/summary.json"))[key] for d in done["run_dirs"][2 * i:2 * i + 2]]
             assert row[f"{key}_mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
