@@ -149,10 +149,18 @@ class MethodContext:
     cohort_size: int
     rounds: int | None = None  # planned number of rounds, for schedules (None: unknown)
     batch_statistics: bool = False  # 'static' BatchNorm: evaluate with batch statistics
+    # The last ``padding`` rows of every cohort are padding clients (never valid) that fill the devices the
+    # cohort is split over; ``cohort_size`` counts them.  Client groups put them in their last group.
+    padding: int = 0
 
     @property
     def structure(self) -> ModelStructure:
         return self.model.structure
+
+    @property
+    def clients_per_round(self) -> int:
+        """The clients sampled each round: ``cohort_size`` without the padding rows."""
+        return self.cohort_size - self.padding
 
 
 class InitView(NamedTuple):

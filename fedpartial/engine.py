@@ -313,6 +313,23 @@ def _rows(tree: Any, start: int, size: int) -> Any:
     return jax.tree.map(lambda a: a[start:start + size], tree)
 
 
+def _rows_padded(train: Callable, multiple: int) -> Callable:
+    """``train(global_vars, args)`` over rows ``[n, ...]`` for any ``n``: ``args`` are run with copies of
+    their first rows added up to a multiple of ``multiple`` (a client group split over devices), and
+    only the first ``n`` rows of the results are kept.  Copies, not zeros: every dtype (PRNG keys
+    included) and a real client's arithmetic, so nothing in the dropped rows can fail."""
+
+    def padded(global_vars, args):
+        n = jax.tree.leaves(args)[0].shape[0]
+        extra = -n % multiple
+        if not extra:
+            return train(global_vars, args)
+        rows = jnp.arange(n + extra) % n
+        return _rows(train(global_vars, jax.tree.map(lambda a: a[rows], args)), 0, n)
+
+    return padded
+
+
 def _inexact(a) -> bool:
     return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
@@ -365,11 +382,17 @@ class FederatedRound:
       devices: split the client axis over devices (fused strategy only): a number ``D``
         of this process's devices, or a :class:`jax.sharding.Mesh` with one axis
         ``'clients'`` (:func:`fedpartial.sharding.client_mesh`; several processes: the
-        multi-host mesh).  None or 1: one device.  The cohort size, and every client
-        group's size, must be a multiple of the device count (pad the cohort with
-        padding clients, as :class:`~fedpartial.simulation.Simulation` does).  The
-        cohort is split over the devices, each device trains its own clients, and the
-        server state is replicated (see :mod:`fedpartial.sharding`).
+        multi-host mesh).  None or 1: one device.  The cohort size must be a multiple of
+        the device count (pad the cohort with padding clients, as
+        :class:`~fedpartial.simulation.Simulation` does, and say how many in ``padding``).
+        The cohort is split over the devices, each device trains its own clients, and the
+        server state is replicated (see :mod:`fedpartial.sharding`).  A client group whose
+        size is not a multiple of the device count trains with copies of its first rows
+        added up to one (their results are dropped).
+      padding: the last ``padding`` rows of every cohort are padding clients (``valid``
+        False), given to the method as ``MethodContext.padding``: a method with client
+        groups sizes its groups for the clients actually sampled and puts these rows in
+        its last group.
       client_state: where the method's per-client state (``MethodState.clients``, ``[N, ...]``)
         lives.  ``"device"``: in the state, gathered and written back inside the round.
         ``"host"``: off the device (:class:`fedpartial.client_state.HostClientState`, RAM or
@@ -398,17 +421,19 @@ class FederatedRound:
         execution_times: Any = None,
         devices: int | jax.sharding.Mesh | None = None,
         client_state: str = "device",
+        padding: int = 0,
     ):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"BatchNorm policy {bn_policy!r} is unknown; use one of {BN_POLICIES}.")
-        if not 1 <= cohort_size <= num_clients:
-            raise ValueError(
-                f"cohort size {cohort_size} must be between 1 and the population size {num_clients}."
-            )
+        if not 0 <= padding < cohort_size:
+            raise ValueError(f"padding {padding} must be between 0 and the cohort size {cohort_size} less one.")
+        if not 1 <= cohort_size - padding <= num_clients:  # padding rows may repeat ids (a whole population)
+            raise ValueError(f"cohort size {cohort_size - padding} must be between 1 and the population size "
+                             f"{num_clients}.")
         self.model = model
         self.method = method
         self.ctx = MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size,
-                                 rounds=rounds, batch_statistics=bn_policy == "static")
+                                 rounds=rounds, batch_statistics=bn_policy == "static", padding=padding)
         self.client_optimizer = client_optimizer
         self.server_optimizer = server_optimizer or optax.sgd(1.0)
         self.bn_policy = bn_policy
@@ -458,10 +483,11 @@ class FederatedRound:
             raise ValueError(
                 f"method {self.method.name}: client groups of sizes {sizes} must each hold at least one "
                 f"client and add up to the cohort size {k}.")
-        for g in groups:
-            if g.members is not None and len(g.members) < g.size:
+        for i, g in enumerate(groups):
+            sampled = g.size - (self.ctx.padding if i == len(groups) - 1 else 0)  # the padding rows come last
+            if g.members is not None and len(g.members) < sampled:
                 raise ValueError(
-                    f"method {self.method.name}: group {g.name!r} samples {g.size} clients per round "
+                    f"method {self.method.name}: group {g.name!r} samples {sampled} clients per round "
                     f"from only {len(g.members)} members.")
         return groups
 
@@ -477,11 +503,8 @@ class FederatedRound:
         if d > 1 and self.strategy.kind != "fused":
             raise ValueError(f"the {self.strategy.kind} strategy runs on one device; only the fused strategy "
                              f"splits the cohort over {d} devices.")
-        bad = [g.size for g in self.groups if g.size % d]
-        if bad:
-            what = f"cohort size {k}" if len(self.groups) == 1 else \
-                f"client groups of method {self.method.name} (sizes {[g.size for g in self.groups]})"
-            raise ValueError(f"the {what} must be a multiple of the {d} devices the cohort is split over.")
+        if k % d:
+            raise ValueError(f"the cohort size {k} must be a multiple of the {d} devices the cohort is split over.")
         return mesh if d > 1 else None
 
     def _resolve_client_state(self, where: str) -> str:
@@ -793,14 +816,15 @@ class FederatedRound:
                     return jax.vmap(train_one)(args)
                 return jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size)
 
+            args = (data, plan_g, cstate, ckeys)
             if self.mesh is not None:
                 # Each device trains its own rows (chunks are per device).  No collectives inside, so the
                 # replication check (which would ask every method to mark its scan carries) is off.
                 clients = jax.sharding.PartitionSpec(sharding_lib.CLIENT_AXIS)
-                train_group = jax.shard_map(train_group, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(),
-                                                                                   clients), out_specs=clients,
-                                            check_vma=False)
-            outs.append(train_group(state.variables, (data, plan_g, cstate, ckeys)))
+                train_group = _rows_padded(jax.shard_map(
+                    train_group, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(), clients),
+                    out_specs=clients, check_vma=False), self.mesh.size)
+            outs.append(train_group(state.variables, args))
         trained, losses, steps = (_concat([o[i] for o in outs]) for i in range(3))
         starts = self._starts(view, plan)  # recomputed, not carried: XLA fuses it into the fault check's select
         return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)

@@ -555,16 +555,16 @@ class Simulation:
                               "leave it out.")
         self.mesh = _client_mesh(config.num_devices)
         num_devices = 1 if self.mesh is None else self.mesh.size
-        if num_devices > 1 and self.method.groups is not None:
-            raise ConfigError(f"--devices {num_devices} is not allowed for --method {self.method.name}: its "
-                              "client groups run on one device; use --devices 1.")
         client_optimizer = client_optimizer or make_client_optimizer(config)
         server_optimizer = server_optimizer or make_server_optimizer(config)
+
+        padded_size = sharding.padded_size(config.cohort_size, num_devices)
 
         def build_round(client_state: str) -> engine.FederatedRound:
             return engine.FederatedRound(
                 self.model, self.method,
-                num_clients=config.num_clients, cohort_size=sharding.padded_size(config.cohort_size, num_devices),
+                num_clients=config.num_clients, cohort_size=padded_size,
+                padding=padded_size - config.cohort_size,
                 client_optimizer=client_optimizer, server_optimizer=server_optimizer,
                 bn_policy=config.bn_policy, strategy=config.run_strategy(num_devices, self.model),
                 rounds=config.rounds,

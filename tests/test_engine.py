@@ -114,6 +114,32 @@ def test_bad_cohort_shapes_are_reported(mlp):
         engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=9, client_optimizer=OPT)
     with pytest.raises(ValueError, match="strategy"):
         engine.parse_strategy("parallel")
+    with pytest.raises(ValueError, match="padding 4 must be between 0 and the cohort size 4 less one"):
+        engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT, padding=4)
+
+
+def test_padding_rows_may_take_a_cohort_past_the_population(mlp):
+    """The whole population of 6 padded to 8 (4 devices): the 6 real clients are what must fit."""
+    r = engine.FederatedRound(mlp, fedavg(), num_clients=6, cohort_size=8, client_optimizer=OPT, padding=2)
+    assert (r.ctx.cohort_size, r.ctx.clients_per_round) == (8, 6)
+    with pytest.raises(ValueError, match="cohort size 7 must be between 1 and the population size 6"):
+        engine.FederatedRound(mlp, fedavg(), num_clients=6, cohort_size=8, client_optimizer=OPT, padding=1)
+
+
+def test_rows_padded_runs_copies_of_the_first_rows_and_keeps_n():
+    seen = []
+
+    def train(global_vars, args):
+        seen.append(args["x"].shape[0])
+        return {"y": args["x"] * global_vars, "k": args["key"]}
+
+    args = {"x": jnp.arange(3.0), "key": jax.random.split(jax.random.key(0), 3)}
+    out = engine._rows_padded(train, 4)(2.0, args)
+    assert seen == [4]
+    np.testing.assert_array_equal(out["y"], [0.0, 2.0, 4.0])
+    assert out["k"].shape == (3,)
+    engine._rows_padded(train, 3)(2.0, args)
+    assert seen == [4, 3]  # already a multiple: run as it is
 
 
 def test_static_batchnorm_policy_neither_tracks_nor_uploads_statistics(mlp):

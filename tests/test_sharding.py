@@ -109,6 +109,23 @@ def test_data_on_the_device_is_split_over_four_devices_too(four_devices):
     assert case["state_devices_4"] == 4
 
 
+@pytest.mark.parametrize("index, method, groups", [
+    (0, "embracingfl", [["strong", 3], ["moderate", 1], ["weak", 4]]),  # K = 6 of a 4,2,4 mix of 10
+    (1, "heterofl", [["strong", 2], ["moderate", 2], ["weak", 4]]),  # all 6 of a 2,2,2 mix, every round
+])
+def test_client_groups_split_over_four_devices_equal_one_device(four_devices, index, method, groups):
+    """On 4 devices the tiers keep the clients drawn on one device, the 2 padding rows join the last tier,
+    and each tier not a multiple of 4 trains padded up to one inside the round.  HeteroFL's weights grow to
+    ~5 here (its scaler), so the tolerance scales with the largest weight."""
+    case = four_devices["groups"][index]
+    assert case["method"] == method
+    assert case["groups_4"] == groups
+    assert case["ids_4"][:6] == case["ids_1"] and case["valid_4"] == [True] * 6 + [False] * 2
+    assert case["ints_4"] == case["ints_1"]
+    assert case["max_diff"] <= ATOL * max(1.0, case["max_abs"])
+    assert case["acc_4"] == case["acc_1"]
+
+
 def test_refusals_are_one_sentence_naming_the_values(four_devices):
     r = four_devices["refusals"]
     assert r["engine_stepwise"] == ("the stepwise strategy runs on one device; only the fused strategy splits "
@@ -120,8 +137,6 @@ def test_refusals_are_one_sentence_naming_the_values(four_devices):
     assert r["config_stepwise"] == ("--devices 4 needs the fused strategy (--strategy fused or fused:N); "
                                     "--strategy stepwise runs on one device.")
     assert r["config_zero"] == "--devices 0 is not allowed: it must be a whole number ≥ 1."
-    assert r["config_groups"] == ("--devices 4 is not allowed for --method heterofl: its client groups run on "
-                                  "one device; use --devices 1.")
 
 
 def test_global_cohort_assembles_this_process_rows(four_devices):

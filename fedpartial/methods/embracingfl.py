@@ -52,7 +52,9 @@ from fedpartial.methods.tiers import (
     TIER_MIX_OPTION,
     TIER_NAMES,
     TierMix,
+    cohort_rows,
     resolve_mix,
+    tier_losses,
 )
 from fedpartial.models.adapter import Model
 
@@ -149,7 +151,7 @@ def embracingfl(tier_mix=None, capacity_case: int | None = None, cut=None, *, ca
     def tiers_of(ctx: MethodContext) -> tuple[TierMix, tuple[int, int, int], tuple[int, ...]]:
         mix = resolve_mix(ctx.num_clients, tier_mix, capacity_case)
         cuts = resolve_cuts(ctx.model, cut) if mix.counts[1] or mix.counts[2] or cut is not None else (0, 0, 0)
-        return mix, cuts, mix.cohort_sizes(ctx.cohort_size)
+        return mix, cuts, cohort_rows(mix, ctx)
 
     def groups(ctx: MethodContext) -> tuple[ClientGroup, ...]:
         mix, cuts, sizes = tiers_of(ctx)
@@ -169,14 +171,7 @@ def embracingfl(tier_mix=None, capacity_case: int | None = None, cut=None, *, ca
         return ClientPlan(train=masks.from_layers(ctx.structure, jnp.asarray(layers)))
 
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        tiers = row_tiers(ctx)
-        valid = view.cohort.valid
-        out = {}
-        for t in np.unique(tiers):
-            rows = jnp.asarray(tiers == t) & valid
-            out[f"train_loss_{TIER_NAMES[t]}"] = (jnp.sum(jnp.where(rows, view.client_loss, 0.0))
-                                                  / jnp.maximum(jnp.sum(rows), 1))
-        return out
+        return tier_losses(tiers_of(ctx)[2], view.cohort.valid, view.client_loss)
 
     return make_method(name, groups=groups, plan=plan, metrics=metrics)
 

@@ -280,8 +280,9 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
         raise UserError(f"FedDST min_votes = {min_votes!r} must be a positive whole number of clients.")
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
-        if min_votes > ctx.cohort_size:
-            raise UserError(f"FedDST min_votes = {min_votes} must not exceed the cohort size {ctx.cohort_size}.")
+        if min_votes > ctx.clients_per_round:
+            raise UserError(f"FedDST min_votes = {min_votes} must not exceed the cohort size "
+                            f"{ctx.clients_per_round}.")
         params = view.global_vars["params"]
         lay = layout(ctx, params, sparsity)
         leaves = []

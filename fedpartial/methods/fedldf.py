@@ -81,8 +81,8 @@ def _check_n(name: str, n: int):
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         del view
-        if n > ctx.cohort_size:
-            raise UserError(f"{name}: n = {n} clients per layer exceeds the cohort size {ctx.cohort_size}.")
+        if n > ctx.clients_per_round:
+            raise UserError(f"{name}: n = {n} clients per layer exceeds the cohort size {ctx.clients_per_round}.")
         return MethodState()
 
     return init

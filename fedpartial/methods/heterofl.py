@@ -56,7 +56,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedpartial import costs, graphs
 from fedpartial.core import ClientGroup, ClientPlan, MethodContext, RoundView, Selection
@@ -64,7 +63,14 @@ from fedpartial.errors import UserError
 from fedpartial.masks import Mask
 from fedpartial.methods.base import make_method
 from fedpartial.methods.registry import MethodSpec, Option
-from fedpartial.methods.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION, TIER_NAMES, resolve_mix
+from fedpartial.methods.tiers import (
+    CAPACITY_CASE_OPTION,
+    TIER_MIX_OPTION,
+    TIER_NAMES,
+    cohort_rows,
+    resolve_mix,
+    tier_losses,
+)
 from fedpartial.models.adapter import Model
 
 #: moderate and weak width ratios: 7/16 and 3/16 of the channels (the paper's Table 10)
@@ -157,14 +163,14 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
         raise UserError(f"heterofl: weighting {weighting!r} {check_weighting(weighting)}.")
 
     def sizes_of(ctx: MethodContext) -> tuple[int, int, int]:
-        return resolve_mix(ctx.num_clients, tier_mix, capacity_case).cohort_sizes(ctx.cohort_size)
+        return cohort_rows(resolve_mix(ctx.num_clients, tier_mix, capacity_case), ctx)
 
     def narrow(ctx: MethodContext, t: int) -> Model | None:
         return None if ratios[t] == 1 else graphs.narrow_model(ctx.model, ratios[t], module=module, scaler=scaler)
 
     def groups(ctx: MethodContext) -> tuple[ClientGroup, ...]:
         mix = resolve_mix(ctx.num_clients, tier_mix, capacity_case)
-        sizes = mix.cohort_sizes(ctx.cohort_size)
+        sizes = cohort_rows(mix, ctx)
         return tuple(
             ClientGroup(TIER_NAMES[t], sizes[t], members=mix.members(t),
                         graph=None if ratios[t] == 1 else graphs.width(ctx.model, ratios[t], module=module,
@@ -184,13 +190,7 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
         return Selection(upload=view.plan.download, weights=weights, extra_upload_bytes=jnp.zeros((k,), jnp.int32))
 
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        tiers = np.repeat(np.arange(3), sizes_of(ctx))
-        out = {}
-        for t in np.unique(tiers):
-            rows = jnp.asarray(tiers == t) & view.cohort.valid
-            out[f"train_loss_{TIER_NAMES[t]}"] = (jnp.sum(jnp.where(rows, view.client_loss, 0.0))
-                                                  / jnp.maximum(jnp.sum(rows), 1))
-        return out
+        return tier_losses(sizes_of(ctx), view.cohort.valid, view.client_loss)
 
     return make_method(name, groups=groups, plan=plan, select=select, metrics=metrics)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from fedpartial.errors import UserError
@@ -121,6 +122,25 @@ def resolve_mix(num_clients: int, tier_mix=None, capacity_case: int | None = Non
             return TierMix(case)
         return TierMix(tuple(int(c) for c in largest_remainder(case, num_clients)))
     return TierMix((num_clients, 0, 0))
+
+
+def cohort_rows(mix: TierMix, ctx) -> tuple[int, int, int]:
+    """Rows of each tier in the round's cohort, which is laid out tier after tier: the tier's sampled
+    clients (:meth:`TierMix.cohort_sizes` of ``ctx.clients_per_round``), the padding rows that fill the
+    devices (``ctx.padding``) counted in the last populated tier."""
+    sizes = list(mix.cohort_sizes(ctx.clients_per_round))
+    sizes[max(t for t in range(3) if sizes[t] > 0)] += ctx.padding
+    return tuple(sizes)
+
+
+def tier_losses(rows: tuple[int, int, int], valid, client_loss) -> dict:
+    """``train_loss_<tier>``: the mean local loss of each tier's real clients (``rows`` from :func:`cohort_rows`)."""
+    tiers = np.repeat(np.arange(3), rows)
+    out = {}
+    for t in np.unique(tiers):
+        real = jnp.asarray(tiers == t) & valid
+        out[f"train_loss_{TIER_NAMES[t]}"] = jnp.sum(jnp.where(real, client_loss, 0.0)) / jnp.maximum(jnp.sum(real), 1)
+    return out
 
 
 def describe(mix: TierMix, cohort_size: int) -> str:

@@ -8,11 +8,11 @@ import optax
 import pytest
 
 from fedpartial import engine
-from fedpartial.core import Batch, CohortInfo
+from fedpartial.core import Batch, CohortInfo, MethodContext
 from fedpartial.errors import UserError
 from fedpartial.methods import fedavg, get_method
 from fedpartial.methods.embracingfl import capacity_table, default_cuts, embracingfl, resolve_cuts
-from fedpartial.methods.tiers import CAPACITY_CASES, TierMix, resolve_mix
+from fedpartial.methods.tiers import CAPACITY_CASES, TierMix, cohort_rows, resolve_mix
 from fedpartial.models import from_stages
 from fedpartial.models.adapter import from_linen
 from fedpartial.models.registry import build_model
@@ -65,6 +65,17 @@ def test_default_cuts_follow_the_spec_and_the_generic_rule(staged):
         resolve_cuts(staged, "b2,nope")
     with pytest.raises(UserError, match="weak cut ≥ moderate cut"):
         resolve_cuts(staged, "3,1")
+
+
+def test_cohort_rows_put_the_padding_rows_in_the_last_populated_tier(staged):
+    """A cohort of 6 sampled clients padded to 8 (4 devices): the tiers are sized for the 6."""
+    mix = TierMix((4, 2, 4))
+    assert cohort_rows(mix, MethodContext(staged, 10, 6)) == (3, 1, 2)
+    assert cohort_rows(mix, MethodContext(staged, 10, 8, padding=2)) == (3, 1, 4)
+    assert cohort_rows(TierMix((5, 5, 0)), MethodContext(staged, 10, 8, padding=2)) == (3, 5, 0)
+    groups = embracingfl(tier_mix=(4, 2, 4)).groups(MethodContext(staged, 10, 8, padding=2))
+    assert [(g.name, g.size, len(g.members)) for g in groups] == [("strong", 3, 4), ("moderate", 1, 2),
+                                                                   ("weak", 4, 4)]
 
 
 def test_tier_mix_and_capacity_cases():
