@@ -127,7 +127,7 @@ def records(result):
 pytestmark = pytest.mark.xdist_group("client_state")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def device_run():
     return run(dataclasses.replace(BASE, client_state="device"))
 

@@ -23,7 +23,7 @@ METHODS, SEEDS = ("fedavg", "fedldf"), (0, 1)
 pytestmark = pytest.mark.xdist_group("compare")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def done(tmp_path_factory):
     out = tmp_path_factory.mktemp("cmp") / "c"
     code = main(["compare", "--methods", ",".join(METHODS), "--seeds", "0,1", "--option", "fedldf:n=1",

@@ -66,7 +66,7 @@ def one_round(model, strategy, c, server=None):
 pytestmark = pytest.mark.xdist_group("faults")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def poisoned_runs(mlp):
     return {name: one_round(mlp, s, cohort(poisoned=[1])) for name, s in STRATEGIES.items()}
 

@@ -83,7 +83,7 @@ def test_data_on_the_device_equals_separate_device_runs(tmp_path):
 pytestmark = pytest.mark.xdist_group("replicas")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def fedldf(tmp_path_factory):
     config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,
                        cohort_size=3, rounds=2, batch_size=8, local_epochs=1.0)

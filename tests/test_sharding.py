@@ -55,12 +55,13 @@ def _result(process: subprocess.Popen) -> dict:
     return json.loads(out.read().strip().splitlines()[-1])
 
 
-# The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
-# builds it once.
+# The fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which builds it
+# once.  Session scope: that worker may run other modules' tests in between, which would tear down (and
+# rebuild, measured 58 s) a module-scoped fixture.
 pytestmark = pytest.mark.xdist_group("sharding")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def four_devices():
     return _result(_start("tests.sharding_cases", devices=4))
 

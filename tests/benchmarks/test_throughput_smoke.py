@@ -12,7 +12,7 @@ from fedpartial import bench, cli, engine
 pytestmark = pytest.mark.xdist_group("throughput_smoke")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "t.json"
     assert cli.main(["bench", "--preset", "smoke", "--out", str(out)]) == 0

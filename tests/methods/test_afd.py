@@ -238,12 +238,12 @@ def run(r, rounds, seed=0):
 pytestmark = pytest.mark.xdist_group("afd")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def single_round(mlp):
     return build(mlp, afd(), record=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def single_rounds(single_round):
     return run(single_round, 4)
 

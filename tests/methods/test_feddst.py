@@ -189,7 +189,7 @@ def cohorts():
 pytestmark = pytest.mark.xdist_group("feddst")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def history(mlp):
     """Four FedDST rounds (s = 0.5, R_adj = 2, α = 0.5, T_end = 6): adjustments in rounds 1 and 3."""
     r = build(mlp, feddst(sparsity=0.5, adjust_every=2, adjust_fraction=0.5))

@@ -40,7 +40,7 @@ def round_key(t):
 pytestmark = pytest.mark.xdist_group("fedselect")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def rounds(mlp):
     cache = {}
 
@@ -55,7 +55,7 @@ def rounds(mlp):
     return get
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def run(rounds):
     """States before/after each of the two rounds, the round-1 plan and start models, the metrics."""
     r = rounds()
