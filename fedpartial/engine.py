@@ -945,16 +945,20 @@ class FederatedRound:
                     data = jax.tree.map(lambda a: np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]), data)
                 yield len(real), rows, chunk_info, data
 
+        # Each chunk is dispatched only once the one before it has finished (jax.block_until_ready of its
+        # result): the next chunk is still packed while the last one trains, but dispatch never runs ahead,
+        # which would keep every chunk's packed data alive at once (O(K) memory; measured 0.5 GiB at K = 10k).
         outs = []
         if self.method.streamable == "per_client":
             step = self._stream_fn("per_client", self._stream_per_client, donate=(7,))
             for size, rows, chunk_info, data in chunks(np.arange(k)):
-                sums, out = step(state, plan, ckeys, rows, chunk_info, data, key_data, sums)
+                sums, out = step(state, plan, ckeys, rows, chunk_info, data, key_data, jax.block_until_ready(sums))
                 outs.append((size, out))
             raw, steps, valid, summary, selection = _concat_rows(outs)
         else:
             first = self._stream_fn("summaries", self._stream_summaries)
             for size, rows, chunk_info, data in chunks(np.arange(k)):
+                jax.block_until_ready(outs[-1][1] if outs else None)
                 outs.append((size, first(state, plan, ckeys, rows, chunk_info, data, key_data)))
             raw, steps, valid, summary = _concat_rows(outs)
             selection, uploads = self._stream_fn("selection", self._stream_selection)(
@@ -962,7 +966,8 @@ class FederatedRound:
             again = np.flatnonzero(np.asarray(uploads))  # e.g. FedLDF: at most n·L clients
             add = self._stream_fn("add", self._stream_add, donate=(8,))
             for _, rows, chunk_info, data in chunks(again):
-                sums = add(state, plan, ckeys, rows, chunk_info, data, key_data, selection, sums)
+                sums = add(state, plan, ckeys, rows, chunk_info, data, key_data, selection,
+                           jax.block_until_ready(sums))
         return self._stream_fn("finish", self._stream_finish, donate=(0,))(
             state, info, plan, key_data, sums, selection, raw, steps, valid, summary)
 

@@ -112,6 +112,40 @@ def test_streamed_takes_one_chunk_of_data_at_a_time(mlp):
     assert_same_round(run(mlp, "fedldf", engine.fused(), [c]), streamed)
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedldf"])
+def test_a_chunk_is_packed_only_when_every_chunk_but_the_last_has_finished(mlp, monkeypatch, name):
+    """Bounded memory: dispatch never runs ahead of the computation, so at most two chunks' data are alive
+    (the one training and the next being packed), whatever the cohort size."""
+    c = cohorts(1)[0]
+    factory, server = METHODS[name]
+    r = engine.FederatedRound(mlp, factory(), num_clients=N, cohort_size=K, client_optimizer=OPT,
+                              server_optimizer=server, strategy=engine.streamed(2))
+    outputs, unfinished = [], []
+    compile_ = r._stream_fn
+
+    def spy(fn_name, fn, donate=()):
+        compiled = compile_(fn_name, fn, donate)
+        if fn_name not in ("per_client", "summaries", "add"):
+            return compiled
+
+        def call(*args):
+            result = compiled(*args)
+            outputs.append(result)
+            return result
+        return call
+
+    monkeypatch.setattr(r, "_stream_fn", spy)
+
+    def take(rows):
+        unfinished.append(sum(not a.is_ready() for o in outputs[:-1] for a in jax.tree.leaves(o)
+                              if not a.is_deleted()))  # (a donated running sum lives on as the next one)
+        return jax.tree.map(lambda a: a[rows], c.data)
+
+    lazy = c._replace(data=engine.ClientData(take, engine.ClientData.of(c.data).spec))
+    r(r.init(jax.random.key(0)), lazy, jax.random.key(1))
+    assert len(unfinished) >= 4 and not any(unfinished)
+
+
 def test_streamed_excludes_a_nonfinite_client_as_fused_does(mlp):
     c = cohorts(1)[0]
     x = c.data.x.copy()
