@@ -698,7 +698,7 @@ class Simulation:
                                        jax.devices()[0].platform)  # a streamed cohort is packed a chunk at a time
         self._population = self._device_holdout = self._gather_spec = None
         if self.data_placement == "device":
-            self._gather_spec = ondevice.gather_spec(self.sizes, batch_size=cfg.batch_size, num_steps=self.num_steps,
+            self._gather_spec = ondevice.gather_spec(batch_size=cfg.batch_size, num_steps=self.num_steps,
                                                      local_steps=cfg.local_steps, local_epochs=cfg.epochs)
             self._population = ondevice.place(self.dataset.x_train, self.dataset.y_train, self.clients,
                                               self._gather_spec)

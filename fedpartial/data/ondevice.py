@@ -20,17 +20,18 @@ placement (``--data-placement``), not across placements.
 
 A client's examples are taken from a stream of successive random permutations
 of them: with ``n`` examples, stream position ``q`` lies in permutation
-``q // n``.  Each position gets a random 32-bit score; sorting the positions by
-(permutation, score) shuffles every permutation's ``n`` positions among
-themselves, and position ``q`` reads example ``sorted[q] mod n``.  Local epochs
-read one permutation per epoch, local steps read the stream straight through,
-exactly as in the host path.  The stream is :attr:`GatherSpec.stream_length`
-long, a static bound computed once on the host (:func:`gather_spec`) so that
-every round has the same shapes and compiles once.  Its cost: every cohort member
-scores and sorts ``stream_length`` positions, the largest ``permutations x n_k`` over
-the population, so one very large client makes every member's sort that long although
-at most ``num_steps x batch_size`` positions are read (Synthetic, N=100: 6,648 sorted
-for 320 read).
+``p = q // n`` and reads example ``π_p(q mod n)``.  Local epochs read one
+permutation per epoch, local steps read the stream straight through, exactly as in
+the host path.  Each ``π_p`` is a keyed bijection of ``0 … n-1`` computed position
+by position (:func:`_permute`: a 6-round Feistel network on the smallest ``4^h ≥ n``
+values, cycle-walked back into ``0 … n-1``), so a round costs O(S x B) per client,
+the positions it reads: no client's stream is materialised or sorted, and one very
+large client costs its cohort nothing.  (An earlier version sorted a random key per
+stream position, up to the population's largest ``permutations x n_k``: measured
+4.7 s a round on CPU for K = 1,000 with one 20,000-example client, against 0.15 s
+without it.)  A Feistel permutation is pseudo-random, not drawn uniformly from all
+``n!`` orders; what SGD needs — every example once per epoch, in an order that
+changes with the key, the permutation and the client — it gives.
 
 :func:`resolve_placement` is the ``auto`` rule of ``--data-placement``.
 """
@@ -74,7 +75,6 @@ class GatherSpec(NamedTuple):
     num_steps: int  # S, the padded number of steps (packing.max_steps over the population)
     local_steps: int | None
     local_epochs: float | None
-    stream_length: int  # positions of each client's permutation stream a round may read
 
 
 def _client_steps(sizes: np.ndarray, batch_size: int, local_steps, local_epochs) -> np.ndarray:
@@ -85,21 +85,10 @@ def _client_steps(sizes: np.ndarray, batch_size: int, local_steps, local_epochs)
     return steps[inverse].reshape(np.shape(sizes))
 
 
-def gather_spec(sizes: Sequence[int] | np.ndarray, *, batch_size: int, num_steps: int,
-                local_steps: int | None = None, local_epochs: float | None = None) -> GatherSpec:
-    """The static bounds of a population with client sizes ``sizes`` (host work, once per run)."""
-    sizes = np.asarray(sizes, np.int64)
-    steps = _client_steps(sizes, batch_size, local_steps, local_epochs)
-    real = sizes > 0
-    n, s = sizes[real], steps[real]
-    if local_epochs is not None:
-        per_epoch = -(-n // batch_size)
-        permutations = -(-s // per_epoch)
-    else:
-        permutations = -(-(s * np.minimum(batch_size, n)) // n)
-    length = int((permutations * n).max()) if n.size else 1
-    return GatherSpec(int(batch_size), int(num_steps), local_steps,
-                      None if local_epochs is None else float(local_epochs), max(length, 1))
+def gather_spec(*, batch_size: int, num_steps: int, local_steps: int | None = None,
+                local_epochs: float | None = None) -> GatherSpec:
+    """The gather's static settings (its shapes depend on nothing else: not on any client's size)."""
+    return GatherSpec(int(batch_size), int(num_steps), local_steps, None if local_epochs is None else float(local_epochs))
 
 
 def layout(client_indices: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,13 +143,43 @@ def _slots(n: jax.Array, steps: jax.Array, spec: GatherSpec) -> tuple[jax.Array,
     return jnp.where(real, q, 0), real
 
 
-def _permuted_stream(key: jax.Array, n: jax.Array, length: int) -> jax.Array:
-    """``[length]`` local example indices: successive random permutations of ``0..n-1``."""
-    q = jnp.arange(length, dtype=jnp.int32)
-    block = q // jnp.maximum(n, 1)
-    score = jax.random.bits(key, (length,), jnp.uint32)
-    _, _, shuffled = jax.lax.sort((block, score, q), num_keys=2)
-    return shuffled - block * jnp.maximum(n, 1)
+#: Feistel rounds of :func:`_permute` (4 make a pseudo-random permutation from a random round function; 6 for margin)
+FEISTEL_ROUNDS = 6
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer mixer (xorshift-multiply, "lowbias32"): every input bit flips about half the output."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _permute(key_bits: jax.Array, n: jax.Array, block: jax.Array, i: jax.Array) -> jax.Array:
+    """``π_block(i)``: a keyed bijection of ``0 … n-1`` for every permutation ``block`` (arrays of positions).
+
+    A balanced Feistel network on ``[0, 4^h)``, the smallest such range holding ``n``
+    (``key_bits`` ``[FEISTEL_ROUNDS]`` uint32 and ``block`` give the round keys); a value that lands
+    at ``n`` or above is sent through the network again (cycle walking) until it is below ``n``,
+    which keeps it a bijection of ``0 … n-1``.  At least a quarter of ``[0, 4^h)`` lies below ``n``,
+    so a value needs under 4 passes on average.
+    """
+    n = jnp.maximum(n, 1).astype(jnp.uint32)
+    bits = jnp.uint32(32) - jax.lax.clz(n - 1)  # ceil(log2 n): clz(0) = 32 gives 0 for n = 1
+    h = (bits + 1) // 2
+    mask = (jnp.uint32(1) << h) - 1
+    keys = [_mix32(k + block.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)) for k in key_bits]
+
+    def feistel(v):
+        left, right = v >> h, v & mask
+        for k in keys:
+            left, right = right, left ^ (_mix32(right ^ k) & mask)
+        return (left << h) | right
+
+    v = feistel(i.astype(jnp.uint32))
+    v = jax.lax.while_loop(lambda v: jnp.any(v >= n), lambda v: jnp.where(v >= n, feistel(v), v), v)
+    return v.astype(jnp.int32)
 
 
 def gather_cohort(data: DevicePopulation, client_ids: jax.Array, valid: jax.Array, key: jax.Array,
@@ -178,7 +197,8 @@ def gather_cohort(data: DevicePopulation, client_ids: jax.Array, valid: jax.Arra
 
     def one(key_k, n_k, steps_k, offset_k):
         q, real = _slots(n_k, steps_k, spec)
-        local = _permuted_stream(key_k, n_k, spec.stream_length)[q]
+        safe_n = jnp.maximum(n_k, 1)
+        local = _permute(jax.random.bits(key_k, (FEISTEL_ROUNDS,), jnp.uint32), n_k, q // safe_n, q % safe_n)
         return jnp.where(real, offset_k + local, 0), real
 
     rows, mask = jax.vmap(one)(keys, n, steps, offsets)

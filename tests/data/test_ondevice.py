@@ -16,7 +16,7 @@ from fedpartial.simulation import ConfigError, RunConfig, Simulation
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Few static settings and fixed shapes, so that the gather compiles a handful of times for the whole file.
-BATCH, CLIENTS, MAX_SIZE, COHORT, STEPS_CAP, STREAM_CAP = 4, 6, 20, 5, 12, 64
+BATCH, CLIENTS, MAX_SIZE, COHORT, STEPS_CAP = 4, 6, 20, 5, 12
 MODES = ({"local_epochs": 0.5}, {"local_epochs": 1.5}, {"local_steps": 3})
 GATHER = jax.jit(ondevice.gather_cohort, static_argnames="spec")
 
@@ -38,11 +38,8 @@ def population(sizes, seed=0, features=(2,)):
 def gather(sizes, mode, ids, valid, seed=0, data=None):
     """The jitted gather of clients ``ids`` (padded to ``COHORT`` rows with invalid clients)."""
     x, y, clients = data or population(sizes)
-    exact = ondevice.gather_spec([len(c) for c in clients[:len(sizes)]], batch_size=BATCH, num_steps=STEPS_CAP,
-                                 **mode)
+    spec = ondevice.gather_spec(batch_size=BATCH, num_steps=STEPS_CAP, **mode)
     assert max_steps(sizes, BATCH, **{"local_steps": None, "local_epochs": None, **mode}) <= STEPS_CAP
-    assert exact.stream_length <= STREAM_CAP
-    spec = exact._replace(stream_length=STREAM_CAP)  # a longer stream than needed changes nothing but shapes
     pop = ondevice.place(x, y, clients, spec)
     pad = COHORT - len(ids)
     ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(pad, np.int32)])
@@ -139,8 +136,7 @@ def test_integer_features_and_image_shapes_keep_their_layout():
 
 def test_gather_round_compiles_once_for_many_rounds():
     x, y, clients = population([9, 4, 13, 1])
-    spec = ondevice.gather_spec([len(c) for c in clients], batch_size=BATCH, num_steps=STEPS_CAP,
-                                local_epochs=1.5)
+    spec = ondevice.gather_spec(batch_size=BATCH, num_steps=STEPS_CAP, local_epochs=1.5)
     pop = ondevice.place(x, y, clients, spec)
     holdout = jax.device_put(Holdout(np.ones((5, 3, 2), np.float32), np.ones((5, 3), np.int32),
                                      np.ones((5, 3), bool)))
@@ -226,3 +222,42 @@ def test_device_placement_learns_without_retracing_and_reproduces(sim):
 def test_bad_placement_is_one_sentence():
     with pytest.raises(ConfigError, match=r"^--data-placement 'gpu' is unknown; choose one of auto, host, device\.$"):
         RunConfig(data_placement="gpu").validate()
+
+
+PERMUTE = jax.jit(ondevice._permute)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 16, 17, 255, 1000, 20_000])
+def test_each_permutation_is_a_bijection_of_the_clients_examples(n):
+    bits = jax.random.bits(jax.random.key(n), (ondevice.FEISTEL_ROUNDS,), np.uint32)
+    i = np.arange(n, dtype=np.int32)
+    for block in (0, 1, 7):
+        np.testing.assert_array_equal(np.sort(PERMUTE(bits, np.int32(n), np.full(n, block, np.int32), i)), i)
+
+
+def test_permutations_differ_with_the_key_and_the_block_and_look_uniform():
+    """n = 5 over 4,000 keys: the first example is each of the 5 about equally often, and every ordered pair
+    of the first two occurs; another block (the next epoch) of the same key is another order."""
+    n, keys = 5, 4000
+    i = np.arange(n, dtype=np.int32)
+    bits = jax.random.bits(jax.random.key(0), (keys, ondevice.FEISTEL_ROUNDS), np.uint32)
+    perms = np.asarray(jax.vmap(lambda b: PERMUTE(b, np.int32(n), np.zeros(n, np.int32), i))(bits))
+    counts = np.bincount(perms[:, 0], minlength=n)
+    assert np.all(np.abs(counts - keys / n) < 0.1 * keys / n), counts  # binomial sd ≈ 25: 3 sd is 0.09 · 800
+    assert len({(a, b) for a, b in perms[:, :2]}) == n * (n - 1)
+    assert len({tuple(p) for p in perms}) > 100  # of the 120 orders
+    nxt = np.asarray(jax.vmap(lambda b: PERMUTE(b, np.int32(n), np.ones(n, np.int32), i))(bits))
+    assert np.mean(np.all(nxt == perms, axis=1)) < 0.05
+
+
+def test_a_very_large_client_is_gathered_from_its_own_examples_in_distinct_draws():
+    """The settings hold no client size (the stream is computed position by position, never sorted), so a
+    20,000-example client costs its cohort nothing; its 3 steps of 4 draw 12 distinct examples of its own."""
+    spec = ondevice.gather_spec(batch_size=BATCH, num_steps=STEPS_CAP, local_steps=3)
+    assert spec == ondevice.GatherSpec(BATCH, STEPS_CAP, 3, None)
+    x = np.arange(20_005, dtype=np.float32)[:, None]
+    clients = [np.arange(5), np.arange(5, 20_005)]
+    got, num = GATHER(ondevice.place(x, np.ones(20_005, np.int64), clients, spec), np.array([1, 0], np.int32),
+                      np.ones(2, bool), jax.random.key(0), spec=spec)
+    big = real_ids(got, 0)
+    assert num.tolist() == [20_000, 5] and len(np.unique(big)) == 12 and np.isin(big, clients[1]).all()
