@@ -20,6 +20,12 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
   directory that is never read (``latest_step`` ignores it) and is removed the next
   time the manager opens the directory.  Saves are synchronous (no background
   thread a signal could cut).  The two newest checkpoints are kept.
+* **Several processes** (multi-host, :mod:`fedpartial.sharding`).  The server state
+  is replicated, and each process writes its own run directory, so each writes a
+  whole checkpoint there on its own: ``checkpoints/<round>/state.npz`` (the same flat
+  arrays) and ``host.json``, written into a temporary folder renamed into place.
+  Orbax is not used there: its manager synchronises every process on one shared
+  directory, and it writes numpy arrays from process 0 only.
 * **Strict JSON.**  Result files never contain bare ``NaN``/``Infinity``: a
   non-finite float is written as ``null`` (:func:`strict_json`).
 * **Signals.**  :class:`StopFlag` turns SIGINT/SIGTERM into a flag checked between
@@ -34,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -216,8 +223,52 @@ def _manager(run_dir: str, *, read_only: bool = False):
                                  item_names=("state", "host"))
 
 
+# --- several processes: a whole checkpoint per process, in its own run directory --------------------------
+LOCAL_ARRAYS, LOCAL_HOST = "state.npz", "host.json"
+
+
+def several_processes() -> bool:
+    """A run over several processes (``jax.distributed``) checkpoints in the per-process format."""
+    return jax.process_count() > 1
+
+
+def _local_rounds(run_dir: str) -> list[int]:
+    """Rounds with a complete per-process checkpoint (a round's folder appears only once complete)."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(d) for d in os.listdir(root)
+                  if d.isdigit() and os.path.isfile(os.path.join(root, d, LOCAL_HOST)))
+
+
+def _save_local(run_dir: str, step: int, arrays: dict, host: dict) -> None:
+    root = os.path.join(run_dir, CHECKPOINTS)
+    tmp, final = os.path.join(root, f".{step}.tmp"), os.path.join(root, str(step))
+    shutil.rmtree(tmp, ignore_errors=True)  # a write cut short before
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, LOCAL_ARRAYS), "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    write_json(os.path.join(tmp, LOCAL_HOST), host)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in _local_rounds(run_dir)[:-KEEP]:
+        shutil.rmtree(os.path.join(root, str(old)))
+
+
+def _restore_local(run_dir: str, step: int) -> tuple[dict, dict]:
+    folder = os.path.join(run_dir, CHECKPOINTS, str(step))
+    with np.load(os.path.join(folder, LOCAL_ARRAYS), allow_pickle=False) as arrays:
+        state = {name: arrays[name] for name in arrays.files}
+    with open(os.path.join(folder, LOCAL_HOST)) as f:
+        return state, json.load(f)
+
+
 def latest_round(run_dir: str) -> int | None:
     """The round of the newest complete checkpoint in ``run_dir``, or None."""
+    if several_processes():
+        return (_local_rounds(run_dir) or [None])[-1]
     if not os.path.isdir(os.path.join(run_dir, CHECKPOINTS)):
         return None
     with _manager(run_dir, read_only=True) as mgr:
@@ -231,6 +282,10 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
     step = int(sim.progress["round"])
     state = sim.checkpoint_state()  # per-client rows kept off the device included
     host = {"progress": dict(sim.progress), "num_leaves": len(jax.tree.leaves(state)), **(extra or {})}
+    if several_processes():
+        if latest_round(run_dir) != step:
+            _save_local(run_dir, step, _to_arrays(state), _finite(host))
+        return step
     with _manager(run_dir) as mgr:
         if mgr.latest_step() == step:
             return step  # already saved after this round
@@ -244,15 +299,18 @@ def restore(run_dir: str, sim, step: int | None = None) -> dict:
     """Loads checkpoint ``step`` (default: the newest) into ``sim`` (state and progress); returns its host item."""
     import orbax.checkpoint as ocp
 
-    with _manager(run_dir) as mgr:
-        step = mgr.latest_step() if step is None else step
-        if step is None:
-            raise UserError(f"{run_dir} has no checkpoint to resume from (it stopped before its first one); "
-                            "start the run again.")
-        template = _to_arrays(sim.checkpoint_state())
-        restored = mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(template), host=ocp.args.JsonRestore()))
-    sim.load_state(_from_arrays(dict(restored["state"]), sim.checkpoint_state(), put=False))
-    host = dict(restored["host"])
+    step = latest_round(run_dir) if step is None else step
+    if step is None:
+        raise UserError(f"{run_dir} has no checkpoint to resume from (it stopped before its first one); "
+                        "start the run again.")
+    if several_processes():
+        arrays, host = _restore_local(run_dir, step)
+    else:
+        with _manager(run_dir) as mgr:
+            template = _to_arrays(sim.checkpoint_state())
+            restored = mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(template), host=ocp.args.JsonRestore()))
+        arrays, host = dict(restored["state"]), dict(restored["host"])
+    sim.load_state(_from_arrays(arrays, sim.checkpoint_state(), put=False))
     sim.progress = {**sim.progress, **host["progress"]}
     return host

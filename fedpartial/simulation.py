@@ -637,7 +637,9 @@ class Simulation:
         if self.client_store is not None:
             self.client_store.load(state.method_state.clients)
             state = engine.without_clients(state)
-        self.state = jax.device_put(state)
+        # replicated on the devices the cohort is split over, as the round keeps it (with several processes the
+        # arrays must be global: every process restored the same values from its own copy)
+        self.state = jax.device_put(state, None if self.mesh is None else sharding.replicated(self.mesh))
 
     def run_round(self, prepared: PreparedRound):
         """Runs the prepared round on the state (per-client rows off the device travel in and back); returns

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,32 @@ def test_signal_stops_after_the_round_and_resume_matches_uninterrupted_run(compi
     assert result["total_simulated_time_s"] == base["total_simulated_time_s"]
     assert not os.path.exists(torn)  # removed by the checkpoint manager
     assert checkpoint.read_status(run_dir)["status"] == "complete"
+
+
+def test_per_process_checkpoints_of_a_multi_process_run_resume_bit_identically(compiled, baseline, tmp_path,
+                                                                              monkeypatch):
+    """The format each process of a jax.distributed run writes into its own run directory (orbax synchronises
+    every process on one shared directory), exercised in this one process; the two-process run itself is
+    tests/test_sharding.py's slow test."""
+    base_state, _, base = baseline
+    monkeypatch.setattr(checkpoint, "several_processes", lambda: True)
+    sim = fresh(compiled, tmp_path, "multi")
+    run_dir = run(sim.config, sim=sim, checkpoint_every=1)["run_dir"]
+    root = os.path.join(run_dir, "checkpoints")
+    kept = [str(r) for r in range(ROUNDS - checkpoint.KEEP + 1, ROUNDS + 1)]
+    assert sorted(os.listdir(root), key=int) == kept  # the newest two, nothing temporary left
+    assert sorted(os.listdir(os.path.join(root, kept[-1]))) == ["host.json", "state.npz"]
+    assert checkpoint.latest_round(run_dir) == ROUNDS
+    # killed after the round before the last: its checkpoint is the newest; a half-written next one is ignored
+    shutil.rmtree(os.path.join(root, kept[-1]))
+    os.makedirs(os.path.join(root, f".{ROUNDS}.tmp"))
+    assert checkpoint.latest_round(run_dir) == ROUNDS - 1
+    sim = fresh(compiled, tmp_path, "unused")
+    result = run(sim.config, sim=sim, resume=run_dir)
+    assert result["resumed_from_round"] == ROUNDS - 1
+    _same_state(sim.state, base_state)
+    assert result["total_upload_bytes"] == base["total_upload_bytes"]
+    assert not os.path.exists(os.path.join(root, f".{ROUNDS}.tmp"))
 
 
 def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(compiled, baseline, tmp_path):

@@ -201,18 +201,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # ~50 s of two JAX start-ups, compiles and gloo collectives on 2 cores; run with -m slow
-def test_two_processes_finish_with_the_parameters_of_one():
+@pytest.mark.slow  # ~60 s of two JAX start-ups, compiles and gloo collectives on 2 cores; run with -m slow
+def test_two_processes_finish_with_the_parameters_of_one_and_resume_from_their_checkpoints(tmp_path):
     """jax.distributed on this machine: 2 processes × 2 CPU devices (gloo collectives) split a cohort of 6,
-    padded to 8, over 4 devices; both end with the one-process, one-device run's parameters (FedSPU)."""
+    padded to 8, over 4 devices; both end with the one-process, one-device run's parameters (FedSPU).  Each
+    writes a checkpoint a round into its own run directory; resumed from round 1 each ends bit for bit where
+    the uninterrupted run did.  (The same checkpoint format in one process: tests/test_checkpoint.py.)"""
     port = _free_port()
-    workers = [_start("tests.multihost_case", port, i, 2, devices=2) for i in range(2)]
+    workers = [_start("tests.multihost_case", port, i, 2, tmp_path, devices=2) for i in range(2)]
     reference = _result(_start("tests.multihost_case", devices=1))
     results = [_result(w) for w in workers]
     assert [(r["process"], r["processes"], r["devices"], r["cohort_size"]) for r in results] == [(0, 2, 4, 8), (1, 2, 4, 8)]
     assert reference["cohort_size"] == 6
     assert results[0]["params"] == results[1]["params"]  # every process holds the same replicated model
     for r in results:
+        assert r["checkpoints"] == ["1", "2"] and r["resumed_from"] == 1
+        assert r["resumed_params"] == r["params"]
         assert r["clients"] == reference["clients"] == [6, 6]
         assert r["upload_bytes"] == reference["upload_bytes"]
         for mine, theirs in zip(r["params"], reference["params"]):
