@@ -7,7 +7,7 @@ aggregates through :func:`aggregate`; they differ only in the masks and weights.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +31,68 @@ def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any,
       The aggregated tree; elements with zero total weight keep the global value.
       With ``with_received``, also a boolean tree: True where some weight arrived.
     """
+    num, den = weighted_sums(cohort_tree, weights, element_masks=element_masks)
+    new, received = _mean_or_global_tree(global_tree, num, den)
+    return (new, received) if with_received else new
 
-    def leaf(g, theta, m):
-        num, den = _sums(theta, m, weights)
-        return mean_or_global(g, num, den)
 
-    pairs = jax.tree.map(leaf, global_tree, cohort_tree, element_masks)
+def weighted_sums(cohort_tree: Any, weights: jax.Array, *, element_masks: Any = None,
+                  client_masks: Callable[[jax.Array], Any] | None = None) -> tuple[Any, Any]:
+    """Per leaf, the numerator ``Σ_k w_k m_k θ_k`` and the denominator ``Σ_k w_k m_k`` of the formula.
+
+    The masks are given expanded (``element_masks``, booleans ``[K, ...]``) or as
+    ``client_masks(k)``, client ``k``'s expanded masks (``k`` traced), so that they
+    are expanded one client at a time where they are consumed.
+
+    How the client axis is contracted depends on the platform (the results agree up to
+    float summation order).  On a CPU: a loop over the clients, each step one fused
+    element-wise pass over the model (measured for K = 100 and 199k parameters: 5.5 ms,
+    against 78 ms for dot products, whose ``[K, P]`` masked operands must first be
+    written out and leave the cache).  Elsewhere (GPU, TPU, and a cohort split over
+    devices, where XLA turns the dot products into partial sums and one all-reduce):
+    dot products over the client axis.
+    """
+    cohort_tree, weights = jax.tree.map(jnp.asarray, cohort_tree), jnp.asarray(weights)  # (numpy: indexed by k)
+    element_masks = None if element_masks is None else jax.tree.map(jnp.asarray, element_masks)
+    if contract_with_dots():
+        if element_masks is None:
+            element_masks = jax.vmap(client_masks)(jnp.arange(weights.shape[0]))
+        pairs = jax.tree.map(lambda t, m: _sums(t, m, weights), cohort_tree, element_masks)
+        return _unzip(pairs)
+    if client_masks is None:
+        client_masks = lambda k: jax.tree.map(lambda m: m[k], element_masks)  # noqa: E731
+
+    def add_client(k, acc):
+        w, masks = weights[k], client_masks(k)
+        num = jax.tree.map(lambda n, t, m: n + jnp.where(m, w.astype(t.dtype) * t[k], jnp.zeros((), t.dtype)),
+                           acc[0], cohort_tree, masks)
+        den = jax.tree.map(lambda d, t, m: d + jnp.where(m, w.astype(t.dtype), jnp.zeros((), t.dtype)),
+                           acc[1], cohort_tree, masks)
+        return num, den
+
+    zeros = jax.tree.map(lambda t: jnp.zeros(t.shape[1:], t.dtype), cohort_tree)
+    return jax.lax.fori_loop(0, weights.shape[0], add_client, (zeros, zeros))
+
+
+def contract_with_dots() -> bool:
+    """Whether :func:`weighted_sums` contracts the client axis with dot products (not on a CPU)."""
+    return jax.default_backend() != "cpu"
+
+
+def _unzip(pairs: Any) -> tuple[Any, Any]:
     is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-    new = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
-    if not with_received:
-        return new
-    return new, jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair), jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+
+
+def _mean_or_global_tree(global_tree: Any, num: Any, den: Any) -> tuple[Any, Any]:
+    return _unzip(jax.tree.map(mean_or_global, global_tree, num, den))
 
 
 def _sums(theta: jax.Array, m: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One leaf's numerator ``Σ_k w_k m_k θ_k`` and denominator ``Σ_k w_k m_k``."""
+    """One leaf's numerator ``Σ_k w_k m_k θ_k`` and denominator ``Σ_k w_k m_k`` (dot products)."""
     w = weights.astype(theta.dtype)
-    # Contract the client axis with a dot product: XLA on CPU reduces a leading
-    # axis with jnp.sum an order of magnitude slower than it runs a tensordot.
+    # Contract the client axis with a dot product: XLA reduces a leading axis with
+    # jnp.sum an order of magnitude slower than it runs a tensordot.
     num = jnp.tensordot(w, jnp.where(m, theta, jnp.zeros_like(theta)), axes=(0, 0))
     den = jnp.tensordot(w, m.astype(theta.dtype), axes=(0, 0))
     return num, den
@@ -60,8 +104,9 @@ def mean_or_global(g: jax.Array, num: jax.Array, den: jax.Array) -> tuple[jax.Ar
     return jnp.where(den > 0, num / safe, g), den > 0
 
 
-def _element_masks(structure: ModelStructure, upload: masks_lib.Mask, g: Any, collection: str) -> Any:
-    return jax.vmap(lambda m: masks_lib.expand(structure, m, g, collection))(upload)
+def _client_masks(structure: ModelStructure, upload: masks_lib.Mask, g: Any, collection: str):
+    """``k -> `` client ``k``'s upload mask expanded to the collection's elements."""
+    return lambda k: masks_lib.expand(structure, jax.tree.map(lambda a: a[k], upload), g, collection)
 
 
 def add_sums(structure: ModelStructure, sums: dict, global_vars: dict, cohort_vars: dict, upload: masks_lib.Mask,
@@ -76,13 +121,10 @@ def add_sums(structure: ModelStructure, sums: dict, global_vars: dict, cohort_va
     """
     out = dict(sums)
     for collection in sums:
-        g = global_vars[collection]
-        masks = _element_masks(structure, upload, g, collection)
-        part = jax.tree.map(lambda theta, m: _sums(theta, m, weights), cohort_vars[collection], masks)
-        is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-        num = jax.tree.map(lambda a, p: a + p[0], sums[collection][0], part, is_leaf=is_pair)
-        den = jax.tree.map(lambda a, p: a + p[1], sums[collection][1], part, is_leaf=is_pair)
-        out[collection] = (num, den)
+        num, den = weighted_sums(cohort_vars[collection], weights,
+                                 client_masks=_client_masks(structure, upload, global_vars[collection], collection))
+        out[collection] = (jax.tree.map(jnp.add, sums[collection][0], num),
+                           jax.tree.map(jnp.add, sums[collection][1], den))
     return out
 
 
@@ -97,11 +139,9 @@ def finish_sums(global_vars: dict, sums: dict) -> tuple[dict, Any]:
     out = dict(global_vars)
     received = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), bool), global_vars.get("params", {}))
     for collection, (num, den) in sums.items():
-        pairs = jax.tree.map(mean_or_global, global_vars[collection], num, den)
-        is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-        out[collection] = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+        out[collection], got = _mean_or_global_tree(global_vars[collection], num, den)
         if collection == "params":
-            received = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+            received = got
     return out, received
 
 
@@ -116,7 +156,7 @@ def aggregate(
     """Aggregates the named collections under structured upload masks ``[K]``.
 
     Collections not named are returned unchanged from ``global_vars``.  The masks
-    are expanded client by client (vmapped) right where they are consumed.
+    are expanded client by client right where they are consumed (:func:`weighted_sums`).
 
     Returns:
       ``(new_vars, received)``: ``received`` is a boolean tree shaped like the
@@ -128,9 +168,9 @@ def aggregate(
         g = global_vars.get(collection)
         if not g:
             continue
-        element_masks = _element_masks(structure, upload, g, collection)
-        out[collection], got = masked_weighted_mean(g, cohort_vars[collection], element_masks, weights,
-                                                    with_received=True)
+        num, den = weighted_sums(cohort_vars[collection], weights,
+                                 client_masks=_client_masks(structure, upload, g, collection))
+        out[collection], got = _mean_or_global_tree(g, num, den)
         if collection == "params":
             received = got
     return out, received

@@ -112,3 +112,25 @@ def test_server_sgd_one_is_fedavg_and_adam_moves_differently():
     out, _ = aggregation.server_update(adam, adam.init(g), g, new)
     # Adam's first step moves each element by lr in the direction of (new - global).
     chex.assert_trees_all_close(out, {"w": jnp.array([1.1, 1.9])}, atol=1e-5)
+
+
+def test_the_client_loop_and_the_dot_products_agree(mlp, monkeypatch):
+    """weighted_sums contracts the client axis with a loop on a CPU and with dot products elsewhere: the same
+    aggregate (and running sums) up to float summation order, structured or expanded masks alike."""
+    g = mlp.init_variables(jax.random.key(0))
+    k = 5
+    keys = jax.random.split(jax.random.key(1), 4)
+    cohort = jax.tree.map(lambda a: a[None] + jax.random.normal(keys[0], (k, *a.shape)), g)
+    neurons = tuple(jax.random.bernoulli(kk, 0.6, (k, u)) for kk, u in zip(keys[1:], mlp.structure.units))
+    upload = masks.Mask(jax.random.bernoulli(keys[3], 0.7, (k, mlp.structure.num_layers)), neurons)
+    w = jnp.array([1.0, 0.0, 2.5, 3.0, 0.5])
+    sums = aggregation.zero_sums(g)
+    results = {}
+    for dots in (False, True):
+        monkeypatch.setattr(aggregation, "contract_with_dots", lambda dots=dots: dots)
+        results[dots] = (aggregation.aggregate(mlp.structure, g, cohort, upload, w),
+                         aggregation.add_sums(mlp.structure, sums, g, cohort, upload, w),
+                         aggregation.masked_weighted_mean(g["params"], cohort["params"], jax.vmap(
+                             lambda m: masks.expand(mlp.structure, m, g["params"], "params"))(upload), w))
+    chex.assert_trees_all_close(results[False], results[True], rtol=1e-6, atol=1e-6)
+    assert not all(np.all(r) for r in jax.tree.leaves(results[False][0][1]))  # some element nobody uploaded
