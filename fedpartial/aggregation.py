@@ -48,9 +48,9 @@ def weighted_sums(cohort_tree: Any, weights: jax.Array, *, element_masks: Any = 
     float summation order).  On a CPU: a loop over the clients, each step one fused
     element-wise pass over the model (measured for K = 100 and 199k parameters: 5.5 ms,
     against 78 ms for dot products, whose ``[K, P]`` masked operands must first be
-    written out and leave the cache).  Elsewhere (GPU, TPU, and a cohort split over
-    devices, where XLA turns the dot products into partial sums and one all-reduce):
-    dot products over the client axis.
+    written out and leave the cache).  Elsewhere (GPU, TPU): dot products over the
+    client axis, which XLA turns into per-device partial sums and one all-reduce when
+    the cohort is split over devices.
     """
     cohort_tree, weights = jax.tree.map(jnp.asarray, cohort_tree), jnp.asarray(weights)  # (numpy: indexed by k)
     element_masks = None if element_masks is None else jax.tree.map(jnp.asarray, element_masks)
