@@ -106,6 +106,7 @@ def mean_or_global(g: jax.Array, num: jax.Array, den: jax.Array) -> tuple[jax.Ar
 
 def _client_masks(structure: ModelStructure, upload: masks_lib.Mask, g: Any, collection: str):
     """``k -> `` client ``k``'s upload mask expanded to the collection's elements."""
+    upload = jax.tree.map(jnp.asarray, upload)  # (numpy masks: indexed by a traced k)
     return lambda k: masks_lib.expand(structure, jax.tree.map(lambda a: a[k], upload), g, collection)
 
 

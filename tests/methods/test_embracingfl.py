@@ -99,8 +99,11 @@ def test_all_strong_equals_fedavg(staged):
     cs = cohorts([[0, 3, 5, 6], [1, 2, 4, 7]], k=4)
     _, a, ma = run(staged, embracingfl(), cs, 4)
     _, b, mb = run(staged, fedavg(), cs, 4)
-    chex.assert_trees_all_equal(a.variables, b.variables)
-    np.testing.assert_array_equal(ma[-1]["client_loss"], mb[-1]["client_loss"])
+    # Equal up to float rounding, not bit for bit: on a CPU the aggregation's loop over clients is compiled
+    # inside each method's own round program, and XLA may fuse (round) it differently in the two (measured:
+    # 3.7e-9 on a BatchNorm mean).
+    chex.assert_trees_all_close(a.variables, b.variables, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ma[-1]["client_loss"], mb[-1]["client_loss"], rtol=1e-6)
 
 
 def test_weak_clients_leave_the_prefix_bit_identical(staged):
