@@ -233,15 +233,16 @@ def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[
 
 
 def local_training_stepwise(rnd: engine.FederatedRound) -> Callable:
-    """``train(state, cohort, key)``: every client's local training as the ``stepwise:1`` strategy runs it
-    (the engine's own loop: a jitted step per client and step, called from Python; on a CPU, conv steps
-    inside ``lax.scan`` run several times slower).  Returns ``(trained, losses, steps)`` ``[K, ...]``.
-    Its jitted pieces are built once, so a timed call compiles nothing."""
+    """``train(state, cohort, key, starts)``: every client's local training as the ``stepwise:1`` strategy
+    runs it (the engine's own loop: a jitted step per client and step, called from Python; on a CPU, conv
+    steps inside ``lax.scan`` run several times slower), finished from the start models ``starts``
+    (``rnd.preview(...).start_vars``, computed once outside the timing).  Returns ``(trained, losses,
+    steps)`` ``[K, ...]``.  Its jitted pieces are built once, so a timed call compiles nothing."""
     final = jax.jit(rnd._final_results)
 
-    def train(state, cohort, key):
+    def train(state, cohort, key, starts):
         _, _, locals_ = rnd._stepwise_train(state, cohort, jax.random.key_data(key))
-        return final(rnd.preview(state, cohort, key).start_vars, locals_)
+        return final(starts, locals_)
 
     return train
 
@@ -257,7 +258,7 @@ def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort
         train = lambda: fused_training(state.variables, inputs)  # noqa: E731
     else:
         stepwise_training = local_training_stepwise(rnd)
-        train = lambda: stepwise_training(state, cohort, key)  # noqa: E731
+        train = lambda: stepwise_training(state, cohort, key, preview.start_vars)  # noqa: E731
     trained, losses, steps = train()
     view = RoundView(
         key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,

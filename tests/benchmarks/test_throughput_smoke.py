@@ -128,6 +128,6 @@ def test_cpu_training_phase_loop_equals_the_vmapped_scan(method):
                                        np.arange(k))
     state, key = rnd.init(jax.random.key(0)), jax.random.key(1)
     inputs = rnd.local_inputs(state, cohort, key)
-    looped = bench.local_training_stepwise(rnd)(state, cohort, key)
+    looped = bench.local_training_stepwise(rnd)(state, cohort, key, rnd.preview(state, cohort, key).start_vars)
     scanned = jax.jit(lambda g, i: bench.local_training(rnd, g, i))(state.variables, inputs)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), looped, scanned)
