@@ -125,12 +125,16 @@ def test_the_client_loop_and_the_dot_products_agree(mlp, monkeypatch):
     upload = masks.Mask(jax.random.bernoulli(keys[3], 0.7, (k, mlp.structure.num_layers)), neurons)
     w = jnp.array([1.0, 0.0, 2.5, 3.0, 0.5])
     sums = aggregation.zero_sums(g)
-    results = {}
+    results, dot_calls = {}, []
+    dot_sums = aggregation._sums
+    monkeypatch.setattr(aggregation, "_sums", lambda *a: dot_calls.append(1) or dot_sums(*a))
     for dots in (False, True):
         monkeypatch.setattr(aggregation, "contract_with_dots", lambda dots=dots: dots)
+        dot_calls.clear()
         results[dots] = (aggregation.aggregate(mlp.structure, g, cohort, upload, w),
                          aggregation.add_sums(mlp.structure, sums, g, cohort, upload, w),
                          aggregation.masked_weighted_mean(g["params"], cohort["params"], jax.vmap(
                              lambda m: masks.expand(mlp.structure, m, g["params"], "params"))(upload), w))
+        assert bool(dot_calls) == dots  # each path really taken
     chex.assert_trees_all_close(results[False], results[True], rtol=1e-6, atol=1e-6)
     assert not all(np.all(r) for r in jax.tree.leaves(results[False][0][1]))  # some element nobody uploaded
