@@ -94,3 +94,19 @@ def mlp_grad(p, x, y):
     dpre = (dlogits @ p["head"]["kernel"].T) * (pre > 0)
     return {"fc1": {"kernel": x.T @ dpre, "bias": dpre.sum(0)},
             "head": {"kernel": h.T @ dlogits, "bias": dlogits.sum(0)}}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Warns when ``--dist loadgroup`` lost its groups (pytest 9.2 with pytest-xdist 3.8 does,
+    pytest-dev/pytest-xdist#1386): the suite still passes, but each costly grouped fixture (the 4-device
+    subprocess, the replica runs) is then built on every worker, adding minutes."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in items
+            if any(item.iter_markers("xdist_group")) and "@" not in item.nodeid.rsplit("]", 1)[-1]]
+    if lost:
+        config.issue_config_time_warning(pytest.PytestWarning(
+            f"--dist loadgroup did not group {len(lost)} tests marked xdist_group (e.g. {lost[0]}): this pytest "
+            f"({pytest.__version__}) drops pytest-xdist's grouping, so grouped fixtures are built once per worker; "
+            "install pytest<9.2 (pyproject.toml pins it)."), stacklevel=2)
