@@ -1,8 +1,9 @@
 """One contract over every registered method (and the documented custom-method example).
 
 Whatever a method does, the engine promises: no retrace in round 2; the same seed
-gives identical results; the fused round equals the stepwise one (also ``fused:C``
-with K not a multiple of C); padded steps and examples change nothing; clients
+gives identical results; the fused round (``fused:C`` with K not a multiple of C)
+equals the stepwise one, the whole-cohort ``fused`` too (``-m slow``; the engine's
+chunking is checked per strategy in test_engine.py); padded steps and examples change nothing; clients
 outside the cohort keep their state bit for bit; an element nobody uploaded keeps
 its global value bit for bit, even under a stateful server optimizer.
 """
@@ -115,6 +116,16 @@ SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n for n in BUILDERS]
 
 
+def assert_matches_reference(got, metrics, ref, ref_metrics):
+    chex.assert_trees_all_close(got[-1].variables, ref[-1].variables, rtol=2e-5, atol=2e-6)
+    chex.assert_trees_all_close(got[-1].method_state, ref[-1].method_state, rtol=2e-5, atol=2e-6)
+    for m, r in zip(metrics, ref_metrics):
+        (m_up, r_up), (m_down, r_down) = ((engine.traffic_totals(x)[w] for x in (m, r))
+                                          for w in ("upload_bytes", "download_bytes"))
+        assert m_up == r_up and m_down == r_down
+        np.testing.assert_allclose(m["train_loss"], r["train_loss"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_method_keeps_the_engine_contract(mlp, data, name):
     # Stepwise, recording decisions: the reference.
@@ -122,22 +133,17 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
     ref, ref_metrics, traces = run(step, data)
     assert traces[0] > 0 and traces[1] == traces[0], "round 2 retraced (stepwise)"
 
-    # Fused: the same result, no retrace, and bit-identical when run again with the same seed.
-    fused = build(mlp, BUILDERS[name](), engine.fused())
-    got, metrics, traces = run(fused, data)
+    # Fused in chunks of 2 with K = 3 (not a multiple), on the cohorts padded with garbage steps and examples:
+    # the same result, no retrace, and bit-identical when run again with the same seed.  (The whole-cohort
+    # fused round differs from it only in the engine's chunking, which tests/test_engine.py checks per
+    # strategy; test_whole_cohort_fused_round_matches_too runs it for every method under -m slow.)
+    fused = build(mlp, BUILDERS[name](), engine.fused(2))
+    padded_data = [padded(c) for c in data]
+    got, metrics, traces = run(fused, padded_data)
     assert traces[1] == traces[0], "round 2 retraced (fused)"
-    again, _, _ = run(fused, data)
+    again, _, _ = run(fused, padded_data)
     chex.assert_trees_all_equal(again[-1], got[-1])
-    # fused:2 with K = 3 (not a multiple), on the cohorts padded with garbage steps and examples.
-    padded_run, padded_metrics, _ = run(build(mlp, BUILDERS[name](), engine.fused(2)), [padded(c) for c in data])
-    for other, other_metrics in ((got, metrics), (padded_run, padded_metrics)):
-        chex.assert_trees_all_close(other[-1].variables, ref[-1].variables, rtol=2e-5, atol=2e-6)
-        chex.assert_trees_all_close(other[-1].method_state, ref[-1].method_state, rtol=2e-5, atol=2e-6)
-        for m, r in zip(other_metrics, ref_metrics):
-            (m_up, r_up), (m_down, r_down) = ((engine.traffic_totals(x)[w] for x in (m, r))
-                                              for w in ("upload_bytes", "download_bytes"))
-            assert m_up == r_up and m_down == r_down
-            np.testing.assert_allclose(m["train_loss"], r["train_loss"], rtol=1e-5)
+    assert_matches_reference(got, metrics, ref, ref_metrics)
 
     for t, (c, m) in enumerate(zip(data, ref_metrics)):
         before, after = ref[t], ref[t + 1]
@@ -156,3 +162,12 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
                                      jax.tree.leaves(received)):
             keep = ~np.asarray(got_any)
             np.testing.assert_array_equal(np.asarray(new)[keep], np.asarray(old)[keep])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_whole_cohort_fused_round_matches_too(mlp, data, name):
+    ref, ref_metrics, _ = run(build(mlp, BUILDERS[name](), engine.stepwise(1)), data)
+    got, metrics, traces = run(build(mlp, BUILDERS[name](), engine.fused()), data)
+    assert traces[1] == traces[0], "round 2 retraced (fused)"
+    assert_matches_reference(got, metrics, ref, ref_metrics)
