@@ -65,9 +65,9 @@ def measure(variant: str, config: RunConfig, seeds, lrs=None) -> dict:
         records = [r["records"] for r in done["results"]]
     else:
         strategy = "fused" if variant == "sequential_fused" else "auto"
-        records = [run(dataclasses.replace(config, seed=s, strategy=strategy,
-                                           client_lr=config.client_lr if lr is None else lr))["records"]
-                   for s, lr in replicas.replica_settings(seeds, lrs)]
+        records = [run(dataclasses.replace(config, seed=r.seed, strategy=strategy,
+                                           client_lr=config.client_lr if r.lr is None else r.lr))["records"]
+                   for r in replicas.replica_settings(seeds, lrs)]
     wall = time.perf_counter() - start
     steady = sum(r["round_time_s"] for rs in records for r in rs[1:])
     return {"variant": variant, "wall_s": wall, "steady_s": steady, "records": records}

@@ -178,16 +178,20 @@ def aggregate(
 
 
 def server_update(optimizer: optax.GradientTransformation, opt_state: Any, global_params: Any, aggregated: Any,
-                  received: Any = None):
+                  received: Any = None, lr_scale: Any = None):
     """Applies ``optimizer`` to the pseudo-gradient ``global - aggregated``.
 
     With ``optax.sgd(1.0)`` this returns ``aggregated`` (FedAvg); FedAdam/FedYogi
     are ``optax.adam`` / ``optax.yogi`` here.  Elements not ``received`` (nobody
     uploaded them) keep their global value bit for bit: a stateful optimizer would
-    otherwise keep moving them on stale momentum.
+    otherwise keep moving them on stale momentum.  ``lr_scale`` (a scalar) multiplies
+    the updates: an optimizer built at rate 1 then gives the one built at that rate
+    bit for bit (its rate is its last, stateless scaling; negation and products commute).
     """
     pseudo_grad = jax.tree.map(jnp.subtract, global_params, aggregated)
     updates, opt_state = optimizer.update(pseudo_grad, opt_state, global_params)
+    if lr_scale is not None:
+        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
     new = optax.apply_updates(global_params, updates)
     if received is not None:
         new = jax.tree.map(jnp.where, received, new, global_params)

@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one replica per client learning rate (with every seed of --seeds), e.g. 0.01,0.05,0.1, "
                           "run as one simulation like --seeds: a run folder each and a mean ± std row per rate "
                           "(instead of --lr)")
+    run.add_argument("--server-lrs", default=None, metavar="LR,LR,...",
+                     help="one replica per server learning rate (with every client rate of --lrs and every seed of "
+                          "--seeds), e.g. 0.3,1.0, run as one simulation like --seeds: a run folder each and a "
+                          "mean ± std row per rate (instead of --server-lr)")
     run.add_argument("--eval-every", type=_whole_number, default=d.eval_every, help="test every this many rounds")
     run.add_argument("--out", default=d.out_dir, help="directory for run folders")
     run.add_argument("--name", default=None,
@@ -214,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
-_NOT_COMPARED = ("help", "method", "seed", "seeds", "lrs", "out", "name", "resume", "checkpoint_every")
+_NOT_COMPARED = ("help", "method", "seed", "seeds", "lrs", "server_lrs", "out", "name", "resume",
+                 "checkpoint_every")
 
 
 def _add_compare_and_plot(sub, run: argparse.ArgumentParser) -> None:
@@ -386,9 +391,10 @@ def _run(args, console: Console, argv: list[str] | None = None) -> int:
         if args.resume is not None:
             raise UserError("--config cannot be combined with --resume: a resumed run keeps its own config.json.")
         args.from_file = run_config.merge(args, *_run_flags(argv), args.config)
-    if args.seeds is not None or args.lrs is not None:  # --seed / --lr on the command line conflict
+    if _replicas_asked(args):  # --seed / --lr / --server-lr on the command line conflict
         given = run_config.given_on_command_line(*_run_flags(argv))  # (a config file's values are replaced)
-        args.seed_given, args.lr_given = "seed" in given, "lr" in given
+        args.seed_given, args.lr_given, args.server_lr_given = ("seed" in given, "lr" in given,
+                                                                "server_lr" in given)
     try:
         return _run_checked(args, console, checkpoint)
     except UserError as e:
@@ -429,7 +435,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial import simulation
 
     _join_processes(args)  # before anything touches a JAX backend
-    if args.seeds is not None or args.lrs is not None:
+    if _replicas_asked(args):
         return _run_seeds(args, console, stop)
     if args.resume is not None:
         config = simulation.load_config(args.resume)
@@ -511,13 +517,19 @@ def _run_stoppable(args, console: Console, stop) -> int:
     return 0
 
 
+def _replicas_asked(args) -> bool:
+    return any(getattr(args, name, None) is not None for name in ("seeds", "lrs", "server_lrs"))
+
+
 def _run_seeds(args, console: Console, stop) -> int:
-    """``fedpartial run --seeds`` / ``--lrs``: the replicas as one simulation (:mod:`fedpartial.replicas`)."""
+    """``fedpartial run --seeds`` / ``--lrs`` / ``--server-lrs``: the replicas as one simulation
+    (:mod:`fedpartial.replicas`)."""
     from fedpartial import compare, replicas
 
-    flag = "--seeds" if args.seeds is not None else "--lrs"
+    flag = "--seeds" if args.seeds is not None else "--lrs" if args.lrs is not None else "--server-lrs"
     seeds = compare.parse_seeds(args.seeds) if args.seeds is not None else [args.seed]
     lrs = replicas.parse_lrs(args.lrs) if args.lrs is not None else None
+    server_lrs = replicas.parse_lrs(args.server_lrs, "--server-lrs") if args.server_lrs is not None else None
     if args.resume is not None:
         raise UserError(f"{flag} cannot be combined with --resume; resume each replica's run folder on its own "
                         "(fedpartial run --resume RUN_DIR).")
@@ -525,6 +537,9 @@ def _run_seeds(args, console: Console, stop) -> int:
         raise UserError("--seeds cannot be combined with --seed; give every seed in --seeds.")
     if lrs is not None and getattr(args, "lr_given", False):
         raise UserError("--lrs cannot be combined with --lr; give every learning rate in --lrs.")
+    if server_lrs is not None and getattr(args, "server_lr_given", False):
+        raise UserError("--server-lrs cannot be combined with --server-lr; give every server learning rate in "
+                        "--server-lrs.")
     config = config_from_args(args)
     config.validate(check_model=True)
     replicas.replica_strategy(config.strategy)
@@ -539,7 +554,7 @@ def _run_seeds(args, console: Console, stop) -> int:
               f"{len(shown)} of {len(records)} replicas running", flush=True)
 
     done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every,
-                              lrs=lrs)
+                              lrs=lrs, server_lrs=server_lrs)
     failed = [(os.path.basename(r["run_dir"] or "?"), r) for r in done["results"] if r["status"] != "complete"]
     if args.quiet:
         print(done["out_dir"], flush=True)

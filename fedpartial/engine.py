@@ -193,6 +193,9 @@ class ServerState(NamedTuple):
     variables: dict  # global {'params', 'batch_stats'}
     opt_state: Any  # server optimizer state
     method_state: Any
+    # A scalar that multiplies the server optimizer's updates (the replicas of ``--server-lrs`` carry each
+    # replica's server learning rate here, with the optimizer built at rate 1); None: 1, no leaf.
+    server_lr_scale: Any = None
 
 
 #: where a method's per-client state lives (``FederatedRound(client_state=...)``)
@@ -737,7 +740,8 @@ class FederatedRound:
             proposed = self.method.server_correct(self.ctx, view._replace(key=jax.random.fold_in(keys.update, 1)))
             target = jax.tree.map(jnp.where, received, proposed, target)  # nobody uploaded: the global value
         params, opt_state = aggregation.server_update(
-            self.server_optimizer, state.opt_state, state.variables["params"], target, received)
+            self.server_optimizer, state.opt_state, state.variables["params"], target, received,
+            lr_scale=state.server_lr_scale)
         new_vars = {**aggregated, "params": params}
         view = view._replace(new_global_vars=new_vars)
         # The round is flagged (not undone) when every real client failed or the new global model is not
@@ -746,7 +750,7 @@ class FederatedRound:
         diverged = (jnp.any(sent) & ~jnp.any(valid)) | ~_all_finite(new_vars)
         method_state = self.method.update(self.ctx, view._replace(key=keys.update))
         new_state = ServerState(round=state.round + 1, variables=new_vars, opt_state=opt_state,
-                                method_state=method_state)
+                                method_state=method_state, server_lr_scale=state.server_lr_scale)
         metrics = self._metrics(view._replace(key=keys.metrics), selection, losses, steps, sent)
         metrics["client_loss"] = raw_losses  # NaN shows which client failed
         metrics["nonfinite_clients"] = jnp.sum(sent & ~valid).astype(jnp.int32)

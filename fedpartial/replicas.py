@@ -21,8 +21,12 @@ Decisions:
   replica's simulation is built with the client optimizer at rate 1 and its cohort carries its rate
   (``CohortInfo.lr_scale``), which multiplies each update.  ``sgd(1)`` then ``× lr`` is ``sgd(lr)``
   bit for bit (negation and the product are exact and commute), so seeds-only replicas are unchanged
-  and each rate's replica equals its own separate run.  The server learning rate and other settings
-  stay one per run.
+  and each rate's replica equals its own separate run.  ``--server-lrs`` likewise: the server optimizer
+  (sgd, adam, yogi, adagrad: each ends in its stateless ``× -lr``) is built at rate 1 and each replica's
+  server state carries its rate (``ServerState.server_lr_scale``); the replicas' own states, written to
+  their run folders, leave it out, so each folder is the state of a separate run at its rate and
+  resumes on its own.  Every server rate runs with every client rate and seed.  Other settings stay
+  one per run.
 * **Shapes.**  Every replica's cohort is packed to the largest number of local steps over the
   replicas' populations (``num_steps``): padded steps are exact no-ops (``client.py`` keeps the
   state with ``where``; the packing draws do not depend on ``num_steps``).  Held-out splits are
@@ -51,6 +55,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +68,7 @@ from fedpartial.simulation import (
     RunWriter,
     Simulation,
     make_client_optimizer,
+    make_server_optimizer,
     unique_run_dir,
 )
 
@@ -79,18 +85,20 @@ def replica_strategy(strategy: str) -> str:
     except ValueError as e:
         raise ConfigError(f"--{e}") from None
     if kind != "fused":
-        raise ConfigError(f"--strategy {strategy} cannot run with --seeds or --lrs: the replicas run the fused round "
+        raise ConfigError(f"--strategy {strategy} cannot run with --seeds, --lrs or --server-lrs: the replicas run the fused round "
                           f"as one jitted function over the replicas; use auto, fused, fused:N or fused-unrolled.")
     return strategy
 
 
-def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] | None = None) -> str:
+def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] | None = None,
+                 server_lrs: Sequence[float] | None = None) -> str:
     """``METHOD-DATASET-seeds0-3`` for consecutive seeds, else ``METHOD-DATASET-seeds1_5_9``; with learning
-    rates ``-lrs0.01_0.1`` after it."""
+    rates ``-lrs0.01_0.1`` after it, with server rates ``-slrs0.5_1.0``."""
     ordered = sorted(seeds)
     consecutive = len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1))
     tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
     rates = "" if lrs is None else "-lrs" + "_".join(map(repr, lrs))
+    rates += "" if server_lrs is None else "-slrs" + "_".join(map(repr, server_lrs))
     return f"{config.method}-{config.dataset}-seeds{tag}{rates}"
 
 
@@ -102,38 +110,61 @@ def _rate(part: str) -> float | None:
     return lr if np.isfinite(lr) and lr > 0 else None
 
 
-def parse_lrs(text: str) -> list[float]:
+def parse_lrs(text: str, flag: str = "--lrs") -> list[float]:
     """``"0.01,0.1"`` → ``[0.01, 0.1]``: distinct finite learning rates above 0, at least one."""
-    return compare.parse_distinct(text, "--lrs", _rate,
+    return compare.parse_distinct(text, flag, _rate,
                                   "learning rates above 0 separated by commas, e.g. 0.01,0.05,0.1", "a learning rate")
 
 
-def replica_settings(seeds: Sequence[int], lrs: Sequence[float] | None) -> list[tuple[int, float | None]]:
-    """Every replica's ``(seed, client learning rate)``: each rate with every seed (rate-major), or the
-    seeds alone (rate None: the config's)."""
-    return [(seed, lr) for lr in (lrs if lrs is not None else [None]) for seed in seeds]
+class Setting(NamedTuple):
+    """One replica: its seed, client learning rate and server learning rate (None: the config's)."""
+
+    seed: int
+    lr: float | None
+    server_lr: float | None = None
+
+
+def replica_settings(seeds: Sequence[int], lrs: Sequence[float] | None,
+                     server_lrs: Sequence[float] | None = None) -> list[Setting]:
+    """Every replica's :class:`Setting`: each server rate with each client rate with every seed (server rate,
+    then client rate, then seed), or the seeds alone (rates None: the config's)."""
+    return [Setting(seed, lr, server_lr) for server_lr in (server_lrs if server_lrs is not None else [None])
+            for lr in (lrs if lrs is not None else [None]) for seed in seeds]
+
+
+def replica_run_name(config: RunConfig, setting: Setting) -> str | None:
+    """``METHOD-DATASET-seedS`` with ``-lrX`` and ``-slrY`` for the rates given; None (the run's own default
+    name) for a seed alone."""
+    if setting.lr is None and setting.server_lr is None:
+        return None
+    return (f"{config.method}-{config.dataset}-seed{setting.seed}"
+            + ("" if setting.lr is None else f"-lr{setting.lr!r}")
+            + ("" if setting.server_lr is None else f"-slr{setting.server_lr!r}"))
 
 
 def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None,
-                    lrs: Sequence[float] | None = None) -> list[RunConfig]:
+                    lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> list[RunConfig]:
     """One validated configuration per replica (:func:`replica_settings`): ``config`` with the seed, the
-    learning rate, the fused strategy and ``out_dir``."""
+    learning rates, the fused strategy and ``out_dir``."""
     if len(seeds) < 1 or len(set(seeds)) < len(seeds):
         raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
-    if lrs is not None and (len(lrs) < 1 or len(set(lrs)) < len(lrs)):
-        raise ConfigError(f"--lrs {','.join(map(str, lrs))} is not allowed: it must name distinct learning rates.")
+    for flag, rates in (("--lrs", lrs), ("--server-lrs", server_lrs)):
+        if rates is not None and (len(rates) < 1 or len(set(rates)) < len(rates)):
+            raise ConfigError(f"{flag} {','.join(map(str, rates))} is not allowed: it must name distinct learning "
+                              "rates.")
     strategy = replica_strategy(config.strategy)
     if config.devices is not None and config.devices > 1:
-        raise ConfigError(f"--devices {config.devices} cannot run with --seeds or --lrs: the replicas run on one "
+        raise ConfigError(f"--devices {config.devices} cannot run with --seeds, --lrs or --server-lrs: the replicas run on one "
                           "device; use --devices 1.")
     if config.client_state in ("host", "disk"):
-        raise ConfigError(f"--client-state {config.client_state} cannot run with --seeds or --lrs: the replicas stack "
+        raise ConfigError(f"--client-state {config.client_state} cannot run with --seeds, --lrs or --server-lrs: the replicas stack "
                           "every seed's state on the device; use --client-state device.")
     configs = [dataclasses.replace(
-        config, seed=s, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
-        client_lr=config.client_lr if lr is None else lr,
-        run_name=None if lr is None else f"{config.method}-{config.dataset}-seed{s}-lr{lr!r}")
-        for s, lr in replica_settings(seeds, lrs)]
+        config, seed=r.seed, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
+        client_lr=config.client_lr if r.lr is None else r.lr,
+        server_lr=config.server_lr if r.server_lr is None else r.server_lr,
+        run_name=replica_run_name(config, r))
+        for r in replica_settings(seeds, lrs, server_lrs)]
     for c in configs:
         c.validate()
     return configs
@@ -184,24 +215,29 @@ def with_lr(cohort: engine.Cohort, lr: float) -> engine.Cohort:
 
 
 class Replicas:
-    """One :class:`Simulation` per replica (seed, or seed and learning rate), advanced together by one
+    """One :class:`Simulation` per replica (seed, or seed and learning rates), advanced together by one
     jitted round over the replica axis per round.
 
-    ``sims[i]`` is replica ``i``'s simulation (seed ``seeds[i]``, client rate ``sims[i].config.client_lr``);
-    its ``state`` is kept up to date (its row of the stacked state) so evaluation, early stopping,
-    checkpoints and summaries work as for one run.  Its ``round`` has the client optimizer at rate 1
-    (the replica round's); to train a replica on its own, build ``Simulation(sims[i].config)``.
+    ``sims[i]`` is replica ``i``'s simulation (seed ``seeds[i]``, client rate ``sims[i].config.client_lr``,
+    server rate ``sims[i].config.server_lr``); its ``state`` is kept up to date (its row of the stacked
+    state, without the server rate) so evaluation, early stopping, checkpoints and summaries work as for one
+    run.  Its ``round`` has the client optimizer at rate 1 (and, with ``server_lrs``, the server optimizer
+    too: the replica round's); to train a replica on its own, build ``Simulation(sims[i].config)``.
     """
 
     def __init__(self, config: RunConfig, seeds: Sequence[int], *, out_dir: str | None = None,
                  dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
-                 lrs: Sequence[float] | None = None):
-        configs = replica_configs(config, seeds, out_dir, lrs)
+                 lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None):
+        configs = replica_configs(config, seeds, out_dir, lrs, server_lrs)
         self.seeds = [c.seed for c in configs]
-        # rate 1 in the optimizer, each replica's rate in its cohorts (with_lr): one round for all rates
+        # rate 1 in the optimizers, each replica's rates in its cohorts (with_lr) and server state: one round
+        # for all rates
         self.sims = [Simulation(c, dataset_for(c) if dataset_for else None,
-                                client_optimizer=make_client_optimizer(dataclasses.replace(c, client_lr=1.0)))
+                                client_optimizer=make_client_optimizer(dataclasses.replace(c, client_lr=1.0)),
+                                server_optimizer=None if server_lrs is None else
+                                make_server_optimizer(dataclasses.replace(c, server_lr=1.0)))
                      for c in configs]
+        self._server_lrs = server_lrs is not None
         num_steps = max(sim.num_steps for sim in self.sims)
         holdouts = [sim.holdout for sim in self.sims if sim.holdout is not None]
         longest = max((h[0].shape[1] for h in holdouts), default=0)
@@ -228,7 +264,8 @@ class Replicas:
         self._round = jax.jit(over_replicas(one, *self.replica_axis), donate_argnums=(0,))
         count = len(self.sims)
         self._unstack = jax.jit(lambda s: [jax.tree.map(lambda a: a[i], s) for i in range(count)])
-        self.state = stack([sim.state for sim in self.sims])
+        self.state = stack([sim.state._replace(server_lr_scale=np.float32(sim.config.server_lr))
+                            if self._server_lrs else sim.state for sim in self.sims])
 
     def run_round(self, t: int, active: list[bool], last: list) -> list:
         """Round ``t`` of every active replica: host preparation, one replica round, then each active
@@ -260,7 +297,7 @@ class Replicas:
             if not active[i]:
                 records.append(None)
                 continue
-            sim.state = states[i]
+            sim.state = states[i]._replace(server_lr_scale=None)  # what a separate run's state holds
             try:
                 records.append(sim.finish_round(last[i], jax.tree.map(lambda a: a[i], metrics),  # noqa: B023
                                                 round_time=host[i] + share))
@@ -270,27 +307,37 @@ class Replicas:
         return records
 
 
-def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None) -> list[dict]:
+def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None,
+                  server_lrs: Sequence[float] | None = None) -> list[dict]:
     """``fedpartial compare``'s mean ± std row over the seeds' ``summary.json``, with rounds/s added; with
-    learning rates one row per rate (``client_lr``, and the rate in ``method`` for the Markdown table)."""
+    learning rates one row per (server rate, client rate) (``client_lr`` / ``server_lr``, and the rates in
+    ``method`` for the Markdown table)."""
     runs = [compare.load_run(d) for d in run_dirs]
-    if lrs is None:
+    if lrs is None and server_lrs is None:
         return compare.table(runs, COLUMNS)
     rows = []
-    for lr in lrs:
-        [row] = compare.table([r for r in runs if r["config"]["client_lr"] == lr], COLUMNS)
-        rows.append({**row, "method": f"{row['method']} lr {lr!r}", "client_lr": lr})
+    for server_lr in server_lrs if server_lrs is not None else [None]:
+        for lr in lrs if lrs is not None else [None]:
+            [row] = compare.table([r for r in runs if (lr is None or r["config"]["client_lr"] == lr) and (
+                server_lr is None or r["config"]["server_lr"] == server_lr)], COLUMNS)
+            label = ("" if lr is None else f" lr {lr!r}") + ("" if server_lr is None else f" server lr {server_lr!r}")
+            rows.append({**row, "method": row["method"] + label,
+                         **({} if lr is None else {"client_lr": lr}),
+                         **({} if server_lr is None else {"server_lr": server_lr})})
     return rows
 
 
 def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
-                  statuses: Sequence[str], replica_axis: str = "vmap", lrs: Sequence[float] | None = None) -> dict:
+                  statuses: Sequence[str], replica_axis: str = "vmap", lrs: Sequence[float] | None = None,
+                  server_lrs: Sequence[float] | None = None) -> dict:
     """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content.
 
-    Seeds only: the one row's fields at the top level.  With learning rates: ``lrs`` and ``rows``, one
-    row per rate (mean ± std over the seeds)."""
-    rows = _summary_rows(run_dirs, lrs)
-    top = rows[0] if lrs is None else {"lrs": list(lrs), "rows": rows}
+    Seeds only: the one row's fields at the top level.  With learning rates: ``lrs`` and/or ``server_lrs``
+    and ``rows``, one row per rate or pair of rates (mean ± std over the seeds)."""
+    rows = _summary_rows(run_dirs, lrs, server_lrs)
+    top = rows[0] if lrs is None and server_lrs is None else {
+        **({} if lrs is None else {"lrs": list(lrs)}),
+        **({} if server_lrs is None else {"server_lrs": list(server_lrs)}), "rows": rows}
     summary = {**top, "seeds": list(dict.fromkeys(seeds)),
                "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
                "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
@@ -304,9 +351,9 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
               stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None,
               dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
-              lrs: Sequence[float] | None = None) -> dict:
-    """Runs ``config`` once per seed (and, with ``lrs``, per client learning rate: every rate with every
-    seed) as one simulation (one jitted round over the replicas) and writes the run directories.
+              lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> dict:
+    """Runs ``config`` once per seed (and, with ``lrs`` / ``server_lrs``, per client / server learning rate:
+    every rate with every seed) as one simulation (one jitted round over the replicas) and writes the run directories.
 
     Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
     ``config.out_dir``), and per replica (:func:`replica_settings` order) its run directory, its :func:`~fedpartial.simulation.run`-style
@@ -321,10 +368,10 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     parse_replica_axis(replica_axis, "cpu")  # a bad value before a folder is made
     parent = None
     if config.out_dir:
-        replica_configs(config, seeds, config.out_dir, lrs)  # every bad value before a folder is made
-        parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds, lrs))
+        replica_configs(config, seeds, config.out_dir, lrs, server_lrs)  # every bad value before a folder is made
+        parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds, lrs, server_lrs))
     replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for, replica_axis=replica_axis,
-                        lrs=lrs)
+                        lrs=lrs, server_lrs=server_lrs)
     writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
     count = len(writers)
     active, last, errors = [True] * count, [None] * count, [None] * count
@@ -359,7 +406,8 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     summary = None
     if parent:
         summary = write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
-                                [r["status"] for r in results], replica_axis=replicas.replica_axis[0], lrs=lrs)
+                                [r["status"] for r in results], replica_axis=replicas.replica_axis[0], lrs=lrs,
+                                server_lrs=server_lrs)
     if flag.stopped:
         raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
                                         f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -138,3 +139,25 @@ def test_the_client_loop_and_the_dot_products_agree(mlp, monkeypatch):
         assert bool(dot_calls) == dots  # each path really taken
     chex.assert_trees_all_close(results[False], results[True], rtol=1e-6, atol=1e-6)
     assert not all(np.all(r) for r in jax.tree.leaves(results[False][0][1]))  # some element nobody uploaded
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "yogi", "adagrad"])
+def test_server_lr_scale_equals_the_server_optimizer_at_that_rate_bit_for_bit(name):
+    """What ``--server-lrs`` relies on: every server optimizer built at rate 1, its updates times the rate,
+    is the optimizer built at that rate (three steps, so the optimizer state matters), and the state is the same."""
+    from fedpartial.simulation import RunConfig, make_server_optimizer
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=3), jnp.float32)}
+    targets = [jax.tree.map(lambda p: p + jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(3)]
+    rate = 0.37
+    at_rate = make_server_optimizer(RunConfig(server_optimizer=name, server_lr=rate))
+    at_one = make_server_optimizer(RunConfig(server_optimizer=name, server_lr=1.0))
+    step = jax.jit(aggregation.server_update, static_argnums=0)
+    a, sa = params, at_rate.init(params)
+    b, sb = params, at_one.init(params)
+    for target in targets:
+        a, sa = step(at_rate, sa, a, target)
+        b, sb = step(at_one, sb, b, target, None, jnp.float32(rate))
+    chex.assert_trees_all_equal((a, sa), (b, sb))
+    assert not np.allclose(a["w"], params["w"])

@@ -27,21 +27,23 @@ RTOL, ATOL = 1e-5, 1e-6
 TIMES = ("round_time_s", "wall_time_s", "host_time_s")
 
 
-def _separate(config, seed, lr=None):
+def _separate(config, seed, lr=None, server_lr=None):
     lr = config.client_lr if lr is None else lr
-    sim = Simulation(dataclasses.replace(config, seed=seed, client_lr=lr, strategy="fused", out_dir=None))
+    server_lr = config.server_lr if server_lr is None else server_lr
+    sim = Simulation(dataclasses.replace(config, seed=seed, client_lr=lr, server_lr=server_lr, strategy="fused",
+                                         out_dir=None))
     steps = sim.num_steps
     return run(sim.config, sim=sim), sim, steps
 
 
-def _check_equal(config, seeds, tmp_path, replica_axis="auto", lrs=None):
+def _check_equal(config, seeds, tmp_path, replica_axis="auto", lrs=None, server_lrs=None):
     done = replicas.run_seeds(dataclasses.replace(config, out_dir=str(tmp_path)), seeds, replica_axis=replica_axis,
-                              lrs=lrs)
+                              lrs=lrs, server_lrs=server_lrs)
     steps = []
-    settings = replicas.replica_settings(seeds, lrs)
+    settings = replicas.replica_settings(seeds, lrs, server_lrs)
     assert len(done["results"]) == len(settings)
-    for (seed, lr), result, vsim in zip(settings, done["results"], done["simulations"]):
-        alone, sim, n = _separate(config, seed, lr)
+    for (seed, lr, server_lr), result, vsim in zip(settings, done["results"], done["simulations"]):
+        alone, sim, n = _separate(config, seed, lr, server_lr)
         steps.append(n)
         assert result["status"] == "complete" and len(result["records"]) == config.rounds
         for mine, theirs in zip(result["records"], alone["records"]):
@@ -213,14 +215,64 @@ def test_learning_rates_as_replicas_equal_separate_runs_at_each_rate(tmp_path):
             values = [json.load(open(f"{d}/summary.json"))[key] for d in done["run_dirs"][2 * i:2 * i + 2]]
             assert row[f"{key}_mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
             assert row[f"{key}_std"] == pytest.approx(statistics.pstdev(values), rel=1e-9, abs=1e-15)
-    for d, (seed, lr) in zip(done["run_dirs"], replicas.replica_settings([0, 1], lrs)):
+    for d, (seed, lr, _) in zip(done["run_dirs"], replicas.replica_settings([0, 1], lrs)):
         saved = json.load(open(f"{d}/config.json"))
         assert (saved["seed"], saved["client_lr"]) == (seed, lr)
     md = open(f"{parent}/seeds_summary.md").read().splitlines()
     assert md[2].startswith("| fedavg lr 0.02 | 0,1 | ") and md[3].startswith("| fedavg lr 0.3 | 0,1 | ")
 
 
-# --lrs refusals (one sentence, nothing created) are rows of docs/validation.md, run by tests/test_validation.py.
+def test_server_learning_rates_as_replicas_equal_separate_runs_and_resume_alone(tmp_path):
+    """``--server-lrs`` (FedAdam): the server optimizer at rate 1 and each replica's rate in its server state;
+    with ``--lrs`` every server rate runs with every client rate.  Each replica equals its separate run, its
+    folder holds a separate run's state (no rate in it) and resumes on its own."""
+    config = RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
+                       local_epochs=0.5, server_optimizer="adam", seed=0)
+    server_lrs, lrs = [0.03, 0.3], [0.05, 0.2]
+    done = _check_equal(config, [0, 1], tmp_path, replica_axis="map", lrs=lrs, server_lrs=server_lrs)
+    assert [sim.round.trace_count for sim in done["simulations"]] == [1] + [0] * 7
+    parent = done["out_dir"]
+    assert parent.endswith("fedavg-digits-seeds0-1-lrs0.05_0.2-slrs0.03_0.3")
+    settings = replicas.replica_settings([0, 1], lrs, server_lrs)
+    names = [os.path.basename(d) for d in done["run_dirs"]]
+    assert names == [f"fedavg-digits-seed{s}-lr{lr!r}-slr{slr!r}" for s, lr, slr in settings]
+    assert [s.server_lr for s in settings] == [0.03] * 4 + [0.3] * 4
+    finals = [r["records"][-1]["test_accuracy"] for r in done["results"]]
+    assert finals[:4] != finals[4:]  # the server rates really differ
+    for d, (seed, lr, slr) in zip(done["run_dirs"], settings):
+        saved = json.load(open(f"{d}/config.json"))
+        assert (saved["seed"], saved["client_lr"], saved["server_lr"]) == (seed, lr, slr)
+    separate = _separate(config, 1, 0.2, 0.3)[1]
+    last = done["simulations"][-1]
+    assert last.state.server_lr_scale is None
+    assert jax.tree.structure(last.state) == jax.tree.structure(separate.state)
+    written = json.load(open(f"{parent}/seeds_summary.json"))
+    assert written["lrs"] == lrs and written["server_lrs"] == server_lrs and len(written["rows"]) == 4
+    assert [(r["server_lr"], r["client_lr"]) for r in written["rows"]] == [(0.03, 0.05), (0.03, 0.2), (0.3, 0.05),
+                                                                          (0.3, 0.2)]
+    assert written["rows"][3]["method"] == "fedavg lr 0.2 server lr 0.3" and written["rows"][3]["seeds"] == "0,1"
+    # a replica's folder resumes on its own: one more round from its checkpoint equals that run going on
+    resumed = run(dataclasses.replace(last.config, rounds=3), resume=done["run_dirs"][-1])
+    alone = run(dataclasses.replace(config, seed=1, client_lr=0.2, server_lr=0.3, strategy="fused", rounds=3,
+                                    out_dir=None))
+    assert resumed["records"][-1]["test_accuracy"] == pytest.approx(alone["records"][-1]["test_accuracy"], abs=ATOL)
+
+
+def test_cli_server_lrs_with_lrs_writes_a_folder_per_pair(tmp_path, capsys):
+    assert main(["run", "--dataset", "synthetic", "--clients", "6", "--cohort", "2", "--rounds", "1",
+                 "--local-steps", "1", "--seed", "3", "--lrs", "0.1,0.01", "--server-opt", "adam", "--server-lrs",
+                 "0.5,1.0", "--out", str(tmp_path), "--quiet"]) == 0
+    parent = tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01-slrs0.5_1.0"
+    assert capsys.readouterr().out.strip() == str(parent)
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [f"fedavg-synthetic-seed3-lr{lr}-slr{slr}" for lr in ("0.1", "0.01") for slr in ("0.5", "1.0")]
+        + ["seeds_summary.json", "seeds_summary.md"])
+    saved = json.load(open(parent / "fedavg-synthetic-seed3-lr0.01-slr0.5" / "config.json"))
+    assert (saved["server_optimizer"], saved["server_lr"], saved["client_lr"]) == ("adam", 0.5, 0.01)
+
+
+# --lrs and --server-lrs refusals (one sentence, nothing created) are rows of docs/validation.md, run by
+# tests/test_validation.py.
 
 
 def test_cli_lrs_without_seeds_uses_the_seed(tmp_path, capsys):
