@@ -72,6 +72,9 @@ from fedpartial.simulation import (
     unique_run_dir,
 )
 
+#: the flags that make a run a set of replicas (named in refusals)
+REPLICA_FLAGS = "--seeds, --lrs or --server-lrs"
+
 #: the columns of ``seeds_summary.md``: fedpartial compare's, and the rounds per second
 COLUMNS = compare.COLUMNS + (("rounds_per_s", "rounds/s"),)
 
@@ -85,8 +88,8 @@ def replica_strategy(strategy: str) -> str:
     except ValueError as e:
         raise ConfigError(f"--{e}") from None
     if kind != "fused":
-        raise ConfigError(f"--strategy {strategy} cannot run with --seeds, --lrs or --server-lrs: the replicas run the fused round "
-                          f"as one jitted function over the replicas; use auto, fused, fused:N or fused-unrolled.")
+        raise ConfigError(f"--strategy {strategy} cannot run with {REPLICA_FLAGS}: the replicas run the fused "
+                          "round as one jitted function over the replicas; use auto, fused, fused:N or fused-unrolled.")
     return strategy
 
 
@@ -154,11 +157,11 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
                               "rates.")
     strategy = replica_strategy(config.strategy)
     if config.devices is not None and config.devices > 1:
-        raise ConfigError(f"--devices {config.devices} cannot run with --seeds, --lrs or --server-lrs: the replicas run on one "
+        raise ConfigError(f"--devices {config.devices} cannot run with {REPLICA_FLAGS}: the replicas run on one "
                           "device; use --devices 1.")
     if config.client_state in ("host", "disk"):
-        raise ConfigError(f"--client-state {config.client_state} cannot run with --seeds, --lrs or --server-lrs: the replicas stack "
-                          "every seed's state on the device; use --client-state device.")
+        raise ConfigError(f"--client-state {config.client_state} cannot run with {REPLICA_FLAGS}: the replicas "
+                          "stack every seed's state on the device; use --client-state device.")
     configs = [dataclasses.replace(
         config, seed=r.seed, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
         client_lr=config.client_lr if r.lr is None else r.lr,
