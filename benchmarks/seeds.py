@@ -3,10 +3,11 @@
 Usage::
 
     python -m benchmarks.seeds [--quick] [--out PATH] [--models mlp,cnn2c1f] [--seeds 0,1,2,3]
-        [--lrs 0.01,0.1] [--rounds R] [--repeats N]
+        [--lrs 0.01,0.1] [--server-lrs 0.3,1.0 --server-opt adam] [--rounds R] [--repeats N]
 
 With ``--lrs`` the replicas are every client learning rate with every seed (``fedpartial run --seeds
-... --lrs ...``) and the sequential variants run each (seed, rate) in turn.
+... --lrs ...``) and the sequential variants run each (seed, rate) in turn; ``--server-lrs`` likewise
+for the server learning rate (with every client rate too).
 
 For every model (``mlp`` on ``synthetic``, ``cnn2c1f`` on ``digits``) the script times, end to end
 as a user runs them (building the simulations, compiling, R rounds with evaluation; nothing written):
@@ -54,20 +55,21 @@ QUICK = dict(models=("mlp",), seeds=(0, 1), rounds=2, clients=4, cohort=2, local
 def base_config(model: str, cfg: dict) -> RunConfig:
     return RunConfig(dataset=MODELS[model], model=model, num_clients=cfg["clients"], cohort_size=cfg["cohort"],
                      rounds=cfg["rounds"], local_steps=cfg["local_steps"], batch_size=cfg["batch_size"],
-                     out_dir=None)
+                     server_optimizer=cfg.get("server_opt", "sgd"), out_dir=None)
 
 
-def measure(variant: str, config: RunConfig, seeds, lrs=None) -> dict:
+def measure(variant: str, config: RunConfig, seeds, lrs=None, server_lrs=None) -> dict:
     """One variant's wall time, steady-state time (rounds after the first) and per-replica records."""
     start = time.perf_counter()
     if variant in REPLICA_AXIS:
-        done = replicas.run_seeds(config, seeds, replica_axis=REPLICA_AXIS[variant], lrs=lrs)
+        done = replicas.run_seeds(config, seeds, replica_axis=REPLICA_AXIS[variant], lrs=lrs, server_lrs=server_lrs)
         records = [r["records"] for r in done["results"]]
     else:
         strategy = "fused" if variant == "sequential_fused" else "auto"
-        records = [run(dataclasses.replace(config, seed=r.seed, strategy=strategy,
-                                           client_lr=config.client_lr if r.lr is None else r.lr))["records"]
-                   for r in replicas.replica_settings(seeds, lrs)]
+        records = [run(dataclasses.replace(
+            config, seed=r.seed, strategy=strategy, client_lr=config.client_lr if r.lr is None else r.lr,
+            server_lr=config.server_lr if r.server_lr is None else r.server_lr))["records"]
+            for r in replicas.replica_settings(seeds, lrs, server_lrs)]
     wall = time.perf_counter() - start
     steady = sum(r["round_time_s"] for rs in records for r in rs[1:])
     return {"variant": variant, "wall_s": wall, "steady_s": steady, "records": records}
@@ -89,7 +91,7 @@ def run_model(model: str, cfg: dict) -> dict:
     best: dict[str, dict] = {}
     for rep in range(cfg["repeats"]):
         for variant in VARIANTS:
-            m = measure(variant, config, cfg["seeds"], cfg.get("lrs"))
+            m = measure(variant, config, cfg["seeds"], cfg.get("lrs"), cfg.get("server_lrs"))
             log(f"{model} repeat {rep + 1}: {variant} {m['wall_s']:.1f} s (steady {m['steady_s']:.2f} s)")
             if variant not in best or m["wall_s"] < best[variant]["wall_s"]:
                 best[variant] = m
@@ -128,6 +130,9 @@ def parse_args(argv):
     p.add_argument("--models", help="comma-separated, from " + ", ".join(MODELS))
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3)")
     p.add_argument("--lrs", help="comma-separated client learning rates, each with every seed (default: none)")
+    p.add_argument("--server-lrs", help="comma-separated server learning rates, each with every client rate and "
+                                        "seed (default: none)")
+    p.add_argument("--server-opt", default="sgd", help="server optimizer: sgd, adam, yogi, adagrad (default sgd)")
     p.add_argument("--rounds", type=int)
     p.add_argument("--repeats", type=int)
     return p.parse_args(argv)
@@ -142,12 +147,15 @@ def main(argv=None) -> int:
         cfg["seeds"] = tuple(int(s) for s in args.seeds.split(","))
     if args.lrs:
         cfg["lrs"] = tuple(replicas.parse_lrs(args.lrs))
+    if args.server_lrs:
+        cfg["server_lrs"] = tuple(replicas.parse_lrs(args.server_lrs, "--server-lrs"))
+    cfg["server_opt"] = args.server_opt
     for name in ("rounds", "repeats"):
         if getattr(args, name):
             cfg[name] = getattr(args, name)
     device = device_info()
     date = datetime.date.today().isoformat()
-    tag = "-lrs" if args.lrs else ""
+    tag = ("-lrs" if args.lrs else "") + ("-server-lrs" if args.server_lrs else "")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"seeds-{device['backend']}-{date}{tag}.json")
     log(f"device: {device['backend']} / {device['device_kind']}  ({device['cpu_count']} CPUs)")
     results = [run_model(model, cfg) for model in cfg["models"]]
