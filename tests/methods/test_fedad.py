@@ -233,17 +233,21 @@ def test_hessian_global_rate_is_the_weighted_mean_of_each_clients_eigen_gap_rate
     new, m = r(state, c, KEY)
     assert int(new.method_state.server.updates) == 1
     update_key = engine.hook_keys(KEY).update
+
+    @jax.jit  # one compilation for every client (eagerly, each client's closure recompiled every scan)
+    def client_rate(trained, x, y, mask, key):
+        def loss(params):
+            return model_loss(mlp, {**trained, "params": params}, x, y, mask, train=False)[0]
+
+        eigs = hessian.hessian_spectrum(loss, trained["params"], 6, key)
+        return hessian.eigengap_rate(eigs, hessian.secant_lipschitz(jax.grad(loss), start["params"],
+                                                                    trained["params"]))
+
     rates = []
     for i in range(K):  # the criterion outside the engine, client by client, on its first local batch
         trained = jax.tree.map(lambda a, i=i: a[i], m["trained"])
         x, y, mask = c.data.x[i, 0], c.data.y[i, 0], c.data.example_mask[i, 0]
-
-        def loss(params, trained=trained, x=x, y=y, mask=mask):
-            return model_loss(mlp, {**trained, "params": params}, x, y, mask, train=False)[0]
-
-        eigs = hessian.hessian_spectrum(loss, trained["params"], 6, jax.random.fold_in(update_key, int(IDS[i])))
-        lip = hessian.secant_lipschitz(jax.grad(loss), start["params"], trained["params"])
-        rates.append(float(hessian.eigengap_rate(eigs, lip)))
+        rates.append(float(client_rate(trained, x, y, mask, jax.random.fold_in(update_key, int(IDS[i])))))
     n = np.asarray(c.info.num_samples, np.float64)
     expect = min(float(np.sum(n * np.array(rates)) / n.sum()), 0.5)  # d_avg is capped at max_rate
     np.testing.assert_allclose(float(new.method_state.server.global_rate), expect, rtol=1e-4, atol=1e-6)
