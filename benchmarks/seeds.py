@@ -41,7 +41,7 @@ import time
 
 from benchmarks.strategies import device_info, log
 from fedpartial import replicas
-from fedpartial.simulation import RunConfig, run
+from fedpartial.simulation import SERVER_OPTIMIZERS, RunConfig, run
 
 VARIANTS = ("vmapped", "mapped", "sequential_fused", "sequential_default")
 #: the replica variants and their ``replica_axis``
@@ -132,7 +132,8 @@ def parse_args(argv):
     p.add_argument("--lrs", help="comma-separated client learning rates, each with every seed (default: none)")
     p.add_argument("--server-lrs", help="comma-separated server learning rates, each with every client rate and "
                                         "seed (default: none)")
-    p.add_argument("--server-opt", default="sgd", help="server optimizer: sgd, adam, yogi, adagrad (default sgd)")
+    p.add_argument("--server-opt", default="sgd", choices=SERVER_OPTIMIZERS,
+                   help="server optimizer (default sgd)")
     p.add_argument("--rounds", type=int)
     p.add_argument("--repeats", type=int)
     return p.parse_args(argv)
