@@ -472,7 +472,7 @@ class FederatedRound:
                 in_shardings=(everywhere, sharding_lib.cohort_sharding(self.mesh), everywhere), donate_argnums=(0,))
         self._begin = jax.jit(lambda s, c, k: self._begin_round(s, c, self._wrap(k)))
         self._finish = jax.jit(lambda s, c, k, p, l: self._finish_round(s, c, self._wrap(k), p, l))
-        self._steps: dict[tuple[int, int | None], Any] = {}
+        self._steps: dict[tuple[int, int | None, bool], Any] = {}
         self._preview = None
         self._stream_fns: dict[str, Any] = {}
 
@@ -1001,22 +1001,27 @@ class FederatedRound:
             groups.append((jax.vmap(fns.init)(start), inputs, plan_g, cstate, jax.random.key_data(ckeys)))
         return plan, tuple(groups)
 
-    def _step_fn(self, group: int, chunk: int | None):
+    def _step_fn(self, group: int, chunk: int | None, all_real: bool = False):
         """A jitted step over ``chunk`` clients of ``group`` (None: one client, un-vmapped).
 
         Signature ``(local, data, s, plan, global_vars, client_state, client_key) -> local``.
+        ``all_real``: the host knows step ``s`` is real for every client of the chunk, so the step mask is
+        the constant True and XLA drops the select that keeps padded steps no-ops (one more read and write
+        of the whole local state a step: measured 2–4% of a VGG-9 step on CPU).  Bit-identical results.
         """
-        if (group, chunk) not in self._steps:
+        if (group, chunk, all_real) not in self._steps:
             step = self.clients[group].step
 
             def one_step(local, data, s, plan, global_vars, cstate, ckey_data):
                 self.trace_count += 1
                 batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, s, axis=0, keepdims=False), data)
+                if all_real:
+                    batch = batch._replace(step_mask=jnp.ones((), bool))
                 return step(local, batch, plan, global_vars, cstate, self._wrap(ckey_data), s)
 
             fn = one_step if chunk is None else jax.vmap(one_step, in_axes=(0, 0, None, 0, None, 0, 0))
-            self._steps[group, chunk] = jax.jit(fn, donate_argnums=(0,))
-        return self._steps[group, chunk]
+            self._steps[group, chunk, all_real] = jax.jit(fn, donate_argnums=(0,))
+        return self._steps[group, chunk, all_real]
 
     def _stepwise_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
         key_data = self._key_data(key)
@@ -1041,11 +1046,12 @@ class FederatedRound:
                 # One jitted call takes the chunk out, one writes it back in place:
                 # slicing leaf by leaf on the host costs a dispatch per leaf and client.
                 local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, (local, data, plan_g, cstate, ckeys))
-                step = self._step_fn(g, batched)
-                # Steps after the chunk's last real step are padding: skip them on the host.
+                # Steps after the chunk's last real step are padding: skip them on the host.  A step real
+                # for every client of the chunk (each step of one client's packed data) needs no select.
                 rows = step_mask[offset + start:offset + start + size]
                 active = np.flatnonzero(rows.any(axis=0))
                 for s in range(int(active[-1]) + 1 if active.size else 0):
+                    step = self._step_fn(g, batched, bool(rows[:, s].all()))
                     local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c, key_c)
                 local = _put(batched, start, local, local_c)
             trained.append(local)

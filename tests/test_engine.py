@@ -68,6 +68,24 @@ def test_strategies_agree_on_conv_model(cnn):
     chex.assert_trees_all_close(results[0].variables, results[1].variables, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stepwise_drops_the_padding_select_only_where_every_client_of_the_chunk_is_real(mlp, unequal_cohorts,
+                                                                                       monkeypatch, chunk):
+    """Real steps 3, 1, 2, 3: one client at a time every executed step is real (the constant-True step
+    mask); in chunks of 3, steps 1 and 2 hold a padded client and keep the select.  Either way the
+    result is bit-identical to running every step with the select."""
+    r, state, metrics = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
+    used = {(c, all_real) for _, c, all_real in r._steps}
+    assert used == ({(None, True)} if chunk == 1 else {(3, True), (3, False), (1, True)})
+
+    select_always = engine.FederatedRound._step_fn
+    monkeypatch.setattr(engine.FederatedRound, "_step_fn", lambda self, g, c, all_real=False: select_always(self, g, c))
+    r2, state2, metrics2 = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
+    assert {all_real for *_, all_real in r2._steps} == {False}
+    chex.assert_trees_all_equal(state2, state)
+    assert [m["train_loss"] for m in metrics2] == [m["train_loss"] for m in metrics]
+
+
 def test_invalid_padding_client_changes_nothing(mlp):
     c = make_cohort((4,), k=4, steps=2, seed=1)
     # Clients 0-2 real; client 3 is a padding slot (valid False): same result as a cohort where
