@@ -68,22 +68,37 @@ def test_strategies_agree_on_conv_model(cnn):
     chex.assert_trees_all_close(results[0].variables, results[1].variables, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_stepwise_drops_the_padding_select_only_where_every_client_of_the_chunk_is_real(mlp, unequal_cohorts,
-                                                                                       monkeypatch, chunk):
-    """Real steps 3, 1, 2, 3: one client at a time every executed step is real (the constant-True step
-    mask); in chunks of 3, steps 1 and 2 hold a padded client and keep the select.  Either way the
-    result is bit-identical to running every step with the select."""
-    r, state, metrics = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
-    used = {(c, all_real) for _, c, all_real in r._steps}
-    assert used == ({(None, True)} if chunk == 1 else {(3, True), (3, False), (1, True)})
+def masks_always(monkeypatch):
+    """Makes every stepwise step the masked variant (the data's step and example masks, the select)."""
+    masked = engine.FederatedRound._step_fn
+    monkeypatch.setattr(engine.FederatedRound, "_step_fn", lambda self, g, c, full=False: masked(self, g, c))
 
-    select_always = engine.FederatedRound._step_fn
-    monkeypatch.setattr(engine.FederatedRound, "_step_fn", lambda self, g, c, all_real=False: select_always(self, g, c))
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stepwise_drops_the_masks_only_where_the_chunk_has_no_padding(mlp, unequal_cohorts, monkeypatch, chunk):
+    """Real steps 3, 1, 2, 3 and real examples 5, 2, 4, 5 of 5: one client at a time, clients 0 and 3
+    run without masks and clients 1 and 2 (partial batches) with them; in chunks of 3, the first chunk
+    holds padded steps and examples and keeps the masks.  The result equals running every step with the
+    masks up to float reassociation (the MLP's BatchNorm statistics are the same sums in another order)."""
+    r, state, metrics = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
+    used = {(c, full) for _, c, full in r._steps}
+    assert used == ({(None, True), (None, False)} if chunk == 1 else {(3, False), (1, True)})
+
+    masks_always(monkeypatch)
     r2, state2, metrics2 = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
-    assert {all_real for *_, all_real in r2._steps} == {False}
-    chex.assert_trees_all_equal(state2, state)
-    assert [m["train_loss"] for m in metrics2] == [m["train_loss"] for m in metrics]
+    assert {full for *_, full in r2._steps} == {False}
+    chex.assert_trees_all_close(state2, state, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([m["train_loss"] for m in metrics2], [m["train_loss"] for m in metrics], rtol=1e-6)
+
+
+def test_stepwise_without_masks_keeps_batchnorm_statistics_up_to_float_noise(cnn, monkeypatch):
+    """The conv model's BatchNorm over [B, H, W] with and without the example mask."""
+    cohorts = [make_cohort((4, 4, 1), k=4, steps=2, seed=3, real_steps=[2, 1, 2, 2], real_examples=[5, 5, 3, 5])]
+    r, state, _ = run_rounds(cnn, fedavg(), engine.stepwise(1), cohorts)
+    assert {full for *_, full in r._steps} == {True, False}
+    masks_always(monkeypatch)
+    _, masked, _ = run_rounds(cnn, fedavg(), engine.stepwise(1), cohorts)
+    chex.assert_trees_all_close(state.variables, masked.variables, rtol=1e-5, atol=1e-6)
 
 
 def test_invalid_padding_client_changes_nothing(mlp):
