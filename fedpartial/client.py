@@ -46,10 +46,11 @@ class LocalState(NamedTuple):
 
 
 class ClientFns(NamedTuple):
-    init: Any  # (start_vars) -> LocalState
+    init: Any  # (start_vars, optimizer=True) -> LocalState (without optimizer state: opt_state ())
     prepare: Any  # (start_vars, data [S, B, ...]) -> inputs [S, B, ...]
     step: Any  # (local, batch, plan, global_vars, client_state, client_key, index) -> LocalState
     final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)
+    init_optimizer: Any  # (local without optimizer state) -> local with its fresh optimizer state
 
 
 def trainable_mask(ctx: MethodContext, plan: ClientPlan) -> masks_lib.Mask | None:
@@ -92,14 +93,13 @@ def make_client_fns(
     def extract_params(tree):
         return graph.extract({"params": tree})["params"]
 
-    def client_init(start_vars: dict) -> LocalState:
-        local = graph.extract(start_vars)
-        return LocalState(
-            variables=local,
-            opt_state=optimizer.init(local["params"]),
-            loss_sum=jnp.zeros((), jnp.float32),
-            steps=jnp.zeros((), jnp.int32),
-        )
+    def client_init(start_vars: dict, optimizer_state: bool = True) -> LocalState:
+        local = LocalState(variables=graph.extract(start_vars), opt_state=(), loss_sum=jnp.zeros((), jnp.float32),
+                           steps=jnp.zeros((), jnp.int32))
+        return init_optimizer(local) if optimizer_state else local
+
+    def init_optimizer(local: LocalState) -> LocalState:
+        return local._replace(opt_state=optimizer.init(local.variables["params"]))
 
     def client_prepare(start_vars: dict, data: Batch) -> Batch:
         if graph.prepare is None:
@@ -147,4 +147,4 @@ def make_client_fns(
         mean_loss = local.loss_sum / jnp.maximum(local.steps, 1).astype(jnp.float32)
         return graph.insert(start_vars, local.variables), mean_loss, local.steps
 
-    return ClientFns(client_init, client_prepare, client_step, client_final)
+    return ClientFns(client_init, client_prepare, client_step, client_final, init_optimizer)

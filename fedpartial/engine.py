@@ -978,7 +978,9 @@ class FederatedRound:
     # ---- stepwise strategy -------------------------------------------------------
 
     def _begin_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        """Plans the round; per group, every client's local state, inputs, plan, state and key rows.
+        """Plans the round; per group, every client's local state (without optimizer state: each chunk
+        gets its own when it starts, so ``[K]`` optimizer states never exist), inputs, plan, state and
+        key rows.
 
         A group's inputs are its prepared inputs, its rows of the cohort data when
         there are several groups, or None (one group without preparation: the
@@ -998,7 +1000,8 @@ class FederatedRound:
                 inputs = jax.vmap(fns.prepare)(start, data)
             else:
                 inputs = data if len(self.groups) > 1 else None
-            groups.append((jax.vmap(fns.init)(start), inputs, plan_g, cstate, jax.random.key_data(ckeys)))
+            local = jax.vmap(functools.partial(fns.init, optimizer_state=False))(start)
+            groups.append((local, inputs, plan_g, cstate, jax.random.key_data(ckeys)))
         return plan, tuple(groups)
 
     def _step_fn(self, group: int, chunk: int | None, full: bool = False):
@@ -1049,9 +1052,10 @@ class FederatedRound:
                 size = min(chunk, group.size - start)
                 # chunk 1 runs the un-vmapped step on one client's slice.
                 batched = None if chunk == 1 else size
-                # One jitted call takes the chunk out, one writes it back in place:
-                # slicing leaf by leaf on the host costs a dispatch per leaf and client.
-                local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, (local, data, plan_g, cstate, ckeys))
+                # One jitted call takes the chunk out (and gives it fresh optimizer states), one writes
+                # it back in place: slicing leaf by leaf on the host costs a dispatch per leaf and client.
+                rows_in = (local, data, plan_g, cstate, ckeys)
+                local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, rows_in, self.clients[g].init_optimizer)
                 # Steps after the chunk's last real step are padding: skip them on the host.  A step
                 # without any padding in the chunk (one client's packed data but a partial last batch)
                 # runs without masks.
@@ -1061,7 +1065,7 @@ class FederatedRound:
                 for s in range(int(active[-1]) + 1 if active.size else 0):
                     step = self._step_fn(g, batched, bool(full[:, s].all()))
                     local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c, key_c)
-                local = _put(batched, start, local, local_c)
+                local = _put(batched, start, local, local_c._replace(opt_state=()))
             trained.append(local)
         return cohort, plan, tuple(trained)
 
@@ -1107,12 +1111,18 @@ def _concat_rows(parts: list) -> Any:
                         *[tree for _, tree in parts])
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _take(size: int | None, start, tree):
-    """Rows ``start:start+size`` of every leaf (``size`` None: row ``start`` without its axis)."""
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _take(size: int | None, start, tree, init_optimizer=None):
+    """Rows ``start:start+size`` of every leaf (``size`` None: row ``start`` without its axis);
+    ``init_optimizer``: gives the first element, the chunk's local states, their optimizer states."""
     if size is None:
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, start, 0, keepdims=False), tree)
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), tree)
+        rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, start, 0, keepdims=False), tree)
+    else:
+        rows = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), tree)
+    if init_optimizer is not None:
+        first = init_optimizer(rows[0]) if size is None else jax.vmap(init_optimizer)(rows[0])
+        rows = (first, *rows[1:])
+    return rows
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

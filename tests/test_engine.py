@@ -101,6 +101,24 @@ def test_stepwise_without_masks_keeps_batchnorm_statistics_up_to_float_noise(cnn
     chex.assert_trees_all_close(state.variables, masked.variables, rtol=1e-5, atol=1e-6)
 
 
+def test_stepwise_gives_each_chunk_its_optimizer_state_and_never_stacks_the_cohorts(mlp, unequal_cohorts, monkeypatch):
+    """The cohort's local states ``[K]`` hold no optimizer state (SGD with momentum: one momentum per
+    parameter, K of them would be as large as the cohort's models); each chunk gets a fresh one when it
+    is taken out, so the trained result equals plain Python SGD with momentum from zero per client
+    (tests/test_reference.py), and the chunk written back carries none."""
+    r = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT,
+                              strategy=engine.stepwise(1))
+    state = r.init(jax.random.key(0))
+    cohort = jax.device_put(unequal_cohorts[0])
+    _, groups = r._begin(state, cohort, r._key_data(jax.random.key(1)))
+    assert groups[0][0].opt_state == ()
+    written = []
+    put = engine._put
+    monkeypatch.setattr(engine, "_put", lambda size, start, tree, rows: written.append(rows) or put(size, start, tree, rows))
+    r(state, unequal_cohorts[0], jax.random.key(1))
+    assert len(written) == 4 and all(rows.opt_state == () for rows in written)
+
+
 def test_invalid_padding_client_changes_nothing(mlp):
     c = make_cohort((4,), k=4, steps=2, seed=1)
     # Clients 0-2 real; client 3 is a padding slot (valid False): same result as a cohort where
