@@ -46,7 +46,7 @@ class LocalState(NamedTuple):
 
 
 class ClientFns(NamedTuple):
-    init: Any  # (start_vars, optimizer=True) -> LocalState (without optimizer state: opt_state ())
+    init: Any  # (start_vars, optimizer_state=True) -> LocalState (False: opt_state is ())
     prepare: Any  # (start_vars, data [S, B, ...]) -> inputs [S, B, ...]
     step: Any  # (local, batch, plan, global_vars, client_state, client_key, index) -> LocalState
     final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)

@@ -1040,7 +1040,8 @@ class FederatedRound:
         """The stepwise strategy's local training: ``(cohort on the device, plan, per group every client's
         local state)`` (the benchmark times this phase on its own)."""
         step_mask = np.asarray(cohort.data.step_mask)
-        full_step = step_mask & np.asarray(cohort.data.example_mask).all(axis=-1)  # [K, S]: no padding at all
+        # [K, S]: no padding at all (reduced where the mask lives, so device data sends K × S, not K × S × B)
+        full_step = step_mask & np.asarray(cohort.data.example_mask.all(axis=-1))
         cohort = jax.device_put(cohort)  # once; chunks below are sliced on the device
         plan, groups = self._begin(state, cohort, key_data)
         trained = []
@@ -1055,7 +1056,8 @@ class FederatedRound:
                 # One jitted call takes the chunk out (and gives it fresh optimizer states), one writes
                 # it back in place: slicing leaf by leaf on the host costs a dispatch per leaf and client.
                 rows_in = (local, data, plan_g, cstate, ckeys)
-                local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, rows_in, self.clients[g].init_optimizer)
+                init_opt = self.clients[g].init_optimizer
+                local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, rows_in, init_opt)
                 # Steps after the chunk's last real step are padding: skip them on the host.  A step
                 # without any padding in the chunk (one client's packed data but a partial last batch)
                 # runs without masks.

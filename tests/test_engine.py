@@ -114,7 +114,8 @@ def test_stepwise_gives_each_chunk_its_optimizer_state_and_never_stacks_the_coho
     assert groups[0][0].opt_state == ()
     written = []
     put = engine._put
-    monkeypatch.setattr(engine, "_put", lambda size, start, tree, rows: written.append(rows) or put(size, start, tree, rows))
+    monkeypatch.setattr(engine, "_put",
+                        lambda size, start, tree, rows: written.append(rows) or put(size, start, tree, rows))
     r(state, unequal_cohorts[0], jax.random.key(1))
     assert len(written) == 4 and all(rows.opt_state == () for rows in written)
 
