@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="λ: each client's training share, the rest held out "
                           "(default: 0.7 for personalised methods and --es, else 1)")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
-    run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk]")
+    run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk], stream:chunk, "
+                     "stream-stepwise:chunk, debug")
     run.add_argument("--data-placement", default=d.data_placement,
                      help="where the training data lives: device (placed once, batches gathered on the device), "
                           "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "

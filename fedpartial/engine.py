@@ -107,15 +107,21 @@ class Strategy:
     kind: str
     chunk_size: int | None = None
     unroll: int | bool = 1
+    #: the streamed strategy only: each chunk trained by a host loop of jitted steps (the stepwise layout,
+    #: fast for conv models on CPU) instead of one jitted ``lax.scan`` over its steps
+    stepwise_chunks: bool = False
 
     def __post_init__(self):
         if self.kind not in STRATEGY_KINDS:
             raise ValueError(f"strategy {self.kind!r} is unknown; use one of {', '.join(STRATEGY_KINDS)}.")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk size {self.chunk_size} must be a positive number of clients.")
+        if self.stepwise_chunks and self.kind != "stream":
+            raise ValueError(f"stepwise chunks are a choice of the streamed strategy, not of {self.kind!r}.")
 
     def __str__(self) -> str:
-        return self.kind if self.chunk_size is None else f"{self.kind}:{self.chunk_size}"
+        kind = "stream-stepwise" if self.stepwise_chunks else self.kind
+        return kind if self.chunk_size is None else f"{kind}:{self.chunk_size}"
 
 
 def fused(chunk_size: int | None = None, unroll: int | bool = 1) -> Strategy:
@@ -132,12 +138,16 @@ def stepwise(chunk_size: int = 1) -> Strategy:
     return Strategy("stepwise", chunk_size)
 
 
-def streamed(chunk_size: int) -> Strategy:
+def streamed(chunk_size: int, stepwise: bool = False) -> Strategy:
     """The cohort ``chunk_size`` clients at a time, folded into running sums of the one formula:
-    peak memory O(chunk × model), not O(K × model); only :attr:`Method.streamable` methods."""
+    peak memory O(chunk × model), not O(K × model); only :attr:`Method.streamable` methods.
+
+    ``stepwise``: each chunk is trained by a host loop of jitted steps, as :func:`stepwise` trains
+    (``chunk_size`` 1: one client, un-vmapped), instead of one jitted ``lax.scan`` of vmapped steps,
+    which on CPU runs conv models several times slower than a plain loop."""
     if chunk_size is None:
         raise ValueError("the streamed strategy needs a chunk size (clients trained at a time).")
-    return Strategy("stream", chunk_size)
+    return Strategy("stream", chunk_size, stepwise_chunks=stepwise)
 
 
 def debug() -> Strategy:
@@ -165,22 +175,25 @@ def default_strategy(platform: str | None = None, model: Model | None = None) ->
 
 def parse_strategy(text: str, model: Model | None = None) -> Strategy:
     """'auto', 'fused', 'fused:N' (N clients vmapped at a time), 'fused-unrolled[:N]',
-    'stepwise', 'stepwise:N', 'stream:N' (N clients at a time, bounded memory) or 'debug'.  'auto' is
-    :func:`default_strategy` for this platform and ``model``."""
+    'stepwise', 'stepwise:N', 'stream:N' (N clients at a time, bounded memory), 'stream-stepwise:N'
+    (the same, each chunk trained step by step) or 'debug'.  'auto' is :func:`default_strategy` for
+    this platform and ``model``."""
     if text == "auto":
         return default_strategy(model=model)
     if text == "debug":
         return debug()
     kind, _, chunk = text.partition(":")
-    if kind not in ("fused", "fused-unrolled", "stepwise", "stream") or (
-            chunk and not (chunk.isdigit() and int(chunk) > 0)) or (kind == "stream" and not chunk):
+    streams = ("stream", "stream-stepwise")
+    if kind not in ("fused", "fused-unrolled", "stepwise", *streams) or (
+            chunk and not (chunk.isdigit() and int(chunk) > 0)) or (kind in streams and not chunk):
         raise ValueError(
             f"strategy {text!r} is not one of 'auto', 'fused', 'fused:N', 'fused-unrolled', "
-            "'fused-unrolled:N', 'stepwise', 'stepwise:N', 'stream:N', 'debug' (N a positive number of clients)."
+            "'fused-unrolled:N', 'stepwise', 'stepwise:N', 'stream:N', 'stream-stepwise:N', 'debug' "
+            "(N a positive number of clients)."
         )
     size = int(chunk) if chunk else None
-    if kind == "stream":
-        return streamed(size)
+    if kind in streams:
+        return streamed(size, stepwise=kind == "stream-stepwise")
     if kind == "stepwise":
         return stepwise(size or 1)
     return fused(size, unroll=kind == "fused-unrolled")
@@ -867,16 +880,35 @@ class FederatedRound:
         plan = self._plan(self._view(state, cohort, keys.plan), keys)
         return plan, jax.random.key_data(self._client_keys(keys, cohort))
 
-    def _stream_train(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, data: Batch, key):
-        """Trains one chunk (cohort positions ``rows`` ``[C]``); a view of it, faults cleaned as in
-        :meth:`_aggregate_and_update`, and its raw losses."""
-        keys = hook_keys(self._wrap(key))
+    def _stream_starts(self, state: ServerState, plan, rows, info: CohortInfo, key):
+        """One chunk's (cohort positions ``rows`` ``[C]``) view, plan rows and start models."""
+        view = self._view(state, Cohort(data=None, info=info), hook_keys(self._wrap(key)).plan)
         plan = jax.tree.map(lambda a: a[rows], plan)
-        view = self._view(state, Cohort(data=None, info=info), keys.plan)
-        train_one = functools.partial(self._train_one, state.variables, self.clients[0], data.step_mask.shape[1])
-        trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         start = lambda cstate, plan_k: self.method.client_start(self.ctx, state.variables, cstate, plan_k)  # noqa: E731
-        starts = jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
+        return view, plan, jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
+
+    def _stream_chunk_start(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, key, data):
+        """Stepwise chunks: what the host loop of steps needs for one chunk, ``(local states with optimizer
+        states, prepared inputs or None, plan, client state, raw keys)``, each without the client axis for a
+        chunk of one (the un-vmapped step).  ``data``: the chunk's data when the model prepares its inputs."""
+        self.trace_count += 1
+        view, plan, starts = self._stream_starts(state, plan, rows, info, key)
+        fns = self.clients[0]
+        inputs = None if data is None else jax.vmap(fns.prepare)(starts, data)
+        out = (jax.vmap(fns.init)(starts), inputs, plan, view.client_state, ckeys[rows])
+        return out if rows.shape[0] > 1 else jax.tree.map(lambda a: a[0], out)
+
+    def _stream_train(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, data, key):
+        """Trains one chunk (cohort positions ``rows`` ``[C]``); a view of it, faults cleaned as in
+        :meth:`_aggregate_and_update`, and its raw losses.  With stepwise chunks ``data`` is the chunk's
+        local states, already trained by the host loop of steps (:meth:`_stream_round`)."""
+        view, plan, starts = self._stream_starts(state, plan, rows, info, key)
+        if self.strategy.stepwise_chunks:
+            local = data if rows.shape[0] > 1 else jax.tree.map(lambda a: a[None], data)
+            trained, losses, steps = jax.vmap(self.clients[0].final)(local, starts)
+        else:
+            train_one = functools.partial(self._train_one, state.variables, self.clients[0], data.step_mask.shape[1])
+            trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         finite, trained, clean = _clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
                              client_loss=clean, start_vars=starts, client_steps=steps)
@@ -949,6 +981,26 @@ class FederatedRound:
                     data = jax.tree.map(lambda a: np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]), data)
                 yield len(real), rows, chunk_info, data
 
+        prepares = self.groups[0].graph is not None and self.groups[0].graph.prepare is not None
+
+        def trained(rows, chunk_info, data):
+            """What the chunk's jitted pass takes: its data, or with stepwise chunks its local states trained
+            by a host loop of jitted steps, as the stepwise strategy trains (padding steps skipped, a step
+            with no padding in the chunk run without masks)."""
+            if not self.strategy.stepwise_chunks:
+                return data
+            full_step = data.step_mask & data.example_mask.all(axis=-1)  # [C, S], on the host
+            active = np.flatnonzero(data.step_mask.any(axis=0))
+            start = self._stream_fn("chunk_start", self._stream_chunk_start)
+            local, inputs, plan_c, cstate_c, key_c = start(state, plan, ckeys, rows, chunk_info, key_data,
+                                                           jax.device_put(data) if prepares else None)
+            if inputs is None:
+                inputs = jax.device_put(data if c > 1 else jax.tree.map(lambda a: a[0], data))
+            for s in range(int(active[-1]) + 1 if active.size else 0):
+                step = self._step_fn(0, c if c > 1 else None, bool(full_step[:, s].all()))
+                local = step(local, inputs, s, plan_c, state.variables, cstate_c, key_c)
+            return local
+
         # Each chunk is dispatched only once the one before it has finished (jax.block_until_ready of its
         # result): the next chunk is still packed while the last one trains, but dispatch never runs ahead,
         # which would keep every chunk's packed data alive at once (O(K) memory; measured 0.5 GiB at K = 10k).
@@ -956,22 +1008,24 @@ class FederatedRound:
         if self.method.streamable == "per_client":
             step = self._stream_fn("per_client", self._stream_per_client, donate=(7,))
             for size, rows, chunk_info, data in chunks(np.arange(k)):
-                sums, out = step(state, plan, ckeys, rows, chunk_info, data, key_data, jax.block_until_ready(sums))
+                sums, out = step(state, plan, ckeys, rows, chunk_info, trained(rows, chunk_info, data), key_data,
+                                 jax.block_until_ready(sums))
                 outs.append((size, out))
             raw, steps, valid, summary, selection = _concat_rows(outs)
         else:
             first = self._stream_fn("summaries", self._stream_summaries)
             for size, rows, chunk_info, data in chunks(np.arange(k)):
                 jax.block_until_ready(outs[-1][1] if outs else None)
-                outs.append((size, first(state, plan, ckeys, rows, chunk_info, data, key_data)))
+                outs.append((size, first(state, plan, ckeys, rows, chunk_info, trained(rows, chunk_info, data),
+                                        key_data)))
             raw, steps, valid, summary = _concat_rows(outs)
             selection, uploads = self._stream_fn("selection", self._stream_selection)(
                 state, info, plan, key_data, valid, raw, steps, summary)
             again = np.flatnonzero(np.asarray(uploads))  # e.g. FedLDF: at most n·L clients
             add = self._stream_fn("add", self._stream_add, donate=(8,))
             for _, rows, chunk_info, data in chunks(again):
-                sums = add(state, plan, ckeys, rows, chunk_info, data, key_data, selection,
-                           jax.block_until_ready(sums))
+                sums = add(state, plan, ckeys, rows, chunk_info, trained(rows, chunk_info, data), key_data,
+                           selection, jax.block_until_ready(sums))
         return self._stream_fn("finish", self._stream_finish, donate=(0,))(
             state, info, plan, key_data, sums, selection, raw, steps, valid, summary)
 

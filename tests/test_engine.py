@@ -262,7 +262,8 @@ def _lr_round(mlp, strategy, lr, cohorts, scale=None):
     return state.variables, m
 
 
-@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.streamed(2)], ids=str)
+@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.streamed(2),
+                                      engine.streamed(1, stepwise=True)], ids=str)
 def test_cohort_lr_scale_equals_the_optimizer_at_that_rate_bit_for_bit(mlp, unequal_cohorts, strategy):
     """A cohort's ``lr_scale`` multiplies each client's updates: with the optimizer at rate 1 and the
     cohort at rate r, the rounds are those of the optimizer at rate r, bit for bit (how learning-rate

@@ -94,6 +94,34 @@ def test_streamed_equals_fused(mlp, name, chunk):
     assert_same_round(fused, streamed)
 
 
+# Stepwise chunks: one client un-vmapped (chunk 1, the CPU layout) and 3 vmapped with a padded last chunk;
+# FedLDF for the two-pass ("summary") path.  The 7 clients' unequal steps and examples make some steps run
+# masked and others (a chunk with no padding at that step) without masks.
+STEPWISE_CASES = [("fedavg", 1), ("fedldf", 3)] + [pytest.param(*c, marks=SLOW) for c in (
+    ("fedavg", 3), ("fedldf", 1), ("fedadam", 1))]
+
+
+@pytest.mark.parametrize("name, chunk", STEPWISE_CASES)
+def test_stepwise_chunks_equal_the_stepwise_round(mlp, name, chunk):
+    rounds = cohorts(valid=[True, True, True, True, True, False, True])
+    streamed = run(mlp, name, engine.streamed(chunk, stepwise=True), rounds)
+    assert_same_round(run(mlp, name, engine.stepwise(1), rounds), streamed)
+    # trained by the jitted step, not a scan; without masks only where a chunk has no padding at that step
+    # (clients of 5 real examples alone in a chunk of one; every chunk of 3 holds a client with fewer)
+    want = {(0, None, True), (0, None, False)} if chunk == 1 else {(0, chunk, False)}
+    assert set(streamed[0]._steps) == want and "chunk_start" in streamed[0]._stream_fns
+
+
+def test_stepwise_chunks_do_not_retrace(mlp):
+    r = round_for(mlp, "fedldf", engine.streamed(3, stepwise=True))
+    state = r.init(jax.random.key(0))
+    counts = []
+    for t, c in enumerate(cohorts(3)):
+        state, _ = r(state, c, jax.random.key(t))
+        counts.append(r.trace_count)
+    assert counts == [counts[0]] * 3
+
+
 def test_streamed_takes_one_chunk_of_data_at_a_time(mlp):
     c = cohorts(1)[0]
     taken = []
@@ -112,14 +140,14 @@ def test_streamed_takes_one_chunk_of_data_at_a_time(mlp):
     assert_same_round(run(mlp, "fedldf", engine.fused(), [c]), streamed)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedldf"])
-def test_a_chunk_is_packed_only_when_every_chunk_but_the_last_has_finished(mlp, monkeypatch, name):
+@pytest.mark.parametrize("name, stepwise", [("fedavg", False), ("fedldf", False), ("fedldf", True)])
+def test_a_chunk_is_packed_only_when_every_chunk_but_the_last_has_finished(mlp, monkeypatch, name, stepwise):
     """Bounded memory: dispatch never runs ahead of the computation, so at most two chunks' data are alive
     (the one training and the next being packed), whatever the cohort size."""
     c = cohorts(1)[0]
     factory, server = METHODS[name]
     r = engine.FederatedRound(mlp, factory(), num_clients=N, cohort_size=K, client_optimizer=OPT,
-                              server_optimizer=server, strategy=engine.streamed(2))
+                              server_optimizer=server, strategy=engine.streamed(2, stepwise=stepwise))
     outputs, unfinished = [], []
     compile_ = r._stream_fn
 
@@ -223,8 +251,15 @@ def test_run_config_refuses_streaming_what_cannot_stream():
         RunConfig(method="fedavg", strategy="stream:50", early_stopping=True, out_dir=None).validate()
     RunConfig(method="fedldf", strategy="stream:50", out_dir=None).validate()
     assert engine.parse_strategy("stream:50") == engine.streamed(50)
-    with pytest.raises(ValueError, match="'stream:N'"):
-        engine.parse_strategy("stream")
+    assert engine.parse_strategy("stream-stepwise:4") == engine.streamed(4, stepwise=True)
+    assert str(engine.streamed(4, stepwise=True)) == "stream-stepwise:4"
+    for text in ("stream", "stream-stepwise"):
+        with pytest.raises(ValueError, match="'stream:N', 'stream-stepwise:N'"):
+            engine.parse_strategy(text)
+    with pytest.raises(ValueError, match="^stepwise chunks are a choice of the streamed strategy, not of 'fused'"):
+        engine.Strategy("fused", 2, stepwise_chunks=True)
+    with pytest.raises(ConfigError, match="^--strategy stream-stepwise:50 is not allowed: method fedspu needs"):
+        RunConfig(method="fedspu", strategy="stream-stepwise:50", out_dir=None).validate()
 
 
 # ---- memory estimate and refusal ------------------------------------------------------------------
