@@ -861,8 +861,9 @@ class FederatedRound:
 
     # ---- streamed strategy -------------------------------------------------------
     # The cohort runs ``chunk_size`` clients at a time: each chunk is trained (one jitted
-    # call, clients vmapped) and folded into running sums Σ w·m·θ and Σ w·m per collection
-    # (aggregation.add_sums), so no [K, model] array ever exists.  "per_client" methods
+    # call, clients vmapped; with stepwise chunks a host loop of jitted steps) and folded
+    # into running sums Σ w·m·θ and Σ w·m per collection (aggregation.add_sums), so no
+    # [K, model] array ever exists.  "per_client" methods
     # select chunk by chunk (one pass); "summary" methods keep only each client's summary
     # in a first pass, select over the whole cohort, then train again (same keys: the
     # same results) only the clients that upload anything, and sum those.
