@@ -991,16 +991,13 @@ class FederatedRound:
             if not self.strategy.stepwise_chunks:
                 return data
             full_step = data.step_mask & data.example_mask.all(axis=-1)  # [C, S], on the host
-            active = np.flatnonzero(data.step_mask.any(axis=0))
             start = self._stream_fn("chunk_start", self._stream_chunk_start)
             local, inputs, plan_c, cstate_c, key_c = start(state, plan, ckeys, rows, chunk_info, key_data,
                                                            jax.device_put(data) if prepares else None)
             if inputs is None:
                 inputs = jax.device_put(data if c > 1 else jax.tree.map(lambda a: a[0], data))
-            for s in range(int(active[-1]) + 1 if active.size else 0):
-                step = self._step_fn(0, c if c > 1 else None, bool(full_step[:, s].all()))
-                local = step(local, inputs, s, plan_c, state.variables, cstate_c, key_c)
-            return local
+            return self._run_steps(0, c if c > 1 else None, data.step_mask, full_step, local,
+                                   (inputs, plan_c, state.variables, cstate_c, key_c))
 
         # Each chunk is dispatched only once the one before it has finished (jax.block_until_ready of its
         # result): the next chunk is still packed while the last one trains, but dispatch never runs ahead,
@@ -1086,6 +1083,17 @@ class FederatedRound:
             self._steps[group, chunk, full] = jax.jit(fn, donate_argnums=(0,))
         return self._steps[group, chunk, full]
 
+    def _run_steps(self, group: int, chunk: int | None, step_mask: np.ndarray, full_step: np.ndarray, local, args):
+        """The host loop of one chunk's jitted steps (``args``: the step's data, plan, global variables,
+        client state and keys).  ``step_mask``, ``full_step``: the chunk's ``[C, S]`` host masks.  Steps
+        after the chunk's last real step are padding: skipped.  A step without any padding in the chunk
+        (every step of one client's packed data but a partial last batch) runs without masks."""
+        data, *rest = args
+        active = np.flatnonzero(step_mask.any(axis=0))
+        for s in range(int(active[-1]) + 1 if active.size else 0):
+            local = self._step_fn(group, chunk, bool(full_step[:, s].all()))(local, data, s, *rest)
+        return local
+
     def _stepwise_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
         key_data = self._key_data(key)
         cohort, plan, trained = self._stepwise_train(state, cohort, key_data)
@@ -1113,15 +1121,9 @@ class FederatedRound:
                 rows_in = (local, data, plan_g, cstate, ckeys)
                 init_opt = self.clients[g].init_optimizer
                 local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, rows_in, init_opt)
-                # Steps after the chunk's last real step are padding: skip them on the host.  A step
-                # without any padding in the chunk (one client's packed data but a partial last batch)
-                # runs without masks.
-                rows = step_mask[offset + start:offset + start + size]
-                full = full_step[offset + start:offset + start + size]
-                active = np.flatnonzero(rows.any(axis=0))
-                for s in range(int(active[-1]) + 1 if active.size else 0):
-                    step = self._step_fn(g, batched, bool(full[:, s].all()))
-                    local_c = step(local_c, data_c, s, plan_c, state.variables, cstate_c, key_c)
+                chunk_rows = slice(offset + start, offset + start + size)
+                local_c = self._run_steps(g, batched, step_mask[chunk_rows], full_step[chunk_rows], local_c,
+                                          (data_c, plan_c, state.variables, cstate_c, key_c))
                 local = _put(batched, start, local, local_c._replace(opt_state=()))
             trained.append(local)
         return cohort, plan, tuple(trained)
