@@ -59,7 +59,7 @@ def _status_bytes(field: str) -> int | None:
 
 def worker(case: str, methods: tuple[str, ...], variant: int | None = None) -> dict:
     """Runs one case (or one of its variants) in this process; returns its measurements."""
-    from fedpartial import memory, simulation
+    from fedpartial import engine, memory, simulation
     from fedpartial.data import sources
 
     settings = {**COMMON, **CASES[case]}
@@ -89,7 +89,8 @@ def worker(case: str, methods: tuple[str, ...], variant: int | None = None) -> d
         off_device = 0 if counted else sim.personal_state_bytes
         on_device = est._replace(server=est.server + off_device)
         refusal = memory.refusal(on_device, available, where, strategy=str(sim.round.strategy),
-                                 cohort_size=config.cohort_size, streamable=sim.round.method.streamable is not None,
+                                 cohort_size=config.cohort_size,
+                                 stream=sim.streamed_option if engine.stream_refusal(sim.method) is None else None,
                                  movable_bytes=sim.personal_state_bytes if sim.method.host_client_state else 0,
                                  move="--client-state disk") if available else None
         rss_built = _rss()

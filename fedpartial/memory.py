@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -119,29 +119,38 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def fits(est: MemoryEstimate, available: int) -> bool:
+    """Whether the estimate is within ``HEADROOM`` of ``available`` bytes."""
+    return est.total <= HEADROOM * available
+
+
+def clients_that_fit(est: MemoryEstimate, available: int) -> int:
+    """How many clients may be in flight at once within ``HEADROOM`` of ``available`` (0: not even one)."""
+    return max(0, int((HEADROOM * available - est.server) // max(est.per_client, 1)))
+
+
 def refusal(est: MemoryEstimate, available: int, where: str, *, strategy: str, cohort_size: int,
-            streamable: bool, movable_bytes: int = 0, move: str | None = None) -> str | None:
+            stream: Callable[[int], object] | None, movable_bytes: int = 0, move: str | None = None) -> str | None:
     """One sentence when ``est`` exceeds ``HEADROOM`` of ``available``: the estimate, what is available
-    and the option that fixes it; None when it fits.  ``movable_bytes`` of the estimate (per-client
-    state) could leave this memory with the option ``move`` (e.g. ``--client-state disk``)."""
-    budget = HEADROOM * available
-    if est.total <= budget:
+    and the option that fixes it; None when it fits.  ``stream(n)``: the streamed strategy to name for at
+    most ``n`` clients in flight (None: the run cannot stream).  ``movable_bytes`` of the estimate
+    (per-client state) could leave this memory with the option ``move`` (e.g. ``--client-state disk``)."""
+    if fits(est, available):
         return None
-    fits = int((budget - est.server) // max(est.per_client, 1))
+    fit = clients_that_fit(est, available)
     head = (f"the run needs about {gib(est.total)} ({strategy} strategy, {est.in_flight} clients in flight) "
             f"but {gib(available)} of {where} is available")
-    if move and movable_bytes and est.total - movable_bytes <= budget:
+    if move and movable_bytes and est.total - movable_bytes <= HEADROOM * available:
         return f"{head}, {gib(movable_bytes)} of it the clients' own state; use {move}."
-    if fits >= 1 and streamable:
-        chunk = _round_down(min(fits, cohort_size))
-        return f"{head}; use --strategy stream:{chunk}."
-    if fits >= 1:
-        return f"{head}; use a --cohort of at most {_round_down(min(fits, cohort_size))}."
+    if fit >= 1 and stream is not None:
+        return f"{head}; use --strategy {stream(round_down(min(fit, cohort_size)))}."
+    if fit >= 1:
+        return f"{head}; use a --cohort of at most {round_down(min(fit, cohort_size))}."
     return (f"{head}, even for one client at a time; use fewer --clients (per-client state), "
             "a smaller --batch-size or fewer --local-steps.")
 
 
-def _round_down(n: int) -> int:
+def round_down(n: int) -> int:
     """``n`` rounded down to 2 significant digits (a number people type)."""
     if n < 100:
         return max(n, 1)

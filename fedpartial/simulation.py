@@ -560,13 +560,13 @@ class Simulation:
 
         padded_size = sharding.padded_size(config.cohort_size, num_devices)
 
-        def build_round(client_state: str) -> engine.FederatedRound:
+        def build_round(client_state: str, strategy: engine.Strategy | None = None) -> engine.FederatedRound:
             return engine.FederatedRound(
                 self.model, self.method,
                 num_clients=config.num_clients, cohort_size=padded_size,
                 padding=padded_size - config.cohort_size,
                 client_optimizer=client_optimizer, server_optimizer=server_optimizer,
-                bn_policy=config.bn_policy, strategy=config.run_strategy(num_devices, self.model),
+                bn_policy=config.bn_policy, strategy=strategy or config.run_strategy(num_devices, self.model),
                 rounds=config.rounds,
                 record_decisions=config.record_decisions, server_data=self.server_data,
                 label_counts=self.label_counts, devices=self.mesh, client_state=client_state,
@@ -576,13 +576,17 @@ class Simulation:
         self.client_state = self._resolve_client_state(self.round.client_state_shapes())
         if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
             self.round = build_round("host")
-        self.memory = memory.estimate(self.round, num_steps=self.num_steps, batch_size=config.batch_size,
-                                      example_shape=self.model.input_shape,
-                                      x_itemsize=np.dtype(dataset.x_train.dtype).itemsize)
-        if self.client_state == "host" and jax.devices()[0].platform == "cpu":  # the store shares the RAM
-            stored = client_state_lib.tree_bytes(self.round.client_state_shapes())
-            self.memory = self.memory._replace(server=self.memory.server + stored)
+        self.memory = self._estimate()
+        #: why the round's strategy is not what ``--strategy`` resolves to by itself (None: it is)
+        self.strategy_note = None
         if check_memory:
+            bounded = self._bounded_strategy()
+            if bounded is not None:  # 'auto' streams a cohort that does not fit at once
+                bounded, self.strategy_note = bounded
+                self.round = build_round(self.client_state, bounded)
+                self.memory = self._estimate()
+                self.data_placement = "host"  # a streamed cohort is packed on the host a chunk at a time
+                self._population = self._device_holdout = self._gather_spec = None
             self._check_memory()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
@@ -655,6 +659,38 @@ class Simulation:
         self.state = state
         return metrics
 
+    def _estimate(self) -> memory.MemoryEstimate:
+        """The current round's peak-memory estimate (:func:`memory.estimate`), the host store of per-client
+        state included where it shares the RAM."""
+        est = memory.estimate(self.round, num_steps=self.num_steps, batch_size=self.config.batch_size,
+                              example_shape=self.model.input_shape,
+                              x_itemsize=np.dtype(self.dataset.x_train.dtype).itemsize)
+        if self.client_state == "host" and jax.devices()[0].platform == "cpu":  # the store shares the RAM
+            est = est._replace(server=est.server + client_state_lib.tree_bytes(self.round.client_state_shapes()))
+        return est
+
+    def streamed_option(self, clients_that_fit: int) -> engine.Strategy:
+        """The streamed strategy for this platform and model with at most ``clients_that_fit`` in flight."""
+        return engine.bounded_strategy(clients_that_fit, jax.devices()[0].platform, self.model)
+
+    def _bounded_strategy(self) -> tuple[engine.Strategy, str] | None:
+        """For ``--strategy auto`` on one device, when the estimate exceeds the available memory and the method
+        streams: the streamed strategy (:func:`engine.bounded_strategy`) with a chunk that fits, and why, for
+        people; else None (a run that fits, a named strategy, or one :meth:`_check_memory` refuses)."""
+        cfg = self.config
+        if cfg.strategy != "auto" or self.mesh is not None or cfg.data_placement == "device" \
+                or engine.stream_refusal(self.method) is not None:
+            return None
+        available, where = memory.available_bytes()
+        if available is None or memory.fits(self.memory, available):
+            return None
+        fit = memory.clients_that_fit(self.memory, available)
+        if fit < 1:
+            return None
+        return (self.streamed_option(memory.round_down(min(fit, cfg.cohort_size))),
+                f"auto streams the cohort: {self.round.strategy} would need about {memory.gib(self.memory.total)} "
+                f"but {memory.gib(available)} of {where} is available")
+
     def _check_memory(self) -> None:
         """Refuses the run in one sentence when its estimate exceeds the available memory (see
         :mod:`fedpartial.memory`); on an accelerator the packed data's host copy is checked against RAM."""
@@ -676,7 +712,8 @@ class Simulation:
             else "--client-state disk"
         problem = memory.refusal(est, available, where, strategy=str(self.round.strategy),
                                  cohort_size=self.config.cohort_size,
-                                 streamable=engine.stream_refusal(self.method) is None,
+                                 stream=self.streamed_option if engine.stream_refusal(self.method) is None
+                                 else None,
                                  movable_bytes=movable, move=move)
         if problem:
             raise ConfigError(problem[0].upper() + problem[1:])
@@ -1230,7 +1267,8 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "dataset": sim.dataset.name,
         "model": sim.model.name,
         "num_params": sim.num_params,
-        "strategy": f"{sim.round.strategy.kind}:{sim.round.strategy.chunk_size}",
+        "strategy": f"{sim.round.strategy.name}:{sim.round.strategy.chunk_size}",
+        **({"strategy_note": sim.strategy_note} if sim.strategy_note else {}),
         "devices": 1 if sim.mesh is None else sim.mesh.size,
         "backend": jax.default_backend(),
         "data_placement": sim.data_placement,

@@ -180,3 +180,19 @@ def test_bad_input_is_refused_before_any_set_up(monkeypatch, tmp_path, capsys):
         assert main(["run", "--out", str(tmp_path / "o")] + args) == 2, args
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_auto_streaming_is_shown_and_recorded(monkeypatch, tmp_path, capsys):
+    from fedpartial import memory
+    from fedpartial.cli import build_parser, config_from_args
+    from fedpartial.simulation import Simulation
+
+    est = Simulation(config_from_args(build_parser().parse_args(SMALL)), check_memory=False).memory
+    room = (est.server + 1.5 * est.per_client) / memory.HEADROOM  # one client in flight fits, the cohort not
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (int(room), "RAM"))
+    monkeypatch.setenv("COLUMNS", "300")  # the table on one line per row
+    assert main(SMALL + ["--out", str(tmp_path), "--name", "r"]) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["strategy"] == "stream-stepwise:1"
+    assert summary["strategy_note"].startswith("auto streams the cohort: stepwise:1 would need about")
+    assert "stream-stepwise:1 on cpu, data on the host (auto streams the cohort" in capsys.readouterr().out

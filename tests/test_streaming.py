@@ -1,6 +1,7 @@
 """The streamed strategy: the cohort a chunk at a time, aggregated from running sums, equals the fused round."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -15,6 +16,7 @@ from fedpartial.errors import UserError
 from fedpartial.methods import fedavg, fedprox, fedspu
 from fedpartial.methods.fedldf import fedldf, random_layers
 from fedpartial.simulation import ConfigError, RunConfig, Simulation
+from fedpartial.simulation import run as simulation_run
 from tests.conftest import make_cohort
 
 OPT = optax.sgd(0.1, momentum=0.9)
@@ -280,15 +282,31 @@ def test_estimate_grows_with_clients_in_flight(mlp):
 def test_refusal_names_the_estimate_and_the_fix():
     est = memory.MemoryEstimate(server=2**30, clients=8 * 2**30, data=2 * 2**30, in_flight=10_000,
                                 per_client=2**20)
-    assert memory.refusal(est, 100 * 2**30, "RAM", strategy="fused", cohort_size=10_000, streamable=True) is None
+    gpu = functools.partial(engine.bounded_strategy, platform="gpu")
+    assert memory.refusal(est, 100 * 2**30, "RAM", strategy="fused", cohort_size=10_000, stream=gpu) is None
     # (0.9 · 8 GiB − 1 GiB) / 1 MiB = 6348 clients fit; 2 significant digits
-    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000, streamable=True) == (
+    assert memory.clients_that_fit(est, 8 * 2**30) == 6348
+    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000, stream=gpu) == (
         "the run needs about 11.0 GiB (fused strategy, 10000 clients in flight) but 8.0 GiB of RAM is "
         "available; use --strategy stream:6300.")
+    cpu = functools.partial(engine.bounded_strategy, platform="cpu")  # no model: as one with convolutions
+    assert memory.refusal(est, 8 * 2**30, "RAM", strategy="stepwise:1", cohort_size=10_000,
+                          stream=cpu).endswith("; use --strategy stream-stepwise:1.")
     assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000,
-                          streamable=False).endswith("; use a --cohort of at most 6300.")
+                          stream=None).endswith("; use a --cohort of at most 6300.")
     assert "even for one client at a time" in memory.refusal(est, 2**30, "RAM", strategy="fused",
-                                                             cohort_size=10_000, streamable=True)
+                                                             cohort_size=10_000, stream=gpu)
+    assert memory.clients_that_fit(est, 2**30) == 0
+
+
+def test_bounded_strategy_by_platform_and_model(mlp, cnn):
+    conv = cnn
+    assert str(engine.bounded_strategy(6300, "cpu", conv)) == "stream-stepwise:1"  # conv: one client, un-vmapped
+    assert str(engine.bounded_strategy(6300, "cpu", mlp)) == f"stream-stepwise:{engine.DENSE_CPU_CHUNK}"
+    assert str(engine.bounded_strategy(3, "cpu", mlp)) == "stream-stepwise:3"
+    assert str(engine.bounded_strategy(6300, "gpu", conv)) == "stream:6300"
+    with pytest.raises(ValueError, match="must be at least 1"):
+        engine.bounded_strategy(0, "cpu", mlp)
 
 
 def test_simulation_is_refused_before_anything_is_built(monkeypatch):
@@ -298,13 +316,52 @@ def test_simulation_is_refused_before_anything_is_built(monkeypatch):
     monkeypatch.setattr(engine.FederatedRound, "init", lambda self, key: built.append(key))
     config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
                        out_dir=None, strategy="fused")
+    # on CPU the fix named for a dense model is the stepwise-chunked stream (engine.bounded_strategy)
     with pytest.raises(ConfigError, match=r"^The run needs about 30\d MiB \(fused strategy, 40 clients in "
-                                          r"flight\) but 288 MiB of RAM is available; use --strategy stream:\d+\.$"):
+                                          r"flight\) but 288 MiB of RAM is available; use --strategy "
+                                          r"stream-stepwise:2\.$"):
         Simulation(config)
     assert not built
-    chunk = int(str(pytest.raises(ConfigError, Simulation, config).value).rsplit(":", 1)[1].rstrip("."))
-    Simulation(dataclasses.replace(config, strategy=f"stream:{chunk}"))  # the fix it names is accepted
+    Simulation(dataclasses.replace(config, strategy="stream-stepwise:2"))  # the fix it names is accepted
     assert len(built) == 1
+
+
+def test_auto_streams_a_cohort_that_does_not_fit(monkeypatch):
+    # the whole cohort (stepwise:1 keeps every trained model) needs about 303 MiB; 288 MiB are available
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
+    config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
+                       out_dir=None, rounds=2, eval_every=2)
+    sim = Simulation(config)
+    # (0.9 · 288 MiB − the server's share) / one client's bytes = 2 clients fit
+    assert str(sim.round.strategy) == "stream-stepwise:2" and sim.data_placement == "host"
+    assert sim.memory.in_flight == 2 and sim.memory.total < 0.9 * 288 * 2**20
+    assert sim.strategy_note.startswith("auto streams the cohort: stepwise:1 would need about 30")
+    assert sim.strategy_note.endswith("but 288 MiB of RAM is available")
+    named = Simulation(dataclasses.replace(config, strategy="stream-stepwise:2"))
+    assert named.strategy_note is None
+    chex.assert_trees_all_close(sim.state, named.state)
+    # the same rounds as the strategy named: the choice changes how the cohort runs, not what it computes
+    summaries = [simulation_run(config, sim=s) for s in (sim, named)]
+    assert summaries[0]["final_test_accuracy"] == summaries[1]["final_test_accuracy"]
+    assert summaries[0]["strategy"] == "stream-stepwise:2" and "strategy_note" in summaries[0]
+    assert "strategy_note" not in summaries[1]
+
+
+@pytest.mark.parametrize("changed", [dict(strategy="stepwise:1"), dict(method="fedspu"), dict(early_stopping=True)],
+                         ids=["named-strategy", "cannot-stream", "early-stopping"])
+def test_auto_does_not_stream_a_run_it_may_not(monkeypatch, changed):
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
+    config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
+                       out_dir=None, **changed)
+    with pytest.raises(ConfigError, match=r"^The run needs about \d+ MiB .* but 288 MiB of RAM is available[;,] "):
+        Simulation(config)
+
+
+def test_auto_keeps_its_strategy_when_the_cohort_fits(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (64 * 2**30, "RAM"))
+    sim = Simulation(RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
+                               out_dir=None))
+    assert str(sim.round.strategy) == "stepwise:1" and sim.strategy_note is None
 
 
 def test_packing_with_client_keys_does_not_depend_on_the_others():
