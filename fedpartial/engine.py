@@ -187,11 +187,12 @@ def bounded_strategy(clients_that_fit: int, platform: str | None = None, model: 
     CPU cores; README "Bounded memory"):
 
     * CPU, a model with convolutions: ``stream-stepwise:1``.  CNN at K = 200 (5 steps of 16): 22.5 s a
-      round, as ``stepwise:1``, where ``stream-stepwise:10`` took 118-133 s (vmapped conv steps are slow
-      on CPU) and ``stream:10`` longer still; VGG-9 at K = 100: peak RSS 1.09 GiB against 4.47 GiB.
+      round, as ``stepwise:1``, where ``stream-stepwise:10`` took 118-133 s and ``stream:10`` 498-529 s
+      (vmapped conv steps are slow on CPU); VGG-9 at K = 100: peak RSS 1.09 GiB against 4.47 GiB.
     * CPU, dense layers only: ``stream-stepwise:C``, C = :data:`DENSE_CPU_CHUNK`.  MLP at K = 200:
       0.6 s a round against 0.7 s for ``stepwise:1``, 0.8 s for ``stream-stepwise:1`` and 1.1 s for
-      ``stream:50``.
+      ``stream:50``; at K = 2,000 (10 steps of 32): 22-24 s as ``stepwise:1``, where chunks of 100
+      took 30-33 s and ``stream:1000`` 36-40 s.
     * GPU/TPU: ``stream:C`` with the largest C that fits: the chunk runs as the fused round does.
     """
     if clients_that_fit < 1:
