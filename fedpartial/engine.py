@@ -1196,9 +1196,14 @@ def stream_refusal(method: Method) -> str | None:
 
 
 def _concat_rows(parts: list) -> Any:
-    """Per-chunk outputs ``(size, tree of [C, ...])`` → one tree of ``[K, ...]`` (padding rows dropped)."""
-    return jax.tree.map(lambda *a: jnp.concatenate([x[:size] for (size, _), x in zip(parts, a)]),
-                        *[tree for _, tree in parts])
+    """Per-chunk outputs ``(size, tree of [C, ...])`` → one tree of ``[K, ...]`` (padding rows dropped).
+
+    Joined on the host (the rows are per-client scalars and small vectors): an eager ``jnp.concatenate`` of
+    one operand per chunk compiles for every new chunk count, in time that grows faster than the count
+    (measured 15 s at 1,000 chunks and about 100 s at 3,000, in each run's first round)."""
+    trees = jax.device_get([tree for _, tree in parts])
+    return jax.tree.map(lambda *a: jnp.asarray(np.concatenate([x[:size] for (size, _), x in zip(parts, a)])),
+                        *trees)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
