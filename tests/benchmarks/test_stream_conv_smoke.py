@@ -17,4 +17,5 @@ def test_both_strategies_run_alone_and_agree(tmp_path):
         assert len(r["round_s"]) == 1 and r["peak_rss"] >= r["rss_ready"] > 0
     assert runs["stepwise:1"]["train_loss"] == runs["stream-stepwise:1"]["train_loss"]
     assert report["max_abs_param_diff"] < 1e-5
+    assert runs["stream-stepwise:1"]["max_abs_param_diff_to_first"] == report["max_abs_param_diff"]
     assert not list(tmp_path.glob("*.npz"))  # the workers' parameter files are removed
