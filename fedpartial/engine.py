@@ -1200,7 +1200,7 @@ def _concat_rows(parts: list) -> Any:
 
     Joined on the host (the rows are per-client scalars and small vectors): an eager ``jnp.concatenate`` of
     one operand per chunk compiles for every new chunk count, in time that grows faster than the count
-    (measured 15 s at 1,000 chunks and about 100 s at 3,000, in each run's first round)."""
+    (a run's first round, eager against host join: 53.2 → 29.8 s at 1,000 chunks, 204 → 107 s at 3,000)."""
     trees = jax.device_get([tree for _, tree in parts])
     return jax.tree.map(lambda *a: jnp.asarray(np.concatenate([x[:size] for (size, _), x in zip(parts, a)])),
                         *trees)
