@@ -577,16 +577,19 @@ class Simulation:
         if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
             self.round = build_round("host")
         self.memory = self._estimate()
-        #: why the round's strategy is not what ``--strategy`` resolves to by itself (None: it is)
+        #: why the round's layout (strategy, data placement) is not what ``--strategy`` and ``--data-placement``
+        #: resolve to by themselves (None: it is)
         self.strategy_note = None
         if check_memory:
+            notes = [self._yield_device_data()]
             bounded = self._bounded_strategy()
             if bounded is not None:  # 'auto' streams a cohort that does not fit at once
-                bounded, self.strategy_note = bounded
+                bounded, streamed = bounded
+                notes.append(streamed)
                 self.round = build_round(self.client_state, bounded)
                 self.memory = self._estimate()
-                self.data_placement = "host"  # a streamed cohort is packed on the host a chunk at a time
-                self._population = self._device_holdout = self._gather_spec = None
+                self._drop_device_data()  # a streamed cohort is packed on the host a chunk at a time
+            self.strategy_note = "; ".join(n for n in notes if n) or None
             self._check_memory()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
@@ -672,6 +675,25 @@ class Simulation:
     def streamed_option(self, clients_that_fit: int) -> engine.Strategy:
         """The streamed strategy for this platform and model with at most ``clients_that_fit`` in flight."""
         return engine.bounded_strategy(clients_that_fit, jax.devices()[0].platform, self.model)
+
+    def _drop_device_data(self) -> None:
+        """Training data on the host from now on: the device's copy (if any) is let go."""
+        self.data_placement = "host"
+        self._population = self._device_holdout = self._gather_spec = None
+
+    def _yield_device_data(self) -> str | None:
+        """When ``--data-placement auto`` put the data on the device and the round's estimate does not fit in
+        what is left, the data goes back to the host (the round keeps its strategy, where streaming would split
+        the cohort into chunks and a refusal would stop the run): returns why, for people, else None."""
+        if self._population is None or self.config.data_placement != "auto":
+            return None
+        available, where = memory.available_bytes()
+        if available is None or memory.fits(self.memory, available):
+            return None
+        self._drop_device_data()
+        return (f"auto keeps the data on the host: with its {memory.gib(self.data_bytes)} on the device, "
+                f"{self.round.strategy} would need about {memory.gib(self.memory.total)} but "
+                f"{memory.gib(available)} of {where} was left")
 
     def _bounded_strategy(self) -> tuple[engine.Strategy, str] | None:
         """For ``--strategy auto`` on one device, when the estimate exceeds the available memory and the method

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -9,10 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedpartial import memory
 from fedpartial.core import Holdout
-from fedpartial.data import ondevice
+from fedpartial.data import ondevice, sources
 from fedpartial.data.packing import max_steps, pack_cohort
 from fedpartial.simulation import ConfigError, RunConfig, Simulation
+from fedpartial.simulation import run as simulation_run
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Few static settings and fixed shapes, so that the gather compiles a handful of times for the whole file.
@@ -181,6 +184,67 @@ def test_auto_is_device_on_an_accelerator_when_it_fits_and_host_otherwise(sim, m
     assert ondevice.resolve_placement("auto", 1, 10**12, "cpu") == "host"  # measured: no gain on CPU
     assert ondevice.resolve_placement("device", 10**12, 1000, "cpu") == "device"
     assert ondevice.resolve_placement("host", 1, 10**12, "gpu") == "host"
+
+
+def fake_accelerator(monkeypatch, limit_mib: float) -> None:
+    """This CPU as an accelerator of ``limit_mib`` MiB: 'auto' places the data on it, and its free memory is the
+    limit less every array made since (so that the data's copy counts while it is held, and not once let go)."""
+    gc.collect()
+    base = sum(a.nbytes for a in jax.live_arrays())
+
+    def available_bytes(device=None):
+        if device is not None:  # the host's RAM (checked for the packed data's host copy)
+            return 64 * 2**30, "RAM"
+        return int(limit_mib * 2**20) - (sum(a.nbytes for a in jax.live_arrays()) - base), "Fake GPU memory"
+
+    monkeypatch.setattr(memory, "available_bytes", available_bytes)
+    monkeypatch.setattr(ondevice, "resolve_placement", lambda requested, *_: "device" if requested == "auto"
+                        else requested)
+
+
+def wide_config(**changes):
+    """40 clients of 200 examples with 1,000 features: the data takes 30.5 MiB on the device, the round at the
+    whole cohort (stepwise:1) is estimated at 463.8 MiB: 257.8 for the server, 5.15 per client in flight."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8000, 1000)).astype(np.float32), rng.integers(0, 10, 8000)
+    dataset = sources.ArrayDataset("wide", x, y, x[:100], y[:100], 10)
+    config = RunConfig(num_clients=40, cohort_size=40, local_steps=2, batch_size=8, rounds=2, eval_every=2,
+                       out_dir=None, **changes)
+    return config, dataset
+
+
+def test_auto_placed_data_gives_way_to_a_round_that_fits_only_without_it(monkeypatch):
+    config, dataset = wide_config()
+    fake_accelerator(monkeypatch, 530)  # 0.9 · 530 = 477 MiB ≥ 463.8, but 0.9 · (530 − 30.5) = 449.5 is not
+    sim = Simulation(config, dataset=dataset)
+    assert (sim.data_placement, sim._population, str(sim.round.strategy)) == ("host", None, "stepwise:1")
+    assert sim.strategy_note == ("auto keeps the data on the host: with its 31 MiB on the device, stepwise:1 would "
+                                 "need about 464 MiB but 499 MiB of Fake GPU memory was left")
+    host = Simulation(dataclasses.replace(config, data_placement="host"), dataset=dataset)
+    assert host.strategy_note is None
+    summaries = [simulation_run(config, sim=s) for s in (sim, host)]  # the same run as the data named on the host
+    assert summaries[0]["final_test_accuracy"] == summaries[1]["final_test_accuracy"]
+    assert summaries[0]["data_placement"] == "host" and summaries[0]["strategy_note"] == sim.strategy_note
+    # with room for both the data stays; named, it is never moved (the run is refused instead)
+    fake_accelerator(monkeypatch, 560)
+    roomy = Simulation(config, dataset=dataset)
+    assert roomy.data_placement == "device" and roomy.strategy_note is None
+    fake_accelerator(monkeypatch, 530)
+    with pytest.raises(ConfigError, match=r"^The run needs about 464 MiB \(stepwise:1 strategy, 40 clients in "
+                                          r"flight\) but 499 MiB of Fake GPU memory is available; use --strategy "):
+        Simulation(dataclasses.replace(config, data_placement="device"), dataset=dataset)
+
+
+def test_a_streamed_chunk_is_sized_once_the_placed_data_is_let_go(monkeypatch):
+    config, dataset = wide_config()
+    # (0.9 · 341 − 257.8) / 5.15 = 9 clients fit without the data on the device; with it, 4 would
+    fake_accelerator(monkeypatch, 341)
+    sim = Simulation(config, dataset=dataset)
+    assert (sim.data_placement, sim._population, str(sim.round.strategy)) == ("host", None, "stream-stepwise:9")
+    assert sim.strategy_note == ("auto keeps the data on the host: with its 31 MiB on the device, stepwise:1 would "
+                                 "need about 464 MiB but 310 MiB of Fake GPU memory was left; auto streams the "
+                                 "cohort: stepwise:1 would need about 464 MiB but 341 MiB of Fake GPU memory is "
+                                 "available")
 
 
 def test_device_cohort_has_the_host_cohorts_shapes_masks_and_holdout(sim):
