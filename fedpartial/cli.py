@@ -564,6 +564,8 @@ def _run_seeds(args, console: Console, stop) -> int:
         if done["out_dir"]:
             with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
                 print(f.read(), end="")
+        console.print(f"replica axis {done['replica_axis']}, data on the {done['data_placement']}"
+                      + (f" ({done['note']})" if done["note"] else ""), markup=False)
         for name, r in failed:
             console.print(f"{name}: {r['status']} ({r['run_dir']})")
         console.print(f"results: {done['out_dir']}")

@@ -150,6 +150,14 @@ def refusal(est: MemoryEstimate, available: int, where: str, *, strategy: str, c
             "a smaller --batch-size or fewer --local-steps.")
 
 
+def for_replicas(est: MemoryEstimate, count: int, at_once: int) -> MemoryEstimate:
+    """The estimate of one jitted round over ``count`` replicas (:mod:`fedpartial.replicas`) from one replica's
+    ``est``: every replica's server state and packed cohort (the round's stacked input), the clients of
+    ``at_once`` replicas in flight together, and the runtime's buffers once."""
+    return est._replace(server=count * (est.server - RUNTIME_BYTES) + RUNTIME_BYTES,
+                        clients=at_once * est.clients, data=count * est.data, in_flight=at_once * est.in_flight)
+
+
 def round_down(n: int) -> int:
     """``n`` rounded down to 2 significant digits (a number people type)."""
     if n < 100:

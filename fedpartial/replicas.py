@@ -38,6 +38,17 @@ Decisions:
 * **Data on the device** (``data_placement="device"``) works as on the host: each replica's gather is
   padded to the common ``num_steps`` and its placed holdout to the longest one
   (:meth:`~fedpartial.simulation.Simulation.pad_shapes`), drawing the batches its own run draws.
+  ``auto`` is decided once for all replicas, from their data together (a quarter of the free memory,
+  as for one run), so every replica has the same placement (``data_placement`` in the summaries) and
+  equals its separate run with that placement named.  (Decided one replica after another, a later one
+  could find less room and draw other batches than its separate run.)
+* **Memory.**  The replica round holds every replica's state and cohort, and the clients of the
+  replicas that train together (all for ``vmap``, ``B`` for ``map:B``): :func:`memory.for_replicas`.
+  When that exceeds what is available, data that ``auto`` put on the device goes back to the host
+  first; then ``replica_axis="auto"`` trains the most replicas at a time that fit (``map:B``), and a
+  named axis, or replicas that do not fit even one at a time, are refused in one sentence with the
+  estimate and what fits (:func:`fit_replica_axis`).  Why the layout changed: :attr:`Replicas.note`,
+  ``layout_note`` in ``seeds_summary.json``.
 * **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
   of the replica round; ``rounds_per_s`` in each summary follows from that.
 * **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
@@ -61,7 +72,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial import checkpoint, compare, engine
+from fedpartial import checkpoint, compare, engine, memory
+from fedpartial.data import ondevice
 from fedpartial.simulation import (
     ConfigError,
     RunConfig,
@@ -176,6 +188,11 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
 REPLICA_AXES = ("auto", "vmap", "map")
 
 
+def _platform() -> str:
+    """The platform the replicas run on (what ``auto`` decides by)."""
+    return jax.devices()[0].platform
+
+
 def parse_replica_axis(axis: str, platform: str) -> tuple[str, int | None]:
     """``(kind, batch)`` for ``axis``: ``vmap`` (every replica at once), ``map`` or ``map:N`` (``jax.lax.map``:
     one replica, or N vmapped together, after another inside the one jitted round) or ``auto``.
@@ -200,6 +217,52 @@ def over_replicas(fn: Callable, kind: str, batch: int | None = None) -> Callable
     if kind == "vmap":
         return jax.vmap(fn)
     return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
+
+
+def at_once(axis: tuple[str, int | None], count: int) -> int:
+    """How many of ``count`` replicas train together on the replica ``axis`` (``(kind, batch)``)."""
+    kind, batch = axis
+    return count if kind == "vmap" else min(batch or 1, count)
+
+
+def _describe(axis: tuple[str, int | None], count: int) -> str:
+    together = at_once(axis, count)
+    return "all at once (vmap)" if axis[0] == "vmap" else "one at a time" if together == 1 else f"{together} at a time"
+
+
+def fit_replica_axis(est: memory.MemoryEstimate, count: int, axis: tuple[str, int | None], available: int | None,
+                     where: str, *, auto: bool) -> tuple[tuple[str, int | None], str | None]:
+    """The replica axis for ``count`` replicas of one replica's estimate ``est`` within ``available`` bytes of
+    ``where``, and why it is not ``axis`` (None: it is).  ``auto`` (the axis was not named): when ``axis`` does
+    not fit, the most replicas at a time that do (``map:B``); a named axis that does not fit, or replicas that
+    do not fit even one at a time, are refused (:class:`ConfigError`) with the estimate and what fits."""
+    if available is None:
+        return axis, None
+    together = at_once(axis, count)
+    need = memory.for_replicas(est, count, together)
+    if memory.fits(need, available):
+        return axis, None
+    head = (f"{count} replicas {_describe(axis, count)} would need about {memory.gib(need.total)} but "
+            f"{memory.gib(available)} of {where} is available")
+    smaller = next((b for b in range(together - 1, 0, -1)
+                    if memory.fits(memory.for_replicas(est, count, b), available)), None)
+    if smaller is not None and auto:
+        return ("map", smaller if smaller > 1 else None), f"auto runs {smaller} of the replicas at a time: {head}"
+    if smaller is not None:
+        raise ConfigError(f"{head}; use replica_axis='map' (one at a time)." if smaller == 1 else
+                          f"{head}; use replica_axis='map:{smaller}' ({smaller} at a time).")
+    fewer = next((c for c in range(count - 1, 0, -1) if memory.fits(memory.for_replicas(est, c, 1), available)), 0)
+    if fewer:
+        raise ConfigError(f"{head}, and too much even one at a time (every replica's state and cohort stay on the "
+                          f"device); run at most {fewer} of them together and the rest in another run "
+                          "(fedpartial compare reads them all).")
+    raise ConfigError(f"{head}, and too much even one at a time; use a smaller --cohort or fewer --clients.")
+
+
+def _axis_name(axis: tuple[str, int | None]) -> str:
+    """``vmap``, ``map`` or ``map:B``: the replica axis as :func:`parse_replica_axis` reads it."""
+    kind, batch = axis
+    return kind if batch is None else f"{kind}:{batch}"
 
 
 def _shapes(tree) -> list:
@@ -234,11 +297,14 @@ class Replicas:
         configs = replica_configs(config, seeds, out_dir, lrs, server_lrs)
         self.seeds = [c.seed for c in configs]
         # rate 1 in the optimizers, each replica's rates in its cohorts (with_lr) and server state: one round
-        # for all rates
+        # for all rates.  --data-placement auto is decided once for all replicas, from their data together
+        # (below), so that every replica draws its batches the same way
+        auto_data = config.data_placement == "auto"
         self.sims = [Simulation(c, dataset_for(c) if dataset_for else None,
                                 client_optimizer=make_client_optimizer(dataclasses.replace(c, client_lr=1.0)),
                                 server_optimizer=None if server_lrs is None else
-                                make_server_optimizer(dataclasses.replace(c, server_lr=1.0)))
+                                make_server_optimizer(dataclasses.replace(c, server_lr=1.0)),
+                                data_placement="host" if auto_data else None)
                      for c in configs]
         self._server_lrs = server_lrs is not None
         num_steps = max(sim.num_steps for sim in self.sims)
@@ -248,6 +314,32 @@ class Replicas:
             # padded steps and examples are no-ops: the same training, one shape for all (the device
             # gather's bounds and the placed holdout follow, so data_placement="device" works too)
             sim.pad_shapes(num_steps, longest or None)
+        platform = _platform()
+        notes = []
+        if auto_data:
+            together = sum(sim.data_bytes for sim in self.sims)
+            if ondevice.resolve_placement("auto", together, ondevice.available_memory(), platform) == "device":
+                for sim in self.sims:
+                    sim.place_data_on_device()
+        #: ``(kind, batch)`` how the replica axis runs (:func:`parse_replica_axis`, then what fits in memory)
+        self.replica_axis = parse_replica_axis(replica_axis, platform)
+        est = max((sim.memory for sim in self.sims), key=lambda e: e.total)
+        available, where = memory.available_bytes()
+        count = len(self.sims)
+        need = memory.for_replicas(est, count, at_once(self.replica_axis, count))
+        if auto_data and self.sims[0].data_placement == "device" and available is not None and \
+                not memory.fits(need, available):
+            # the data gives way first (as for one run: Simulation's own check), then the replicas' parallelism
+            for sim in self.sims:
+                sim.drop_device_data()
+            notes.append(f"auto keeps the data on the host: with the {count} replicas' "
+                         f"{memory.gib(sum(sim.data_bytes for sim in self.sims))} on the device, they would need "
+                         f"about {memory.gib(need.total)} but {memory.gib(available)} of {where} was left")
+            available, where = memory.available_bytes()
+        self.replica_axis, fitted = fit_replica_axis(est, count, self.replica_axis, available, where,
+                                                     auto=replica_axis == "auto")
+        #: why the replicas' layout (data placement, replica axis) is not what the options resolve to alone
+        self.note = "; ".join(notes + ([fitted] if fitted else [])) or None
         first = self.sims[0]
         for seed, sim in zip(self.seeds[1:], self.sims[1:]):
             if jax.tree.structure(sim.state) != jax.tree.structure(first.state) or \
@@ -262,10 +354,7 @@ class Replicas:
             return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
 
         self.round = first.round  # its trace_count counts the replica round's traces
-        #: ``(kind, batch)`` how the replica axis runs (:func:`replica_axis`)
-        self.replica_axis = parse_replica_axis(replica_axis, jax.devices()[0].platform)
         self._round = jax.jit(over_replicas(one, *self.replica_axis), donate_argnums=(0,))
-        count = len(self.sims)
         self._unstack = jax.jit(lambda s: [jax.tree.map(lambda a: a[i], s) for i in range(count)])
         self.state = stack([sim.state._replace(server_lr_scale=np.float32(sim.config.server_lr))
                             if self._server_lrs else sim.state for sim in self.sims])
@@ -332,11 +421,13 @@ def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None,
 
 def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
                   statuses: Sequence[str], replica_axis: str = "vmap", lrs: Sequence[float] | None = None,
-                  server_lrs: Sequence[float] | None = None) -> dict:
+                  server_lrs: Sequence[float] | None = None, data_placement: str | None = None,
+                  note: str | None = None) -> dict:
     """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content.
 
     Seeds only: the one row's fields at the top level.  With learning rates: ``lrs`` and/or ``server_lrs``
-    and ``rows``, one row per rate or pair of rates (mean ± std over the seeds)."""
+    and ``rows``, one row per rate or pair of rates (mean ± std over the seeds).  ``data_placement`` (every
+    replica's) and ``layout_note`` (:attr:`Replicas.note`) are written when given."""
     rows = _summary_rows(run_dirs, lrs, server_lrs)
     top = rows[0] if lrs is None and server_lrs is None else {
         **({} if lrs is None else {"lrs": list(lrs)}),
@@ -344,7 +435,9 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
     summary = {**top, "seeds": list(dict.fromkeys(seeds)),
                "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
                "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
-               "wall_time_s": wall, "std": "population (ddof=0)"}
+               "wall_time_s": wall, "std": "population (ddof=0)",
+               **({} if data_placement is None else {"data_placement": data_placement}),
+               **({} if note is None else {"layout_note": note})}
     checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
     with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
         f.write(compare.table_markdown(rows, COLUMNS))
@@ -358,13 +451,16 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     """Runs ``config`` once per seed (and, with ``lrs`` / ``server_lrs``, per client / server learning rate:
     every rate with every seed) as one simulation (one jitted round over the replicas) and writes the run directories.
 
-    Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations"}``: the parent directory (None without
-    ``config.out_dir``), and per replica (:func:`replica_settings` order) its run directory, its :func:`~fedpartial.simulation.run`-style
-    result (summary, ``run_dir`` and ``records``), the mean ± std summary (None without a directory) and
-    the seeds' :class:`Simulation` objects (their final states).
+    Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations", "replica_axis", "data_placement",
+    "note"}``: the parent directory (None without ``config.out_dir``), and per replica (:func:`replica_settings`
+    order) its run directory, its :func:`~fedpartial.simulation.run`-style result (summary, ``run_dir`` and
+    ``records``), the mean ± std summary (None without a directory), the seeds' :class:`Simulation` objects
+    (their final states), and the layout: the replica axis that ran, where the data lived and why
+    (:attr:`Replicas.note`, None when the options alone decided it).
     A replica that diverged or failed has status ``diverged``/``failed`` in its directory and ``error``
-    in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial.simulation.run`'s, per seed.  ``on_round(t, records)`` gets each round's records (None for a
-    finished replica).  A stop signal ends every replica after the current round (status ``interrupted``).
+    in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial.simulation.run`'s, per
+    seed.  ``on_round(t, records)`` gets each round's records (None for a finished replica).  A stop signal
+    ends every replica after the current round (status ``interrupted``).
     ``replica_axis``: how the replicas run inside the one jitted round (:func:`parse_replica_axis`).
     """
     t0 = time.perf_counter()
@@ -409,13 +505,15 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     summary = None
     if parent:
         summary = write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
-                                [r["status"] for r in results], replica_axis=replicas.replica_axis[0], lrs=lrs,
-                                server_lrs=server_lrs)
+                                [r["status"] for r in results], replica_axis=_axis_name(replicas.replica_axis),
+                                lrs=lrs, server_lrs=server_lrs, data_placement=replicas.sims[0].data_placement,
+                                note=replicas.note)
     if flag.stopped:
         raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
                                         f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "
                                         f"checkpoints and summaries are kept in {parent}",
                                         {"out_dir": parent, "run_dirs": run_dirs, "results": results})
     return {"out_dir": parent, "run_dirs": run_dirs, "results": results, "summary": summary,
-            "simulations": replicas.sims}
+            "simulations": replicas.sims, "replica_axis": _axis_name(replicas.replica_axis),
+            "data_placement": replicas.sims[0].data_placement, "note": replicas.note}
 

@@ -493,12 +493,15 @@ class Simulation:
 
     ``check_memory``: before any array is built, refuse (:class:`ConfigError`) a run whose
     estimated peak memory (:mod:`fedpartial.memory`) exceeds what is available.
+    ``data_placement``: where the training data goes, ``host`` or ``device``, decided by the caller instead of
+    ``config.data_placement`` (:mod:`fedpartial.replicas` decides ``auto`` for all its replicas together).
     """
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
                  method: Method | None = None, model: Model | None = None,
                  client_optimizer: optax.GradientTransformation | None = None,
-                 server_optimizer: optax.GradientTransformation | None = None, check_memory: bool = True):
+                 server_optimizer: optax.GradientTransformation | None = None, check_memory: bool = True,
+                 data_placement: str | None = None):
         if method is not None:
             config = dataclasses.replace(config, method=method.name, options={})
         config.validate(custom_method=method is not None)
@@ -539,7 +542,7 @@ class Simulation:
                                         dataset.num_classes).reshape(len(self.clients), -1).astype(np.float32)
         self.num_steps = packing.max_steps(np.unique(self.sizes), config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.epochs)
-        self._place_data()
+        self._place_data(data_placement)
         if model is None:
             model = build_model(config.model, dataset)
             if self.method.adapt_model is not None:  # e.g. MOON's projection head
@@ -588,7 +591,7 @@ class Simulation:
                 notes.append(streamed)
                 self.round = build_round(self.client_state, bounded)
                 self.memory = self._estimate()
-                self._drop_device_data()  # a streamed cohort is packed on the host a chunk at a time
+                self.drop_device_data()  # a streamed cohort is packed on the host a chunk at a time
             self.strategy_note = "; ".join(n for n in notes if n) or None
             self._check_memory()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
@@ -676,7 +679,7 @@ class Simulation:
         """The streamed strategy for this platform and model with at most ``clients_that_fit`` in flight."""
         return engine.bounded_strategy(clients_that_fit, jax.devices()[0].platform, self.model)
 
-    def _drop_device_data(self) -> None:
+    def drop_device_data(self) -> None:
         """Training data on the host from now on: the device's copy (if any) is let go."""
         self.data_placement = "host"
         self._population = self._device_holdout = self._gather_spec = None
@@ -690,7 +693,7 @@ class Simulation:
         available, where = memory.available_bytes()
         if available is None or memory.fits(self.memory, available):
             return None
-        self._drop_device_data()
+        self.drop_device_data()
         return (f"auto keeps the data on the host: with its {memory.gib(self.data_bytes)} on the device, "
                 f"{self.round.strategy} would need about {memory.gib(self.memory.total)} but "
                 f"{memory.gib(available)} of {where} was left")
@@ -740,9 +743,10 @@ class Simulation:
         if problem:
             raise ConfigError(problem[0].upper() + problem[1:])
 
-    def _place_data(self) -> None:
-        """Resolves ``config.data_placement`` into :attr:`data_placement` and, for ``device``, copies the
-        clients' training data (and the padded holdout) to the device once.
+    def _place_data(self, decided: str | None = None) -> None:
+        """Resolves ``config.data_placement`` (or takes the caller's ``decided`` placement) into
+        :attr:`data_placement` and, for ``device``, copies the clients' training data (and the padded holdout)
+        to the device once.
 
         ``auto`` is ``device`` on an accelerator when the placed data - every client's training examples,
         labels and index tables, plus the holdout - takes at most :data:`ondevice.DEVICE_MEMORY_FRACTION`
@@ -754,17 +758,24 @@ class Simulation:
         self.data_bytes = ondevice.population_bytes(self.dataset.x_train, self.clients) + (
             0 if self.holdout is None else sum(int(a.nbytes) for a in self.holdout))
         #: ``host`` or ``device``: where this run's training data lives (``config.data_placement`` resolved)
-        self.data_placement = "host" if engine.parse_strategy(cfg.strategy).kind == "stream" else \
+        self.data_placement = "host" if engine.parse_strategy(cfg.strategy).kind == "stream" else decided or \
             ondevice.resolve_placement(cfg.data_placement, self.data_bytes, ondevice.available_memory(),
                                        jax.devices()[0].platform)  # a streamed cohort is packed a chunk at a time
         self._population = self._device_holdout = self._gather_spec = None
         if self.data_placement == "device":
-            self._gather_spec = ondevice.gather_spec(batch_size=cfg.batch_size, num_steps=self.num_steps,
-                                                     local_steps=cfg.local_steps, local_epochs=cfg.epochs)
-            self._population = ondevice.place(self.dataset.x_train, self.dataset.y_train, self.clients,
-                                              self._gather_spec)
-            if self.holdout is not None:
-                self._device_holdout = jax.device_put(Holdout(*self.holdout))
+            self.place_data_on_device()
+
+    def place_data_on_device(self) -> None:
+        """Copies the clients' training data (and the padded holdout) to the device, once; later cohorts are
+        gathered there (:mod:`fedpartial.data.ondevice`)."""
+        cfg = self.config
+        self.data_placement = "device"
+        self._gather_spec = ondevice.gather_spec(batch_size=cfg.batch_size, num_steps=self.num_steps,
+                                                 local_steps=cfg.local_steps, local_epochs=cfg.epochs)
+        self._population = ondevice.place(self.dataset.x_train, self.dataset.y_train, self.clients,
+                                          self._gather_spec)
+        if self.holdout is not None:
+            self._device_holdout = jax.device_put(Holdout(*self.holdout))
 
     def pad_shapes(self, num_steps: int, holdout_length: int | None = None) -> None:
         """Pads every later cohort to ``num_steps`` local steps and the holdout to ``holdout_length`` examples
@@ -776,14 +787,16 @@ class Simulation:
         self.num_steps = num_steps
         if self._gather_spec is not None:
             self._gather_spec = self._gather_spec._replace(num_steps=num_steps)
-        if self.holdout is None or holdout_length is None or holdout_length == self.holdout[0].shape[1]:
-            return
-        extra = holdout_length - self.holdout[0].shape[1]
-        if extra < 0:
-            raise ValueError(f"holdout_length {holdout_length} is below this run's {self.holdout[0].shape[1]}.")
-        self.holdout = tuple(np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2)) for a in self.holdout)
-        if self._device_holdout is not None:
-            self._device_holdout = jax.device_put(Holdout(*self.holdout))
+        if self.holdout is not None and holdout_length is not None and holdout_length != self.holdout[0].shape[1]:
+            extra = holdout_length - self.holdout[0].shape[1]
+            if extra < 0:
+                raise ValueError(f"holdout_length {holdout_length} is below this run's {self.holdout[0].shape[1]}.")
+            before = sum(int(a.nbytes) for a in self.holdout)
+            self.holdout = tuple(np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2)) for a in self.holdout)
+            self.data_bytes += sum(int(a.nbytes) for a in self.holdout) - before
+            if self._device_holdout is not None:
+                self._device_holdout = jax.device_put(Holdout(*self.holdout))
+        self.memory = self._estimate()  # the padded steps are packed too
 
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its

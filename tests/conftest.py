@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models and cohorts small enough to check by hand."""
 
+import gc
 import os
 import pathlib
 
@@ -8,6 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+from fedpartial import memory
+from fedpartial.data import sources
 from fedpartial.engine import Cohort
 from fedpartial.methods.base import Batch, CohortInfo
 from fedpartial.models.adapter import from_linen
@@ -94,6 +97,27 @@ def mlp_grad(p, x, y):
     dpre = (dlogits @ p["head"]["kernel"].T) * (pre > 0)
     return {"fc1": {"kernel": x.T @ dpre, "bias": dpre.sum(0)},
             "head": {"kernel": h.T @ dlogits, "bias": dlogits.sum(0)}}
+
+
+def fake_device_memory(monkeypatch, limit_mib: float) -> None:
+    """This CPU's memory as an accelerator's of ``limit_mib`` MiB: its free memory is the limit less every array
+    made since (so that a copy counts while it is held, and not once let go); the host's RAM stays 64 GiB."""
+    gc.collect()
+    base = sum(a.nbytes for a in jax.live_arrays())
+
+    def available_bytes(device=None):
+        if device is not None:  # the host's RAM (checked for the packed data's host copy)
+            return 64 * 2**30, "RAM"
+        return int(limit_mib * 2**20) - (sum(a.nbytes for a in jax.live_arrays()) - base), "Fake GPU memory"
+
+    monkeypatch.setattr(memory, "available_bytes", available_bytes)
+
+
+def wide_dataset():
+    """8,000 examples of 1,000 features, 10 classes: 30.5 MiB of training data, made in a moment."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8000, 1000)).astype(np.float32), rng.integers(0, 10, 8000)
+    return sources.ArrayDataset("wide", x, y, x[:100], y[:100], 10)
 
 
 @pytest.hookimpl(trylast=True)

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedpartial import replicas
+from fedpartial import memory, replicas
 from fedpartial.cli import main
 from fedpartial.simulation import ConfigError, RunConfig, Simulation, run
+from tests.conftest import fake_device_memory, wide_dataset
 
 #: float fields and final variables of a replica against its separate run: vmapping the round over
 #: replicas lets XLA reorder float operations in its kernels (measured on CPU: equal, or a few ulp apart
@@ -48,19 +49,25 @@ def _check_equal(config, seeds, tmp_path, replica_axis="auto", lrs=None, server_
             continue
         alone, sim, n = _separate(config, seed, lr, server_lr)
         steps.append(n)
-        assert result["status"] == "complete" and len(result["records"]) == config.rounds
-        for mine, theirs in zip(result["records"], alone["records"]):
-            assert mine.keys() == theirs.keys()
-            for key in mine.keys() - set(TIMES):
-                if isinstance(mine[key], float) or isinstance(theirs[key], float):
-                    assert mine[key] == pytest.approx(theirs[key], rel=RTOL, abs=ATOL), (seed, key)
-                else:
-                    assert mine[key] == theirs[key], (seed, key)
-        for a, b in zip(jax.tree.leaves(vsim.state.variables), jax.tree.leaves(sim.state.variables)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
-        assert int(vsim.state.round) == config.rounds
+        _assert_same_run(result, vsim, alone, sim, config.rounds)
     assert len(set(steps)) > 1, "the seeds should need different numbers of local steps (padding is tested)"
     return done
+
+
+def _assert_same_run(result, vsim, alone, sim, rounds):
+    """A replica's ``result`` and simulation ``vsim`` against a separate run's: records equal but the times, the
+    final variables to the tolerance above."""
+    assert result["status"] == "complete" and len(result["records"]) == rounds
+    for mine, theirs in zip(result["records"], alone["records"]):
+        assert mine.keys() == theirs.keys()
+        for key in mine.keys() - set(TIMES):
+            if isinstance(mine[key], float) or isinstance(theirs[key], float):
+                assert mine[key] == pytest.approx(theirs[key], rel=RTOL, abs=ATOL), key
+            else:
+                assert mine[key] == theirs[key], key
+    for a, b in zip(jax.tree.leaves(vsim.state.variables), jax.tree.leaves(sim.state.variables)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+    assert int(vsim.state.round) == rounds
 
 
 def test_fedavg_cnn_on_digits_equals_separate_fused_runs(tmp_path):
@@ -285,8 +292,101 @@ def test_cli_server_lrs_with_lrs_writes_a_folder_per_pair(tmp_path, capsys):
 
 def test_cli_lrs_without_seeds_uses_the_seed(tmp_path, capsys):
     assert main(["run", "--dataset", "synthetic", "--clients", "6", "--cohort", "2", "--rounds", "1",
-                 "--local-steps", "1", "--seed", "3", "--lrs", "0.1,0.01", "--out", str(tmp_path), "--quiet"]) == 0
-    parent = capsys.readouterr().out.strip()
-    assert parent == str(tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01")
+                 "--local-steps", "1", "--seed", "3", "--lrs", "0.1,0.01", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    layout = out.index("replica axis map, data on the host")  # CPU's auto, nothing moved (no note)
+    assert out[layout - 4].startswith("| method | seeds |") and out[layout + 1].startswith("results:")  # 2 rows
     assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01").iterdir()) == [
         "fedavg-synthetic-seed3-lr0.01", "fedavg-synthetic-seed3-lr0.1", "seeds_summary.json", "seeds_summary.md"]
+
+
+MIB = 2**20
+
+
+def test_the_replica_round_holds_every_state_and_cohort_and_the_clients_of_those_in_flight():
+    est = memory.MemoryEstimate(server=memory.RUNTIME_BYTES + 10 * MIB, clients=100 * MIB, data=5 * MIB,
+                                in_flight=10, per_client=int(10.5 * MIB))
+    assert memory.for_replicas(est, 3, 2) == est._replace(server=memory.RUNTIME_BYTES + 30 * MIB,
+                                                          clients=200 * MIB, data=15 * MIB, in_flight=20)
+    assert memory.for_replicas(est, 1, 1) == est
+
+
+def test_auto_trains_the_most_replicas_at_a_time_that_fit_and_a_named_axis_is_refused():
+    # one replica: server 256 (runtime) + 10, clients 100, data 5 MiB; three replicas: 256 + 30 + 15 MiB and
+    # 100 MiB per replica in flight: 601 MiB at once (vmap), 501 two at a time, 401 one at a time
+    est = memory.MemoryEstimate(server=memory.RUNTIME_BYTES + 10 * MIB, clients=100 * MIB, data=5 * MIB,
+                                in_flight=10, per_client=int(10.5 * MIB))
+    vmap, where = ("vmap", None), "Fake GPU memory"
+    fit = lambda available_mib, **kw: replicas.fit_replica_axis(est, 3, kw.pop("axis", vmap),  # noqa: E731
+                                                                available_mib * MIB, where, **kw)
+    assert fit(700, auto=True) == (vmap, None)  # 0.9 × 700 = 630 ≥ 601
+    assert replicas.fit_replica_axis(est, 3, vmap, None, where, auto=True) == (vmap, None)  # nothing known
+    head = "3 replicas all at once (vmap) would need about 601 MiB but {} MiB of Fake GPU memory is available"
+    assert fit(600, auto=True) == (("map", 2), "auto runs 2 of the replicas at a time: " + head.format(600))
+    assert fit(500, auto=True) == (("map", None), "auto runs 1 of the replicas at a time: " + head.format(500))
+    with pytest.raises(ConfigError) as named:
+        fit(600, auto=False)
+    assert str(named.value) == head.format(600) + "; use replica_axis='map:2' (2 at a time)."
+    with pytest.raises(ConfigError) as two:  # 0.9 × 420 = 378: one replica (371) fits, two (386) do not
+        fit(420, auto=True)
+    assert str(two.value) == head.format(420) + (
+        ", and too much even one at a time (every replica's state and cohort stay on the device); run at most 1 "
+        "of them together and the rest in another run (fedpartial compare reads them all).")
+    with pytest.raises(ConfigError, match=r"even one at a time; use a smaller --cohort or fewer --clients\.$"):
+        fit(400, auto=True)
+    with pytest.raises(ConfigError, match=r"^3 replicas 2 at a time would need about 501 MiB"):
+        fit(500, axis=("map", 2), auto=False)
+
+
+def _pose_as_gpu(monkeypatch, limit_mib):
+    """This CPU as an accelerator of ``limit_mib`` MiB (:func:`tests.conftest.fake_device_memory`) without the
+    runtime's fixed share in the estimate, so that data and clients decide."""
+    monkeypatch.setattr(memory, "RUNTIME_BYTES", 0)
+    monkeypatch.setattr(replicas, "_platform", lambda: "gpu")
+    fake_device_memory(monkeypatch, limit_mib)
+
+
+WIDE = RunConfig(num_clients=40, cohort_size=4, local_steps=2, batch_size=8, rounds=2, eval_every=2)
+
+
+def test_auto_places_every_replicas_data_or_none_of_it(monkeypatch, tmp_path):
+    """Each replica's data takes 30.5 MiB (:func:`tests.conftest.wide_dataset`).  At 140 MiB one replica's data
+    is within a quarter of the free memory and both replicas' (61 MiB) are not: decided one replica after
+    another, the first went to the device and the second stayed on the host (other batches than its own run's).
+    Now both stay on the host, and each replica equals its separate run with the data named on the host."""
+    dataset = wide_dataset()
+    _pose_as_gpu(monkeypatch, 140)
+    done = replicas.run_seeds(dataclasses.replace(WIDE, out_dir=str(tmp_path)), [0, 1], dataset_for=lambda c: dataset)
+    assert [s.data_placement for s in done["simulations"]] == ["host", "host"]
+    assert (done["data_placement"], done["replica_axis"], done["note"]) == ("host", "vmap", None)
+    assert done["summary"]["data_placement"] == "host" and "layout_note" not in done["summary"]
+    for i in (0, 1):
+        sim = Simulation(dataclasses.replace(WIDE, seed=i, strategy="fused", data_placement="host"), dataset)
+        _assert_same_run(done["results"][i], done["simulations"][i], run(sim.config, sim=sim), sim, WIDE.rounds)
+    _pose_as_gpu(monkeypatch, 300)  # 61 MiB ≤ 75: both on the device
+    both = replicas.Replicas(WIDE, [0, 1], dataset_for=lambda c: dataset)
+    assert [s.data_placement for s in both.sims] == ["device", "device"] and both.note is None
+
+
+def test_auto_placed_data_gives_way_to_the_replicas_then_their_parallelism(monkeypatch):
+    """Cohorts of 40: one replica needs 1.9 MiB of server state, 200.9 MiB of clients in flight and 4.9 of
+    packed data (5.15 MiB a client, as for one run), so two replicas 416 MiB at once and 214 MiB one at a time."""
+    dataset = wide_dataset()
+    config = dataclasses.replace(WIDE, cohort_size=40)
+    _pose_as_gpu(monkeypatch, 500)  # 61 MiB of data ≤ a quarter: placed; then 0.9 · 437 < 416 ≤ 0.9 · 498
+    fitted = replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset)
+    assert [s.data_placement for s in fitted.sims] == ["host", "host"] and fitted.replica_axis == ("vmap", None)
+    assert fitted.note == ("auto keeps the data on the host: with the 2 replicas' 61 MiB on the device, they would "
+                           "need about 416 MiB but 437 MiB of Fake GPU memory was left")
+    _pose_as_gpu(monkeypatch, 300)  # placed, given back, and still 0.9 · 298 < 416: one replica at a time (214)
+    mapped = replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset)
+    assert [s.data_placement for s in mapped.sims] == ["host", "host"] and mapped.replica_axis == ("map", None)
+    assert mapped.note == ("auto keeps the data on the host: with the 2 replicas' 61 MiB on the device, they would "
+                           "need about 416 MiB but 237 MiB of Fake GPU memory was left; auto runs 1 of the replicas "
+                           "at a time: 2 replicas all at once (vmap) would need about 416 MiB but 298 MiB of Fake GPU "
+                           "memory is available")
+    del mapped
+    _pose_as_gpu(monkeypatch, 300)  # named, the axis is not changed: the sentence says what fits
+    with pytest.raises(ConfigError, match=r"^2 replicas all at once \(vmap\) would need about 416 MiB but 298 MiB of "
+                                          r"Fake GPU memory is available; use replica_axis='map' \(one at a time\)\.$"):
+        replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset, replica_axis="vmap")

@@ -2,7 +2,6 @@
 
 import copy
 import dataclasses
-import gc
 
 import jax
 import numpy as np
@@ -10,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedpartial import memory
 from fedpartial.core import Holdout
-from fedpartial.data import ondevice, sources
+from fedpartial.data import ondevice
 from fedpartial.data.packing import max_steps, pack_cohort
 from fedpartial.simulation import ConfigError, RunConfig, Simulation
 from fedpartial.simulation import run as simulation_run
+from tests.conftest import fake_device_memory, wide_dataset
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Few static settings and fixed shapes, so that the gather compiles a handful of times for the whole file.
@@ -187,30 +186,20 @@ def test_auto_is_device_on_an_accelerator_when_it_fits_and_host_otherwise(sim, m
 
 
 def fake_accelerator(monkeypatch, limit_mib: float) -> None:
-    """This CPU as an accelerator of ``limit_mib`` MiB: 'auto' places the data on it, and its free memory is the
-    limit less every array made since (so that the data's copy counts while it is held, and not once let go)."""
-    gc.collect()
-    base = sum(a.nbytes for a in jax.live_arrays())
-
-    def available_bytes(device=None):
-        if device is not None:  # the host's RAM (checked for the packed data's host copy)
-            return 64 * 2**30, "RAM"
-        return int(limit_mib * 2**20) - (sum(a.nbytes for a in jax.live_arrays()) - base), "Fake GPU memory"
-
-    monkeypatch.setattr(memory, "available_bytes", available_bytes)
+    """This CPU as an accelerator of ``limit_mib`` MiB (:func:`tests.conftest.fake_device_memory`) on which
+    'auto' places the data."""
+    fake_device_memory(monkeypatch, limit_mib)
     monkeypatch.setattr(ondevice, "resolve_placement", lambda requested, *_: "device" if requested == "auto"
                         else requested)
 
 
 def wide_config(**changes):
-    """40 clients of 200 examples with 1,000 features: the data takes 30.5 MiB on the device, the round at the
-    whole cohort (stepwise:1) is estimated at 463.8 MiB: 257.8 for the server, 5.15 per client in flight."""
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(8000, 1000)).astype(np.float32), rng.integers(0, 10, 8000)
-    dataset = sources.ArrayDataset("wide", x, y, x[:100], y[:100], 10)
+    """40 clients of 200 examples with 1,000 features (:func:`tests.conftest.wide_dataset`): the data takes
+    30.5 MiB on the device, the round at the whole cohort (stepwise:1) is estimated at 463.8 MiB: 257.8 for the
+    server, 5.15 per client in flight."""
     config = RunConfig(num_clients=40, cohort_size=40, local_steps=2, batch_size=8, rounds=2, eval_every=2,
                        out_dir=None, **changes)
-    return config, dataset
+    return config, wide_dataset()
 
 
 def test_auto_placed_data_gives_way_to_a_round_that_fits_only_without_it(monkeypatch):
