@@ -44,8 +44,8 @@ Decisions:
   could find less room and draw other batches than its separate run.)
 * **Memory.**  The replica round holds every replica's state and cohort, and the clients of the
   replicas that train together (all for ``vmap``, ``B`` for ``map:B``): :func:`memory.for_replicas`.
-  When that exceeds what is available, data that ``auto`` put on the device goes back to the host
-  first; then ``replica_axis="auto"`` trains the most replicas at a time that fit (``map:B``), and a
+  When that exceeds what is available, data that ``auto`` would put on the device stays on the host
+  first (the data is copied only once the checks pass); then ``replica_axis="auto"`` trains the most replicas at a time that fit (``map:B``), and a
   named axis, or replicas that do not fit even one at a time, are refused in one sentence with the
   estimate and what fits (:func:`fit_replica_axis`).  Why the layout changed: :attr:`Replicas.note`,
   ``layout_note`` in ``seeds_summary.json``.
@@ -315,31 +315,29 @@ class Replicas:
             # gather's bounds and the placed holdout follow, so data_placement="device" works too)
             sim.pad_shapes(num_steps, longest or None)
         platform = _platform()
-        notes = []
-        if auto_data:
-            together = sum(sim.data_bytes for sim in self.sims)
-            if ondevice.resolve_placement("auto", together, ondevice.available_memory(), platform) == "device":
-                for sim in self.sims:
-                    sim.place_data_on_device()
+        count, notes = len(self.sims), []
+        together = sum(sim.data_bytes for sim in self.sims)
+        place = auto_data and ondevice.resolve_placement("auto", together, ondevice.available_memory(),
+                                                         platform) == "device"
         #: ``(kind, batch)`` how the replica axis runs (:func:`parse_replica_axis`, then what fits in memory)
         self.replica_axis = parse_replica_axis(replica_axis, platform)
         est = max((sim.memory for sim in self.sims), key=lambda e: e.total)
         available, where = memory.available_bytes()
-        count = len(self.sims)
-        need = memory.for_replicas(est, count, at_once(self.replica_axis, count))
-        if auto_data and self.sims[0].data_placement == "device" and available is not None and \
-                not memory.fits(need, available):
-            # the data gives way first (as for one run: Simulation's own check), then the replicas' parallelism
-            for sim in self.sims:
-                sim.drop_device_data()
-            notes.append(f"auto keeps the data on the host: with the {count} replicas' "
-                         f"{memory.gib(sum(sim.data_bytes for sim in self.sims))} on the device, they would need "
-                         f"about {memory.gib(need.total)} but {memory.gib(available)} of {where} was left")
-            available, where = memory.available_bytes()
+        if place and available is not None:  # the checks count the data as on the device; it is copied after
+            need = memory.for_replicas(est, count, at_once(self.replica_axis, count))
+            if memory.fits(need, available - together):
+                available -= together
+            else:  # the data gives way first (as for one run: Simulation's own check), then the parallelism
+                place = False
+                notes.append(f"auto keeps the data on the host: with the {count} replicas' {memory.gib(together)} "
+                             f"on the device, they would need about {memory.gib(need.total)} but "
+                             f"{memory.gib(available - together)} of {where} would be left")
         self.replica_axis, fitted = fit_replica_axis(est, count, self.replica_axis, available, where,
                                                      auto=replica_axis == "auto")
         #: why the replicas' layout (data placement, replica axis) is not what the options resolve to alone
         self.note = "; ".join(notes + ([fitted] if fitted else [])) or None
+        for sim in self.sims if place else []:
+            sim.place_data_on_device()
         first = self.sims[0]
         for seed, sim in zip(self.seeds[1:], self.sims[1:]):
             if jax.tree.structure(sim.state) != jax.tree.structure(first.state) or \

@@ -594,6 +594,8 @@ class Simulation:
                 self.drop_device_data()  # a streamed cohort is packed on the host a chunk at a time
             self.strategy_note = "; ".join(n for n in notes if n) or None
             self._check_memory()
+        if self.data_placement == "device":
+            self.place_data_on_device()
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
         self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
@@ -624,7 +626,7 @@ class Simulation:
                               "it reads every client's state in its hooks; use --client-state device or auto.")
         if state_bytes == 0:
             return "device"
-        device_free, where = memory.available_bytes()
+        device_free, where = self._device_room()
         host_free = device_free if where == "RAM" else memory.available_bytes(jax.devices("cpu")[0])[0]
         # (split over several devices the state stays there: the host store feeds one device)
         return client_state_lib.resolve(cfg.client_state, state_bytes,
@@ -684,19 +686,26 @@ class Simulation:
         self.data_placement = "host"
         self._population = self._device_holdout = self._gather_spec = None
 
-    def _yield_device_data(self) -> str | None:
-        """When ``--data-placement auto`` put the data on the device and the round's estimate does not fit in
-        what is left, the data goes back to the host (the round keeps its strategy, where streaming would split
-        the cohort into chunks and a refusal would stop the run): returns why, for people, else None."""
-        if self._population is None or self.config.data_placement != "auto":
-            return None
+    def _device_room(self) -> tuple[int | None, str]:
+        """:func:`memory.available_bytes`, less the data that is to go on the device and is not copied yet."""
         available, where = memory.available_bytes()
+        if available is not None and self.data_placement == "device" and self._population is None:
+            available -= self.data_bytes
+        return available, where
+
+    def _yield_device_data(self) -> str | None:
+        """When ``--data-placement auto`` chose the device and the round's estimate does not fit in what the data
+        would leave, the data stays on the host instead (the round keeps its strategy, where streaming would
+        split the cohort into chunks and a refusal would stop the run): returns why, for people, else None."""
+        if self.data_placement != "device" or self.config.data_placement != "auto":
+            return None
+        available, where = self._device_room()
         if available is None or memory.fits(self.memory, available):
             return None
         self.drop_device_data()
         return (f"auto keeps the data on the host: with its {memory.gib(self.data_bytes)} on the device, "
                 f"{self.round.strategy} would need about {memory.gib(self.memory.total)} but "
-                f"{memory.gib(available)} of {where} was left")
+                f"{memory.gib(available)} of {where} would be left")
 
     def _bounded_strategy(self) -> tuple[engine.Strategy, str] | None:
         """For ``--strategy auto`` on one device, when the estimate exceeds the available memory and the method
@@ -706,7 +715,7 @@ class Simulation:
         if cfg.strategy != "auto" or self.mesh is not None or cfg.data_placement == "device" \
                 or engine.stream_refusal(self.method) is not None:
             return None
-        available, where = memory.available_bytes()
+        available, where = self._device_room()
         if available is None or memory.fits(self.memory, available):
             return None
         fit = memory.clients_that_fit(self.memory, available)
@@ -720,7 +729,7 @@ class Simulation:
         """Refuses the run in one sentence when its estimate exceeds the available memory (see
         :mod:`fedpartial.memory`); on an accelerator the packed data's host copy is checked against RAM."""
         est = self.memory
-        available, where = memory.available_bytes()
+        available, where = self._device_room()
         if available is None:
             return
         if where != "RAM":  # the device holds all but the host copy of the data
@@ -745,8 +754,8 @@ class Simulation:
 
     def _place_data(self, decided: str | None = None) -> None:
         """Resolves ``config.data_placement`` (or takes the caller's ``decided`` placement) into
-        :attr:`data_placement` and, for ``device``, copies the clients' training data (and the padded holdout)
-        to the device once.
+        :attr:`data_placement`; for ``device`` :meth:`place_data_on_device` copies the data once the memory
+        checks have passed (they count it as already there), so that data which gives way is never copied.
 
         ``auto`` is ``device`` on an accelerator when the placed data - every client's training examples,
         labels and index tables, plus the holdout - takes at most :data:`ondevice.DEVICE_MEMORY_FRACTION`
@@ -761,9 +770,8 @@ class Simulation:
         self.data_placement = "host" if engine.parse_strategy(cfg.strategy).kind == "stream" else decided or \
             ondevice.resolve_placement(cfg.data_placement, self.data_bytes, ondevice.available_memory(),
                                        jax.devices()[0].platform)  # a streamed cohort is packed a chunk at a time
+        # (copied by __init__ once the round is known to fit beside it: :meth:`_device_room`)
         self._population = self._device_holdout = self._gather_spec = None
-        if self.data_placement == "device":
-            self.place_data_on_device()
 
     def place_data_on_device(self) -> None:
         """Copies the clients' training data (and the padded holdout) to the device, once; later cohorts are

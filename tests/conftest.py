@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedpartial import memory
-from fedpartial.data import sources
+from fedpartial.data import ondevice, sources
 from fedpartial.engine import Cohort
 from fedpartial.methods.base import Batch, CohortInfo
 from fedpartial.models.adapter import from_linen
@@ -111,6 +111,13 @@ def fake_device_memory(monkeypatch, limit_mib: float) -> None:
         return int(limit_mib * 2**20) - (sum(a.nbytes for a in jax.live_arrays()) - base), "Fake GPU memory"
 
     monkeypatch.setattr(memory, "available_bytes", available_bytes)
+
+
+def count_copies(monkeypatch) -> list:
+    """A list that gets an item each time a population is copied to the device (:func:`ondevice.place`)."""
+    copies, place = [], ondevice.place
+    monkeypatch.setattr(ondevice, "place", lambda *a, **kw: copies.append(1) or place(*a, **kw))
+    return copies
 
 
 def wide_dataset():

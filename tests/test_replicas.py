@@ -19,7 +19,7 @@ import pytest
 from fedpartial import memory, replicas
 from fedpartial.cli import main
 from fedpartial.simulation import ConfigError, RunConfig, Simulation, run
-from tests.conftest import fake_device_memory, wide_dataset
+from tests.conftest import count_copies, fake_device_memory, wide_dataset
 
 #: float fields and final variables of a replica against its separate run: vmapping the round over
 #: replicas lets XLA reorder float operations in its kernels (measured on CPU: equal, or a few ulp apart
@@ -364,8 +364,9 @@ def test_auto_places_every_replicas_data_or_none_of_it(monkeypatch, tmp_path):
         sim = Simulation(dataclasses.replace(WIDE, seed=i, strategy="fused", data_placement="host"), dataset)
         _assert_same_run(done["results"][i], done["simulations"][i], run(sim.config, sim=sim), sim, WIDE.rounds)
     _pose_as_gpu(monkeypatch, 300)  # 61 MiB ≤ 75: both on the device
+    copies = count_copies(monkeypatch)
     both = replicas.Replicas(WIDE, [0, 1], dataset_for=lambda c: dataset)
-    assert [s.data_placement for s in both.sims] == ["device", "device"] and both.note is None
+    assert [s.data_placement for s in both.sims] == ["device", "device"] and both.note is None and len(copies) == 2
 
 
 def test_auto_placed_data_gives_way_to_the_replicas_then_their_parallelism(monkeypatch):
@@ -373,16 +374,18 @@ def test_auto_placed_data_gives_way_to_the_replicas_then_their_parallelism(monke
     packed data (5.15 MiB a client, as for one run), so two replicas 416 MiB at once and 214 MiB one at a time."""
     dataset = wide_dataset()
     config = dataclasses.replace(WIDE, cohort_size=40)
-    _pose_as_gpu(monkeypatch, 500)  # 61 MiB of data ≤ a quarter: placed; then 0.9 · 437 < 416 ≤ 0.9 · 498
+    _pose_as_gpu(monkeypatch, 500)  # 61 MiB of data ≤ a quarter: device; but 0.9 · 437 < 416 ≤ 0.9 · 498
+    copies = count_copies(monkeypatch)
     fitted = replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset)
     assert [s.data_placement for s in fitted.sims] == ["host", "host"] and fitted.replica_axis == ("vmap", None)
+    assert copies == []  # checked before any replica's data was copied
     assert fitted.note == ("auto keeps the data on the host: with the 2 replicas' 61 MiB on the device, they would "
-                           "need about 416 MiB but 437 MiB of Fake GPU memory was left")
-    _pose_as_gpu(monkeypatch, 300)  # placed, given back, and still 0.9 · 298 < 416: one replica at a time (214)
+                           "need about 416 MiB but 437 MiB of Fake GPU memory would be left")
+    _pose_as_gpu(monkeypatch, 300)  # not on the device, and still 0.9 · 298 < 416: one replica at a time (214)
     mapped = replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset)
     assert [s.data_placement for s in mapped.sims] == ["host", "host"] and mapped.replica_axis == ("map", None)
     assert mapped.note == ("auto keeps the data on the host: with the 2 replicas' 61 MiB on the device, they would "
-                           "need about 416 MiB but 237 MiB of Fake GPU memory was left; auto runs 1 of the replicas "
+                           "need about 416 MiB but 237 MiB of Fake GPU memory would be left; auto runs 1 of the replicas "
                            "at a time: 2 replicas all at once (vmap) would need about 416 MiB but 298 MiB of Fake GPU "
                            "memory is available")
     del mapped

@@ -14,7 +14,7 @@ from fedpartial.data import ondevice
 from fedpartial.data.packing import max_steps, pack_cohort
 from fedpartial.simulation import ConfigError, RunConfig, Simulation
 from fedpartial.simulation import run as simulation_run
-from tests.conftest import fake_device_memory, wide_dataset
+from tests.conftest import count_copies, fake_device_memory, wide_dataset
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Few static settings and fixed shapes, so that the gather compiles a handful of times for the whole file.
@@ -175,8 +175,8 @@ def test_auto_is_device_on_an_accelerator_when_it_fits_and_host_otherwise(sim, m
         other = copy.copy(sim)
         other.config = dataclasses.replace(sim.config, data_placement="auto")
         monkeypatch.setattr(ondevice, "available_memory", lambda device=None, a=available: a)
-        other._place_data()
-        assert other.data_placement == want and (other._population is None) == (want == "host")
+        other._place_data()  # decides only: __init__ copies the data once the memory checks pass
+        assert other.data_placement == want and other._population is None
     assert ondevice.resolve_placement("auto", 250, 1000, "gpu") == "device"
     assert ondevice.resolve_placement("auto", 251, 1000, "gpu") == "host"
     assert ondevice.resolve_placement("auto", 1, None, "tpu") == "host"
@@ -205,10 +205,12 @@ def wide_config(**changes):
 def test_auto_placed_data_gives_way_to_a_round_that_fits_only_without_it(monkeypatch):
     config, dataset = wide_config()
     fake_accelerator(monkeypatch, 530)  # 0.9 · 530 = 477 MiB ≥ 463.8, but 0.9 · (530 − 30.5) = 449.5 is not
+    copies = count_copies(monkeypatch)
     sim = Simulation(config, dataset=dataset)
     assert (sim.data_placement, sim._population, str(sim.round.strategy)) == ("host", None, "stepwise:1")
+    assert copies == []  # checked before it was copied: never copied
     assert sim.strategy_note == ("auto keeps the data on the host: with its 31 MiB on the device, stepwise:1 would "
-                                 "need about 464 MiB but 499 MiB of Fake GPU memory was left")
+                                 "need about 464 MiB but 499 MiB of Fake GPU memory would be left")
     host = Simulation(dataclasses.replace(config, data_placement="host"), dataset=dataset)
     assert host.strategy_note is None
     summaries = [simulation_run(config, sim=s) for s in (sim, host)]  # the same run as the data named on the host
@@ -217,7 +219,7 @@ def test_auto_placed_data_gives_way_to_a_round_that_fits_only_without_it(monkeyp
     # with room for both the data stays; named, it is never moved (the run is refused instead)
     fake_accelerator(monkeypatch, 560)
     roomy = Simulation(config, dataset=dataset)
-    assert roomy.data_placement == "device" and roomy.strategy_note is None
+    assert roomy.data_placement == "device" and roomy.strategy_note is None and len(copies) == 1
     fake_accelerator(monkeypatch, 530)
     with pytest.raises(ConfigError, match=r"^The run needs about 464 MiB \(stepwise:1 strategy, 40 clients in "
                                           r"flight\) but 499 MiB of Fake GPU memory is available; use --strategy "):
@@ -231,7 +233,7 @@ def test_a_streamed_chunk_is_sized_once_the_placed_data_is_let_go(monkeypatch):
     sim = Simulation(config, dataset=dataset)
     assert (sim.data_placement, sim._population, str(sim.round.strategy)) == ("host", None, "stream-stepwise:9")
     assert sim.strategy_note == ("auto keeps the data on the host: with its 31 MiB on the device, stepwise:1 would "
-                                 "need about 464 MiB but 310 MiB of Fake GPU memory was left; auto streams the "
+                                 "need about 464 MiB but 310 MiB of Fake GPU memory would be left; auto streams the "
                                  "cohort: stepwise:1 would need about 464 MiB but 341 MiB of Fake GPU memory is "
                                  "available")
 
