@@ -42,13 +42,13 @@ Decisions:
   as for one run), so every replica has the same placement (``data_placement`` in the summaries) and
   equals its separate run with that placement named.  (Decided one replica after another, a later one
   could find less room and draw other batches than its separate run.)
-* **Memory.**  The replica round holds every replica's state and cohort, and the clients of the
-  replicas that train together (all for ``vmap``, ``B`` for ``map:B``): :func:`memory.for_replicas`.
-  When that exceeds what is available, data that ``auto`` would put on the device stays on the host
-  first (the data is copied only once the checks pass); then ``replica_axis="auto"`` trains the most
-  replicas at a time that fit (``map:B``), and a named axis, or replicas that do not fit even one at a
-  time, are refused in one sentence with the estimate and what fits (:func:`fit_replica_axis`).  Why the layout changed: :attr:`Replicas.note`,
-  ``layout_note`` in ``seeds_summary.json``.
+* **Memory.** The replica round holds every replica's state and cohort, and the clients of the replicas
+  that train together (all for ``vmap``, ``B`` for ``map:B``): :func:`memory.for_replicas`. When that
+  exceeds what is available, data that ``auto`` would put on the device stays on the host first (the
+  data is copied only once the checks pass); then ``replica_axis="auto"`` trains the most replicas at a
+  time that fit (``map:B``), and a named axis, or replicas that do not fit even one at a time, are
+  refused in one sentence with the estimate and what fits (:func:`fit_replica_axis`). Why the layout
+  changed: :attr:`Replicas.note`, ``layout_note`` in ``seeds_summary.json``.
 * **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
   of the replica round; ``rounds_per_s`` in each summary follows from that.
 * **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
