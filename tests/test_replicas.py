@@ -385,9 +385,9 @@ def test_auto_placed_data_gives_way_to_the_replicas_then_their_parallelism(monke
     mapped = replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset)
     assert [s.data_placement for s in mapped.sims] == ["host", "host"] and mapped.replica_axis == ("map", None)
     assert mapped.note == ("auto keeps the data on the host: with the 2 replicas' 61 MiB on the device, they would "
-                           "need about 416 MiB but 237 MiB of Fake GPU memory would be left; auto runs 1 of the replicas "
-                           "at a time: 2 replicas all at once (vmap) would need about 416 MiB but 298 MiB of Fake GPU "
-                           "memory is available")
+                           "need about 416 MiB but 237 MiB of Fake GPU memory would be left; auto runs 1 of the "
+                           "replicas at a time: 2 replicas all at once (vmap) would need about 416 MiB but 298 MiB of "
+                           "Fake GPU memory is available")
     del mapped
     _pose_as_gpu(monkeypatch, 300)  # named, the axis is not changed: the sentence says what fits
     with pytest.raises(ConfigError, match=r"^2 replicas all at once \(vmap\) would need about 416 MiB but 298 MiB of "
