@@ -364,6 +364,9 @@ def test_auto_places_every_replicas_data_or_none_of_it(monkeypatch, tmp_path):
         sim = Simulation(dataclasses.replace(WIDE, seed=i, strategy="fused", data_placement="host"), dataset)
         _assert_same_run(done["results"][i], done["simulations"][i], run(sim.config, sim=sim), sim, WIDE.rounds)
     _pose_as_gpu(monkeypatch, 300)  # 61 MiB ≤ 75: both on the device
+    with pytest.raises(ConfigError, match=r"^data_placement 'gpu' is not allowed: choose host or device \(or None for "
+                                          r"--data-placement auto\)\.$"):
+        Simulation(WIDE, dataset, data_placement="gpu")
     copies = count_copies(monkeypatch)
     both = replicas.Replicas(WIDE, [0, 1], dataset_for=lambda c: dataset)
     assert [s.data_placement for s in both.sims] == ["device", "device"] and both.note is None and len(copies) == 2
