@@ -317,12 +317,11 @@ class Replicas:
         platform = _platform()
         count, notes = len(self.sims), []
         together = sum(sim.data_bytes for sim in self.sims)
-        place = auto_data and ondevice.resolve_placement("auto", together, ondevice.available_memory(),
-                                                         platform) == "device"
+        available, where = memory.available_bytes()  # one reading for the placement and the axis below
+        place = auto_data and ondevice.resolve_placement("auto", together, available, platform) == "device"
         #: ``(kind, batch)`` how the replica axis runs (:func:`parse_replica_axis`, then what fits in memory)
         self.replica_axis = parse_replica_axis(replica_axis, platform)
         est = max((sim.memory for sim in self.sims), key=lambda e: e.total)
-        available, where = memory.available_bytes()
         if place and available is not None:  # the checks count the data as on the device; it is copied after
             need = memory.for_replicas(est, count, at_once(self.replica_axis, count))
             if memory.fits(need, available - together):
