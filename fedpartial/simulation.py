@@ -505,6 +505,9 @@ class Simulation:
         if method is not None:
             config = dataclasses.replace(config, method=method.name, options={})
         config.validate(custom_method=method is not None)
+        if data_placement not in (None, "host", "device"):
+            raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
+                              f"--data-placement {config.data_placement}).")
         self.config = config
         if dataset is None:
             options = {}
@@ -542,9 +545,6 @@ class Simulation:
                                         dataset.num_classes).reshape(len(self.clients), -1).astype(np.float32)
         self.num_steps = packing.max_steps(np.unique(self.sizes), config.batch_size, local_steps=config.local_steps,
                                            local_epochs=config.epochs)
-        if data_placement not in (None, "host", "device"):
-            raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
-                              f"--data-placement {config.data_placement}).")
         self._place_data(data_placement)
         if model is None:
             model = build_model(config.model, dataset)

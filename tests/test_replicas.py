@@ -367,6 +367,10 @@ def test_auto_places_every_replicas_data_or_none_of_it(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"^data_placement 'gpu' is not allowed: choose host or device \(or None for "
                                           r"--data-placement auto\)\.$"):
         Simulation(WIDE, dataset, data_placement="gpu")
+    # refused before any data is loaded
+    monkeypatch.setattr("fedpartial.data.sources.load_dataset", lambda *a, **k: pytest.fail("data was loaded"))
+    with pytest.raises(ConfigError, match=r"^data_placement 'gpu' is not allowed"):
+        Simulation(WIDE, data_placement="gpu")
     copies = count_copies(monkeypatch)
     both = replicas.Replicas(WIDE, [0, 1], dataset_for=lambda c: dataset)
     assert [s.data_placement for s in both.sims] == ["device", "device"] and both.note is None and len(copies) == 2
