@@ -116,9 +116,24 @@ SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n for n in BUILDERS]
 
 
+def assert_close_to_scale(got, ref, rtol=2e-5):
+    """Every element within ``rtol`` of its leaf's largest magnitude (and 2e-6) of the reference.
+
+    Float errors are relative to the leaf, not to each element: the padded cohorts' wider batches change
+    the order of the batch sums, and BatchNorm's one-pass variance (E[x²] - E[x]², flax's default) over
+    batches of 2-5 examples amplifies that rounding.  On an AVX-512 CPU a personal-model weight of 0.007
+    (in a leaf reaching 0.97) came out 1.06e-5 apart, 2.8e-7 with the two-pass variance; the garbage in
+    the padding (scaled by 0, 50 or 5,000) changed nothing, so the padding itself is a no-op."""
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+        g, r = np.asarray(g), np.asarray(r)
+        scale = float(np.abs(r).max()) if r.size and r.dtype.kind == "f" else 0.0
+        np.testing.assert_allclose(g, r, rtol=0, atol=2e-6 + rtol * scale, err_msg=jax.tree_util.keystr(path))
+    chex.assert_trees_all_equal_structs(got, ref)
+
+
 def assert_matches_reference(got, metrics, ref, ref_metrics):
-    chex.assert_trees_all_close(got[-1].variables, ref[-1].variables, rtol=2e-5, atol=2e-6)
-    chex.assert_trees_all_close(got[-1].method_state, ref[-1].method_state, rtol=2e-5, atol=2e-6)
+    assert_close_to_scale(got[-1].variables, ref[-1].variables)
+    assert_close_to_scale(got[-1].method_state, ref[-1].method_state)
     for m, r in zip(metrics, ref_metrics):
         (m_up, r_up), (m_down, r_down) = ((engine.traffic_totals(x)[w] for x in (m, r))
                                           for w in ("upload_bytes", "download_bytes"))
