@@ -14,7 +14,7 @@ as a user runs them (building the simulations, compiling, R rounds with evaluati
 
 * ``vmapped`` — :func:`fedpartial.replicas.run_seeds` with ``replica_axis="vmap"``: the seeds as one
   simulation, the fused round vmapped over seeds;
-* ``mapped`` — the same with ``replica_axis="map"``: ``jax.lax.map`` over the seeds inside the one jit
+* ``mapped`` — the same with ``replica_axis="map"``: a ``lax.scan`` over the seeds inside the one jit
   (one seed's round after another, compiled once);
 * ``sequential_fused`` — :func:`fedpartial.simulation.run` of each seed in turn with
   ``--strategy fused`` (what each replica must equal);

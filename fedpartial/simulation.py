@@ -706,9 +706,8 @@ class Simulation:
         if available is None or memory.fits(self.memory, available):
             return None
         self.drop_device_data()
-        return (f"auto keeps the data on the host: with its {memory.gib(self.data_bytes)} on the device, "
-                f"{self.round.strategy} would need about {memory.gib(self.memory.total)} but "
-                f"{memory.gib(available)} of {where} would be left")
+        return memory.data_stays_on_host("its", self.data_bytes, str(self.round.strategy), self.memory.total,
+                                         available, where)
 
     def _bounded_strategy(self) -> tuple[engine.Strategy, str] | None:
         """For ``--strategy auto`` on one device, when the estimate exceeds the available memory and the method
