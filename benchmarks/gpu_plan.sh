@@ -16,7 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 BENCH="$PY -m fedpartial bench --preset full --rounds 3"
 
 declare -A WHAT CMD
-STEPS=(check cnn1000 vgg9 models cohort10k seeds placement tests)
+STEPS=(check cnn1000 vgg9 models cohort10k seeds placement replicas tests)
 WHAT[check]="versions and devices seen by JAX (seconds)"
 CMD[check]="$PY -c 'import jax, flax, optax, fedpartial; print(jax.__version__, flax.__version__, optax.__version__, fedpartial.__version__, jax.devices())'"
 WHAT[cnn1000]="target: a 1,000-client CNN cohort at least 20x the plain loop (the loop runs 100 clients and is scaled)"
@@ -31,6 +31,8 @@ WHAT[seeds]="the seeds speed-up: 4 seeds vmapped vs one after another (MLP on sy
 CMD[seeds]="$PY -m benchmarks.seeds --out $DIR/seeds-gpu.json"
 WHAT[placement]="end-to-end rounds/s with data on the device vs packed on the host, per-round time split"
 CMD[placement]="$PY -m benchmarks.data_placement --out $DIR/data-placement-gpu.json"
+WHAT[replicas]="the --seeds memory check: FedSPU, 4 seeds, device peak against the estimate per replica axis"
+CMD[replicas]="$PY -m benchmarks.replica_memory --out $DIR/replica-memory-gpu.json"
 WHAT[tests]="the default test suite on the GPU (4 workers sharing it, no preallocation; tests needing a package the machine lacks, e.g. mlxtend, fail), log next to the JSON"
 CMD[tests]="XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -q --durations=20 2>&1 | tee $DIR/tests-gpu.log"
 

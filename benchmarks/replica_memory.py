@@ -10,7 +10,8 @@ the replicas' server state dominates: N = 5,000 is 1.1 GB a replica.  Each repli
 process (so ``ru_maxrss`` is its own peak): :class:`fedpartial.replicas.Replicas` is built and runs
 ``--rounds`` rounds; recorded are :func:`fedpartial.memory.for_replicas`'s estimate (what the check
 before building compares with the available memory), the stacked state's bytes, and peak RSS after the
-build and after each round.  JSON with the device and versions goes to
+build and after each round; on an accelerator also the device's peak memory (``peak_bytes_in_use``), which
+is then what the estimate is compared with.  JSON with the device and versions goes to
 ``benchmarks/results/replica-memory-<backend>-<date>.json``.
 """
 
@@ -26,6 +27,14 @@ import time
 
 COMMON = dict(method="fedspu", dataset="synthetic", cohort_size=50, local_steps=2, batch_size=16, max_samples=20,
               out_dir=None)
+
+
+def _device_peak() -> int | None:
+    """The accelerator's peak bytes in use so far (None on CPU, where the device's memory is the RSS)."""
+    import jax
+
+    device = jax.devices()[0]
+    return None if device.platform == "cpu" else (device.memory_stats() or {}).get("peak_bytes_in_use")
 
 
 def worker(axis: str, clients: int, seeds: list[int], rounds: int) -> dict:
@@ -44,14 +53,17 @@ def worker(axis: str, clients: int, seeds: list[int], rounds: int) -> dict:
     out = {"axis": axis, "axis_used": list(reps.replica_axis), "estimate_bytes": need.total,
            "estimate": need._asdict(), "one_replica_estimate": est._asdict(),
            "stacked_state_bytes": memory.tree_bytes(reps.state), "rss_start": start, "build_s": build_s,
-           "rss_after_build": _rss(), "rss_after_round": [], "round_s": []}
+           "rss_after_build": _rss(), "rss_after_round": [], "round_s": [],
+           "device_peak_after_build": _device_peak(), "device_peak_after_round": []}
     active, last = [True] * len(seeds), [None] * len(seeds)
     for t in range(rounds):
         t0 = time.perf_counter()
         reps.run_round(t, active, last)
         out["round_s"].append(time.perf_counter() - t0)
         out["rss_after_round"].append(_rss())
-    out["peak_over_estimate"] = out["rss_after_round"][-1] / need.total
+        out["device_peak_after_round"].append(_device_peak())
+    peak = out["device_peak_after_round"][-1] or out["rss_after_round"][-1]
+    out["peak_over_estimate"] = peak / need.total
     return out
 
 
@@ -90,7 +102,9 @@ def main(argv=None) -> int:
         log(f"{axis}: " + (r["error"][-300:] if "error" in r else
                            f"estimate {r['estimate_bytes'] / 2**30:.2f} GiB, peak RSS after build "
                            f"{r['rss_after_build'] / 2**30:.2f}, after the rounds "
-                           + ", ".join(f"{b / 2**30:.2f}" for b in r["rss_after_round"]) + " GiB"))
+                           + ", ".join(f"{b / 2**30:.2f}" for b in r["rss_after_round"]) + " GiB"
+                           + ("" if r["device_peak_after_round"][-1] is None else ", device peak " + ", ".join(
+                               f"{b / 2**30:.2f}" for b in r["device_peak_after_round"]) + " GiB")))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"benchmark": "replica_memory", "device": device, "settings": {**COMMON, "clients": args.clients,

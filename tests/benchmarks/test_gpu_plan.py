@@ -28,7 +28,7 @@ def steps(out) -> dict[str, list[str]]:
 def test_list_names_every_step_with_its_purpose():
     listed = [line.split(None, 1) for line in plan("list").stdout.splitlines()]
     assert [name for name, _ in listed] == ["check", "cnn1000", "vgg9", "models", "cohort10k", "seeds", "placement",
-                                            "tests"]
+                                            "replicas", "tests"]
     assert all(what.strip() for _, what in listed)
 
 
@@ -53,7 +53,7 @@ def test_every_bench_step_parses_and_writes_into_out(tmp_path):
     assert targets["vgg9"].models == ("vgg9",)
 
 
-@pytest.mark.parametrize("name", ["seeds", "placement"])
+@pytest.mark.parametrize("name", ["seeds", "placement", "replicas"])
 def test_every_benchmark_module_step_names_flags_its_module_takes(tmp_path, name):
     argv = steps(tmp_path)[name]
     module = argv[argv.index("-m") + 1]

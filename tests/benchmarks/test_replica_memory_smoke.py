@@ -16,4 +16,5 @@ def test_quick_benchmark_records_each_axis_estimate_and_peak(tmp_path):
         # two replicas' stacked state: their 60 personal models each, and the estimate counts it twice
         assert r["estimate"]["server"] - memory.RUNTIME_BYTES > 2 * r["stacked_state_bytes"] > 0
         assert r["rss_after_round"][0] >= r["rss_after_build"] > 0
+        assert r["device_peak_after_round"] == [None] and r["device_peak_after_build"] is None  # CPU: the RSS
         assert r["peak_over_estimate"] == r["rss_after_round"][0] / r["estimate_bytes"]
