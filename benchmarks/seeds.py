@@ -1,4 +1,4 @@
-"""Many seeds in one run: the replicas (vmapped or lax.mapped) against the same seeds run one after another.
+"""Many seeds in one run: the replicas (vmapped or mapped) against the same seeds run one after another.
 
 Usage::
 
