@@ -13,7 +13,7 @@ working tree this script lives in, uncommitted changes included; it may be anoth
 ``PYTHONPATH`` set to its tree (checked: ``fedpartial.__file__`` must lie in that tree), in
 the order before, after, before, after, ... (``--repeats`` pairs), so slow drift of the
 machine hits both sides.  Both sides run the *after* tree's ``benchmarks/strategies.py``
-and ``fedpartial/benchkit.py`` (copied into the before tree), so the measuring code is the same.
+and ``fedpartial/_src/bench/kit.py`` (copied into the before tree), so the measuring code is the same.
 
 For every (model, K, strategy) the report has the median rounds/s of each side, the ratio
 after/before, and each side's median speed-up over the plain loop.  It prints a table and

@@ -4,8 +4,8 @@ Usage::
 
     python -m benchmarks.data_placement [--quick] [--out PATH] [--rounds R] [--cases digits,synthetic,mnist5k]
 
-For every case two :class:`~fedpartial.simulation.Simulation` objects are built from the
-same :class:`~fedpartial.simulation.RunConfig`, one with ``data_placement='host'`` (the
+For every case two :class:`~fedpartial._src.experiment.simulation.Simulation` objects are built from the
+same :class:`~fedpartial._src.experiment.simulation.RunConfig`, one with ``data_placement='host'`` (the
 cohort packed with numpy every round, copied to the device by the round) and one with
 ``'device'`` (the population placed once, the cohort gathered in jit).  Both are warmed up
 (compilation), then measured side by side, alternating host and device round by round:
@@ -36,7 +36,8 @@ import time
 import jax
 
 from benchmarks.strategies import device_info, log
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 
 #: name -> (description, RunConfig fields); evaluation every round, as ``fedpartial run`` does by default
 CASES = {

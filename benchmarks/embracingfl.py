@@ -37,9 +37,10 @@ import jax
 import numpy as np
 
 from benchmarks import device_slug
-from fedpartial.data.sources import DataError
-from fedpartial.methods.tiers import CAPACITY_CASES, resolve_mix
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.data.sources import DataError
+from fedpartial._src.methods.tiered.tiers import CAPACITY_CASES, resolve_mix
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 
 METHODS = ("embracingfl", "heterofl")
 LABELS = {"embracingfl": "EmbracingFL", "heterofl": "Width red."}
@@ -59,8 +60,8 @@ SETUPS = {
 
 def small_bilstm(dataset):
     """A BiLSTM sized for the synthetic text task on a CPU (embedding and LSTM 32 wide, the task's vocabulary)."""
-    from fedpartial.models.adapter import from_linen
-    from fedpartial.models.text import BiLSTM
+    from fedpartial._src.models.adapter import from_linen
+    from fedpartial._src.models.text import BiLSTM
 
     vocab = int(dataset.x_train.max()) + 1
     shape = tuple(dataset.x_train.shape[1:])
@@ -77,8 +78,8 @@ def population(dataset: str, args, total: int, used: int):
     """
     import dataclasses
 
-    from fedpartial.data.partition import partition
-    from fedpartial.data.sources import load_dataset
+    from fedpartial._src.data.partition import partition
+    from fedpartial._src.data.sources import load_dataset
 
     _, _, _, _, scheme, alpha = SETUPS[dataset]
     key = (dataset, total, args.seed)
@@ -170,7 +171,7 @@ def bn(dataset: str, args, log) -> list[dict]:
 
 def tier_costs(repeats: int = 20) -> list[dict]:
     """Per model and tier: XLA FLOPs, peak temp memory and time of one compiled local step (batch 32)."""
-    from fedpartial.methods import capacity
+    from fedpartial._src.analysis import capacity
 
     rows = []
     for name in ("femnist_cnn", "resnet20", "bilstm"):
@@ -188,9 +189,10 @@ def _method_tier_costs(model, method: str, repeats: int) -> list[dict]:
     measured time of its compiled local step, each against the strong client's."""
     import optax
 
-    from fedpartial import devices, engine
-    from fedpartial.core import Batch, CohortInfo
-    from fedpartial.methods import get_method
+    from fedpartial._src.costs import devices
+    from fedpartial._src.engine import round as engine
+    from fedpartial._src.core.types import Batch, CohortInfo
+    from fedpartial._src.methods.catalog import get_method
 
     n, steps, batch = 3, 10, 32
     r = engine.FederatedRound(model, get_method(method, tier_mix=(1, 1, 1)), num_clients=n, cohort_size=n,

@@ -7,7 +7,7 @@ FedDHE from the same seeds, partitions and cohorts (the cohort sequence depends 
 on the seed).  Where this departs from the paper:
 
 * **No learning-rate decay.**  The paper decays the client lr by 0.99 per round;
-  :class:`~fedpartial.simulation.RunConfig` has no per-round decay (the client
+  :class:`~fedpartial._src.experiment.simulation.RunConfig` has no per-round decay (the client
   optimizer restarts every round), so the lr is a constant 0.1.
 * **The small CNN** is ``cnn2c1f`` (2 conv 5×5 32/64 + 1 dense; 55k parameters on
   8×8 digits, 95k on 32×32×3 against the paper's 122,570-parameter "CNN").  The
@@ -33,7 +33,7 @@ on the seed).  Where this departs from the paper:
   Here the target of a (dataset, model) pair is ``--target-fraction`` (default
   0.9) × FedAvg's best test accuracy there (mean over seeds), fixed before the
   other methods are compared; "time" is the simulated time
-  (``cumulative_simulated_time_s``, :mod:`fedpartial.devices`' default device
+  (``cumulative_simulated_time_s``, :mod:`fedpartial._src.costs.devices`' default device
   distributions drawn with the seed) at the first evaluation reaching it.
 * **MFLOPs** is the mean over rounds of the cohort's FLOPs of local work
   (``client_flops``, XLA's count of the compiled step × real steps) / 10⁶ — per
@@ -71,8 +71,9 @@ import jax
 import numpy as np
 
 from benchmarks import device_slug
-from fedpartial.data.sources import DataError
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.data.sources import DataError
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 
 METHODS = ("fedavg", "fedprox", "fednova", "moon", "feddyn", "fedjs", "feddh", "feddhe")
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",

@@ -31,8 +31,9 @@ import jax
 import numpy as np
 
 from benchmarks import device_slug
-from fedpartial.data.sources import DataError
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.data.sources import DataError
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 
 METHODS = ("fedavg", "fedldf", "random", "hdfl", "fedadp")
 LABELS = {"fedavg": "FedAvg", "fedldf": "FedLDF", "random": "Random", "hdfl": "HDFL", "fedadp": "FedADP"}

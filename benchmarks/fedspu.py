@@ -31,7 +31,7 @@ and ``fedspu-curves-<tag>.png``, and prints the tables as Markdown:
 * Table 3 — total local training time (s) and bytes transmitted (upload + download)
   per dataset and method, summed over the α;
 * Table 4 — rounds run by FedSPU and FedSPU+ES per dataset and α, and the saving;
-* Memory — :func:`fedpartial.costs.fedspu_memory_table` per dataset (FedSPU vs
+* Memory — :func:`fedpartial._src.costs.footprint.fedspu_memory_table` per dataset (FedSPU vs
   full-model training at p = 0.2 … 0.8; paper −54/−44/−31/−18 %).  It needs only the
   model's shapes, so it is given for tfds datasets even when they are not prepared.
 
@@ -52,11 +52,12 @@ import jax
 import numpy as np
 
 from benchmarks import device_slug
-from fedpartial import costs
-from fedpartial.data import sources
-from fedpartial.data.sources import DataError
-from fedpartial.methods.submodel import DEFAULT_TIERS
-from fedpartial.simulation import RunConfig, Simulation, build_model, run
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.data import sources
+from fedpartial._src.data.sources import DataError
+from fedpartial._src.methods.submodel.common import DEFAULT_TIERS
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation, build_model, run
 
 #: every method, in the column order of the tables: the paper's order (PruneFL, FjORD,
 #: Hermes, FedMP, FedSelect, FedSPU) with FedDrop, which the paper does not tabulate, first.

@@ -5,8 +5,8 @@ Usage::
     python -m benchmarks.gather [--quick] [--out PATH] [--cohort K] [--large N]
 
 A population of 1,000 clients with 20–400 examples each (60 float32 features) is placed
-on the device (:func:`fedpartial.data.ondevice.place`); each round gathers a cohort of K
-clients, 10 local steps of 32 (:func:`fedpartial.data.ondevice.gather_round`, jitted).
+on the device (:func:`fedpartial._src.data.ondevice.place`); each round gathers a cohort of K
+clients, 10 local steps of 32 (:func:`fedpartial._src.data.ondevice.gather_round`, jitted).
 The same cohort is timed on the population as it is and with client 0 grown to ``--large``
 examples: the gather's work should not depend on the largest client (the earlier sort of
 every client's whole stream took 4.7 s a round with a 20,000-example client against
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from benchmarks.strategies import device_info, log
-from fedpartial.data import ondevice
+from fedpartial._src.data import ondevice
 
 CLIENTS, FEATURES, STEPS, BATCH = 1000, 60, 10, 32
 

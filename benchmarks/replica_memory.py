@@ -7,8 +7,8 @@ Usage::
 
 FedSPU on the Synthetic MLP keeps N personal models per replica on the device (replicas always do), so
 the replicas' server state dominates: N = 5,000 is 1.1 GB a replica.  Each replica axis runs in its own
-process (so ``ru_maxrss`` is its own peak): :class:`fedpartial.replicas.Replicas` is built and runs
-``--rounds`` rounds; recorded are :func:`fedpartial.memory.for_replicas`'s estimate (what the check
+process (so ``ru_maxrss`` is its own peak): :class:`fedpartial._src.experiment.replicas.Replicas` is built and runs
+``--rounds`` rounds; recorded are :func:`fedpartial._src.core.memory.for_replicas`'s estimate (what the check
 before building compares with the available memory), the stacked state's bytes, and peak RSS after the
 build and after each round; on an accelerator also the device's peak memory (``peak_bytes_in_use``), which
 is then what the estimate is compared with.  JSON with the device and versions goes to
@@ -40,8 +40,9 @@ def _device_peak() -> int | None:
 def worker(axis: str, clients: int, seeds: list[int], rounds: int) -> dict:
     """One replica axis in this process: the estimate, the stacked state and peak RSS."""
     from benchmarks.scale import _rss
-    from fedpartial import memory, replicas
-    from fedpartial.simulation import RunConfig
+    from fedpartial._src.core import memory
+    from fedpartial._src.experiment import replicas
+    from fedpartial._src.experiment.config import RunConfig
 
     config = RunConfig(**COMMON, num_clients=clients, rounds=rounds, eval_every=rounds + 1)
     start = _rss()

@@ -1,9 +1,9 @@
 """Bounded memory at scale: big cohorts and big populations of the Synthetic MLP, with peak RSS.
 
 Each case runs in its own subprocess (so ``ru_maxrss`` is its own peak): the dataset is
-generated once per case, then each method runs a :class:`fedpartial.simulation.Simulation`
+generated once per case, then each method runs a :class:`fedpartial._src.experiment.simulation.Simulation`
 on it for a few rounds.  Recorded per run: seconds to generate the data and to build the
-simulation, seconds per round, the memory estimate of :mod:`fedpartial.memory` (and
+simulation, seconds per round, the memory estimate of :mod:`fedpartial._src.core.memory` (and
 whether the check would refuse the run), and peak RSS before and after.
 
     python benchmarks/scale.py                       # both default cases
@@ -59,13 +59,16 @@ def _status_bytes(field: str) -> int | None:
 
 def worker(case: str, methods: tuple[str, ...], variant: int | None = None) -> dict:
     """Runs one case (or one of its variants) in this process; returns its measurements."""
-    from fedpartial import engine, memory, simulation
-    from fedpartial.data import sources
+    from fedpartial._src.engine import round as engine
+    from fedpartial._src.core import memory
+    from fedpartial._src.experiment import simulation
+    from fedpartial._src.experiment.config import RunConfig
+    from fedpartial._src.data import sources
 
     settings = {**COMMON, **CASES[case]}
     variants = settings.pop("variants", None)
     variants = [dict(method=m) for m in methods] if variants is None else [variants[variant or 0]]
-    base = simulation.RunConfig(**settings, eval_every=settings["rounds"])
+    base = RunConfig(**settings, eval_every=settings["rounds"])
     out = {"case": case, "settings": settings, "rss_start": _rss(), "runs": []}
     t0 = time.perf_counter()
     options = dict(alpha=base.alpha, beta=base.alpha, num_clients=base.num_clients)

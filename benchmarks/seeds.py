@@ -12,11 +12,11 @@ for the server learning rate (with every client rate too).
 For every model (``mlp`` on ``synthetic``, ``cnn2c1f`` on ``digits``) the script times, end to end
 as a user runs them (building the simulations, compiling, R rounds with evaluation; nothing written):
 
-* ``vmapped`` — :func:`fedpartial.replicas.run_seeds` with ``replica_axis="vmap"``: the seeds as one
+* ``vmapped`` — :func:`fedpartial._src.experiment.replicas.run_seeds` with ``replica_axis="vmap"``: the seeds as one
   simulation, the fused round vmapped over seeds;
 * ``mapped`` — the same with ``replica_axis="map"``: a ``lax.scan`` over the seeds inside the one jit
   (one seed's round after another, compiled once);
-* ``sequential_fused`` — :func:`fedpartial.simulation.run` of each seed in turn with
+* ``sequential_fused`` — :func:`fedpartial._src.experiment.simulation.run` of each seed in turn with
   ``--strategy fused`` (what each replica must equal);
 * ``sequential_default`` — the same with ``--strategy auto`` (stepwise on CPU, fused on GPU).
 
@@ -40,8 +40,9 @@ import sys
 import time
 
 from benchmarks.strategies import device_info, log
-from fedpartial import replicas
-from fedpartial.simulation import SERVER_OPTIMIZERS, RunConfig, run
+from fedpartial._src.experiment import replicas
+from fedpartial._src.experiment.config import SERVER_OPTIMIZERS, RunConfig
+from fedpartial._src.experiment.simulation import run
 
 VARIANTS = ("vmapped", "mapped", "sequential_fused", "sequential_default")
 #: the replica variants and their ``replica_axis``

@@ -13,7 +13,7 @@ every round) the script measures:
   turn, a ``jax.jit``-ted single-client SGD step called S times from Python, then
   the ``n_k``-weighted mean of the client models with ``jax.tree.map`` on the
   host.  Only the Flax module is shared with the engine.
-* ``fused`` — :func:`fedpartial.engine.fused` (all clients vmapped in one jit);
+* ``fused`` — :func:`fedpartial._src.engine.round.fused` (all clients vmapped in one jit);
 * ``fused_chunk`` — ``fused(min(K, 20))`` (``lax.map`` over vmapped chunks);
 * ``fused_unrolled`` — ``fused(min(K, 20), unroll=True)`` (local steps unrolled);
 * ``stepwise_1`` — ``stepwise(1)`` (host loop over clients and steps);
@@ -45,12 +45,12 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial import benchkit as bench
-from fedpartial import engine
-from fedpartial.benchkit import PlainLoop, device_info, int_list, log, max_abs_diff, name_list, slug, timed
-from fedpartial.methods.fedavg import fedavg
-from fedpartial.models import registry
-from fedpartial.models.adapter import from_linen
+from fedpartial._src.bench import kit as bench
+from fedpartial._src.engine import round as engine
+from fedpartial._src.bench.kit import PlainLoop, device_info, int_list, log, max_abs_diff, name_list, slug, timed
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.models import registry
+from fedpartial._src.models.adapter import from_linen
 
 STRATEGY_NAMES = ("plain_loop", "fused", "fused_chunk", "fused_unrolled", "stepwise_1", "stepwise_chunk")
 ENGINE_STRATEGIES = STRATEGY_NAMES[1:]
@@ -85,7 +85,7 @@ def client_optimizer(cfg: dict) -> optax.GradientTransformation:
 
 
 def make_data(k: int, cfg: dict, seed: int):
-    """Random data for ``k`` clients (:func:`fedpartial.bench.make_data`), ``input_size``² grey images."""
+    """Random data for ``k`` clients (:func:`fedpartial._src.bench.suite.make_data`), ``input_size``² grey images."""
     return bench.make_data(k, batch_size=cfg["batch_size"], local_steps=cfg["local_steps"],
                            input_shape=(cfg["input_size"], cfg["input_size"], 1), seed=seed)
 

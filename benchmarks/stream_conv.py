@@ -37,12 +37,12 @@ def worker(model_name: str, k: int, strategy_text: str, rounds: int, local_steps
     import jax
     import numpy as np
 
-    from fedpartial import engine
-    from fedpartial.bench import DEFAULT_INPUT, INPUT_SHAPES, SEED
-    from fedpartial.benchkit import NUM_CLASSES, client_optimizer, make_data
-    from fedpartial.methods import get_method
-    from fedpartial.models import registry
-    from fedpartial.models.adapter import from_linen
+    from fedpartial._src.engine import round as engine
+    from fedpartial._src.bench.suite import DEFAULT_INPUT, INPUT_SHAPES, SEED
+    from fedpartial._src.bench.kit import NUM_CLASSES, client_optimizer, make_data
+    from fedpartial._src.methods.catalog import get_method
+    from fedpartial._src.models import registry
+    from fedpartial._src.models.adapter import from_linen
 
     shape = INPUT_SHAPES.get(model_name, DEFAULT_INPUT)
     module = registry.build_model(model_name, NUM_CLASSES, shape)

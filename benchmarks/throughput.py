@@ -1,6 +1,6 @@
 """Throughput suite: ``python -m benchmarks.throughput [flags]`` is ``fedpartial bench [flags]``.
 
-The suite lives in :mod:`fedpartial.bench` (``benchmarks/`` is not installed); see its
+The suite lives in :mod:`fedpartial._src.bench.suite` (``benchmarks/`` is not installed); see its
 docstring for what is measured, and ``fedpartial bench --help`` for the flags.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from fedpartial import cli
+from fedpartial._src.cli import main as cli
 
 if __name__ == "__main__":
     sys.exit(cli.main(["bench", *sys.argv[1:]]))

@@ -2,6 +2,6 @@
 
 import sys
 
-from fedpartial.cli import main
+from fedpartial._src.cli.main import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 # # Writing a method for fedpartial
 #
 # A method is a NamedTuple of small pure functions run by one generic round
-# (`fedpartial.core` lists them all; `make_method` fills every piece you leave out
+# (`fedpartial._src.core.types` lists them all; `make_method` fills every piece you leave out
 # with FedAvg's):
 #
 # ```
@@ -28,9 +28,10 @@
 import jax
 import jax.numpy as jnp
 
-from fedpartial import masks
-from fedpartial.methods import MethodState, Selection, make_method, scatter_clients
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.core import masks
+from fedpartial._src.methods.base import MethodState, Selection, make_method, scatter_clients
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 
 
 def random_layers(fraction: float = 0.5):

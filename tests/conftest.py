@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from fedpartial import memory
-from fedpartial.data import ondevice, sources
-from fedpartial.engine import Cohort
-from fedpartial.methods.base import Batch, CohortInfo
-from fedpartial.models.adapter import from_linen
+from fedpartial._src.core import memory
+from fedpartial._src.data import ondevice, sources
+from fedpartial._src.engine.round import Cohort
+from fedpartial._src.methods.base import Batch, CohortInfo
+from fedpartial._src.models.adapter import from_linen
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -17,10 +17,12 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine, masks
-from fedpartial.core import Batch, ServerData
-from fedpartial.methods import METHODS, early_stopping, get_method
-from fedpartial.methods.base import Holdout
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import Batch, ServerData
+from fedpartial._src.methods.catalog import METHODS, get_method
+from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.base import Holdout
 from tests.conftest import make_cohort
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -111,7 +113,7 @@ def data():
 # Same code path as another entry, so out of the default run: FedMP is Hermes with an L1 instead of an L2
 # norm (one chooser, ``dropout._by_parameter_norm``); FedJS is FedDH's weighting with (υ, b) never stepped.
 # FedAD's per-step masks (a step_plan) are checked for determinism and against the device model in
-# tests/methods/test_fedad.py, and step_plan itself under every strategy in tests/test_hooks.py.
+# tests/methods/test_fedad.py, and step_plan itself under every strategy in tests/engine/test_hooks.py.
 SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n for n in BUILDERS]
 
@@ -151,7 +153,7 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
 
     # Fused in chunks of 2 with K = 3 (not a multiple), on the cohorts padded with garbage steps and examples:
     # the same result, no retrace, and bit-identical when run again with the same seed.  (The whole-cohort
-    # fused round differs from it only in the engine's chunking, which tests/test_engine.py checks per
+    # fused round differs from it only in the engine's chunking, which tests/engine/test_engine.py checks per
     # strategy; test_whole_cohort_fused_round_matches_too runs it for every method under -m slow.)
     fused = build(mlp, BUILDERS[name](), engine.fused(2))
     padded_data = [padded(c) for c in data]

@@ -5,8 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.methods import fedavg
+from fedpartial._src.engine import round as engine
+from fedpartial._src.methods.basic.fedavg import fedavg
 from tests.conftest import make_cohort
 
 LR, MOMENTUM, WD = 0.1, 0.9, 1e-3

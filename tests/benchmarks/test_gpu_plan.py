@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from fedpartial import bench, cli
-from fedpartial.errors import UserError
+from fedpartial._src.bench import suite as bench
+from fedpartial._src.cli import main as cli
+from fedpartial._src.core.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_plan.sh"

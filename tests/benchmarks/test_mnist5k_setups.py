@@ -3,7 +3,7 @@
 import pytest
 
 from benchmarks import fedldf, fedspu
-from fedpartial.models import build_model
+from fedpartial._src.models.registry import build_model
 
 
 @pytest.mark.parametrize("setups", [fedldf.SETUPS, fedspu.SETUPS])

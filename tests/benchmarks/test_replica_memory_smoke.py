@@ -3,7 +3,7 @@
 import json
 
 from benchmarks import replica_memory
-from fedpartial import memory
+from fedpartial._src.core import memory
 
 
 def test_quick_benchmark_records_each_axis_estimate_and_peak(tmp_path):

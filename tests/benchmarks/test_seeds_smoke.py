@@ -7,7 +7,7 @@ from benchmarks import seeds
 
 def test_quick_benchmark_measures_every_variant(tmp_path):
     """With a client learning rate and two server learning rates: 2 seeds × 2 server rates as replicas against
-    the 4 runs one after another (every client rate with every server rate: tests/test_replicas.py)."""
+    the 4 runs one after another (every client rate with every server rate: tests/experiment/test_replicas.py)."""
     out = tmp_path / "s.json"
     assert seeds.main(["--quick", "--lrs", "0.05", "--server-lrs", "0.5,1.0", "--out", str(out)]) == 0
     report = json.loads(out.read_text())

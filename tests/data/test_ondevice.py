@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedpartial.core import Holdout
-from fedpartial.data import ondevice
-from fedpartial.data.packing import max_steps, pack_cohort
-from fedpartial.simulation import ConfigError, RunConfig, Simulation
-from fedpartial.simulation import run as simulation_run
+from fedpartial._src.core.types import Holdout
+from fedpartial._src.data import ondevice
+from fedpartial._src.data.packing import max_steps, pack_cohort
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.experiment.simulation import run as simulation_run
 from tests.conftest import count_copies, fake_device_memory, wide_dataset
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""Tests for fedpartial.data.packing."""
+"""Tests for fedpartial._src.data.packing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedpartial.data.packing import CohortBatches, max_steps, pack_cohort, steps_for_client
-from fedpartial.data.sources import DataError
+from fedpartial._src.data.packing import CohortBatches, max_steps, pack_cohort, steps_for_client
+from fedpartial._src.data.sources import DataError
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

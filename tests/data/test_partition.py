@@ -1,4 +1,4 @@
-"""Tests for fedpartial.data.partition."""
+"""Tests for fedpartial._src.data.partition."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedpartial.data.partition import SCHEMES, partition, train_holdout_split
-from fedpartial.data.sources import DataError
+from fedpartial._src.data.partition import SCHEMES, partition, train_holdout_split
+from fedpartial._src.data.sources import DataError
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""Tests for fedpartial.data.sources and fedpartial.data.synthetic (offline)."""
+"""Tests for fedpartial._src.data.sources and fedpartial._src.data.synthetic (offline)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from fedpartial.data.sources import DATASETS, ArrayDataset, DataError, load_dataset
-from fedpartial.data.synthetic import make_synthetic
+from fedpartial._src.data.sources import DATASETS, ArrayDataset, DataError, load_dataset
+from fedpartial._src.data.synthetic import make_synthetic
 
 # ------------------------------------------------------------------ digits
 
@@ -129,7 +129,7 @@ def test_tfds_mocked(name, shape, classes, tmp_path):
 
 
 def test_tfds_mocked_read_across_chunks(monkeypatch):
-    from fedpartial.data import sources
+    from fedpartial._src.data import sources
 
     monkeypatch.setattr(sources, "_READ_CHUNK", 4)
     with mocked_tfds(num_examples=10):

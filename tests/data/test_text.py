@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedpartial.data.sources import DATASETS, DataError, load_dataset
-from fedpartial.data.text import (
+from fedpartial._src.data.sources import DATASETS, DataError, load_dataset
+from fedpartial._src.data.text import (
     PAD,
     SIGNAL_WORDS,
     UNK,
@@ -193,7 +193,7 @@ def _mock_texts(split: str) -> tuple[list, np.ndarray]:
 
 
 def test_imdb_mocked_tokenised_with_the_training_vocabulary(monkeypatch):
-    from fedpartial.data import sources
+    from fedpartial._src.data import sources
 
     monkeypatch.setattr(sources, "_READ_CHUNK", 7)  # several chunks
     with mocked_tfds(num_examples=23):

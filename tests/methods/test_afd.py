@@ -7,12 +7,14 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine, masks
-from fedpartial.errors import UserError
-from fedpartial.methods import afd, get_method
-from fedpartial.methods.afd import ScoreMap, empty_map, weighted_draw
-from fedpartial.methods.base import ClientPlan, CohortInfo, InitView, MethodContext, RoundView
-from fedpartial.methods.submodel import neuron_mask
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.submodel.afd import afd
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.submodel.afd import ScoreMap, empty_map, weighted_draw
+from fedpartial._src.methods.base import ClientPlan, CohortInfo, InitView, MethodContext, RoundView
+from fedpartial._src.methods.submodel.common import neuron_mask
 from tests.conftest import make_cohort
 
 N, K = 6, 3
@@ -324,7 +326,7 @@ def test_empty_map_shapes(mlp):
 
 
 def test_command_line_flags():
-    from fedpartial.cli import build_parser, config_from_args
+    from fedpartial._src.cli.main import build_parser, config_from_args
 
     parser = build_parser()
     args = parser.parse_args(["run", "--method", "afd", "--afd-rate", "0.4", "--afd-variant", "multi"])

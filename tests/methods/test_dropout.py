@@ -8,13 +8,17 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import costs, devices, engine, masks
-from fedpartial.errors import UserError
-from fedpartial.methods import feddrop, fedmp, fjord, get_method, hermes, prunefl
-from fedpartial.methods.base import CohortInfo, MethodContext, RoundView
-from fedpartial.methods.submodel import SubmodelState
-from fedpartial.models.adapter import from_linen
-from fedpartial.structure import leaf_paths
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.costs import devices
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.base import CohortInfo, MethodContext, RoundView
+from fedpartial._src.methods.submodel.common import SubmodelState
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
 
 LR = 0.3
@@ -611,7 +615,7 @@ def test_feddrop_dense_only_is_random_and_matches_plain_feddrop_on_an_mlp(mlp):
 
 
 def test_feddrop_dense_only_option_and_flag(tmp_path):
-    from fedpartial.cli import build_parser, config_from_args, main
+    from fedpartial._src.cli.main import build_parser, config_from_args, main
 
     parser = build_parser()
     args = ["run", "--method", "feddrop", "--tiers", "0.5"]

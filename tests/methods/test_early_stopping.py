@@ -6,11 +6,14 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.losses import model_loss
-from fedpartial.methods import early_stopping, fedavg, fedspu
-from fedpartial.methods.base import Holdout
-from fedpartial.simulation import RunConfig, Simulation, run
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core.losses import model_loss
+from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.submodel.fedspu import fedspu
+from fedpartial._src.methods.base import Holdout
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation, run
 from tests.conftest import make_cohort
 
 N, K, LAM = 6, 3, 0.7

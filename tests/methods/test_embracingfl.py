@@ -7,17 +7,18 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.core import Batch, CohortInfo, MethodContext
-from fedpartial.errors import UserError
-from fedpartial.methods import fedavg, get_method
-from fedpartial.methods.embracingfl import capacity_table, default_cuts, embracingfl, resolve_cuts
-from fedpartial.methods.tiers import CAPACITY_CASES, TierMix, cohort_rows, resolve_mix
-from fedpartial.models import from_stages
-from fedpartial.models.adapter import from_linen
-from fedpartial.models.registry import build_model
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core.types import Batch, CohortInfo, MethodContext
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.tiered.embracingfl import capacity_table, default_cuts, embracingfl, resolve_cuts
+from fedpartial._src.methods.tiered.tiers import CAPACITY_CASES, TierMix, cohort_rows, resolve_mix
+from fedpartial._src.models.adapter import from_stages
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.registry import build_model
 from tests.conftest import make_cohort
-from tests.test_groups import Block  # Dense → BatchNorm → ReLU
+from tests.engine.test_groups import Block  # Dense → BatchNorm → ReLU
 
 N = 8
 OPT = optax.sgd(0.1, momentum=0.9)
@@ -192,7 +193,7 @@ def test_capacity_table_matches_the_paper_for_resnet20():
 
 def test_weak_bilstm_clients_train_on_the_first_half_of_each_sequence():
     """Weak BiLSTM clients freeze the embedding and see half of every sequence; cached = mask-only."""
-    from fedpartial.models.text import BiLSTM
+    from fedpartial._src.models.text import BiLSTM
 
     model = from_linen(BiLSTM(num_classes=2, vocab_size=50, embed_dim=8, hidden=6), input_shape=(12,),
                        num_classes=2, name="bilstm")
@@ -217,7 +218,7 @@ def test_weak_bilstm_clients_train_on_the_first_half_of_each_sequence():
 
 
 def test_capacity_command(capsys):
-    from fedpartial import cli
+    from fedpartial._src.cli import main as cli
 
     assert cli.main(["capacity", "--model", "femnist_cnn", "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
@@ -227,8 +228,9 @@ def test_capacity_command(capsys):
 
 
 def test_simulation_samples_a_fixed_number_per_tier():
-    from fedpartial.data.sources import ArrayDataset
-    from fedpartial.simulation import RunConfig, Simulation
+    from fedpartial._src.data.sources import ArrayDataset
+    from fedpartial._src.experiment.config import RunConfig
+    from fedpartial._src.experiment.simulation import Simulation
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 4)).astype(np.float32)

@@ -9,14 +9,21 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import costs, devices, engine, hessian, importance, masks
-from fedpartial.core import InitView, MethodContext, RoundView
-from fedpartial.data.sources import ArrayDataset
-from fedpartial.losses import model_loss
-from fedpartial.methods import fedavg, get_method
-from fedpartial.methods.fedad import AdaptiveState, fedad, feddhad, sample_units, unit_rates, unit_shares
-from fedpartial.methods.feddh import feddh
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.costs import devices
+from fedpartial._src.engine import round as engine
+from fedpartial._src.methods.adaptive import hessian
+from fedpartial._src.methods.adaptive import importance
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import InitView, MethodContext, RoundView
+from fedpartial._src.data.sources import ArrayDataset
+from fedpartial._src.core.losses import model_loss
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.adaptive.fedad import AdaptiveState, fedad, feddhad, sample_units, unit_rates, unit_shares
+from fedpartial._src.methods.weighting.feddh import feddh
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
 OPT = optax.sgd(0.1, momentum=0.9)

@@ -10,12 +10,16 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine, masks
-from fedpartial.core import Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView, Selection, ServerData
-from fedpartial.data.sources import ArrayDataset
-from fedpartial.errors import UserError
-from fedpartial.methods import fedavg, fedldf, fedspu, get_method
-from fedpartial.methods.feddh import (
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView, Selection, ServerData
+from fedpartial._src.data.sources import ArrayDataset
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.layerwise.fedldf import fedldf
+from fedpartial._src.methods.submodel.fedspu import fedspu
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.weighting.feddh import (
     DegreeState,
     control_gradients,
     degree_weights,
@@ -30,7 +34,8 @@ from fedpartial.methods.feddh import (
     non_iid_degree,
     reweight,
 )
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
 OPT = optax.sgd(0.1, momentum=0.9)

@@ -10,11 +10,13 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.client import make_client_fns
-from fedpartial.errors import UserError
-from fedpartial.methods import ClientPlan, InitView, feddst, get_method
-from fedpartial.methods.feddst import (
+from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.client import make_client_fns
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.base import ClientPlan, InitView
+from fedpartial._src.methods.submodel.feddst import feddst
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.submodel.feddst import (
     adjusts,
     aggregate_sparse,
     cosine_fraction,

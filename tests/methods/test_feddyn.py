@@ -5,11 +5,13 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.errors import UserError
-from fedpartial.methods import fedavg, feddyn, get_method
-from fedpartial.models import from_linen
-from fedpartial.models.zoo import MLP
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.basic.feddyn import feddyn
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.zoo import MLP
 from tests.conftest import make_cohort, mlp_grad
 
 N, K = 5, 3

@@ -12,12 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedpartial import aggregation, engine
-from fedpartial.client import make_client_fns
-from fedpartial.methods import fedavg, selection
-from fedpartial.methods.base import Batch, ClientPlan, CohortInfo, MethodContext, MethodState, RoundView
-from fedpartial.methods.fedldf import convergence_bound, fedadp, fedldf, hdfl, index_bytes, random_layers
-from fedpartial.structure import leaf_paths
+from fedpartial._src.core import aggregation
+from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.client import make_client_fns
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods import selection
+from fedpartial._src.methods.base import Batch, ClientPlan, CohortInfo, MethodContext, MethodState, RoundView
+from fedpartial._src.methods.layerwise.fedldf import convergence_bound, fedadp, fedldf, hdfl, index_bytes, random_layers
+from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
 
 OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))

@@ -5,14 +5,16 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.errors import UserError
-from fedpartial.methods import METHODS, fedavg, fednova
-from fedpartial.methods.base import RoundView, Selection
-from fedpartial.methods.fednova import normalizer
-from fedpartial.models import from_linen
-from fedpartial.models.zoo import MLP
-from fedpartial.simulation import RunConfig
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.catalog import METHODS
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.basic.fednova import fednova
+from fedpartial._src.methods.base import RoundView, Selection
+from fedpartial._src.methods.basic.fednova import normalizer
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.zoo import MLP
+from fedpartial._src.experiment.config import RunConfig
 from tests.conftest import make_cohort, mlp_grad
 
 N, K = 5, 3

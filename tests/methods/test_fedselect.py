@@ -7,11 +7,14 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import costs, engine, masks
-from fedpartial.methods import fedavg, fedselect
-from fedpartial.methods.base import CohortInfo, MethodContext, RoundView
-from fedpartial.methods.fedselect import FedSelectState
-from fedpartial.structure import leaf_paths
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core import masks
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.submodel.fedselect import fedselect
+from fedpartial._src.methods.base import CohortInfo, MethodContext, RoundView
+from fedpartial._src.methods.submodel.fedselect import FedSelectState
+from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
 
 OPT = optax.sgd(0.3)

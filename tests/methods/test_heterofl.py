@@ -10,14 +10,20 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import aggregation, engine, graphs, masks
-from fedpartial.core import CohortInfo, InitView, MethodContext, RoundView
-from fedpartial.errors import UserError
-from fedpartial.methods import fjord, get_method
-from fedpartial.methods.heterofl import DEFAULT_WIDTHS, capacity_table, heterofl, width_mask
-from fedpartial.models import from_linen, zoo
-from fedpartial.models.registry import build_model
-from fedpartial.simulation import RunConfig, Simulation
+from fedpartial._src.core import aggregation
+from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import graphs
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import CohortInfo, InitView, MethodContext, RoundView
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.submodel.dropout import fjord
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, capacity_table, heterofl, width_mask
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models import zoo
+from fedpartial._src.models.registry import build_model
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
 LR, MOMENTUM = 0.1, 0.9

@@ -6,13 +6,17 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial import engine
-from fedpartial.errors import UserError
-from fedpartial.methods import fedavg, get_method, moon
-from fedpartial.methods.moon import contrastive_loss
-from fedpartial.models import from_linen, heads
-from fedpartial.models.zoo import MLP
-from fedpartial.simulation import RunConfig, Simulation, build_model
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.basic.moon import moon
+from fedpartial._src.methods.basic.moon import contrastive_loss
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models import heads
+from fedpartial._src.models.zoo import MLP
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation, build_model
 from tests.conftest import make_cohort
 
 N, K = 5, 3

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedpartial import masks
-from fedpartial.methods import selection, submodel
-from fedpartial.methods.base import MethodContext
+from fedpartial._src.core import masks
+from fedpartial._src.methods import selection
+from fedpartial._src.methods.submodel import common as submodel
+from fedpartial._src.methods.base import MethodContext
 
 # ---- client tiers ----------------------------------------------------------------------------------
 

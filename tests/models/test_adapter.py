@@ -8,9 +8,10 @@ import optax
 import pytest
 from flax import nnx
 
-from fedpartial import engine
-from fedpartial.methods import fedavg
-from fedpartial.models import MODELS, build_model, from_linen, from_nnx
+from fedpartial._src.engine import round as engine
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.models.registry import MODELS, build_model
+from fedpartial._src.models.adapter import from_linen, from_nnx
 from tests.conftest import make_cohort
 
 

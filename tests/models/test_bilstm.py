@@ -10,15 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedpartial import costs, masks
-from fedpartial.data.sources import load_dataset
-from fedpartial.data.text import first_part
-from fedpartial.errors import UserError
-from fedpartial.models import MODELS, build_model, from_linen
-from fedpartial.models.text import BidirectionalLSTM, BiLSTM, sequence_lengths
-from fedpartial.simulation import RunConfig, Simulation
-from fedpartial.simulation import build_model as build_for_dataset
-from fedpartial.structure import leaf_paths
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.core import masks
+from fedpartial._src.data.sources import load_dataset
+from fedpartial._src.data.text import first_part
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.models.registry import MODELS, build_model
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.text import BidirectionalLSTM, BiLSTM, sequence_lengths
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.experiment.simulation import build_model as build_for_dataset
+from fedpartial._src.core.structure import leaf_paths
 
 VOCAB, EMBED, HIDDEN, CLASSES, T = 20, 3, 4, 3, 7
 

@@ -13,8 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from fedpartial.models import MODELS, build_model, from_linen, from_nnx, from_stages, zoo
-from fedpartial.structure import leaf_paths
+from fedpartial._src.models.registry import MODELS, build_model
+from fedpartial._src.models.adapter import from_linen, from_nnx, from_stages
+from fedpartial._src.models import zoo
+from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import TinyMLP, make_cohort
 
 NUM_CLASSES = 10
@@ -360,8 +362,8 @@ def test_from_stages_rejects_bad_input():
 
 
 def test_from_stages_runs_in_the_engine():
-    from fedpartial import engine
-    from fedpartial.methods import fedavg
+    from fedpartial._src.engine import round as engine
+    from fedpartial._src.methods.basic.fedavg import fedavg
 
     model = from_stages([Body(), nn.Dense(3)], input_shape=(8,), num_classes=3, sequential=True)
     r = engine.FederatedRound(model, fedavg(), num_clients=4, cohort_size=4, client_optimizer=optax.sgd(0.1))
@@ -378,7 +380,7 @@ def test_from_stages_runs_in_the_engine():
 
 
 def test_module_docstring_example_runs():
-    from fedpartial.models import adapter
+    from fedpartial._src.models import adapter
 
     code = adapter.__doc__.split("as a list of modules with :func:`from_stages`::")[1]
     namespace: dict = {}

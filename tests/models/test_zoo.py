@@ -1,4 +1,4 @@
-"""Tests of the model zoo (fedpartial.models.zoo / registry)."""
+"""Tests of the model zoo (fedpartial._src.models.zoo / registry)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedpartial.models import zoo
-from fedpartial.models.registry import MODELS, ModelSpec, build_model
+from fedpartial._src.models import zoo
+from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
 
 # Natural input shape and class count of each registry entry.
 NATURAL = {

@@ -1,0 +1,259 @@
+"""Structured per-client masks and their transient expansion to parameter shape.
+
+A :class:`Mask` holds one boolean per layer and one boolean per output unit of
+each layer, with any number of leading axes (normally the cohort axis ``[K]``).
+An element of a kernel is *on* iff its layer is on, its output unit is on and the
+input unit feeding it (the previous layer's output unit) is on — so a neuron
+mask says at once "this neuron's parameters" and "the weights reading from it".
+
+Masks are never stored expanded: :func:`expand` builds the parameter-shaped
+boolean tree for one client inside the per-client computation, and
+:func:`count_elements` counts the on-elements exactly without expanding.
+
+The three kinds of SPEC §1 are all :class:`Mask` values; what differs is how the
+engine uses them (see :mod:`fedpartial._src.engine.client` and :mod:`fedpartial._src.core.aggregation`):
+
+* train mask — elements a client may change (frozen otherwise, bit-identical);
+* dropout mask — neurons that exist in the client's sub-model (only the neuron
+  part is used; a dropped unit's outgoing weights are zeroed in the forward pass);
+* upload mask — elements the server aggregates from the client.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.structure import ModelStructure, leaf_paths
+
+
+class Mask(NamedTuple):
+    """Layer and neuron booleans; leading axes (e.g. ``[K]``) are shared by all fields.
+
+    Attributes:
+      layers: ``[..., L]`` bool, one per layer.
+      neurons: tuple of ``[..., units_l]`` bool, one array per layer.
+      inputs: None (the default) wires each layer's input axis to the previous
+        layer's ``neurons``; otherwise a tuple, per layer, of ``[..., units_f]``
+        bools for the units of the layer ``f`` feeding it (any shape for a layer
+        fed by nobody).  :func:`unwired` uses it for masks that select a neuron
+        together with its whole incoming weight column (FedADP).  A layer the
+        structure leaves unwired (``feeds_from`` None, e.g. inside a residual
+        network) may be wired here explicitly with a non-empty ``[..., n]``
+        vector: each of its ``n`` units feeds ``fan_in / n`` input rows (NHWC
+        tiling); an empty ``[..., 0]`` leaves it unwired.  Width reduction uses
+        this for ResNet20 (:mod:`fedpartial._src.methods.tiered.heterofl`).
+    """
+
+    layers: jax.Array
+    neurons: tuple[jax.Array, ...]
+    inputs: tuple[jax.Array, ...] | None = None
+
+
+def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool = True) -> Mask:
+    """A mask with every layer and neuron set to ``value``."""
+    batch_shape = tuple(batch_shape)
+    return Mask(
+        layers=jnp.full((*batch_shape, structure.num_layers), value, bool),
+        neurons=tuple(jnp.full((*batch_shape, u), value, bool) for u in structure.units),
+    )
+
+
+def from_layers(structure: ModelStructure, layers: jax.Array) -> Mask:
+    """A layer-level mask ``[..., L]``; every neuron of an on-layer is on."""
+    layers = jnp.asarray(layers, bool)
+    batch = layers.shape[:-1]
+    return Mask(layers=layers, neurons=tuple(jnp.ones((*batch, u), bool) for u in structure.units))
+
+
+def from_neurons(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mask:
+    """A neuron-level mask; every layer is on."""
+    neurons = tuple(jnp.asarray(n, bool) for n in neurons)
+    batch = neurons[0].shape[:-1]
+    return Mask(layers=jnp.ones((*batch, structure.num_layers), bool), neurons=neurons)
+
+
+def intersect(a: Mask, b: Mask) -> Mask:
+    """Element-wise AND of two masks with the same wiring (an element is on iff on in both)."""
+    return jax.tree.map(jnp.logical_and, a, b)
+
+
+def within(mask: Mask, submodel: Mask) -> Mask:
+    """``mask`` restricted to the neurons that exist in ``submodel`` (its dropout mask)."""
+    return mask._replace(neurons=tuple(jnp.logical_and(a, b) for a, b in zip(mask.neurons, submodel.neurons)))
+
+
+def unwired(structure: ModelStructure, mask: Mask) -> Mask:
+    """The same neurons, but each with its whole input column (inputs not masked)."""
+    batch = mask.layers.shape[:-1]
+    inputs = tuple(
+        jnp.ones((*batch, structure.units[layer.feeds_from] if layer.feeds_from is not None else 0), bool)
+        for layer in structure.layers
+    )
+    return mask._replace(inputs=inputs)
+
+
+def protect_output(mask: Mask) -> Mask:
+    """Forces the classifier's output units on (they are never dropped or frozen per neuron)."""
+    neurons = (*mask.neurons[:-1], jnp.ones_like(mask.neurons[-1]))
+    return mask._replace(neurons=neurons)
+
+
+def uses_neurons(structure: ModelStructure) -> None:
+    """Raises unless neuron masks can be wired for this model."""
+    if not structure.sequential:
+        raise UserError(
+            "neuron-level masks need a sequential model (a chain of layers without residual "
+            "connections); use a layer-level method or declare the model sequential."
+        )
+
+
+def _input_units(structure: ModelStructure, layer: int, per_unit: Sequence[jax.Array],
+                 inputs: Sequence[jax.Array] | None = None) -> jax.Array | None:
+    """Per input row of ``layer``'s kernel, the value of the feeding unit (None if unwired)."""
+    spec = structure.layers[layer]
+    if spec.feeds_from is None:
+        if inputs is None or inputs[layer].shape[-1] == 0:
+            return None
+        return jnp.tile(inputs[layer], spec.fan_in // inputs[layer].shape[-1])  # explicitly wired
+    units = per_unit[spec.feeds_from] if inputs is None else inputs[layer]
+    # NHWC flatten: input row i is fed by channel i % C, i.e. the unit vector tiled.
+    return jnp.tile(units, spec.input_tile)
+
+
+def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_vals, combine, inputs=None):
+    role = structure.role(collection, path)
+    value = layer_vals[role.layer]
+    out = out_vals[role.layer]
+    value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
+    if role.has_input_axis:
+        inp = _input_units(structure, role.layer, in_vals, inputs)
+        if inp is not None:
+            value = combine(value, inp.reshape((1,) * (len(shape) - 2) + (inp.shape[0], 1)))
+    return jnp.broadcast_to(value, shape)
+
+
+def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> Any:
+    """Expands one client's mask (no leading axis) to a boolean tree shaped like ``tree``."""
+    flat = leaf_paths(tree)
+    leaves = [
+        _leaf_values(structure, collection, path, jnp.shape(leaf), mask.layers, mask.neurons,
+                     mask.neurons, jnp.logical_and, mask.inputs)
+        for path, leaf in flat
+    ]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+def expand_variables(structure: ModelStructure, mask: Mask, variables: dict) -> dict:
+    """:func:`expand` over every collection of a variables dict."""
+    return {c: expand(structure, mask, t, c) for c, t in variables.items()}
+
+
+def input_scale(structure: ModelStructure, unit_scale: Sequence[jax.Array], tree: Any) -> Any:
+    """Per-element multipliers implementing dropout in the forward pass (one client).
+
+    ``unit_scale[l]`` is ``[units_l]``: 0 for a dropped unit, ``1/(1-d)`` (inverted
+    dropout) or 1 for a kept one.  Every weight *reading* a unit is multiplied by
+    that unit's scale, so a dropped unit contributes exactly nothing downstream
+    and kept units are rescaled.  Leaves without a wired input axis get 1.
+    """
+    ones_layers = jnp.ones((structure.num_layers,))
+    ones_units = tuple(jnp.ones((u,)) for u in structure.units)
+    flat = leaf_paths(tree)
+    leaves = [
+        _leaf_values(structure, "params", path, jnp.shape(leaf), ones_layers, ones_units,
+                     unit_scale, jnp.multiply).astype(jnp.result_type(leaf))
+        for path, leaf in flat
+    ]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+def submodel_scale(structure: ModelStructure, submodel: Mask, params: Any,
+                   unit_scale: Sequence[jax.Array] | None = None) -> Any:
+    """Forward multipliers that run one client's sub-model (dropped units contribute nothing).
+
+    ``submodel`` says which neurons exist; ``unit_scale`` optionally rescales the
+    kept ones (``[units_l]`` per layer, e.g. inverted dropout).  The classifier's
+    output units always exist and are never rescaled.
+    """
+    kept = protect_output(submodel).neurons
+    if unit_scale is None:
+        scales = tuple(n.astype(jnp.float32) for n in kept)
+    else:
+        scales = tuple(jnp.where(n, s, 0.0) for n, s in zip(kept, unit_scale))
+    scales = (*scales[:-1], jnp.ones_like(scales[-1]))
+    return input_scale(structure, scales, params)
+
+
+def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: Mask) -> jax.Array:
+    role = structure.role(collection, path)
+    on = mask.layers[..., role.layer].astype(jnp.int32)
+    n_out = jnp.sum(mask.neurons[role.layer], axis=-1, dtype=jnp.int32)
+    if not role.has_input_axis:
+        return on * n_out * math.prod(shape[:-1])
+    spec = structure.layers[role.layer]
+    if spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0):
+        n_in = shape[-2]
+    elif spec.feeds_from is None:  # explicitly wired
+        feeding = mask.inputs[role.layer]
+        n_in = (spec.fan_in // feeding.shape[-1]) * jnp.sum(feeding, axis=-1, dtype=jnp.int32)
+    else:
+        feeding = mask.neurons[spec.feeds_from] if mask.inputs is None else mask.inputs[role.layer]
+        n_in = spec.input_tile * jnp.sum(feeding, axis=-1, dtype=jnp.int32)
+    return on * n_out * n_in * math.prod(shape[:-2])
+
+
+def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> jax.Array:
+    """Exact number of on-elements of ``tree`` under ``mask``, per leading index, without expanding.
+
+    ``tree`` holds one model (no client axis); the mask may carry leading axes.
+    """
+    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
+    for path, leaf in leaf_paths(tree):
+        total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask)
+    return total
+
+
+def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collections: Sequence[str]) -> jax.Array:
+    """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes)."""
+    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
+    for collection in collections:
+        for path, leaf in leaf_paths(variables.get(collection, {})):
+            itemsize = jnp.dtype(leaf.dtype).itemsize
+            total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask) * itemsize
+    return total
+
+
+def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict,
+                          collections: Sequence[str]) -> jax.Array:
+    """:func:`count_bytes` split by layer, ``[..., L]`` int32.
+
+    One layer's bytes fit int32 for any model that fits a device; a cohort's total
+    need not (128 clients × 26 MB overflows it), so totals are summed on the host
+    in int64 (:func:`fedpartial._src.engine.round.traffic_totals`).
+    """
+    per_layer = [jnp.zeros(mask.layers.shape[:-1], jnp.int32) for _ in range(structure.num_layers)]
+    for collection in collections:
+        for path, leaf in leaf_paths(variables.get(collection, {})):
+            layer = structure.role(collection, path).layer
+            itemsize = jnp.dtype(leaf.dtype).itemsize
+            per_layer[layer] = per_layer[layer] + _leaf_count(structure, collection, path, jnp.shape(leaf),
+                                                              mask) * itemsize
+    return jnp.stack(per_layer, axis=-1)
+
+
+def keep_count(fraction: float, units: int) -> int:
+    """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
+    # p·u in float can land a hair below an exact half (0.35·90 = 31.499…96): snap first.
+    return max(1, int(math.floor(round(fraction * units, 9) + 0.5)))
+
+
+def mask_storage_bytes(mask: Mask) -> int:
+    """Bytes a stored (structured) mask occupies."""
+    return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree.leaves(mask))

@@ -1,0 +1,58 @@
+"""A dataset in host memory (:class:`ArrayDataset`), the data layer's error, and a stratified test split:
+the pieces every source (tfds, digits, Synthetic, text) builds on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fedpartial._src.core.errors import UserError
+
+
+class DataError(UserError):
+    """Bad or unavailable data; the message is one sentence for a person."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDataset:
+    """A dataset held in host memory.
+
+    ``natural_partition`` (when not None) lists, per client, indices into the
+    train split (e.g. Synthetic's per-client data); ``natural_test_partition``
+    does the same for the test split.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    natural_partition: tuple[np.ndarray, ...] | None = None
+    natural_test_partition: tuple[np.ndarray, ...] | None = None
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """Shape of one example's features."""
+        return tuple(self.x_train.shape[1:])
+
+
+def stratified_split(name: str, x: np.ndarray, y: np.ndarray, num_classes: int, test_fraction: float,
+                     seed: int) -> ArrayDataset:
+    """An :class:`ArrayDataset` of ``(x, y)`` with a stratified seeded test split (:func:`stratified_test_indices`)."""
+    is_test = np.zeros(len(y), dtype=bool)
+    is_test[stratified_test_indices(y, test_fraction, seed)] = True
+    return ArrayDataset(name=name, x_train=np.ascontiguousarray(x[~is_test]), y_train=y[~is_test],
+                        x_test=np.ascontiguousarray(x[is_test]), y_test=y[is_test], num_classes=num_classes)
+
+
+def stratified_test_indices(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """Sorted indices of a stratified test split (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    picked = []
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        n_test = int(np.floor(test_fraction * len(members) + 0.5))
+        picked.append(rng.permutation(members)[:n_test])
+    return np.sort(np.concatenate(picked)).astype(np.int64)

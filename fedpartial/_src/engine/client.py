@@ -1,0 +1,150 @@
+"""Local training of one client, as FedJAX-style ``client_init`` / ``client_step`` / ``client_final``.
+
+Written for a single client of one client group; the engine vmaps, ``lax.map``s
+or loops it over the group.  Masks arrive structured and are expanded here, per
+step, to parameter shape in the full model's coordinates and then cut to the
+group's graph (:class:`fedpartial._src.core.types.LocalGraph`); they are never stored expanded.
+
+Frozen elements (train mask off, or a dropped neuron's parameters) get a zero
+gradient before the optimizer *and* keep their old value after it, so they stay
+bit-identical even under momentum and weight decay.  Elements outside the
+group's graph are not in the local state at all and come back from the start
+model.  A padded step (``step_mask`` False) returns the state unchanged; padded
+examples carry no loss, no gradient and no BatchNorm statistics.
+
+Every step has its own key, ``fold_in(client_key, step)``, split in two: one
+for ``Method.step_plan`` and one for the objective (``LocalStep.key``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedpartial._src.engine import graphs
+from fedpartial._src.core import masks as masks_lib
+from fedpartial._src.core.types import (
+    Batch,
+    ClientPlan,
+    LocalGraph,
+    LocalStep,
+    Method,
+    MethodContext,
+)
+
+
+class LocalState(NamedTuple):
+    """One client's training state (variables in its group's coordinates)."""
+
+    variables: dict  # {'params', 'batch_stats'} of the group's graph
+    opt_state: Any
+    loss_sum: jax.Array  # sum of step losses (real steps only)
+    steps: jax.Array  # real steps taken
+
+
+class ClientFns(NamedTuple):
+    init: Any  # (start_vars, optimizer_state=True) -> LocalState (False: opt_state is ())
+    prepare: Any  # (start_vars, data [S, B, ...]) -> inputs [S, B, ...]
+    step: Any  # (local, batch, plan, global_vars, client_state, client_key, index) -> LocalState
+    final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)
+    init_optimizer: Any  # (local without optimizer state) -> local with its fresh optimizer state
+
+
+def trainable_mask(ctx: MethodContext, plan: ClientPlan) -> masks_lib.Mask | None:
+    """One client's effective train mask (train ∧ sub-model), or None when all is trainable."""
+    if plan.train is None and plan.dropout is None:
+        return None
+    mask = masks_lib.full(ctx.structure) if plan.train is None else plan.train
+    if plan.dropout is not None:
+        mask = masks_lib.within(mask, plan.dropout)
+    return masks_lib.protect_output(mask)
+
+
+def forward_scale(ctx: MethodContext, plan: ClientPlan, params: Any) -> Any | None:
+    """Multipliers that remove dropped units from the forward pass (None without dropout)."""
+    if plan.dropout is None:
+        return None
+    return masks_lib.submodel_scale(ctx.structure, plan.dropout, params, plan.dropout_scale)
+
+
+def make_client_fns(
+    ctx: MethodContext,
+    method: Method,
+    optimizer: optax.GradientTransformation,
+    *,
+    track_batch_stats: bool = True,
+    graph: LocalGraph | None = None,
+) -> ClientFns:
+    """Builds the per-client functions for a method, a local optimizer and a group's graph.
+
+    Args:
+      ctx: static model/population facts.
+      method: supplies ``step_plan`` and ``objective``.
+      optimizer: any optax transformation (e.g. SGD with momentum and weight decay).
+      track_batch_stats: False for the 'static' BatchNorm policy (statistics not
+        tracked; batch statistics are used in training).
+      graph: the group's local graph (None: the whole model).
+    """
+    graph = graph or graphs.whole(ctx.model)
+
+    def extract_params(tree):
+        return graph.extract({"params": tree})["params"]
+
+    def client_init(start_vars: dict, optimizer_state: bool = True) -> LocalState:
+        local = LocalState(variables=graph.extract(start_vars), opt_state=(), loss_sum=jnp.zeros((), jnp.float32),
+                           steps=jnp.zeros((), jnp.int32))
+        return init_optimizer(local) if optimizer_state else local
+
+    def init_optimizer(local: LocalState) -> LocalState:
+        return local._replace(opt_state=optimizer.init(local.variables["params"]))
+
+    def client_prepare(start_vars: dict, data: Batch) -> Batch:
+        if graph.prepare is None:
+            return data
+        return graph.prepare(start_vars, data, not track_batch_stats)
+
+    def client_step(local: LocalState, batch: Batch, plan: ClientPlan, global_vars: dict, client_state: Any,
+                    client_key: jax.Array, index: jax.Array) -> LocalState:
+        plan_key, loss_key = jax.random.split(jax.random.fold_in(client_key, index))
+        if method.step_plan is not None:
+            plan = method.step_plan(ctx, plan, plan_key, index)
+        params = local.variables["params"]
+        stats = local.variables["batch_stats"]
+        template = global_vars["params"]  # full-model shapes: masks are expanded there, then cut
+        train_mask = trainable_mask(ctx, plan)
+        scale = forward_scale(ctx, plan, template)
+        scale = None if scale is None else extract_params(scale)
+
+        def forward(p, x):
+            p_fwd = p if scale is None else jax.tree.map(jnp.multiply, p, scale)
+            return graph.apply({"params": p_fwd, "batch_stats": stats}, x, True, batch.example_mask)
+
+        step = LocalStep(batch=batch, key=loss_key, index=index, plan=plan, global_vars=global_vars,
+                         client_state=client_state, forward=forward)
+        (_, aux), grads = jax.value_and_grad(lambda p: method.objective(ctx, p, step), has_aux=True)(params)
+        if train_mask is not None:
+            elem = extract_params(masks_lib.expand(ctx.structure, train_mask, template))
+            grads = jax.tree.map(lambda g, m: jnp.where(m, g, jnp.zeros_like(g)), grads, elem)
+        updates, opt_state = optimizer.update(grads, local.opt_state, params)
+        if plan.lr_scale is not None:  # this client's learning rate over the optimizer's
+            updates = jax.tree.map(lambda u: u * plan.lr_scale.astype(u.dtype), updates)
+        new_params = optax.apply_updates(params, updates)
+        if train_mask is not None:
+            new_params = jax.tree.map(jnp.where, elem, new_params, params)
+        new = LocalState(
+            variables={"params": new_params, "batch_stats": aux.batch_stats if track_batch_stats else stats},
+            opt_state=opt_state,
+            loss_sum=local.loss_sum + aux.loss,
+            steps=local.steps + 1,
+        )
+        # A padded step leaves every part of the client state unchanged.
+        return jax.tree.map(lambda a, b: jnp.where(batch.step_mask, a, b), new, local)
+
+    def client_final(local: LocalState, start_vars: dict) -> tuple[dict, jax.Array, jax.Array]:
+        mean_loss = local.loss_sum / jnp.maximum(local.steps, 1).astype(jnp.float32)
+        return graph.insert(start_vars, local.variables), mean_loss, local.steps
+
+    return ClientFns(client_init, client_prepare, client_step, client_final, init_optimizer)

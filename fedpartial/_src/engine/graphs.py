@@ -1,0 +1,229 @@
+"""Local graphs: how a client group sees the model during local training.
+
+A :class:`~fedpartial._src.core.types.LocalGraph` is four pure functions.  :func:`whole` is
+the default (the whole model, nothing cut).  :func:`suffix` is EmbracingFL's weak
+client: stages ``[0, cut)`` are frozen and run *once per round* over the client's
+whole local data (``prepare``), and every local step runs, differentiates and
+updates only stages ``[cut, end)`` — its compiled step contains no prefix at all.
+
+Any graph whose ``extract`` is a pytree selection or slice (e.g. HeteroFL's
+leading channels) fits the same slot: the engine expands masks in full-model
+coordinates and cuts them with ``extract``, and writes trained values back with
+``insert``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedpartial._src.core.types import Batch, LocalGraph
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.models import registry, zoo
+from fedpartial._src.models.adapter import Model, from_linen
+from fedpartial._src.core.structure import leaf_paths
+
+
+def whole(model: Model) -> LocalGraph:
+    """The whole model: extract and insert are the identity, no preparation."""
+    return LocalGraph(extract=lambda tree: tree, insert=lambda full, part: part, apply=model.apply)
+
+
+def merge_subtree(full: Any, part: Any) -> Any:
+    """``full`` with every leaf present in the nested dict ``part`` replaced by ``part``'s."""
+    if not isinstance(part, dict):
+        return part
+    out = dict(full)
+    for name, sub in part.items():
+        out[name] = merge_subtree(full[name], sub) if isinstance(full.get(name), dict) else sub
+    return out
+
+
+def suffix(model: Model, cut: int) -> LocalGraph:
+    """Train stages ``[cut, end)`` only, on prefix activations prepared once per round.
+
+    ``prepare`` runs the frozen prefix batch by batch in train mode, as a full forward
+    pass of local training would (a prefix BatchNorm normalises with the batch's own
+    statistics over its real examples; its running statistics are not updated, as the
+    prefix is frozen), so the result equals training the whole model with the prefix
+    frozen by a train mask.  ``cut == 0`` is :func:`whole`.
+    """
+    if not 0 <= cut < model.num_stages:
+        raise ValueError(
+            f"cut stage {cut} must be between 0 and {model.num_stages - 1} (model {model.name} has stages "
+            f"{', '.join(model.stage_names)}).")
+    if cut == 0:
+        return whole(model)
+
+    def extract(tree):
+        return model.stage_variables(tree, cut)
+
+    def prepare(variables: dict, data: Batch, batch_statistics: bool) -> Batch:
+        del batch_statistics  # local training always normalises with batch statistics
+
+        def one(x, mask):
+            out, _ = model.apply_stages(variables, x, start=0, stop=cut, train=True, example_mask=mask)
+            return out
+
+        h = jax.vmap(one)(data.x, data.example_mask)  # [S, B, ...] one batch at a time
+        return data._replace(x=jax.lax.stop_gradient(h))
+
+    def apply(variables, x, train, example_mask=None):
+        return model.apply_stages(variables, x, start=cut, train=train, example_mask=example_mask)
+
+    return LocalGraph(extract=extract, insert=merge_subtree, apply=apply, prepare=prepare)
+
+
+def map_inputs(graph: LocalGraph, fn: Callable[[jax.Array], jax.Array]) -> LocalGraph:
+    """``graph`` fed ``fn(x)`` instead of a client's raw inputs ``x`` (e.g. the first half of every sequence).
+
+    ``fn`` runs once per round on the client's whole local data ``[S, B, ...]``,
+    before the graph's own preparation; it must act on the trailing example axes
+    only and may change their shape (each client group compiles for its own).
+    """
+
+    def prepare(variables: dict, data: Batch, batch_statistics: bool) -> Batch:
+        data = data._replace(x=fn(data.x))
+        return data if graph.prepare is None else graph.prepare(variables, data, batch_statistics)
+
+    return graph._replace(prepare=prepare)
+
+
+# ---- width reduction (HeteroFL / FjORD) ---------------------------------------------------------
+
+
+def _full_module(model: Model, module: nn.Module | None) -> nn.Module:
+    """The zoo module ``model`` was built from: ``module``, or the registry's model of that name, checked."""
+    if module is None:
+        if model.name not in registry.MODELS:
+            raise UserError(
+                f"model {model.name!r} has no width-reduced version: width reduction needs a zoo model built by "
+                f"name ({', '.join(registry.MODELS)}) or the zoo module it was built from.")
+        module = registry.build_model(model.name, model.num_classes, model.input_shape)
+    if not isinstance(module, nn.Module):
+        raise UserError(f"width reduction needs a flax linen zoo module, got {type(module).__name__}.")
+    fix_shape = getattr(module, "for_input_shape", None)
+    if callable(fix_shape):
+        module = fix_shape(model.input_shape)
+    sample = jnp.zeros((1, *model.input_shape), jnp.float32)
+    try:
+        got = jax.eval_shape(lambda: module.init(jax.random.key(0), sample, train=False))
+    except Exception:  # noqa: BLE001 - any failure means the module is not this model
+        got = None
+    want = jax.eval_shape(model.init_variables, jax.random.key(0))
+
+    def shapes(tree):
+        return {c: jax.tree.map(lambda a: a.shape, tree.get(c, {})) for c in ("params", "batch_stats")}
+
+    if got is None or shapes(got) != shapes(want):
+        raise UserError(
+            f"model {model.name!r} is not the zoo's {type(module).__name__} with these settings (their variables "
+            "differ), so its width-reduced version is unknown; pass the zoo module it was built from.")
+    return module
+
+
+@functools.lru_cache(maxsize=64)
+def narrow_model(model: Model, ratio: float, *, module: nn.Module | None = None, scaler: bool = True) -> Model:
+    """The physically smaller ``model``: the same zoo architecture with ``⌈ratio·C⌉`` hidden channels/units.
+
+    Its variables are the full model's leading channels/units (see :func:`width`);
+    the classifier keeps every class.  ``scaler``: hidden Conv/Dense outputs are
+    multiplied by ``1/ratio`` in training (HeteroFL's Scaler).  ``module``: the
+    zoo module ``model`` was built from (default: the registry's model named
+    ``model.name``, checked against ``model``'s variables).
+
+    Raises:
+      UserError: ``model`` is not a zoo model (e.g. built with ``from_stages``), or
+        ``ratio`` is outside (0, 1].
+    """
+    narrow = zoo.narrowed(_full_module(model, module), ratio, scaler=scaler)
+    out = from_linen(narrow, input_shape=model.input_shape, num_classes=model.num_classes,
+                     sequential=model.structure.sequential, name=f"{model.name}@{ratio:g}")
+    if out.structure.layer_names != model.structure.layer_names:
+        raise ValueError(f"the width-reduced {model.name} has layers {out.structure.layer_names}, not the full "
+                         f"model's {model.structure.layer_names}.")
+    return out
+
+
+class _Slice(NamedTuple):
+    """One leaf's narrow part: ``full.reshape(view)[index]`` (``view`` splits a tiled input axis)."""
+
+    full_shape: tuple[int, ...]
+    narrow_shape: tuple[int, ...]
+    full_view: tuple[int, ...]
+    narrow_view: tuple[int, ...]
+    index: tuple[slice, ...]
+
+    def take(self, full):
+        if isinstance(full, jax.ShapeDtypeStruct):  # shapes only (e.g. from jax.eval_shape)
+            return jax.ShapeDtypeStruct(self.narrow_shape, full.dtype)
+        return full.reshape(self.full_view)[self.index].reshape(self.narrow_shape)
+
+    def put(self, full, part):
+        if isinstance(full, jax.ShapeDtypeStruct):
+            return full
+        full = jnp.asarray(full)
+        part = jnp.asarray(part, full.dtype).reshape(self.narrow_view)
+        return full.reshape(self.full_view).at[self.index].set(part).reshape(self.full_shape)
+
+
+def _leaf_slices(model: Model, narrow: Model) -> dict[tuple[str, tuple[str, ...]], _Slice]:
+    """Per ``(collection, leaf path)``, where the narrow leaf sits in the full one: the leading entries of
+    every axis, except that a kernel reading a flattened conv map (``input_tile`` > 1) keeps the leading
+    channels of each of its ``H·W`` row blocks."""
+    full_vars = jax.eval_shape(model.init_variables, jax.random.key(0))
+    narrow_vars = jax.eval_shape(narrow.init_variables, jax.random.key(0))
+    out = {}
+    for collection, tree in full_vars.items():
+        narrow_leaves = dict(leaf_paths(narrow_vars.get(collection, {})))
+        for path, leaf in leaf_paths(tree):
+            full_shape, narrow_shape = tuple(leaf.shape), tuple(narrow_leaves[path].shape)
+            role = model.structure.role(collection, path)
+            spec = model.structure.layers[role.layer]
+            tile = spec.input_tile if role.has_input_axis and spec.feeds_from is not None else 1
+            full_view, narrow_view = full_shape, narrow_shape
+            if tile > 1:  # [..., H·W·C, out] -> [..., H·W, C, out]
+                full_view = (*full_shape[:-2], tile, full_shape[-2] // tile, full_shape[-1])
+                narrow_view = (*narrow_shape[:-2], tile, narrow_shape[-2] // tile, narrow_shape[-1])
+            if len(full_view) != len(narrow_view) or any(n > f for n, f in zip(narrow_view, full_view)):
+                raise ValueError(f"{collection}/{'/'.join(path)}: the narrow leaf {narrow_shape} is not a leading "
+                                 f"slice of the full leaf {full_shape}.")
+            out[collection, path] = _Slice(full_shape, narrow_shape, full_view, narrow_view,
+                                           tuple(slice(0, n) for n in narrow_view))
+    return out
+
+
+def width(model: Model, ratio: float, *, module: nn.Module | None = None, scaler: bool = True) -> LocalGraph:
+    """Width reduction: train the leading ``⌈ratio·C⌉`` channels/units of every hidden layer, as a smaller model.
+
+    ``extract`` slices one client's variables (``params``, ``batch_stats``, or any
+    tree shaped like them: masks, scales, shapes) to the narrow model's leading channels
+    on every axis — input axes too, so a kernel keeps the rows of the kept input
+    channels, and a Dense reading a flattened conv map keeps, for every spatial
+    position, the rows of the kept channels.  ``insert`` writes a narrow tree back
+    into the full one; ``apply`` runs :func:`narrow_model`, so the compiled step
+    really is smaller (about ``ratio²`` of the FLOPs of a conv/dense stack).
+    ``ratio = 1`` is :func:`whole` (with ``scaler``, the Scaler is then 1).
+    """
+    if ratio == 1:
+        return whole(model)
+    narrow = narrow_model(model, ratio, module=module, scaler=scaler)
+    slices = _leaf_slices(model, narrow)
+
+    def extract(tree):
+        return {c: jax.tree.unflatten(jax.tree.structure(sub), [slices[c, path].take(a) for path, a in leaf_paths(sub)])
+                for c, sub in tree.items()}
+
+    def insert(full, part):
+        out = dict(full)
+        for c, sub in part.items():
+            leaves = [slices[c, path].put(f, p) for (path, f), p in zip(leaf_paths(full[c]), jax.tree.leaves(sub),
+                                                                          strict=True)]
+            out[c] = jax.tree.unflatten(jax.tree.structure(full[c]), leaves)
+        return out
+
+    return LocalGraph(extract=extract, insert=insert, apply=narrow.apply)

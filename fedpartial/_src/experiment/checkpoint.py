@@ -1,0 +1,316 @@
+"""Checkpoints, run status and clean interruption of a run directory.
+
+A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
+``status.json`` and ``checkpoints/<round>/`` (orbax).  Decisions taken here:
+
+* **What a checkpoint holds.**  The whole :class:`fedpartial._src.engine.round.ServerState`
+  (round counter, variables, server optimizer state, method state) as a flat list of
+  arrays, in ``jax.tree.flatten`` order of the live state; the tree structure itself
+  comes from a freshly built :class:`~fedpartial._src.experiment.simulation.Simulation` of the same
+  ``config.json``, so nothing pickled is stored.  Typed PRNG keys are stored as
+  ``jax.random.key_data`` and rewrapped with the template's key implementation.
+  Host-side values (``Simulation.progress``: rounds done, cumulative traffic and
+  simulated time) go into a JSON item next to the arrays, with the checkpoint
+  interval.  The cohort and keys of round ``t`` depend only on the seed and ``t``
+  (``Simulation.sample_cohort``), and there is no numpy RNG that advances between
+  rounds, so nothing else is needed for a resumed run to match an uninterrupted one
+  bit for bit.
+* **Atomicity.**  Orbax's ``CheckpointManager`` writes a step into a temporary
+  directory and renames it when complete; a kill mid-write leaves a temporary
+  directory that is never read (``latest_step`` ignores it) and is removed the next
+  time the manager opens the directory.  Saves are synchronous (no background
+  thread a signal could cut).  The two newest checkpoints are kept.
+* **Several processes** (multi-host, :mod:`fedpartial._src.engine.sharding`).  The server state
+  is replicated, and each process writes its own run directory, so each writes a
+  whole checkpoint there on its own: ``checkpoints/<round>/state.npz`` (the same flat
+  arrays) and ``host.json``, written into a temporary folder renamed into place.
+  Orbax is not used there: its manager synchronises every process on one shared
+  directory, and it writes numpy arrays from process 0 only.
+* **Strict JSON.**  Result files never contain bare ``NaN``/``Infinity``: a
+  non-finite float is written as ``null`` (:func:`strict_json`).
+* **Signals.**  :class:`StopFlag` turns SIGINT/SIGTERM into a flag checked between
+  rounds, so a signal during JAX compilation or a round never interrupts native
+  code; the round finishes, a checkpoint is written and the run stops with status
+  ``interrupted`` (exit status 130 / 143 on the command line).  A second signal is
+  deferred too (it only repeats the notice).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedpartial._src.core.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+STATUS = "status.json"
+STATUSES = ("running", "complete", "interrupted", "diverged", "failed")
+#: checkpoints kept on disk (the newest, and one before it in case the newest is unreadable)
+KEEP = 2
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT/SIGTERM after writing its checkpoint, status and summary (a
+    ``KeyboardInterrupt``, so ``except Exception`` does not swallow a person's Ctrl-C).
+
+    ``signum`` is the signal, ``exit_code`` 128 + signum, ``message`` says what was kept,
+    ``summary`` is what :func:`fedpartial._src.experiment.simulation.run` would have returned.
+    """
+
+    def __init__(self, signum: int, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.message = message
+        self.summary = summary
+
+
+def is_diverged(error: BaseException) -> bool:
+    """Whether ``error`` is :class:`fedpartial._src.core.errors.DivergedError` (matched by name, so this module does
+    not depend on where it is defined)."""
+    return isinstance(error, UserError) and type(error).__name__ == "DivergedError"
+
+
+# --- strict JSON ---------------------------------------------------------------------------------------
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by ``None`` and numpy scalars/arrays made plain."""
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _finite(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def strict_json(value, **kwargs) -> str:
+    """``json.dumps`` that never writes ``NaN``/``Infinity``: non-finite floats become ``null``."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def write_json(path: str, value) -> None:
+    """Writes ``value`` as strict JSON to ``path`` atomically (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(strict_json(value, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- status ----------------------------------------------------------------------------------------------
+
+
+def write_status(run_dir: str, status: str, *, round: int, message: str, checkpoint_round: int | None) -> None:
+    """``RUN_DIR/status.json``: the run's state, the rounds it completed, one sentence, the newest checkpoint."""
+    assert status in STATUSES, status
+    write_json(os.path.join(run_dir, STATUS), {
+        "status": status, "round": round, "message": message, "checkpoint_round": checkpoint_round,
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+
+
+def read_status(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, STATUS)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+# --- signals ---------------------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Context manager: SIGINT and SIGTERM set :attr:`signum` instead of raising, until exit.
+
+    Installed only in the main thread (Python delivers signals there); elsewhere it is
+    an inert flag.  Nested use keeps the outer handlers (``installed`` is False).
+    """
+
+    def __init__(self, stream=None):
+        self.signum: int | None = None
+        self.stream = stream if stream is not None else sys.stderr
+        self.installed = False
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        name = signal.Signals(signum).name
+        try:
+            self.stream.write(f"fedpartial: {name} received; stopping after the current round "
+                              f"{'(already stopping) ' if not first else ''}and writing a checkpoint.\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed stream must not turn a stop into a crash
+            pass
+
+    @property
+    def stopped(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        self.installed = False
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+
+def _is_key(leaf) -> bool:
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _to_arrays(state) -> dict:
+    """The state's leaves as numpy arrays keyed by position (PRNG keys as their raw key data)."""
+    leaves = jax.tree.leaves(state)
+    return {f"{i:05d}": np.asarray(jax.random.key_data(x) if _is_key(x) else x) for i, x in enumerate(leaves)}
+
+
+def _from_arrays(arrays: dict, template, *, put: bool = True):
+    """Rebuilds a state shaped like ``template`` from :func:`_to_arrays`'s output (numpy leaves on the host
+    unless ``put``; PRNG keys are always JAX arrays)."""
+    leaves, treedef = jax.tree.flatten(template)
+    if len(arrays) != len(leaves):
+        raise UserError(f"the checkpoint holds {len(arrays)} arrays but this run's state has {len(leaves)}; "
+                        "it was written by a different configuration or version.")
+    out = []
+    for i, t in enumerate(leaves):
+        a = arrays[f"{i:05d}"]
+        if _is_key(t):
+            out.append(jax.random.wrap_key_data(jnp.asarray(a), impl=jax.random.key_impl(t)))
+        else:
+            if tuple(a.shape) != tuple(t.shape):
+                raise UserError(f"checkpoint array {i} has shape {tuple(a.shape)} but this run's state needs "
+                                f"{tuple(t.shape)}; it was written by a different configuration.")
+            a = np.asarray(a, dtype=t.dtype)
+            out.append(jax.device_put(a) if put else a)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _manager(run_dir: str, *, read_only: bool = False):
+    import orbax.checkpoint as ocp  # heavy: imported only when a checkpoint is written or read
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=KEEP, enable_async_checkpointing=False, create=not read_only,
+                                           cleanup_tmp_directories=not read_only, read_only=read_only)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, CHECKPOINTS)), options=options,
+                                 item_names=("state", "host"))
+
+
+# --- several processes: a whole checkpoint per process, in its own run directory --------------------------
+LOCAL_ARRAYS, LOCAL_HOST = "state.npz", "host.json"
+
+
+def several_processes() -> bool:
+    """A run over several processes (``jax.distributed``) checkpoints in the per-process format."""
+    return jax.process_count() > 1
+
+
+def _local_rounds(run_dir: str) -> list[int]:
+    """Rounds with a complete per-process checkpoint (a round's folder appears only once complete)."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(d) for d in os.listdir(root)
+                  if d.isdigit() and os.path.isfile(os.path.join(root, d, LOCAL_HOST)))
+
+
+def _save_local(run_dir: str, step: int, arrays: dict, host: dict) -> None:
+    root = os.path.join(run_dir, CHECKPOINTS)
+    tmp, final = os.path.join(root, f".{step}.tmp"), os.path.join(root, str(step))
+    shutil.rmtree(tmp, ignore_errors=True)  # a write cut short before
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, LOCAL_ARRAYS), "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    write_json(os.path.join(tmp, LOCAL_HOST), host)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in _local_rounds(run_dir)[:-KEEP]:
+        shutil.rmtree(os.path.join(root, str(old)))
+
+
+def _restore_local(run_dir: str, step: int) -> tuple[dict, dict]:
+    folder = os.path.join(run_dir, CHECKPOINTS, str(step))
+    with np.load(os.path.join(folder, LOCAL_ARRAYS), allow_pickle=False) as arrays:
+        state = {name: arrays[name] for name in arrays.files}
+    with open(os.path.join(folder, LOCAL_HOST)) as f:
+        return state, json.load(f)
+
+
+def latest_round(run_dir: str) -> int | None:
+    """The round of the newest complete checkpoint in ``run_dir``, or None."""
+    if several_processes():
+        return (_local_rounds(run_dir) or [None])[-1]
+    if not os.path.isdir(os.path.join(run_dir, CHECKPOINTS)):
+        return None
+    with _manager(run_dir, read_only=True) as mgr:
+        return mgr.latest_step()
+
+
+def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
+    """Writes ``sim``'s state and progress as checkpoint ``sim.progress['round']``; returns that round."""
+    import orbax.checkpoint as ocp
+
+    step = int(sim.progress["round"])
+    state = sim.checkpoint_state()  # per-client rows kept off the device included
+    host = {"progress": dict(sim.progress), "num_leaves": len(jax.tree.leaves(state)), **(extra or {})}
+    if several_processes():
+        if latest_round(run_dir) != step:
+            _save_local(run_dir, step, _to_arrays(state), _finite(host))
+        return step
+    with _manager(run_dir) as mgr:
+        if mgr.latest_step() == step:
+            return step  # already saved after this round
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_arrays(state)),
+                                               host=ocp.args.JsonSave(_finite(host))), force=True)
+        mgr.wait_until_finished()
+    return step
+
+
+def restore(run_dir: str, sim, step: int | None = None) -> dict:
+    """Loads checkpoint ``step`` (default: the newest) into ``sim`` (state and progress); returns its host item."""
+    import orbax.checkpoint as ocp
+
+    step = latest_round(run_dir) if step is None else step
+    if step is None:
+        raise UserError(f"{run_dir} has no checkpoint to resume from (it stopped before its first one); "
+                        "start the run again.")
+    if several_processes():
+        arrays, host = _restore_local(run_dir, step)
+    else:
+        with _manager(run_dir) as mgr:
+            template = _to_arrays(sim.checkpoint_state())
+            restored = mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(template), host=ocp.args.JsonRestore()))
+        arrays, host = dict(restored["state"]), dict(restored["host"])
+    sim.load_state(_from_arrays(arrays, sim.checkpoint_state(), put=False))
+    sim.progress = {**sim.progress, **host["progress"]}
+    return host

@@ -1,0 +1,367 @@
+"""A run's settings: :class:`RunConfig`, checked field by field with one sentence per bad value.
+
+Only settings live here — no data is loaded and nothing is built — so the command line, config
+files, ``fedpartial compare`` and many-seed runs can check a run before anything costly starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+from typing import Callable
+
+import jax
+import numpy as np
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Method
+from fedpartial._src.costs import devices
+from fedpartial._src.data import ondevice, sources
+from fedpartial._src.engine import round as engine
+from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.methods.catalog import METHODS, get_method
+from fedpartial._src.models import registry
+
+#: Model used when ``model='auto'``.
+DEFAULT_MODELS = {
+    "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
+    "emnist": "femnist_cnn", "cifar10": "vgg9", "cifar100": "resnet20", "svhn_cropped": "vgg9",
+    "mnist5k": "cnn2c1f", "synthetic_text": "bilstm", "imdb_reviews": "bilstm",
+}
+PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+DEFAULT_LOCAL_EPOCHS = 2.0
+#: each client's training share when the method needs held-out data and none is given
+DEFAULT_TRAIN_FRACTION = 0.7
+SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
+#: per-client state kept off the device is initialised about this many bytes at a time
+CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
+
+
+class ConfigError(UserError):
+    """An invalid run configuration; the message is one sentence for a person."""
+
+
+#: command-line flag of each RunConfig field whose flag is not ``--field-name``: messages name what people type
+_FLAGS = {
+    "num_clients": "--clients", "cohort_size": "--cohort", "client_lr": "--lr", "server_lr": "--server-lr",
+    "server_optimizer": "--server-opt", "early_stopping": "--es", "out_dir": "--out", "run_name": "--name",
+}
+#: neuron-level methods: their init wires per-neuron masks (``masks.uses_neurons``), which needs a sequential
+#: model.  Kept here so a residual model is refused from the names alone, before any model is built.
+NEURON_METHODS = frozenset({"fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect",
+                            "fedad", "feddhad"})
+#: one example's shape for each dataset whose shape is fixed, so a model that cannot take it is refused
+#: before data is loaded (imdb_reviews' default sequence length; synthetic_text's default is 64)
+DATASET_SHAPES = {
+    "digits": (8, 8, 1), "mnist5k": (28, 28, 1), "synthetic": (60,), "mnist": (28, 28, 1),
+    "fashion_mnist": (28, 28, 1), "emnist": (28, 28, 1), "cifar10": (32, 32, 3), "cifar100": (32, 32, 3),
+    "svhn_cropped": (32, 32, 3), "synthetic_text": (64,), "imdb_reviews": (256,),
+}
+_MAX_SEED = 2**32 - 1
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _shown(value) -> str:
+    """A value as people type it: 3, 0.05, nan, inf, 'text'."""
+    if isinstance(value, float):
+        return f"{value:g}" if value.is_integer() and abs(value) < 1e15 else repr(value)
+    if isinstance(value, (tuple, list)):
+        return ",".join(_shown(v) for v in value)
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _refuse(field: str, value, allowed: str):
+    raise ConfigError(f"{_flag(field)} {_shown(value)} is not allowed: it must be {allowed}.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def _check_int(config, field: str, low: int, allowed: str | None = None) -> None:
+    value = getattr(config, field)
+    if not _is_int(value) or value < low:
+        _refuse(field, value, allowed or f"a whole number ≥ {low}")
+
+
+def _check_finite(config, field: str, ok: Callable[[float], bool], allowed: str) -> None:
+    """NaN and ±inf are refused first: every comparison with NaN is False, so range checks alone miss it."""
+    value = getattr(config, field)
+    if value is not None and not (_is_finite(value) and ok(value)):
+        _refuse(field, value, f"a finite number {allowed}")
+
+
+def _check_output(out_dir: str | None, run_name: str | None) -> None:
+    """The run folder can be made under ``out_dir``; nothing is left behind (an empty probe folder is made in
+    the nearest existing ancestor and removed at once)."""
+    if out_dir is None:
+        return
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
+        _refuse("out_dir", out_dir, "a directory to write run folders in (e.g. runs)")
+    if run_name is not None and (
+            not isinstance(run_name, str) or not run_name or run_name in (".", "..") or os.path.isabs(run_name)
+            or "/" in run_name or (os.sep in run_name) or (os.altsep and os.altsep in run_name)):
+        _refuse("run_name", run_name, "a plain folder name without '/' (the folder is made inside --out)")
+    path = os.path.abspath(os.fspath(out_dir))
+    probe = path
+    while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == path else f"cannot be made: {probe} is a file"
+        raise ConfigError(f"--out {out_dir!r} {where}; it must be a directory to write run folders in.")
+    where = "is not writable" if probe == path else f"cannot be made: {probe} is not writable"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out_dir!r} {where}; choose a directory you may write to.")
+    try:  # os.access says yes to root even where the kernel refuses (/proc, /sys): try an empty folder
+        os.rmdir(tempfile.mkdtemp(prefix=".fedpartial-probe-", dir=probe))
+    except OSError:
+        raise ConfigError(f"--out {out_dir!r} {where}; choose a directory you may write to.") from None
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """One simulation run. Defaults: the offline digits job of the quick start."""
+
+    method: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    model: str = "auto"
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    num_clients: int = 20
+    cohort_size: int = 10
+    rounds: int = 40
+    local_steps: int | None = None
+    local_epochs: float | None = None  # None with no local_steps: DEFAULT_LOCAL_EPOCHS
+    batch_size: int = 16
+    client_lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    server_optimizer: str = "sgd"
+    server_lr: float = 1.0
+    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (see METHODS)
+    early_stopping: bool = False
+    train_fraction: float | None = None
+    bn_policy: str = "global"
+    strategy: str = "auto"
+    seed: int = 0
+    eval_every: int = 1
+    out_dir: str | None = "runs"
+    run_name: str | None = None
+    record_decisions: bool = False  # save every round's plan and selection masks (decisions/*.npz)
+    # Device model (simulated time, fedpartial._src.costs.devices): a CSV of device profiles (rows cycled by client
+    # id) or, without one, distributions drawn with the seed: a number, 'lognormal:MEDIAN:SIGMA' or
+    # 'uniform:LOW:HIGH' in FLOP/s (compute) and bytes/s (bandwidths).
+    device_profiles: str | None = None
+    compute_speed: str = devices.DEFAULT_COMPUTE
+    download_bandwidth: str = devices.DEFAULT_DOWNLOAD
+    upload_bandwidth: str = devices.DEFAULT_UPLOAD
+    target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
+    # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
+    # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
+    max_samples: int | None = None
+    # Where the clients' training data lives: 'device' (placed once, each round's batches gathered in jit),
+    # 'host' (packed with numpy every round) or 'auto' (device on an accelerator when it fits in a quarter of
+    # its free memory, host on CPU: Simulation.data_placement).
+    data_placement: str = "auto"
+    # Where the method's per-client state (e.g. FedSPU's N personal models) lives: 'device', 'host' (RAM),
+    # 'disk' (memory-mapped files) or 'auto' (Simulation.client_state; fedpartial._src.experiment.client_state.resolve).
+    client_state: str = "auto"
+    # Devices the client axis is split over (None: see num_devices).  Last: the name hides the devices module
+    # from the class body.
+    devices: int | None = None
+
+    def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
+        """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
+
+        Numbers are checked finite first (NaN and ±inf never pass), then their ranges, then names, output
+        paths and combinations.  Nothing is created or loaded.
+
+        ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
+        are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
+        run cannot use — a neuron-level method (:data:`NEURON_METHODS`) on a residual model, or a model
+        that cannot take the dataset's known example shape (:data:`DATASET_SHAPES`).  Leave it off when
+        the caller brings its own dataset or model, whose shape the names do not tell.
+        """
+        def bad(msg):
+            raise ConfigError(msg)
+
+        _check_finite(self, "alpha", lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)")
+        _check_finite(self, "local_epochs", lambda v: v > 0, "> 0")
+        _check_finite(self, "client_lr", lambda v: v > 0, "> 0")
+        _check_finite(self, "momentum", lambda v: 0 <= v < 1, "in [0, 1)")
+        _check_finite(self, "weight_decay", lambda v: v >= 0, "≥ 0")
+        _check_finite(self, "server_lr", lambda v: v > 0, "> 0")
+        _check_finite(self, "train_fraction", lambda v: 0 < v <= 1,
+                      "in (0, 1] (each client's train fraction; the rest of its data is held out)")
+        _check_finite(self, "target_accuracy", lambda v: 0 < v <= 1, "in (0, 1]")
+        for field in ("num_clients", "rounds", "batch_size", "eval_every"):
+            _check_int(self, field, 1)
+        if self.local_steps is not None:
+            _check_int(self, "local_steps", 1)
+        if self.max_samples is not None:
+            _check_int(self, "max_samples", 1)
+        if self.local_steps is not None and self.local_epochs is not None:
+            bad("give only one of --local-steps or --local-epochs.")
+        if not _is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
+            _refuse("cohort_size", self.cohort_size, f"between 1 and --clients ({self.num_clients})")
+        _check_int(self, "seed", 0, f"a whole number from 0 to {_MAX_SEED}")
+        if self.seed > _MAX_SEED:
+            _refuse("seed", self.seed, f"a whole number from 0 to {_MAX_SEED}")
+        if not custom_method:
+            if self.method not in METHODS:
+                bad(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}.")
+            spec = METHODS[self.method]
+            for name, value in dict(self.options).items():
+                try:
+                    opt = spec.option(name)
+                except UserError as e:  # an unknown name: one sentence listing the method's options
+                    bad(str(e))
+                many = isinstance(value, (tuple, list))
+                if any(isinstance(v, (float, np.floating)) and not math.isfinite(v) for v in (value if many else
+                                                                                             (value,))):
+                    bad(f"{opt.cli_flag} {_shown(value)} is not allowed: "
+                        f"it must be {'finite numbers' if many else 'a finite number'}.")
+                problem = opt.check(value) if opt.check else None
+                if problem:
+                    bad(f"{opt.cli_flag} {_shown(value)} is not allowed for {spec.name}: it {problem}.")
+            try:
+                spec.check(dict(self.options))
+            except UserError as e:
+                bad(str(e))
+        if self.dataset not in sources.DATASETS:
+            bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
+        if self.model != "auto" and self.model not in registry.MODELS:
+            bad(f"--model {self.model!r} is unknown; choose 'auto' or one of {', '.join(sorted(registry.MODELS))}.")
+        if self.max_samples is not None and self.dataset != "synthetic":
+            bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
+        if self.partition not in PARTITIONS:
+            bad(f"--partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
+        if self.partition == "dirichlet" and not self.alpha > 0:
+            _refuse("alpha", self.alpha, "> 0 for the dirichlet partition (the Dirichlet α)")
+        if self.partition == "shards":
+            _check_int(self, "classes_per_client", 1)
+        if self.server_optimizer not in SERVER_OPTIMIZERS:
+            bad(f"--server-opt {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
+        if self.early_stopping and self.train_fraction is not None and self.train_fraction >= 1:
+            bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
+        if self.bn_policy not in engine.BN_POLICIES:
+            bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
+                "(the BatchNorm policy).")
+        if self.data_placement not in ondevice.PLACEMENTS:
+            bad(f"--data-placement {self.data_placement!r} is unknown; choose one of "
+                f"{', '.join(ondevice.PLACEMENTS)}.")
+        try:
+            strategy = engine.parse_strategy(self.strategy)
+        except ValueError as e:
+            bad(f"--{e}")
+        if strategy.kind == "stream" and not custom_method:
+            problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
+                       if self.early_stopping else engine.stream_refusal(self.build_method()))
+            if problem:
+                bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
+                    "or stepwise:N.")
+        if self.client_state not in client_state_lib.PLACES:
+            bad(f"--client-state {self.client_state!r} is unknown; choose one of "
+                f"{', '.join(client_state_lib.PLACES)}.")
+        if self.client_state in ("host", "disk") and self.devices is not None and self.devices > 1:
+            bad(f"--client-state {self.client_state} is not allowed with --devices {self.devices}: per-client "
+                "state kept off the device runs on one device; use --devices 1.")
+        if strategy.kind == "stream" and self.data_placement == "device":
+            bad(f"--data-placement device is not allowed with --strategy {self.strategy}: a streamed cohort is "
+                "packed on the host a chunk at a time; use --data-placement host or auto.")
+        if self.devices is not None:
+            self._check_devices()
+        try:
+            if self.device_profiles is None:  # name the flag; the profiles CSV is read by device_model below
+                for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
+                    devices.parse_distribution(getattr(self, field), _flag(field))
+            self.device_model()
+        except UserError as e:
+            bad(str(e))
+        _check_output(self.out_dir, self.run_name)
+        if check_model:
+            self._check_model(custom_method)
+
+    def _check_devices(self) -> None:
+        """``--devices``: a whole number from 1 to this process's device count, with a strategy that splits."""
+        _check_int(self, "devices", 1)
+        available = jax.local_device_count()
+        if self.devices > available:
+            _refuse("devices", self.devices, f"between 1 and {available}, the number of local "
+                                             f"{jax.default_backend()} devices")
+        kind = engine.parse_strategy(self.strategy).kind
+        if self.devices > 1 and self.strategy != "auto" and kind != "fused":
+            raise ConfigError(f"--devices {self.devices} needs the fused strategy (--strategy fused or fused:N); "
+                              f"--strategy {self.strategy} runs on one device.")
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
+        fused on an accelerator, else 1 (fake CPU devices share the same cores: splitting gains nothing)."""
+        if self.devices is not None:
+            return self.devices
+        fused = engine.parse_strategy(self.strategy).kind == "fused"
+        return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
+
+    def run_strategy(self, num_devices: int | None = None, model=None) -> engine.Strategy:
+        """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
+        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
+        if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
+            return engine.fused()
+        return engine.parse_strategy(self.strategy, model)
+
+    def _check_model(self, custom_method: bool) -> None:
+        """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
+        name = DEFAULT_MODELS.get(self.dataset, "mlp") if self.model == "auto" else self.model
+        spec = registry.MODELS[name]
+        if not custom_method and self.method in NEURON_METHODS and not spec.sequential:
+            chains = ", ".join(n for n, s in registry.MODELS.items() if s.sequential)
+            raise ConfigError(f"--method {self.method} drops single neurons, which needs a sequential model "
+                              f"(a chain of layers), but --model {name} has residual connections; choose one "
+                              f"of {chains}.")
+        shape = DATASET_SHAPES.get(self.dataset)
+        if shape is None:
+            return
+        module = spec.factory(10, shape)  # a flax module is a dataclass: no parameters are made
+        validate = getattr(module, "validate_input_shape", None)
+        if validate is not None:
+            try:
+                validate(shape)
+            except UserError as e:
+                raise ConfigError(f"--model {name} cannot take --dataset {self.dataset} "
+                                  f"({'x'.join(map(str, shape))} examples): {str(e).rstrip('.')}.") from None
+
+    def device_model(self) -> devices.DeviceProfiles:
+        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed."""
+        if self.device_profiles is not None:
+            return devices.load_profiles(self.device_profiles, self.num_clients)
+        return devices.sample_profiles(self.num_clients, self.seed, compute=self.compute_speed,
+                                       download=self.download_bandwidth, upload=self.upload_bandwidth)
+
+    @property
+    def epochs(self) -> float | None:
+        """Local epochs in effect: the given ones, or the default when no local steps are given."""
+        if self.local_epochs is None and self.local_steps is None:
+            return DEFAULT_LOCAL_EPOCHS
+        return self.local_epochs
+
+    def build_method(self) -> Method:
+        """The registered method with this configuration's options (before early stopping), and this run's
+        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
+        if self.method not in METHODS:
+            return get_method(self.method)  # the one-sentence error naming the known methods
+        spec = METHODS[self.method]
+        settings = {name: getattr(self, name) for name in spec.run_settings}
+        return spec.factory(**spec.check(dict(self.options)), **settings)

@@ -1,0 +1,552 @@
+"""Many seeds (and learning rates) in one run: independent replicas of one experiment as one simulation.
+
+``fedpartial run --seeds 0,1,2,3`` builds one :class:`~fedpartial._src.experiment.simulation.Simulation` per seed
+(``--lrs 0.01,0.1`` too: one per seed and client learning rate)
+(host work stays per replica: data, partition, device profiles, sampling, packing), stacks their
+server states on a leading replica axis and runs every round as ONE jitted function over the
+stacked states, cohorts and keys: ``jax.vmap`` of the round over the replica axis on an
+accelerator, a ``lax.scan`` (one replica after another inside the jit, each new state written over its
+old one) on CPU (:func:`parse_replica_axis`, :func:`over_replicas`).  Each replica's record is then
+built by the same host code as a single run (:meth:`Simulation.finish_round`) and written by the same
+writer (:class:`~fedpartial._src.experiment.simulation.RunWriter`), so every seed gets an ordinary run directory.
+
+Decisions:
+
+* **Strategy.**  The replicas run the fused round (the pure ``FederatedRound.functions.round``)
+  over seeds.  ``--strategy auto`` means ``fused``; ``fused:N`` and ``fused-unrolled[:N]``
+  keep their meaning for the client axis inside each replica; ``stepwise`` and ``debug`` drive a
+  host loop per client and cannot run inside one jitted function, so they are refused.  Each replica equals a separate
+  ``fedpartial run --seed S --strategy fused`` (same chunking) of its seed.
+* **Learning rates.**  A replica's client learning rate is data, not a constant of the round: every
+  replica's simulation is built with the client optimizer at rate 1 and its cohort carries its rate
+  (``CohortInfo.lr_scale``), which multiplies each update.  ``sgd(1)`` then ``× lr`` is ``sgd(lr)``
+  bit for bit (negation and the product are exact and commute), so seeds-only replicas are unchanged
+  and each rate's replica equals its own separate run.  ``--server-lrs`` likewise: the server optimizer
+  (sgd, adam, yogi, adagrad: each ends in its stateless ``× -lr``) is built at rate 1 and each replica's
+  server state carries its rate (``ServerState.server_lr_scale``); the replicas' own states, written to
+  their run folders, leave it out, so each folder is the state of a separate run at its rate and
+  resumes on its own.  Every server rate runs with every client rate and seed.  Other settings stay
+  one per run.
+* **Shapes.**  Every replica's cohort is packed to the largest number of local steps over the
+  replicas' populations (``num_steps``): padded steps are exact no-ops (``client.py`` keeps the
+  state with ``where``; the packing draws do not depend on ``num_steps``).  Held-out splits are
+  padded to the longest one (masked examples).  Server states whose shapes still differ across
+  seeds are refused with one sentence.
+* **Early stopping and divergence** are per replica: a replica whose clients have all stopped, or
+  that diverged, is finished (its state frozen, its directory's status written) while the others go
+  on; its row of the stacked round keeps running on its last cohort and is ignored.
+* **Data on the device** (``data_placement="device"``) works as on the host: each replica's gather is
+  padded to the common ``num_steps`` and its placed holdout to the longest one
+  (:meth:`~fedpartial._src.experiment.simulation.Simulation.pad_shapes`), drawing the batches its own run draws.
+  ``auto`` is decided once for all replicas, from their data together (a quarter of the free memory,
+  as for one run), so every replica has the same placement (``data_placement`` in the summaries) and
+  equals its separate run with that placement named.  (Decided one replica after another, a later one
+  could find less room and draw other batches than its separate run.)
+* **Memory.** The replica round holds every replica's state twice (stacked for the round, and each
+  replica's own for evaluation, checkpoints and summaries) and its cohort, and the clients of the replicas
+  that train together (all for ``vmap``, ``B`` for ``map:B``): :func:`memory.for_replicas`. When that
+  exceeds what is available, data that ``auto`` would put on the device stays on the host first (the
+  data is copied only once the checks pass); then ``replica_axis="auto"`` trains the most replicas at a
+  time that fit (``map:B``), and a named axis, or replicas that do not fit even one at a time, are
+  refused in one sentence with the estimate and what fits (:func:`fit_replica_axis`). Why the layout
+  changed: :attr:`Replicas.note`, ``layout_note`` in ``seeds_summary.json``.
+* **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
+  of the replica round; ``rounds_per_s`` in each summary follows from that.
+* **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
+  (``METHOD-DATASET-seedS``, what ``fedpartial run --seed S`` writes; with ``--lrs``
+  ``METHOD-DATASET-seedS-lrX`` in ``METHOD-DATASET-seedsA-B-lrsX_Y``) and ``seeds_summary.json`` /
+  ``seeds_summary.md``: mean ± std (population std, as ``fedpartial compare``) of final and best
+  accuracy, upload bytes, simulated time, rounds and rounds/s, from :mod:`fedpartial._src.analysis.compare`'s table;
+  with ``--lrs`` one row per learning rate (``rows`` in the JSON).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment import summaries
+from fedpartial._src.engine import round as engine
+from fedpartial._src.core import memory
+from fedpartial._src.data import ondevice
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.simulation import RunWriter, Simulation, make_client_optimizer, make_server_optimizer, unique_run_dir
+
+#: the flags that make a run a set of replicas (named in refusals)
+REPLICA_FLAGS = "--seeds, --lrs or --server-lrs"
+
+#: the columns of ``seeds_summary.md``: fedpartial compare's, and the rounds per second
+COLUMNS = summaries.COLUMNS + (("rounds_per_s", "rounds/s"),)
+
+
+def replica_strategy(strategy: str) -> str:
+    """The fused strategy the replicas run for ``--strategy`` (``auto`` → ``fused``); refuses host-loop ones."""
+    if strategy == "auto":
+        return "fused"
+    try:
+        kind = engine.parse_strategy(strategy).kind
+    except ValueError as e:
+        raise ConfigError(f"--{e}") from None
+    if kind != "fused":
+        raise ConfigError(f"--strategy {strategy} cannot run with {REPLICA_FLAGS}: the replicas run the fused "
+                          "round as one jitted function over the replicas; use auto, fused, fused:N or fused-unrolled.")
+    return strategy
+
+
+def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] | None = None,
+                 server_lrs: Sequence[float] | None = None) -> str:
+    """``METHOD-DATASET-seeds0-3`` for consecutive seeds, else ``METHOD-DATASET-seeds1_5_9``; with learning
+    rates ``-lrs0.01_0.1`` after it, with server rates ``-slrs0.5_1.0``."""
+    ordered = sorted(seeds)
+    consecutive = len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1))
+    tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
+    rates = "" if lrs is None else "-lrs" + "_".join(map(repr, lrs))
+    rates += "" if server_lrs is None else "-slrs" + "_".join(map(repr, server_lrs))
+    return f"{config.method}-{config.dataset}-seeds{tag}{rates}"
+
+
+def _rate(part: str) -> float | None:
+    try:
+        lr = float(part)
+    except ValueError:
+        return None
+    return lr if np.isfinite(lr) and lr > 0 else None
+
+
+def parse_lrs(text: str, flag: str = "--lrs") -> list[float]:
+    """``"0.01,0.1"`` → ``[0.01, 0.1]``: distinct finite learning rates above 0, at least one."""
+    return summaries.parse_distinct(text, flag, _rate,
+                                  "learning rates above 0 separated by commas, e.g. 0.01,0.05,0.1", "a learning rate")
+
+
+class Setting(NamedTuple):
+    """One replica: its seed, client learning rate and server learning rate (None: the config's)."""
+
+    seed: int
+    lr: float | None
+    server_lr: float | None = None
+
+
+def replica_settings(seeds: Sequence[int], lrs: Sequence[float] | None,
+                     server_lrs: Sequence[float] | None = None) -> list[Setting]:
+    """Every replica's :class:`Setting`: each server rate with each client rate with every seed (server rate,
+    then client rate, then seed), or the seeds alone (rates None: the config's)."""
+    return [Setting(seed, lr, server_lr) for server_lr in (server_lrs if server_lrs is not None else [None])
+            for lr in (lrs if lrs is not None else [None]) for seed in seeds]
+
+
+def replica_run_name(config: RunConfig, setting: Setting) -> str | None:
+    """``METHOD-DATASET-seedS`` with ``-lrX`` and ``-slrY`` for the rates given; None (the run's own default
+    name) for a seed alone."""
+    if setting.lr is None and setting.server_lr is None:
+        return None
+    return (f"{config.method}-{config.dataset}-seed{setting.seed}"
+            + ("" if setting.lr is None else f"-lr{setting.lr!r}")
+            + ("" if setting.server_lr is None else f"-slr{setting.server_lr!r}"))
+
+
+def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None,
+                    lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> list[RunConfig]:
+    """One validated configuration per replica (:func:`replica_settings`): ``config`` with the seed, the
+    learning rates, the fused strategy and ``out_dir``."""
+    if len(seeds) < 1 or len(set(seeds)) < len(seeds):
+        raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
+    for flag, rates in (("--lrs", lrs), ("--server-lrs", server_lrs)):
+        if rates is not None and (len(rates) < 1 or len(set(rates)) < len(rates)):
+            raise ConfigError(f"{flag} {','.join(map(str, rates))} is not allowed: it must name distinct learning "
+                              "rates.")
+    strategy = replica_strategy(config.strategy)
+    if config.devices is not None and config.devices > 1:
+        raise ConfigError(f"--devices {config.devices} cannot run with {REPLICA_FLAGS}: the replicas run on one "
+                          "device; use --devices 1.")
+    if config.client_state in ("host", "disk"):
+        raise ConfigError(f"--client-state {config.client_state} cannot run with {REPLICA_FLAGS}: the replicas "
+                          "stack every seed's state on the device; use --client-state device.")
+    configs = [dataclasses.replace(
+        config, seed=r.seed, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
+        client_lr=config.client_lr if r.lr is None else r.lr,
+        server_lr=config.server_lr if r.server_lr is None else r.server_lr,
+        run_name=replica_run_name(config, r))
+        for r in replica_settings(seeds, lrs, server_lrs)]
+    for c in configs:
+        c.validate()
+    return configs
+
+
+REPLICA_AXES = ("auto", "vmap", "map")
+
+
+def _platform() -> str:
+    """The platform the replicas run on (what ``auto`` decides by)."""
+    return jax.devices()[0].platform
+
+
+def parse_replica_axis(axis: str, platform: str) -> tuple[str, int | None]:
+    """``(kind, batch)`` for ``axis``: ``vmap`` (every replica at once), ``map`` or ``map:N`` (a loop:
+    one replica, or N vmapped together, after another inside the one jitted round; :func:`over_replicas`) or
+    ``auto``.
+
+    ``auto`` is ``map`` on CPU and ``vmap`` on an accelerator.  On CPU a vmapped round over replicas
+    batches the per-replica weights into each matmul and convolution, which XLA:CPU runs slower than
+    the replicas one after another (``benchmarks/results/seeds-cpu-2026-11-23-map.json``, 4 seeds: the
+    steady rounds took 0.47 s mapped vs 1.02 s vmapped for the MLP, 28 s vs 49 s for cnn2c1f); an
+    accelerator has the parallelism to run them at once (not measured yet).
+    """
+    kind, _, batch = axis.partition(":")
+    if kind not in REPLICA_AXES or (batch and (kind != "map" or not batch.isdigit() or int(batch) < 1)):
+        raise ConfigError(f"replica axis {axis!r} is not allowed: choose auto, vmap, map or map:N with N >= 1.")
+    if kind == "auto":
+        kind = "map" if platform == "cpu" else "vmap"
+    return kind, int(batch) if batch else None
+
+
+def over_replicas(fn: Callable, kind: str, batch: int | None = None) -> Callable:
+    """``fn(state, *args) -> (state, *outputs)`` of one replica lifted to arguments with a leading replica
+    axis: ``jax.vmap`` for ``vmap``; for ``map`` a ``lax.scan`` inside the jitted function over the replicas,
+    ``batch`` of them vmapped at a time (one, un-vmapped, for None) and the remainder vmapped after.  The
+    result is the same either way; ``fn``'s new state has its state's shapes.
+
+    The scan carries the stacked state and writes each batch's new rows over the old ones, so that with the
+    state donated it exists once; ``jax.lax.map`` stacked its outputs into new buffers, which with every
+    replica's own state beside them (:class:`Replicas`) held three copies (FedSPU, 4 replicas: 13.9 GiB)."""
+    if kind == "vmap":
+        return jax.vmap(fn)
+    group = fn if batch is None else jax.vmap(fn)
+
+    def rows(tree, start, size):
+        if batch is None:
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, start, keepdims=False), tree)
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), tree)
+
+    def write(state, start, new):
+        new = jax.tree.map(lambda r: r[None], new) if batch is None else new
+        return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, start, 0), state, new)
+
+    def mapped(state, *args):
+        count = jax.tree.leaves(state)[0].shape[0]
+        size = min(batch or 1, count)
+        full, rest = divmod(count, size)
+
+        def body(state, g):
+            start = g * size
+            new, *outs = group(rows(state, start, size), *rows(args, start, size))
+            return write(state, start, new), tuple(outs)
+
+        state, outs = jax.lax.scan(body, state, jnp.arange(full))
+        if batch is not None:  # [groups, size, ...] -> [groups × size, ...]
+            outs = jax.tree.map(lambda o: o.reshape((full * size,) + o.shape[2:]), outs)
+        if rest:  # the last rows, vmapped together
+            new, *tail = jax.vmap(fn)(*jax.tree.map(lambda a: a[full * size:], (state, *args)))
+            state = jax.tree.map(lambda a, r: a.at[full * size:].set(r), state, new)
+            outs = jax.tree.map(lambda o, t: jnp.concatenate([o, t]), outs, tuple(tail))
+        return (state, *outs)
+
+    return mapped
+
+
+def at_once(axis: tuple[str, int | None], count: int) -> int:
+    """How many of ``count`` replicas train together on the replica ``axis`` (``(kind, batch)``)."""
+    kind, batch = axis
+    return count if kind == "vmap" else min(batch or 1, count)
+
+
+def _describe(axis: tuple[str, int | None], count: int) -> str:
+    together = at_once(axis, count)
+    return "all at once (vmap)" if axis[0] == "vmap" else "one at a time" if together == 1 else f"{together} at a time"
+
+
+def fit_replica_axis(est: memory.MemoryEstimate, count: int, axis: tuple[str, int | None], available: int | None,
+                     where: str, *, auto: bool) -> tuple[tuple[str, int | None], str | None]:
+    """The replica axis for ``count`` replicas of one replica's estimate ``est`` within ``available`` bytes of
+    ``where``, and why it is not ``axis`` (None: it is).  ``auto`` (the axis was not named): when ``axis`` does
+    not fit, the most replicas at a time that do (``map:B``); a named axis that does not fit, or replicas that
+    do not fit even one at a time, are refused (:class:`ConfigError`) with the estimate and what fits."""
+    if available is None:
+        return axis, None
+    together = at_once(axis, count)
+    need = memory.for_replicas(est, count, together)
+    if memory.fits(need, available):
+        return axis, None
+    head = (f"{count} replicas {_describe(axis, count)} would need about {memory.gib(need.total)} but "
+            f"{memory.gib(available)} of {where} is available")
+    smaller = next((b for b in range(together - 1, 0, -1)
+                    if memory.fits(memory.for_replicas(est, count, b), available)), None)
+    if smaller is not None and auto:
+        return ("map", smaller if smaller > 1 else None), f"auto runs {smaller} of the replicas at a time: {head}"
+    if smaller is not None:
+        raise ConfigError(f"{head}; use replica_axis='map' (one at a time)." if smaller == 1 else
+                          f"{head}; use replica_axis='map:{smaller}' ({smaller} at a time).")
+    fewer = next((c for c in range(count - 1, 0, -1) if memory.fits(memory.for_replicas(est, c, 1), available)), 0)
+    if fewer:
+        raise ConfigError(f"{head}, and too much even one at a time (every replica's state and cohort stay on the "
+                          f"device); run at most {fewer} of them together and the rest in another run "
+                          "(fedpartial compare reads them all).")
+    raise ConfigError(f"{head}, and too much even one at a time; use a smaller --cohort or fewer --clients.")
+
+
+def _axis_name(axis: tuple[str, int | None]) -> str:
+    """``vmap``, ``map`` or ``map:B``: the replica axis as :func:`parse_replica_axis` reads it."""
+    kind, batch = axis
+    return kind if batch is None else f"{kind}:{batch}"
+
+
+def _shapes(tree) -> list:
+    return [(tuple(np.shape(a)), np.dtype(a.dtype).name) for a in jax.tree.leaves(tree)]
+
+
+def stack(trees: Sequence) -> object:
+    """The trees stacked leaf by leaf on a new leading replica axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def with_lr(cohort: engine.Cohort, lr: float) -> engine.Cohort:
+    """``cohort`` whose clients train at ``lr`` times the client optimizer's rate."""
+    size = np.shape(cohort.info.client_ids)[0]
+    return cohort._replace(info=cohort.info._replace(lr_scale=np.full(size, lr, np.float32)))
+
+
+class Replicas:
+    """One :class:`Simulation` per replica (seed, or seed and learning rates), advanced together by one
+    jitted round over the replica axis per round.
+
+    ``sims[i]`` is replica ``i``'s simulation (seed ``seeds[i]``, client rate ``sims[i].config.client_lr``,
+    server rate ``sims[i].config.server_lr``); its ``state`` is kept up to date (its row of the stacked
+    state, without the server rate) so evaluation, early stopping, checkpoints and summaries work as for one
+    run.  Its ``round`` has the client optimizer at rate 1 (and, with ``server_lrs``, the server optimizer
+    too: the replica round's); to train a replica on its own, build ``Simulation(sims[i].config)``.
+    """
+
+    def __init__(self, config: RunConfig, seeds: Sequence[int], *, out_dir: str | None = None,
+                 dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
+                 lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None):
+        configs = replica_configs(config, seeds, out_dir, lrs, server_lrs)
+        self.seeds = [c.seed for c in configs]
+        # rate 1 in the optimizers, each replica's rates in its cohorts (with_lr) and server state: one round
+        # for all rates.  --data-placement auto is decided once for all replicas, from their data together
+        # (below), so that every replica draws its batches the same way
+        auto_data = config.data_placement == "auto"
+        self.sims = [Simulation(c, dataset_for(c) if dataset_for else None,
+                                client_optimizer=make_client_optimizer(dataclasses.replace(c, client_lr=1.0)),
+                                server_optimizer=None if server_lrs is None else
+                                make_server_optimizer(dataclasses.replace(c, server_lr=1.0)),
+                                data_placement="host" if auto_data else None)
+                     for c in configs]
+        self._server_lrs = server_lrs is not None
+        num_steps = max(sim.num_steps for sim in self.sims)
+        holdouts = [sim.holdout for sim in self.sims if sim.holdout is not None]
+        longest = max((h[0].shape[1] for h in holdouts), default=0)
+        for sim in self.sims:
+            # padded steps and examples are no-ops: the same training, one shape for all (the device
+            # gather's bounds and the placed holdout follow, so data_placement="device" works too)
+            sim.pad_shapes(num_steps, longest or None)
+        platform = _platform()
+        count, notes = len(self.sims), []
+        together = sum(sim.data_bytes for sim in self.sims)
+        available, where = memory.available_bytes()  # one reading for the placement and the axis below
+        place = auto_data and ondevice.resolve_placement("auto", together, available, platform) == "device"
+        #: ``(kind, batch)`` how the replica axis runs (:func:`parse_replica_axis`, then what fits in memory)
+        self.replica_axis = parse_replica_axis(replica_axis, platform)
+        est = max((sim.memory for sim in self.sims), key=lambda e: e.total)
+        if place and available is not None:  # the checks count the data as on the device; it is copied after
+            need = memory.for_replicas(est, count, at_once(self.replica_axis, count))
+            if memory.fits(need, available - together):
+                available -= together
+            else:  # the data gives way first (as for one run: Simulation's own check), then the parallelism
+                place = False
+                notes.append(memory.data_stays_on_host(f"the {count} replicas'", together, "they", need.total,
+                                                       available - together, where))
+        self.replica_axis, fitted = fit_replica_axis(est, count, self.replica_axis, available, where,
+                                                     auto=replica_axis == "auto")
+        #: why the replicas' layout (data placement, replica axis) is not what the options resolve to alone
+        self.note = "; ".join(notes + ([fitted] if fitted else [])) or None
+        for sim in self.sims if place else []:
+            sim.place_data_on_device()
+        first = self.sims[0]
+        for seed, sim in zip(self.seeds[1:], self.sims[1:]):
+            if jax.tree.structure(sim.state) != jax.tree.structure(first.state) or \
+                    _shapes(sim.state) != _shapes(first.state):
+                raise ConfigError(f"--seeds: seed {seed}'s server state differs in shape from seed {self.seeds[0]}'s "
+                                  f"(e.g. a data-dependent model or method state), so they cannot run as one "
+                                  f"simulation; run the seeds separately (fedpartial compare).")
+        round_fn = first.round.functions.round
+        impl = jax.random.key_impl(first.rounds_key)
+
+        def one(state, cohort, key_data):
+            return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
+
+        self.round = first.round  # its trace_count counts the replica round's traces
+        self._round = jax.jit(over_replicas(one, *self.replica_axis), donate_argnums=(0,))
+        # one replica's row, taken as its old state is let go: with every row taken at once, the old states,
+        # the new rows and the stacked state were held together (FedSPU, 4 replicas, vmap: 11.8 GiB, 9.0 row by row)
+        self._row = jax.jit(lambda s, i: jax.tree.map(lambda a: a[i], s))
+        self.state = stack([sim.state._replace(server_lr_scale=np.float32(sim.config.server_lr))
+                            if self._server_lrs else sim.state for sim in self.sims])
+
+    def run_round(self, t: int, active: list[bool], last: list) -> list:
+        """Round ``t`` of every active replica: host preparation, one replica round, then each active
+        replica's record (a :class:`~fedpartial._src.core.errors.DivergedError` object where it diverged, None
+        where it has stopped).  ``last`` holds each replica's latest prepared round (the stand-in cohort
+        of a finished replica's row); both lists are updated in place."""
+        host = [0.0] * len(self.sims)
+        for i, sim in enumerate(self.sims):
+            if active[i]:
+                start = time.perf_counter()
+                prepared = sim.prepare_round(t)
+                host[i] = time.perf_counter() - start
+                if prepared is None:  # early stopping stopped every client of this replica
+                    active[i] = False
+                else:
+                    last[i] = prepared
+        if not any(active):
+            return [None] * len(self.sims)
+        start = time.perf_counter()
+        # (cohorts gathered on the device are stacked there; packed ones on the host)
+        cohorts = jax.tree.map(lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a),
+                               *[with_lr(p.cohort, sim.config.client_lr) for p, sim in zip(last, self.sims)])
+        keys = np.stack([jax.random.key_data(p.key) for p in last])
+        self.state, metrics = self._round(self.state, cohorts, keys)
+        metrics = jax.device_get(metrics)
+        share = (time.perf_counter() - start) / sum(active)
+        records = []
+        for i, sim in enumerate(self.sims):
+            if not active[i]:
+                records.append(None)
+                continue
+            sim.state = None  # let go before its new row exists
+            sim.state = self._row(self.state, i)._replace(server_lr_scale=None)  # what a separate run's holds
+            try:
+                records.append(sim.finish_round(last[i], jax.tree.map(lambda a: a[i], metrics),  # noqa: B023
+                                                round_time=host[i] + share))
+            except Exception as e:  # DivergedError (or a host error): this replica ends, the others go on
+                active[i] = False
+                records.append(e)
+        return records
+
+
+def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None,
+                  server_lrs: Sequence[float] | None = None) -> list[dict]:
+    """``fedpartial compare``'s mean ± std row over the seeds' ``summary.json``, with rounds/s added; with
+    learning rates one row per (server rate, client rate) (``client_lr`` / ``server_lr``, and the rates in
+    ``method`` for the Markdown table)."""
+    runs = [summaries.load_run(d) for d in run_dirs]
+    if lrs is None and server_lrs is None:
+        return summaries.table(runs, COLUMNS)
+    rows = []
+    for server_lr in server_lrs if server_lrs is not None else [None]:
+        for lr in lrs if lrs is not None else [None]:
+            [row] = summaries.table([r for r in runs if (lr is None or r["config"]["client_lr"] == lr) and (
+                server_lr is None or r["config"]["server_lr"] == server_lr)], COLUMNS)
+            label = ("" if lr is None else f" lr {lr!r}") + ("" if server_lr is None else f" server lr {server_lr!r}")
+            rows.append({**row, "method": row["method"] + label,
+                         **({} if lr is None else {"client_lr": lr}),
+                         **({} if server_lr is None else {"server_lr": server_lr})})
+    return rows
+
+
+def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
+                  statuses: Sequence[str], replica_axis: str = "vmap", lrs: Sequence[float] | None = None,
+                  server_lrs: Sequence[float] | None = None, data_placement: str | None = None,
+                  note: str | None = None) -> dict:
+    """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content.
+
+    Seeds only: the one row's fields at the top level.  With learning rates: ``lrs`` and/or ``server_lrs``
+    and ``rows``, one row per rate or pair of rates (mean ± std over the seeds).  ``data_placement`` (every
+    replica's) and ``layout_note`` (:attr:`Replicas.note`) are written when given."""
+    rows = _summary_rows(run_dirs, lrs, server_lrs)
+    top = rows[0] if lrs is None and server_lrs is None else {
+        **({} if lrs is None else {"lrs": list(lrs)}),
+        **({} if server_lrs is None else {"server_lrs": list(server_lrs)}), "rows": rows}
+    summary = {**top, "seeds": list(dict.fromkeys(seeds)),
+               "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
+               "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
+               "wall_time_s": wall, "std": "population (ddof=0)",
+               **({} if data_placement is None else {"data_placement": data_placement}),
+               **({} if note is None else {"layout_note": note})}
+    checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
+    with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
+        f.write(summaries.table_markdown(rows, COLUMNS))
+    return summary
+
+
+def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
+              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None,
+              dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
+              lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> dict:
+    """Runs ``config`` once per seed (and, with ``lrs`` / ``server_lrs``, per client / server learning rate:
+    every rate with every seed) as one simulation (one jitted round over the replicas) and writes the run directories.
+
+    Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations", "replica_axis", "data_placement",
+    "note"}``: the parent directory (None without ``config.out_dir``), and per replica (:func:`replica_settings`
+    order) its run directory, its :func:`~fedpartial._src.experiment.simulation.run`-style result (summary, ``run_dir`` and
+    ``records``), the mean ± std summary (None without a directory), the seeds' :class:`Simulation` objects
+    (their final states), and the layout: the replica axis that ran, where the data lived and why
+    (:attr:`Replicas.note`, None when the options alone decided it).
+    A replica that diverged or failed has status ``diverged``/``failed`` in its directory and ``error``
+    in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial._src.experiment.simulation.run`'s, per
+    seed.  ``on_round(t, records)`` gets each round's records (None for a finished replica).  A stop signal
+    ends every replica after the current round (status ``interrupted``).
+    ``replica_axis``: how the replicas run inside the one jitted round (:func:`parse_replica_axis`).
+    """
+    t0 = time.perf_counter()
+    parse_replica_axis(replica_axis, "cpu")  # a bad value before a folder is made
+    parent = None
+    if config.out_dir:
+        replica_configs(config, seeds, config.out_dir, lrs, server_lrs)  # every bad value before a folder is made
+        parent = unique_run_dir(config.out_dir, config.run_name or default_name(config, seeds, lrs, server_lrs))
+    replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for, replica_axis=replica_axis,
+                        lrs=lrs, server_lrs=server_lrs)
+    writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
+    count = len(writers)
+    active, last, errors = [True] * count, [None] * count, [None] * count
+    flag = stop if stop is not None else checkpoint.StopFlag()
+    results = []
+    with flag if stop is None else contextlib.nullcontext(flag):
+        try:
+            for t in range(config.rounds):
+                if flag.stopped or not any(active):
+                    break
+                records = replicas.run_round(t, active, last)
+                for i, record in enumerate(records):
+                    if isinstance(record, BaseException):
+                        errors[i] = record
+                    elif record is not None:
+                        writers[i].write(record)
+                if on_round:
+                    on_round(t, [r if isinstance(r, dict) else None for r in records])
+        except BaseException as e:  # every still-running replica records it
+            errors = [err if err is not None or not a else e for err, a in zip(errors, active)]
+        finally:
+            for w in writers:
+                w.close()
+        wall = time.perf_counter() - t0
+        for i, w in enumerate(writers):
+            try:
+                results.append(w.finish(errors[i], flag.signum, wall))
+            except BaseException as e:  # written down in its directory; reported in its result
+                results.append({"status": checkpoint.read_status(w.run_dir)["status"] if w.run_dir else "failed",
+                                "run_dir": w.run_dir, "records": w.records, "error": e})
+    run_dirs = [w.run_dir for w in writers]
+    summary = None
+    if parent:
+        summary = write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
+                                [r["status"] for r in results], replica_axis=_axis_name(replicas.replica_axis),
+                                lrs=lrs, server_lrs=server_lrs, data_placement=replicas.sims[0].data_placement,
+                                note=replicas.note)
+    if flag.stopped:
+        raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
+                                        f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "
+                                        f"checkpoints and summaries are kept in {parent}",
+                                        {"out_dir": parent, "run_dirs": run_dirs, "results": results})
+    return {"out_dir": parent, "run_dirs": run_dirs, "results": results, "summary": summary,
+            "simulations": replicas.sims, "replica_axis": _axis_name(replicas.replica_axis),
+            "data_placement": replicas.sims[0].data_placement, "note": replicas.note}
+

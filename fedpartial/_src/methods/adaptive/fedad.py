@@ -1,0 +1,321 @@
+"""FedAD (adaptive dropout) and FedDHAD (FedAD aggregated with FedDH's weights), SPEC §5.
+
+FedAD follows Algorithm 2 of the FedDHAD paper: every round each sampled device
+trains a sub-model from which each unit was dropped with its own rate, and the rates
+are recomputed only when the importance of the units stops changing.
+
+**Rates** (recomputed in ``update``, on the round's cohort ``SD``):
+
+* importance ``R_k`` of every hidden unit on client ``k``'s trained model and its own
+  data (:func:`fedpartial._src.methods.adaptive.importance.unit_importance`: HRank for a conv filter, the
+  sum of input weights for a dense neuron), aggregated ``R = Σ n_k R_k / Σ n_k``;
+* the global rate ``d_avg = Σ n_k d_k / Σ n_k`` with ``d_k = m_k / h_k`` from the
+  Hessian criterion (:mod:`fedpartial._src.methods.adaptive.hessian`: Lanczos on Hessian-vector products
+  at the trained model, first eigen-gap above ``4·L_k``), or a fixed ``rate``;
+* ``ET_max = ET°_ref · d_avg`` with ``ET°_ref`` the full-model execution time of the
+  device holding the most training examples (the paper's "device with the most
+  significant dataset"), and every device's target ``d*_k = min(ET_max / ET°_k, 1)``
+  (``ET°_k``: :func:`fedpartial._src.costs.devices.expected_execution_time` of full-model local
+  work on device ``k``, given to ``init`` as ``InitView.execution_times``; without a
+  device model every device gets ``d_avg``);
+* per unit ``d_k^i = softmax(−R)_i · N_kind · d*_k``, the softmax taken over all
+  conv filters together and over all hidden dense neurons together (``N_kind`` their
+  number), clipped to ``[0, max_rate]`` (``max_rate < 1``; default 0.5, so the
+  inverted-dropout scale stays ≤ 2 — the paper says only "clipped below 1", and at
+  0.9 the ×10 scale of a rarely kept unit made Synthetic's MLP diverge to NaN within
+  three rounds of the first update, measured on the GPU benchmark).  The classifier
+  is never dropped.  Before the first update every rate is 0 (the paper's critical early
+  period: FedAD starts as FedAvg).
+
+Read literally, as here, ``d*_k`` is a dropout rate that *grows* as ``ET°_k``
+shrinks: the device with the most data drops ``d_avg`` and faster devices drop more.
+
+**Schedule.**  Every ``measure_every`` rounds (``h``) the importance is measured and
+its variation ``Δ = ‖R^t − R^{t−h}‖`` compared with the previous one; the rounds
+without a decrease accumulate, and once they reach ``patience`` (``C``) the rates
+are recomputed and the count restarts.  After the first update the rates are also
+recomputed at every measurement whose variation decreased (the paper: "the update
+is performed again when a reduction in variation is observed").  The metrics of a
+round describe the state it ran with (the update comes after them).
+
+**Masks.**  ``resample='round'`` (the paper: ``m_k^{i,t}`` per round): the server
+samples each client's sub-model in ``plan`` (unit ``i`` kept with probability
+``1 − d_k^i``, kept units scaled by ``1/(1 − d_k^i)``, inverted dropout); dropped
+units are neither sent, trained nor uploaded, and the server pays the index bytes.
+If a layer would lose every unit, its lowest-rate unit is kept.  ``resample='step'``:
+every local step draws a fresh mask from its own key (``Method.step_plan``); the
+whole model is sent and uploaded, and the device's FLOPs are counted with each unit's
+keep probability (metric ``dropout_keep_probability``).
+
+**Aggregation**: the engine's one formula — per element the weighted mean over the
+clients that kept it, else the global value — with weights ``n_k`` (FedAD) or
+FedDH's ``q_k`` (FedDHAD, :func:`fedpartial._src.methods.weighting.feddh.reweight`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.methods.adaptive import hessian
+from fedpartial._src.methods.adaptive import importance
+from fedpartial._src.core import masks
+from fedpartial._src.core.losses import model_loss
+from fedpartial._src.methods.base import (
+    ClientPlan,
+    InitView,
+    Method,
+    MethodContext,
+    MethodState,
+    RoundView,
+    Selection,
+    make_method,
+)
+from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weighting, reweight
+from fedpartial._src.methods.registry import MethodSpec, Option, positive_int
+
+RESAMPLE_MODES = ("round", "step")
+
+
+class AdaptiveState(NamedTuple):
+    """FedAD's server state (no per-client rows)."""
+
+    importance: tuple[jax.Array, ...]  # R at the last measurement, per layer [units]
+    variation: jax.Array  # Δ of the last measurement (inf until two measurements)
+    stall: jax.Array  # int32 rounds since Δ last decreased
+    measured: jax.Array  # bool: R has been measured at least once
+    shares: tuple[jax.Array, ...]  # softmax(−R)·N_kind per unit (classifier 0)
+    global_rate: jax.Array  # d_avg
+    target: jax.Array  # [N] d*_k
+    execution_times: jax.Array  # [N] ET°_k (seconds; ones without a device model)
+    reference_time: jax.Array  # ET°_ref
+    updates: jax.Array  # int32 number of rate updates so far
+
+
+def unit_shares(kinds: tuple[str, ...], scores: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """``softmax(−r)_i · N_kind`` per hidden unit, separately over conv and dense units; 0 for the classifier."""
+    out = [jnp.zeros_like(s, jnp.float32) for s in scores]
+    for kind in ("conv", "dense"):
+        layers = [l for l, k in enumerate(kinds[:-1]) if k == kind]
+        if not layers:
+            continue
+        flat = jnp.concatenate([scores[l].astype(jnp.float32) for l in layers])
+        share = jax.nn.softmax(-flat) * flat.shape[0]
+        offsets = np.cumsum([0] + [scores[l].shape[0] for l in layers])
+        for l, a, b in zip(layers, offsets[:-1], offsets[1:]):
+            out[l] = share[a:b]
+    return tuple(out)
+
+
+def unit_rates(shares: tuple[jax.Array, ...], target: jax.Array, max_rate: float) -> tuple[jax.Array, ...]:
+    """``[K, units]`` per layer: ``clip(share_i · d*_k, 0, max_rate)`` (the classifier's rates are 0)."""
+    return tuple(jnp.clip(s[None, :] * target[:, None], 0.0, max_rate) for s in shares)
+
+
+def sample_units(key: jax.Array, rates: tuple[jax.Array, ...], ids: jax.Array) -> tuple[tuple, tuple]:
+    """Each client's kept units (unit ``i`` kept w.p. ``1 − d_i``) and their scales ``1/(1 − d_i)``.
+
+    Client ``k`` draws from ``fold_in(key, id_k)`` (its draw does not depend on who else
+    is in the cohort), layer ``l`` from ``fold_in(·, l)``.  A layer that would lose every
+    unit keeps its lowest-rate one (lowest index among equals).
+    """
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
+    kept, scales = [], []
+    for layer, d in enumerate(rates):
+        u = jax.vmap(lambda k, shape=d.shape[1:], layer=layer: jax.random.uniform(
+            jax.random.fold_in(k, layer), shape))(keys)
+        keep = u >= d
+        fallback = jnp.arange(d.shape[-1])[None, :] == jnp.argmin(d, axis=-1)[:, None]
+        keep = jnp.where(jnp.any(keep, axis=-1, keepdims=True), keep, fallback)
+        kept.append(keep)
+        scales.append(jnp.where(keep, 1.0 / (1.0 - d), 0.0))
+    return tuple(kept), tuple(scales)
+
+
+def _real_batches(view: RoundView, batches: int):
+    """The first ``batches`` local steps of every client, flattened to ``[K, batches·B, ...]``."""
+    data = jax.tree.map(lambda a: a[:, :batches], view.data)
+    k = data.x.shape[0]
+    x = data.x.reshape((k, -1) + data.x.shape[3:])
+    y = data.y.reshape((k, -1))
+    mask = (data.example_mask & data.step_mask[..., None]).reshape((k, -1))
+    return x, y, mask
+
+
+def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,
+          resample: str = "round", importance_batches: int = 2, lanczos_steps: int = 16) -> Method:
+    """FedAD: per-unit dropout rates from unit importance, a global rate and each device's time.
+
+    Args:
+      rate: fixed global rate ``d_avg`` in [0, 1) (None: the Hessian criterion).
+      measure_every: ``h``, rounds between importance measurements.
+      patience: ``C``, rounds without a decrease of the variation before the rates are recomputed.
+      max_rate: the largest per-unit rate (< 1).
+      resample: ``'round'`` (one sub-model per round, the paper) or ``'step'`` (a mask per local step).
+      importance_batches: local batches per client on which HRank is measured.
+      lanczos_steps: Lanczos iterations of the Hessian criterion.
+    """
+    if resample not in RESAMPLE_MODES:
+        raise ValueError(f"fedad: resample {resample!r} is unknown; use one of {RESAMPLE_MODES}.")
+    per_step = resample == "step"
+
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        structure = ctx.structure
+        masks.uses_neurons(structure)
+        n = ctx.num_clients
+        times = (jnp.ones((n,), jnp.float32) if view.execution_times is None
+                 else jnp.asarray(view.execution_times, jnp.float32))
+        sizes = None if view.label_counts is None else jnp.sum(jnp.asarray(view.label_counts), axis=-1)
+        reference = jnp.max(times) if sizes is None else times[jnp.argmax(sizes)]
+        zeros = tuple(jnp.zeros((u,), jnp.float32) for u in structure.units)
+        return MethodState(server=AdaptiveState(
+            importance=zeros, variation=jnp.asarray(jnp.inf, jnp.float32), stall=jnp.zeros((), jnp.int32),
+            measured=jnp.zeros((), bool), shares=zeros, global_rate=jnp.zeros((), jnp.float32),
+            target=jnp.zeros((n,), jnp.float32), execution_times=times, reference_time=reference,
+            updates=jnp.zeros((), jnp.int32)))
+
+    def cohort_rates(ctx: MethodContext, view: RoundView) -> tuple[jax.Array, ...]:
+        s: AdaptiveState = view.method_state.server
+        return unit_rates(s.shares, s.target[view.cohort.client_ids], max_rate)
+
+    def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
+        rates = cohort_rates(ctx, view)
+        if per_step:
+            k = view.cohort.client_ids.shape[0]
+            return ClientPlan(dropout=masks.full(ctx.structure, (k,)), extra=rates)
+        kept, scales = sample_units(view.key, rates, view.cohort.client_ids)
+        mask = masks.protect_output(masks.from_neurons(ctx.structure, kept))
+        return ClientPlan(dropout=mask, dropout_scale=scales, download=mask,
+                          extra_download_bytes=costs.index_bytes(ctx.structure, mask), extra=rates)
+
+    def step_plan(ctx: MethodContext, plan: ClientPlan, key: jax.Array, step: jax.Array) -> ClientPlan:
+        # One client (no cohort axis): sample as a cohort of one.
+        rates = tuple(d[None] for d in plan.extra)
+        kept, scales = sample_units(key, rates, jnp.zeros((1,), jnp.int32))
+        mask = masks.protect_output(masks.from_neurons(ctx.structure, tuple(k[0] for k in kept)))
+        return plan._replace(dropout=mask, dropout_scale=tuple(s[0] for s in scales))
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        k = view.cohort.num_samples.shape[0]
+        return Selection(upload=view.plan.dropout, weights=view.cohort.num_samples,
+                         extra_upload_bytes=jnp.zeros((k,), jnp.int32))
+
+    def client_importance(ctx: MethodContext, view: RoundView) -> tuple[jax.Array, ...]:
+        x, _, mask = _real_batches(view, importance_batches)
+        per_client = jax.vmap(lambda v, xx, m: importance.unit_importance(ctx.model, v, xx, m))(
+            view.trained_vars, x, mask)
+        w = view.cohort.num_samples * view.cohort.valid
+        w = w / jnp.maximum(jnp.sum(w), 1e-12)
+        return tuple(jnp.tensordot(w, r, axes=1) for r in per_client)
+
+    def hessian_rate(ctx: MethodContext, view: RoundView) -> jax.Array:
+        x, y, mask = _real_batches(view, 1)
+        keys = jax.vmap(lambda i: jax.random.fold_in(view.key, i))(view.cohort.client_ids)
+
+        def one(trained, start, xx, yy, mm, key):
+            def loss(params):
+                return model_loss(ctx.model, {**trained, "params": params}, xx, yy, mm,
+                                  train=ctx.batch_statistics)[0]
+            eigs = hessian.hessian_spectrum(loss, trained["params"], lanczos_steps, key)
+            lip = hessian.secant_lipschitz(jax.grad(loss), start["params"], trained["params"])
+            return hessian.eigengap_rate(eigs, lip)
+
+        d = jax.vmap(one)(view.trained_vars, view.start_vars, x, y, mask, keys)
+        w = view.cohort.num_samples * view.cohort.valid
+        return jnp.sum(w * d) / jnp.maximum(jnp.sum(w), 1e-12)
+
+    def recompute(ctx: MethodContext, view: RoundView, s: AdaptiveState, scores) -> AdaptiveState:
+        d_avg = jnp.asarray(rate, jnp.float32) if rate is not None else hessian_rate(ctx, view)
+        d_avg = jnp.clip(d_avg, 0.0, max_rate)
+        target = jnp.minimum(s.reference_time * d_avg / s.execution_times, 1.0)
+        return s._replace(shares=unit_shares(importance.importance_kinds(ctx.model), scores), global_rate=d_avg, target=target,
+                          stall=jnp.zeros((), jnp.int32), updates=s.updates + 1)
+
+    def measure(ctx: MethodContext, view: RoundView, s: AdaptiveState) -> AdaptiveState:
+        scores = client_importance(ctx, view)
+        variation = jnp.sqrt(sum(jnp.sum((a - b) ** 2) for a, b in zip(scores, s.importance)))
+        variation = jnp.where(s.measured, variation, jnp.inf)
+        decreased = variation < s.variation
+        stall = jnp.where(s.measured & ~decreased, s.stall + measure_every, 0).astype(jnp.int32)
+        again = (s.updates > 0) & decreased  # "performed again when a reduction in variation is observed"
+        s = s._replace(importance=scores, variation=variation, stall=stall, measured=jnp.ones((), bool))
+        return jax.lax.cond((stall >= patience) | again, lambda s: recompute(ctx, view, s, scores), lambda s: s, s)
+
+    def update(ctx: MethodContext, view: RoundView) -> MethodState:
+        s: AdaptiveState = view.method_state.server
+        due = (view.round + 1) % measure_every == 0
+        s = jax.lax.cond(due, lambda s: measure(ctx, view, s), lambda s: s, s)
+        return view.method_state._replace(server=s)
+
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        s: AdaptiveState = view.method_state.server
+        rates = view.plan.extra  # the rates this round's masks were drawn with
+        hidden = sum(ctx.structure.units[:-1])
+        mean_rate = sum(jnp.sum(d, axis=-1) for d in rates[:-1]) / max(hidden, 1)
+        out = {"global_dropout_rate": s.global_rate, "target_dropout_rate": s.target[view.cohort.client_ids],
+               "mean_unit_dropout_rate": mean_rate, "rate_updates": s.updates,
+               "importance_variation": jnp.where(jnp.isfinite(s.variation), s.variation, -1.0)}
+        if per_step:
+            out["dropout_keep_probability"] = tuple(1.0 - d for d in rates)
+        return out
+
+    return make_method("fedad", init=init, plan=plan, step_plan=step_plan if per_step else None,
+                       select=select, update=update, metrics=metrics, needs_execution_times=True)
+
+
+def feddhad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,
+            resample: str = "round", importance_batches: int = 2, lanczos_steps: int = 16,
+            lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b: float = 1e-4,
+            decay_b: float = 0.99) -> Method:
+    """FedDHAD: FedAD's sub-models aggregated with FedDH's learned non-IID weights."""
+    return reweight(fedad(rate, measure_every, patience, max_rate, resample, importance_batches, lanczos_steps),
+                    feddh_weighting(lr_upsilon, decay_upsilon, lr_b, decay_b), name="feddhad")
+
+
+def _rate(v) -> str | None:
+    if v is None:
+        return None
+    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 else \
+        "must be a number in [0, 1) (or unset for the Hessian criterion)"
+
+
+def _max_rate(v) -> str | None:
+    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 else \
+        "must be a number in (0, 1)"
+
+
+def _non_negative_int(v) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be an integer ≥ 0"
+
+
+def _resample(v) -> str | None:
+    return None if v in RESAMPLE_MODES else f"must be one of {', '.join(RESAMPLE_MODES)}"
+
+
+OPTIONS = (
+    Option("rate", float, None, "FedAD: fixed global dropout rate d_avg in [0, 1) (default: the Hessian "
+           "eigen-gap criterion)", _rate, flag="--ad-rate"),
+    Option("measure_every", int, 2, "FedAD: rounds h between importance measurements", positive_int,
+           flag="--ad-measure-every"),
+    Option("patience", int, 4, "FedAD: rounds C without a decrease of the importance variation before the "
+           "rates are recomputed (0: at every measurement)", _non_negative_int, flag="--ad-patience"),
+    Option("max_rate", float, 0.5, "FedAD: largest per-unit dropout rate, in (0, 1)", _max_rate,
+           flag="--ad-max-rate"),
+    Option("resample", str, "round", "FedAD: draw each client's sub-model once per round (the paper) or "
+           "a fresh mask every local step", _resample, flag="--ad-resample"),
+    Option("importance_batches", int, 2, "FedAD: local batches per client on which HRank is measured",
+           positive_int, flag="--ad-importance-batches"),
+    Option("lanczos_steps", int, 16, "FedAD: Lanczos iterations of the Hessian criterion", positive_int,
+           flag="--ad-lanczos-steps"),
+)
+
+SPECS = (
+    MethodSpec("fedad", fedad, "Adaptive dropout: per-unit rates from HRank / weight importance, a Hessian "
+               "global rate and each device's time.", OPTIONS),
+    MethodSpec("feddhad", feddhad, "FedAD's sub-models aggregated with FedDH's learned non-IID weights.",
+               OPTIONS + RATE_OPTIONS),
+)

@@ -1,0 +1,119 @@
+"""Early stopping (FedSPU+ES, SPEC §3 / the paper's Algorithm 2) as a method combinator.
+
+``early_stopping(method, lam)`` returns a :class:`Method` that behaves like
+``method`` and, after each round's local training, lets every sampled client
+compute
+
+    L_t = λ · L_train + (1 − λ) · L_val
+
+(``L_train``: its mean local training loss this round; ``L_val``: the loss of its
+trained model — its sub-model, for dropout methods — on its own held-out split).
+If ``L_t > L_{t−1}`` (its value from the last round it took part in) the client
+stops for good: its update of this round is still aggregated, then it leaves the
+pool.  :meth:`Method.active_clients` exposes who is left; the host driver samples
+only from them, samples all of them when fewer than ``K`` remain (padding the
+cohort with non-participating slots) and ends the run when none remain.
+
+The first time a client takes part it has no ``L_{t−1}`` and never stops.  Like
+optax's combinators, the result is again a :class:`Method`, so any method —
+FedSPU and every baseline — can be wrapped for a fair comparison.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.losses import model_loss
+from fedpartial._src.methods.base import (
+    InitView,
+    LocalStep,
+    Method,
+    MethodContext,
+    MethodState,
+    RoundView,
+    cohort_rows,
+    scatter_clients,
+)
+
+
+class StopState(NamedTuple):
+    """Per client ``[N]``: last ``L_t``, whether it stopped, and the round it stopped in (−1)."""
+
+    last_loss: jax.Array
+    stopped: jax.Array
+    stop_round: jax.Array
+
+
+def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
+    """``[K]`` loss of every client's trained model (its sub-model) on its held-out split."""
+    if view.holdout is None:
+        raise UserError(
+            "early stopping needs every client's held-out split; run with a per-client train fraction below 1."
+        )
+
+    def one(variables, plan, x, y, example_mask):
+        return model_loss(ctx.model, variables, x, y, example_mask, train=ctx.batch_statistics,
+                          submodel=plan.dropout, unit_scale=plan.dropout_scale)[0]
+
+    h = view.holdout
+    return jax.vmap(one)(view.trained_vars, view.plan, h.x, h.y, h.example_mask)
+
+
+def early_stopping(method: Method, lam: float = 0.7) -> Method:
+    """``method`` whose clients stop for good once their λ-mixed train/val loss rises."""
+    if not 0 <= lam <= 1:
+        raise UserError(f"early stopping: λ = {lam!r} must be in [0, 1].")
+
+    def inner_state(state: MethodState) -> MethodState:
+        return MethodState(server=state.server, clients=state.clients[0])
+
+    def inner(view: RoundView) -> RoundView:
+        return view._replace(method_state=inner_state(view.method_state), client_state=view.client_state[0])
+
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        state = method.init(ctx, view)
+        n = ctx.num_clients
+        stop = StopState(last_loss=jnp.full((n,), jnp.inf, jnp.float32), stopped=jnp.zeros((n,), bool),
+                         stop_round=jnp.full((n,), -1, jnp.int32))
+        return MethodState(server=state.server, clients=(state.clients, stop))
+
+    def client_start(ctx, global_vars, client_state, plan_k):
+        return method.client_start(ctx, global_vars, client_state[0], plan_k)
+
+    def objective(ctx, params, step: LocalStep):
+        return method.objective(ctx, params, step._replace(client_state=step.client_state[0]))
+
+    def update(ctx: MethodContext, view: RoundView) -> MethodState:
+        new_inner = method.update(ctx, inner(view))
+        mixed = lam * view.client_loss + (1.0 - lam) * holdout_losses(ctx, view)
+        before = view.client_state[1]
+        stops = mixed > before.last_loss
+        rows = StopState(last_loss=mixed, stopped=before.stopped | stops,
+                         stop_round=jnp.where(stops & ~before.stopped, view.round, before.stop_round))
+        stop = scatter_clients(view.method_state.clients[1], cohort_rows(view), rows, view.cohort.valid)
+        return MethodState(server=new_inner.server, clients=(new_inner.clients, stop))
+
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        return {} if method.metrics is None else method.metrics(ctx, inner(view))
+
+    def personal(ctx, state: MethodState, global_vars: dict):
+        return method.personal(ctx, inner_state(state), global_vars)
+
+    def active_clients(ctx, state: MethodState) -> jax.Array:
+        active = ~state.clients[1].stopped
+        if method.active_clients is not None:
+            active = active & method.active_clients(ctx, inner_state(state))
+        return active
+
+    return method._replace(
+        name=f"{method.name}+es", init=init, plan=lambda ctx, view: method.plan(ctx, inner(view)),
+        client_start=client_start, objective=objective,
+        select=lambda ctx, view: method.select(ctx, inner(view)), update=update,
+        metrics=metrics if method.metrics is not None else None, personal=personal,
+        server_correct=None if method.server_correct is None
+        else lambda ctx, view: method.server_correct(ctx, inner(view)),
+        active_clients=active_clients, needs_holdout=True, streamable=None)  # per-client state: not streamed

@@ -1,0 +1,273 @@
+"""FedLDF (layer divergence feedback) and the baselines it is compared with: Random, HDFL, FedADP.
+
+**FedLDF** (SPEC §2).  Every sampled client trains the whole model from the global
+model ``θ^t`` (FedAvg's local training; steps/epochs are the engine's).  Each client
+then reports, per layer ``l``, its divergence ``d_{k,l} = ||θ_{k,l} - θ^t_l||₂`` over
+all of the layer's parameters flattened (kernel, bias, and the scale/bias of the
+BatchNorm that follows it; running statistics are not parameters).  The server
+forms the ``[L, K]`` divergence matrix and keeps, in every row, the ``n`` clients
+with the largest divergence (ties: lowest client index first — a client's position
+in the cohort).  Layer ``l`` of the new global model is the ``n_k``-weighted mean of
+layer ``l`` over its ``n`` selected clients, so every layer always has exactly ``n``
+contributors; with the 'global' BatchNorm policy a layer's running statistics are
+aggregated over the same clients.  ``n = K`` is FedAvg.
+
+Decisions (SPEC §2 where the paper is vague): the feedback is computed against the
+previous global model (the one the clients started from); divergence scalars are
+float32; a padding client is never selected while a real one is left; the server
+optimizer (SGD(1) for the paper) applies to the aggregate as for every method.
+
+**Baselines**, each at the same upload budget as FedLDF (``n/K`` of FedAvg's):
+
+* :func:`random_layers` — per layer, ``n`` clients drawn uniformly at random (the
+  server draws them; nothing is fed back).
+* :func:`hdfl` — ``n`` clients drawn at random upload their whole model; the others
+  upload nothing (all ``K`` still train, as in the paper's comparison).
+* :func:`fedadp` — every client uploads, per layer, the ``fraction`` of its output
+  neurons with the largest update norm, each with its whole incoming weight column
+  (an *unwired* neuron mask); the server averages every element over the clients
+  that uploaded it and keeps the global value where nobody did.
+
+**Upload traffic per round** (``M_l``: bytes of layer ``l``'s communicated variables,
+``M = Σ_l M_l``: one full model; FedAvg uploads ``K·M``):
+
+* FedLDF: ``Σ_l n·M_l + K·L·4 = (n/K)·(K·M) + 4·K·L`` — the selected layers plus ``L``
+  float32 divergence scalars from every client (the feedback).
+* Random, HDFL: ``n·M = (n/K)·(K·M)`` exactly; the server's random choice costs no upload.
+* FedADP, per client: ``Σ_l c_l·m_l + Σ_l min(4·c_l, ⌈u_l/8⌉)``, with ``u_l`` the layer's
+  units, ``c_l = max(1, round(fraction·u_l))`` (halves up) the uploaded neurons and
+  ``m_l`` the bytes of one neuron's slice (its kernel column, bias, BatchNorm
+  scale/bias, and statistics under the 'global' BatchNorm policy); the second sum is
+  the index cost — per layer the cheaper of ``c_l`` int32 indices and a ``u_l``-bit mask.
+
+:func:`convergence_bound` evaluates the paper's Theorem 1.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax.numpy as jnp
+
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods import selection
+from fedpartial._src.methods.base import (
+    InitView,
+    Method,
+    MethodContext,
+    MethodState,
+    RoundView,
+    Selection,
+    make_method,
+)
+from fedpartial._src.methods.registry import (
+    MethodSpec,
+    Option,
+    in_unit_interval,
+    positive_int,
+)
+
+#: bytes of one divergence scalar (float32) and of one neuron index (int32)
+SCALAR_BYTES = 4
+INDEX_BYTES = 4
+
+
+def _check_n(name: str, n: int):
+    """Validates ``n`` now (type, ≥ 1) and against the cohort size when the round is built."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise UserError(f"{name}: n must be a positive integer number of clients, got {n!r}.")
+
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        del view
+        if n > ctx.clients_per_round:
+            raise UserError(f"{name}: n = {n} clients per layer exceeds the cohort size {ctx.clients_per_round}.")
+        return MethodState()
+
+    return init
+
+
+def _cohort_size(view: RoundView) -> int:
+    return view.cohort.num_samples.shape[0]
+
+
+def uploads_per_client(ctx: MethodContext, view: RoundView) -> dict:
+    """Per-round metric: how many layers each cohort client uploaded (``[K]``)."""
+    del ctx
+    return {"layers_uploaded_per_client": jnp.sum(view.selection.upload.layers, axis=-1, dtype=jnp.int32)}
+
+
+def fedldf(n: int = 4) -> Method:
+    """FedLDF: per layer, the ``n`` clients whose layer moved farthest from the global model."""
+    init, n = _check_n("fedldf", n), int(n)
+
+    def summarize(ctx: MethodContext, view: RoundView):
+        # [K, L]: every client's per-layer divergence from the model it started from (the feedback).
+        return selection.layer_divergence(ctx.structure, view.trained_vars["params"], view.global_vars["params"]).T
+
+    def divergence(ctx: MethodContext, view: RoundView):
+        """``[L, K]``: the engine's summary (a hook called on its own computes it)."""
+        return (summarize(ctx, view) if view.summary is None else view.summary).T
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        k, num_layers = _cohort_size(view), ctx.structure.num_layers
+        # Per layer (row of the [L, K] divergence matrix), the n largest; ties to the lowest client index.
+        chosen = selection.top_n_per_row(divergence(ctx, view), n, view.cohort.valid)
+        return Selection(
+            upload=masks.from_layers(ctx.structure, chosen.T),  # [K, L]: the layers each client uploads
+            weights=view.cohort.num_samples,  # n_k
+            extra_upload_bytes=jnp.full((k,), SCALAR_BYTES * num_layers, jnp.int32),  # L float32 each
+        )
+
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        valid = view.cohort.valid
+        mean = jnp.sum(jnp.where(valid, divergence(ctx, view), 0.0), axis=1) / jnp.maximum(jnp.sum(valid), 1)
+        return {**uploads_per_client(ctx, view), "mean_divergence_per_layer": mean}
+
+    # The streamed strategy keeps only the [K, L] divergences of the whole cohort, then trains the
+    # selected clients again (at most n·L of them) to aggregate their layers.
+    return make_method("fedldf", init=init, select=select, metrics=metrics, summarize=summarize,
+                       streamable="summary")
+
+
+def random_layers(n: int = 4) -> Method:
+    """Random: per layer, ``n`` clients drawn uniformly at random by the server (no feedback)."""
+    init, n = _check_n("random", n), int(n)
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        k = _cohort_size(view)
+        chosen = selection.random_n_per_row(view.key, ctx.structure.num_layers, k, n, view.cohort.valid)
+        return Selection(
+            upload=masks.from_layers(ctx.structure, chosen.T),
+            weights=view.cohort.num_samples,
+            extra_upload_bytes=jnp.zeros((k,), jnp.int32),
+        )
+
+    return make_method("random", init=init, select=select, metrics=uploads_per_client, streamable="summary")
+
+
+def hdfl(n: int = 4) -> Method:
+    """HDFL: ``n`` clients drawn at random upload their whole model, the others nothing."""
+    init, n = _check_n("hdfl", n), int(n)
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        k, num_layers = _cohort_size(view), ctx.structure.num_layers
+        uploaders = selection.random_n_per_row(view.key, 1, k, n, view.cohort.valid)[0]  # [K]
+        layers = jnp.broadcast_to(uploaders[:, None], (k, num_layers))
+        return Selection(
+            upload=masks.from_layers(ctx.structure, layers),
+            weights=view.cohort.num_samples,
+            extra_upload_bytes=jnp.zeros((k,), jnp.int32),
+        )
+
+    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client, streamable="summary")
+
+
+def index_bytes(units: int, kept: int) -> int:
+    """Bytes telling the server which ``kept`` of ``units`` neurons follow: the cheaper of
+    ``kept`` int32 indices and a ``units``-bit mask (FedADP names the classifier's too)."""
+    return costs.layer_index_bytes(units, kept, INDEX_BYTES)
+
+
+def fedadp(fraction: float = 0.2) -> Method:
+    """FedADP: each client uploads, per layer, its ``fraction`` of neurons with the largest update."""
+    selection.keep_count(fraction, 1)  # validates the fraction now
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        structure, k = ctx.structure, _cohort_size(view)
+        norms = selection.neuron_update_norms(structure, view.trained_vars["params"], view.global_vars["params"])
+        chosen = selection.top_fraction_neurons(norms, fraction)  # [K, units_l] per layer
+        extra = sum(index_bytes(u, selection.keep_count(fraction, u)) for u in structure.units)
+        return Selection(
+            upload=masks.unwired(structure, masks.from_neurons(structure, chosen)),  # whole input columns
+            weights=view.cohort.num_samples,
+            extra_upload_bytes=jnp.full((k,), extra, jnp.int32),
+        )
+
+    return make_method("fedadp", select=select)
+
+
+N_OPTION = Option("n", int, 4, "FedLDF / Random / HDFL: clients uploading each layer per round", positive_int)
+SPECS = (
+    MethodSpec("fedldf", fedldf, "Per layer, the n clients whose layer diverged most upload it.", (N_OPTION,)),
+    MethodSpec("random", random_layers, "Per layer, n clients drawn at random upload it.", (N_OPTION,)),
+    MethodSpec("hdfl", hdfl, "n clients drawn at random upload their whole model.", (N_OPTION,)),
+    MethodSpec("fedadp", fedadp, "Each client uploads its fraction of neurons with the largest update.",
+               (Option("fraction", float, 0.2, "FedADP: fraction of each layer's neurons a client uploads",
+                       in_unit_interval, flag="--adp-fraction"),)),
+)
+
+
+def convergence_bound(xi1: float, xi2: float, eta: float, num_layers: float, beta: float, n: int, K: int,
+                      G: float, *, t: int | None = None, initial_gap: float = 0.0) -> dict:
+    """Theorem 1 of the FedLDF paper: how far FedLDF's loss can trail FedAvg's.
+
+    With ``q = 1 - n/K`` (the fraction of clients left out of each layer)::
+
+        A = 2·ξ₂·η²·L²·q·(1 + β·q)
+        B = (ξ₁/ξ₂)·A + q·G²/2            (computed as 2·ξ₁·η²·L²·q·(1 + β·q) + q·G²/2,
+                                           which is the same for ξ₂ > 0 and defined at ξ₂ = 0)
+        F(Θ̂^{t+1}) - F(Θ̄^{t+1}) ≤ A^t·[F(Θ̂⁰) - F(Θ̄⁰)] + B·(1 - A^t)/(1 - A)
+
+    stated under the condition ``0 < ξ₂ < 1 / (2·(1 + β)·η²·L²)``.  Θ̂ is FedLDF's
+    global model, Θ̄ FedAvg's from the same starting point, ξ₁, ξ₂ the per-layer
+    gradient-divergence constants of Assumption 2 (``||∇F_{k,l}||² ≤ ξ₁ + ξ₂·||∇F||²``),
+    G the gradient bound of Assumption 3, β the smoothness constant of Assumption 1
+    and η the learning rate.  For ``t → ∞`` the gap tends to ``B/(1 - A)``; at
+    ``n = K``, ``q = 0`` and A = B = 0 (FedLDF is FedAvg).  A larger ``n`` lowers
+    ``q``, hence A, B and the asymptotic gap.
+
+    Where the text is ambiguous (equations are garbled in the conversion):
+
+    * ``L`` is *not* a smoothness constant in the paper: Assumption 1 calls the
+      smoothness β, and the proof brings ``L`` in through ``||Σ_l (Θ̂_l - Θ̄_l)|| ≤
+      L·max_l ||Θ̂_l - Θ̄_l||`` (Eq. 13), i.e. ``L`` is the number of layers
+      (argument ``num_layers``).
+    * Substituting ``||∇F(Θ̂^t)||² ≤ 2β[F(Θ̂^t) - F(Θ̄^t)]`` (Eq. 15) into Eq. 14 would
+      put a further factor 2β into A; the paper's A (Eqs. 9, 16) has none.  We
+      implement the A the theorem states.
+    * The stated condition is sufficient for ``A < 1`` at every n: it is the
+      ``n = 0`` (``q = 1``) case of ``A < 1``, where A is largest.  The paper's remark
+      says "A ≤ 1"; the geometric sum needs ``A < 1``, which ``contracts`` reports.
+    * The theorem bounds round ``t+1`` with ``A^t``; ``bound`` follows it literally.
+
+    Args:
+      xi1, xi2, eta, num_layers, beta, n, K, G: the theorem's quantities (see above).
+      t: optional round index; when given, ``bound`` is the right-hand side at ``t``.
+      initial_gap: ``F(Θ̂⁰) - F(Θ̄⁰)`` (0 when both start from the same model).
+
+    Returns:
+      dict with ``A``, ``B``, ``q``, ``xi2_max`` (the condition's upper limit),
+      ``condition_holds`` (``0 < ξ₂ < xi2_max``), ``contracts`` (``A < 1``),
+      ``asymptotic_gap`` (``B/(1-A)``, inf unless A < 1) and, if ``t`` is given, ``bound``.
+
+    Example::
+
+        >>> r = convergence_bound(1.0, 0.1, 0.1, 2.0, 1.0, n=1, K=2, G=1.0)
+        >>> round(r["A"], 6), round(r["B"], 6), r["condition_holds"]
+        (0.006, 0.31, True)
+    """
+    if not 0 <= n <= K or K < 1:
+        raise ValueError(f"need 0 ≤ n ≤ K and K ≥ 1, got n = {n}, K = {K}.")
+    if min(xi1, xi2, eta, beta) < 0:
+        raise ValueError("ξ₁, ξ₂, η and β must be ≥ 0.")
+    q = 1.0 - n / K
+    c = 2.0 * eta ** 2 * num_layers ** 2 * q * (1.0 + beta * q)
+    a = xi2 * c
+    b = xi1 * c + q * G ** 2 / 2.0
+    xi2_max = 1.0 / (2.0 * (1.0 + beta) * eta ** 2 * num_layers ** 2) if eta and num_layers else math.inf
+    out = {
+        "A": a,
+        "B": b,
+        "q": q,
+        "xi2_max": xi2_max,
+        "condition_holds": bool(0 < xi2 < xi2_max),
+        "contracts": bool(a < 1),
+        "asymptotic_gap": b / (1.0 - a) if a < 1 else math.inf,
+    }
+    if t is not None:
+        geometric = t if a == 1 else (1.0 - a ** t) / (1.0 - a)
+        out["bound"] = a ** t * initial_gap + b * geometric
+    return out

@@ -1,0 +1,228 @@
+"""HeteroFL, static version (Diao et al. 2021): width reduction, EmbracingFL's baseline (SPEC §4).
+
+Algorithm, per round:
+
+1. a **strong** client trains the whole model; a **moderate** or **weak** client
+   (tier ratio ``r``) receives and trains only the leading ``⌈r·C⌉`` channels /
+   units of every hidden layer — a physically smaller model of the same
+   architecture (:func:`fedpartial._src.engine.graphs.width`), so its step really costs less;
+   the classifier keeps every class;
+2. in training, every hidden Conv/Dense output is multiplied by ``1/r`` (HeteroFL's
+   "Scaler"); evaluation is never scaled (the global model is the full model);
+3. the server averages **each element over the clients holding it**: unweighted
+   (``weighting="uniform"``, as HeteroFL's code counts holders) or ``n_k``-weighted
+   (``"samples"``) — the engine's one formula with each client's upload mask =
+   its width in full-model coordinates (:func:`width_mask`).
+
+Tiers are static client groups, as in EmbracingFL (:mod:`fedpartial._src.methods.tiered.tiers`:
+``--tier-mix S,M,W`` or ``--capacity-case 1..10``; stratified sampling per tier).
+
+**Widths.**  The paper's Table 10 (ResNet20/CIFAR-10) keeps 7 of 16 channels at
+every layer for moderate clients and 3 of 16 for weak ones: its activation
+counts are exactly ``7/16`` and ``3/16`` of the full model's (3,039,552 and
+1,302,848 of 6,947,136, the 10 logits aside), and its parameter counts are
+reproduced exactly by channels (7, 14, 28) and (3, 6, 12) in its ResNet20
+variant: 52,874 and 10,006 (conv weights + BatchNorm scale/bias + head).  So the
+default ``widths`` are ``(0.4375, 0.1875)``.  Our ResNet20 lacks that variant's
+16→16 projection in ``stage1_block1`` (see :class:`fedpartial._src.models.zoo.ResNet20`),
+so it counts 52,811 and 9,991 parameters (63 and 15 fewer: that projection's
+``c²`` weights and ``2c`` BatchNorm values), and capacities 0.428 and 0.181
+(:func:`capacity_table`; the paper: 0.43 and 0.18).
+
+Choices where the papers are vague:
+
+* The Scaler sits after every hidden Conv/Dense (ResNet20: every conv, the
+  shortcut projection too), before BatchNorm and ReLU, never after the classifier.
+  ``scaler=False`` turns it off (then a narrow client computes exactly the full
+  model with the other channels zeroed; FjORD's ordered dropout).
+* BatchNorm: HeteroFL's static BN is ``--bn-policy static`` (no running
+  statistics; batch statistics in training and in evaluation).  With ``global``
+  the running statistics of a channel are averaged over the clients holding it,
+  like parameters — they mix widths (and Scaler-scaled activations), which is why
+  the EmbracingFL paper's Table 9 finds global BN harmful for width reduction.
+* HeteroFL's label-split "masking trick" on the classifier (non-IID) and its
+  dynamic width assignment are not part of the static baseline the EmbracingFL
+  paper compares with, and are not implemented.
+* Width reduction needs a zoo model (:func:`fedpartial._src.models.zoo.narrowed`);
+  ResNet20's residual stream is sliced consistently (a block's input channels
+  are the previous block's leading channels; option-A shortcuts keep the full
+  model's channel offset).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.engine import graphs
+from fedpartial._src.core.types import ClientGroup, ClientPlan, MethodContext, RoundView, Selection
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.masks import Mask
+from fedpartial._src.methods.base import make_method
+from fedpartial._src.methods.registry import MethodSpec, Option
+from fedpartial._src.methods.tiered.tiers import (
+    CAPACITY_CASE_OPTION,
+    TIER_MIX_OPTION,
+    TIER_NAMES,
+    cohort_rows,
+    resolve_mix,
+    tier_losses,
+)
+from fedpartial._src.models.adapter import Model
+
+#: moderate and weak width ratios: 7/16 and 3/16 of the channels (the paper's Table 10)
+DEFAULT_WIDTHS = (0.4375, 0.1875)
+WEIGHTINGS = ("uniform", "samples")
+
+
+def parse_widths(text) -> tuple[float, float]:
+    """``"M,W"`` (or a sequence) -> the moderate and weak width ratios."""
+    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    try:
+        widths = tuple(float(p) for p in parts)
+    except (TypeError, ValueError):
+        raise UserError(f"--widths {text!r} must be two numbers M,W (moderate, weak), e.g. 0.4375,0.1875.") from None
+    if len(widths) != 2:
+        raise UserError(f"--widths {text!r} must be two numbers M,W (moderate, weak), e.g. 0.4375,0.1875.")
+    return widths
+
+
+def check_widths(widths) -> str | None:
+    """An Option check: None when ``widths`` (or ``"M,W"``) are two ratios in (0, 1]."""
+    try:
+        widths = parse_widths(widths)
+    except (UserError, TypeError):
+        widths = ()
+    ok = len(widths) == 2 and all(0 < w <= 1 for w in widths)
+    return None if ok else "must be two width ratios in (0, 1], moderate then weak, e.g. 0.4375,0.1875"
+
+
+def check_weighting(value) -> str | None:
+    return None if value in WEIGHTINGS else f"must be one of {', '.join(WEIGHTINGS)}"
+
+
+WIDTHS_OPTION = Option("widths", parse_widths, DEFAULT_WIDTHS,
+                       "HeteroFL / FjORD tiers: width ratios M,W of moderate and weak clients (default: 7/16, 3/16 "
+                       "of the channels, the EmbracingFL paper's Table 10)", check=check_widths, flag="--widths")
+WEIGHTING_OPTION = Option("weighting", str, "uniform",
+                          "HeteroFL: each holder's aggregation weight, uniform (as HeteroFL) or samples (n_k)",
+                          check=check_weighting, flag="--heterofl-weights")
+
+
+def tier_ratios(widths: Sequence[float]) -> tuple[float, float, float]:
+    """(strong, moderate, weak) width ratios."""
+    problem = check_widths(widths)
+    if problem:
+        raise UserError(f"widths {widths!r} {problem}.")
+    moderate, weak = parse_widths(widths)
+    return (1.0, moderate, weak)
+
+
+def width_mask(model: Model, narrow: Model | None) -> Mask:
+    """One client's width in full-model coordinates (no leading axis); ``narrow`` None: the full width.
+
+    Neurons: the leading ``units`` of every layer (the classifier keeps all).  A
+    sequential model wires each kernel's input axis to the previous layer's
+    neurons.  A residual model (ResNet20) is wired explicitly (``Mask.inputs``):
+    every kernel after the first keeps the leading rows its narrow kernel has —
+    the channels of the residual stream or of the previous conv it reads.
+    """
+    structure = model.structure
+    units = structure.units if narrow is None else narrow.structure.units
+    neurons = tuple(jnp.arange(u) < n for u, n in zip(structure.units, units))
+    layers = jnp.ones((structure.num_layers,), bool)
+    if structure.sequential:
+        return Mask(layers=layers, neurons=neurons)
+    inputs = []
+    for i, layer in enumerate(structure.layers):
+        if i == 0 or layer.fan_in is None:
+            inputs.append(jnp.zeros((0,), bool))  # reads the data (or has no input axis): unwired
+        else:
+            kept = layer.fan_in if narrow is None else narrow.structure.layers[i].fan_in
+            inputs.append(jnp.arange(layer.fan_in) < kept)
+    return Mask(layers=layers, neurons=neurons, inputs=tuple(inputs))
+
+
+def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[float] = DEFAULT_WIDTHS,
+             weighting: str = "uniform", *, scaler: bool = True, module=None, name: str = "heterofl"):
+    """HeteroFL (static) with the given tier mix (default: all strong, i.e. FedAvg with ``weighting`` weights).
+
+    Args:
+      tier_mix / capacity_case: the tiers (:func:`fedpartial._src.methods.tiered.tiers.resolve_mix`).
+      widths: moderate and weak width ratios.
+      weighting: ``"uniform"`` (every holder weighs 1, as HeteroFL) or ``"samples"`` (``n_k``).
+      scaler: multiply hidden outputs by ``1/r`` in training (HeteroFL's Scaler).
+      module: the zoo module the run's model was built from, when it is not the
+        registry's model of that name (e.g. ``ResNet20(shortcut="zeros")``).
+    """
+    ratios = tier_ratios(widths)
+    if check_weighting(weighting):
+        raise UserError(f"heterofl: weighting {weighting!r} {check_weighting(weighting)}.")
+
+    def sizes_of(ctx: MethodContext) -> tuple[int, int, int]:
+        return cohort_rows(resolve_mix(ctx.num_clients, tier_mix, capacity_case), ctx)
+
+    def narrow(ctx: MethodContext, t: int) -> Model | None:
+        return None if ratios[t] == 1 else graphs.narrow_model(ctx.model, ratios[t], module=module, scaler=scaler)
+
+    def groups(ctx: MethodContext) -> tuple[ClientGroup, ...]:
+        mix = resolve_mix(ctx.num_clients, tier_mix, capacity_case)
+        sizes = cohort_rows(mix, ctx)
+        return tuple(
+            ClientGroup(TIER_NAMES[t], sizes[t], members=mix.members(t),
+                        graph=None if ratios[t] == 1 else graphs.width(ctx.model, ratios[t], module=module,
+                                                                        scaler=scaler))
+            for t in range(3) if sizes[t] > 0)
+
+    def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
+        sizes = sizes_of(ctx)
+        rows = [jax.tree.map(lambda a, s=s: jnp.broadcast_to(a, (s, *a.shape)), width_mask(ctx.model, narrow(ctx, t)))
+                for t, s in enumerate(sizes) if s > 0]  # the cohort is laid out tier after tier
+        mask = jax.tree.map(lambda *a: jnp.concatenate(a), *rows)
+        return ClientPlan(download=mask)
+
+    def select(ctx: MethodContext, view: RoundView) -> Selection:
+        k = view.cohort.num_samples.shape[0]
+        weights = jnp.ones((k,), jnp.float32) if weighting == "uniform" else view.cohort.num_samples
+        return Selection(upload=view.plan.download, weights=weights, extra_upload_bytes=jnp.zeros((k,), jnp.int32))
+
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        return tier_losses(sizes_of(ctx), view.cohort.valid, view.client_loss)
+
+    return make_method(name, groups=groups, plan=plan, select=select, metrics=metrics)
+
+
+SPEC = MethodSpec(
+    "heterofl", heterofl,
+    "Width reduction (HeteroFL static): moderate/weak clients train the leading ⌈r·C⌉ channels of every layer.",
+    options=(TIER_MIX_OPTION, CAPACITY_CASE_OPTION, WIDTHS_OPTION, WEIGHTING_OPTION),
+)
+
+
+# ---- capacity: the paper's Table 10 -------------------------------------------------------------
+
+
+def tier_footprint(model: Model, ratio: float, *, batch_size: int, module=None) -> dict:
+    """Values a client of width ``ratio`` trains: every parameter of its narrow model and the Conv/Dense
+    outputs of one batch (:func:`fedpartial._src.costs.footprint.layer_output_shapes`), counted as
+    :func:`fedpartial._src.methods.tiered.embracingfl.tier_footprint` counts them."""
+    narrow = model if ratio == 1 else graphs.narrow_model(model, ratio, module=module)
+    variables = jax.eval_shape(narrow.init_variables, jax.random.key(0))
+    params = sum(math.prod(a.shape) for a in jax.tree.leaves(variables["params"]))
+    acts = sum(math.prod(s) for s in costs.layer_output_shapes(narrow))
+    return {"params": int(params), "activations": int(batch_size * acts)}
+
+
+def capacity_table(model: Model, *, batch_size: int = 32, widths: Sequence[float] = DEFAULT_WIDTHS,
+                   module=None) -> list[dict]:
+    """One row per tier: width ratio, parameters, activations and capacity (SPEC §4, the paper's Table 10)."""
+    rows = [dict(tier=TIER_NAMES[t], width=r, **tier_footprint(model, r, batch_size=batch_size, module=module))
+            for t, r in enumerate(tier_ratios(widths))]
+    full = rows[0]["params"] + rows[0]["activations"]
+    for row in rows:
+        row["capacity"] = (row["params"] + row["activations"]) / full
+    return rows

@@ -1,0 +1,129 @@
+"""Registry of the model zoo: names -> :class:`ModelSpec`, and :func:`build_model`.
+
+``input_shape`` is the shape of one example without the batch axis, e.g.
+``(8, 8, 1)`` for the offline digits, ``(28, 28, 1)`` for (E/FE)MNIST,
+``(32, 32, 3)`` for CIFAR, ``(256,)`` (token ids) for IMDB. ``sequential`` tells the engine whether the model is
+a plain chain of layers (every layer feeds only the next one), the condition for
+neuron-level masks; residual models are not sequential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.models import text, zoo
+
+__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How to build one zoo model.
+
+    Attributes:
+      factory: ``factory(num_classes, input_shape) -> flax.linen.Module``.
+      description: one line saying what the model is.
+      sequential: True when every layer feeds only the next layer (a chain with no
+        residual/skip connections); only such models support neuron-level masks.
+    """
+
+    factory: Callable[[int, tuple[int, ...]], nn.Module]
+    description: str
+    sequential: bool
+
+
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.MLP(num_classes=num_classes),
+        description="MLP: flatten -> Dense 200 -> ReLU -> Dense 200 -> ReLU -> Dense.",
+        sequential=True,
+    ),
+    "cnn2c1f": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.CNN2C1F(num_classes=num_classes),
+        description="FedSPU EMNIST/Speech CNN: conv5x5 32, conv5x5 64 (max-pool each), 1 Dense.",
+        sequential=True,
+    ),
+    "cnn2c3f": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.CNN2C3F(num_classes=num_classes),
+        description="FedSPU CIFAR-10 CNN: conv5x5 6, conv5x5 16 (max-pool each), Dense 120-84-out.",
+        sequential=True,
+    ),
+    "lenet5": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.LeNet5(num_classes=num_classes),
+        description="LeNet-5 (ReLU) as in FedDHAD: conv 6, conv 16, Dense 120, 84, out.",
+        sequential=True,
+    ),
+    "vgg9": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.VGG9(num_classes=num_classes),
+        description="FedLDF VGG-9: 8 conv3x3+BN (max-pool after every 2nd) + 1 Dense.",
+        sequential=True,
+    ),
+    "resnet20": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.ResNet20(num_classes=num_classes),
+        description="CIFAR ResNet20 (BN, 1x1 projection shortcuts), as in EmbracingFL.",
+        sequential=False,
+    ),
+    "femnist_cnn": ModelSpec(
+        factory=lambda num_classes, input_shape: zoo.FEMNISTCNN(num_classes=num_classes),
+        description="LEAF FEMNIST CNN (EmbracingFL): conv5x5 32, conv5x5 64, Dense 2048, out.",
+        sequential=True,
+    ),
+    "bilstm": ModelSpec(
+        factory=lambda num_classes, input_shape: text.BiLSTM(num_classes=num_classes),
+        description="EmbracingFL IMDB BiLSTM: embedding 10,000x256, bidirectional LSTM 256, Dense (token ids).",
+        sequential=False,
+    ),
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """Build zoo model ``name`` for ``num_classes`` classes and examples of ``input_shape``.
+
+    Raises:
+      ValueError: unknown ``name``, ``num_classes`` not a positive integer, or an
+        ``input_shape`` the model cannot take (wrong rank, or too small for its
+        pooling).
+    """
+    if name not in MODELS:
+        raise UserError(
+            f"Unknown model name {name!r}; allowed names are: {', '.join(sorted(MODELS))}."
+        )
+    if not _is_int(num_classes) or num_classes < 1:
+        raise UserError(
+            f"Model {name!r} needs num_classes to be a positive integer, got {num_classes!r}."
+        )
+    try:
+        shape = tuple(input_shape)
+    except TypeError:
+        shape = None
+    if shape is None or not all(_is_int(d) for d in shape):
+        raise UserError(
+            f"Model {name!r} needs input_shape to be a tuple of integers without the "
+            f"batch axis, got {input_shape!r}."
+        )
+    shape = tuple(int(d) for d in shape)
+    module = MODELS[name].factory(int(num_classes), shape)
+    validate = getattr(module, "validate_input_shape", None)
+    if validate is not None:
+        validate(shape)
+    return module
+
+
+def build_narrow_model(name: str, num_classes: int, input_shape: Sequence[int], ratio: float, *,
+                       scaler: bool = True) -> nn.Module:
+    """Zoo model ``name`` with ``⌈ratio·C⌉`` channels/units in every hidden layer (:func:`zoo.narrowed`).
+
+    Raises:
+      UserError: as :func:`build_model`, a ratio outside (0, 1], or a model without a
+        width-reduced version.
+    """
+    return zoo.narrowed(build_model(name, num_classes, input_shape), ratio, scaler=scaler)

@@ -1,0 +1,198 @@
+"""The command line: a small end-to-end run, its files, and one-sentence errors with status 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fedpartial._src.cli.main import main
+
+SMALL = ["run", "--rounds", "2", "--clients", "6", "--cohort", "3", "--local-steps", "2", "--batch-size", "8",
+         "--model", "mlp"]
+
+
+def test_small_run_writes_results(tmp_path, capsys):
+    assert main(SMALL + ["--out", str(tmp_path), "--name", "r"]) == 0
+    run_dir = tmp_path / "r"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    first = records[0]
+    for key in ("test_accuracy", "test_loss", "train_loss", "client_steps", "upload_bytes", "download_bytes",
+                "cumulative_upload_bytes", "round_time_s", "wall_time_s", "simulated_time_s", "client_flops"):
+        assert key in first, key
+    assert first["client_steps"] == 3 * 2
+    # FedAvg on the 55,210-parameter MLP: every client moves the whole float32 model both ways.
+    assert first["upload_bytes"] == first["download_bytes"] == 3 * 55_210 * 4
+    assert records[1]["cumulative_upload_bytes"] == 2 * first["upload_bytes"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == 2 and 0.0 <= summary["final_test_accuracy"] <= 1.0
+    assert json.loads((run_dir / "config.json").read_text())["cohort_size"] == 3
+    assert "final test accuracy" in capsys.readouterr().out
+
+
+def test_existing_results_are_never_overwritten(tmp_path):
+    assert main(SMALL + ["--rounds", "1", "--out", str(tmp_path), "--name", "same"]) == 0
+    before = (tmp_path / "same" / "metrics.jsonl").read_bytes()
+    assert main(SMALL + ["--rounds", "1", "--out", str(tmp_path), "--name", "same", "--seed", "1"]) == 0
+    assert (tmp_path / "same" / "metrics.jsonl").read_bytes() == before
+    assert (tmp_path / "same-1" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--clients", "5", "--cohort", "6"], "--cohort 6 is not allowed"),
+        (["--alpha", "0"], "--alpha 0 is not allowed"),
+        (["--alpha", "-1"], "--alpha -1 is not allowed"),
+        (["--method", "fedsgd"], "method 'fedsgd' is unknown"),
+        (["--dataset", "imagenet"], "dataset 'imagenet' is unknown"),
+        (["--model", "gpt"], "model 'gpt' is unknown"),
+        (["--model", "vgg9"], "8x8"),  # digits are 8×8: too small for VGG-9's four poolings
+        (["--strategy", "parallel"], "strategy 'parallel'"),
+        (["--partition", "pathological"], "partition 'pathological' is unknown"),
+        (["--lr", "0"], "--lr 0 is not allowed"),
+        (["--bn-policy", "local"], "BatchNorm policy"),
+        (["--target-accuracy", "1.5"], "--target-accuracy 1.5 is not allowed: it must be a finite number in (0, 1]"),
+        (["--compute-speed", "lognormal:fast:1"], "--compute-speed 'lognormal:fast:1'"),
+        (["--device-profiles", "/nonexistent/devices.csv"], "cannot be read"),
+    ],
+)
+def test_invalid_input_exits_2_with_one_sentence(tmp_path, capsys, args, words):
+    out = tmp_path / "out"
+    assert main(["run", "--rounds", "1", "--out", str(out)] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words.lower() in err.lower(), err
+    assert not out.exists() or not any(out.iterdir())  # nothing written for a bad configuration
+
+
+def test_unprepared_tfds_dataset_says_how_to_prepare(tmp_path, capsys):
+    assert main(["run", "--dataset", "cifar10", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "cifar10" in err and "download_and_prepare" in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_script_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "fedpartial", "run", "--clients", "3", "--cohort", "4"],
+                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "--cohort 4 is not allowed" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "fedpartial", "run", "--local-steps", "1", "--local-epochs", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+@pytest.mark.slow
+def test_default_run_reaches_sensible_accuracy(tmp_path):
+    """The bare `fedpartial run` (≈40 s on 2 cores). Covered lighter by test_small_run_writes_results."""
+    assert main(["run", "--out", str(tmp_path), "--name", "default"]) == 0
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["final_test_accuracy"] > 0.9
+
+
+def test_method_flags_come_from_the_methods(capsys, tmp_path):
+    from fedpartial._src.cli.main import build_parser
+    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    for flag in ("--mu", "--n", "--adp-fraction", "--tiers", "--select-start", "--select-end"):
+        assert flag in text
+    # A flag of another method is refused in one sentence.
+    assert main(["run", "--method", "fedavg", "--mu", "0.1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--mu is an option of fedprox" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unexpected_errors_keep_their_traceback(monkeypatch, tmp_path):
+    """Only the project's own input errors become one sentence; a bug inside keeps its traceback."""
+    from fedpartial._src.experiment import simulation
+
+    def broken(self, *a, **k):
+        raise ValueError("a bug deep inside a method")
+
+    monkeypatch.setattr(simulation.Simulation, "__init__", broken)
+    with pytest.raises(ValueError, match="a bug deep inside"):
+        main(SMALL + ["--out", str(tmp_path)])
+
+
+def test_record_decisions_writes_masks(tmp_path):
+    import numpy as np
+    assert main(SMALL + ["--method", "fedldf", "--n", "2", "--record-decisions", "--out", str(tmp_path),
+                         "--name", "d"]) == 0
+    files = sorted((tmp_path / "d" / "decisions").iterdir())
+    assert [f.name for f in files] == ["round-00001.npz", "round-00002.npz"]
+    saved = np.load(files[0])
+    layers = saved["selection/upload/layers"]  # [K, L]: FedLDF's selection
+    assert layers.shape == (3, 3) and (layers.sum(axis=0) == 2).all() and saved["client_ids"].shape == (3,)
+
+
+def test_version_list_and_bare_command(capsys):
+    from fedpartial._src.version import __version__
+    from fedpartial._src.data.sources import DATASETS
+    from fedpartial._src.methods.catalog import METHODS
+    from fedpartial._src.models.registry import MODELS
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"fedpartial {__version__}"
+    for what, names in (("methods", METHODS), ("models", MODELS), ("datasets", DATASETS)):
+        assert main(["list", what]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split()[0] for line in lines] == list(names)  # one line each, name first
+        assert all(len(line.split(maxsplit=1)) == 2 for line in lines)  # and a summary
+    assert main(["list", "methods"]) == 0 and "feddhad" in capsys.readouterr().out
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("methods:\n") and "\nmodels:\n" in out and "\ndatasets:\n" in out
+    assert main(["list", "gadgets"]) == 2
+    assert "invalid choice: 'gadgets'" in capsys.readouterr().err
+    # A bare `fedpartial` is a usage error: the usage on stderr, status 2.
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("usage: fedpartial") and "a command is required" in captured.err
+    assert captured.out == ""
+
+
+def test_every_flag_shows_its_default():
+    from fedpartial._src.cli.main import build_parser
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert "default" in sub._get_formatter()._get_help_string(action), (name, action.option_strings)
+    text = commands["run"].format_help()
+    for phrase in ("communication rounds (default: 40)", "client batch size (default: 16)",
+                   "(default: 0)", "(default: 2 when --local-steps"):
+        assert phrase in " ".join(text.split()), phrase
+    # --local-epochs has one default, said once.
+    local_epochs = next(a for a in commands["run"]._actions if "--local-epochs" in a.option_strings)
+    assert commands["run"]._get_formatter()._get_help_string(local_epochs).count("default") == 1
+
+
+def test_bad_input_is_refused_before_any_set_up(monkeypatch, tmp_path, capsys):
+    """NaN, a bad --out and a residual model for a neuron method never reach the Simulation."""
+    from fedpartial._src.experiment import simulation
+
+    def never(*a, **k):
+        raise AssertionError("set-up started")
+
+    monkeypatch.setattr(simulation.Simulation, "__init__", never)
+    for args in (["--lr", "inf"], ["--weight-decay", "nan"], ["--out", ""], ["--name", "/abs"],
+                 ["--method", "fedspu", "--model", "resnet20"], ["--model", "vgg9"]):
+        assert main(["run", "--out", str(tmp_path / "o")] + args) == 2, args
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_auto_streaming_is_shown_and_recorded(monkeypatch, tmp_path, capsys):
+    from fedpartial._src.core import memory
+    from fedpartial._src.cli.main import build_parser, config_from_args
+    from fedpartial._src.experiment.simulation import Simulation
+
+    est = Simulation(config_from_args(build_parser().parse_args(SMALL)), check_memory=False).memory
+    room = (est.server + 1.5 * est.per_client) / memory.HEADROOM  # one client in flight fits, the cohort not
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (int(room), "RAM"))
+    monkeypatch.setenv("COLUMNS", "300")  # the table on one line per row
+    assert main(SMALL + ["--out", str(tmp_path), "--name", "r"]) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["strategy"] == "stream-stepwise:1"
+    assert summary["strategy_note"].startswith("auto streams the cohort: stepwise:1 would need about")
+    assert "stream-stepwise:1 on cpu, data on the host (auto streams the cohort" in capsys.readouterr().out

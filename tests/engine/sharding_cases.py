@@ -1,0 +1,161 @@
+"""Runs the client axis on 4 (fake CPU) devices against 1; prints one JSON object of results.
+
+Started by ``tests/engine/test_sharding.py`` in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (the flag must be set before JAX starts,
+so it cannot run inside the pytest process).  Every case runs here, in one process, to pay
+JAX's start-up once; the test reads the JSON and asserts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import sharding
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.layerwise.fedldf import fedldf
+from fedpartial._src.methods.submodel.fedspu import fedspu
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.simulation import Simulation
+from tests.conftest import TinyMLP, make_cohort
+
+OPT = optax.sgd(0.1, momentum=0.9)
+ROUNDS = 3
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.tree.leaves(jax.device_get(tree))]
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)), initial=0.0))
+               for x, y in zip(leaves(a), leaves(b)))
+
+
+def bit_equal(a, b) -> bool:
+    return all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b)))
+
+
+def engine_run(model, method, devices, k=6, n=12):
+    """ROUNDS rounds of the fused round: ``k`` clients on one device, or padded to a multiple of 4 on 4.
+
+    Returns the final state, per-round integer metrics, per-round train loss, shardings and trace count.
+    """
+    size = k if devices is None else sharding.padded_size(k, devices)
+    r = engine.FederatedRound(model, method, num_clients=n, cohort_size=size, client_optimizer=OPT,
+                              strategy=engine.fused(), devices=devices)
+    state = r.init(jax.random.key(0))
+    ints, losses, cohort = [], [], None
+    for t in range(ROUNDS):
+        cohort = make_cohort((4,), k=k, steps=3, batch=5, seed=t, real_steps=[3, 2, 1, 3, 3, 2, 3, 1][:k],
+                             client_ids=(np.arange(k) * 3 + t) % n)
+        if r.mesh is not None:
+            cohort = sharding.shard_cohort(sharding.pad_cohort(cohort, size, n), r.mesh)
+        state, metrics = r(state, cohort, jax.random.key(100 + t))
+        totals = engine.traffic_totals(metrics)
+        ints.append([int(metrics["client_steps"]), totals["upload_bytes"], totals["download_bytes"]])
+        losses.append(float(metrics["train_loss"]))
+    if r.mesh is None:
+        return state, ints, losses, None, r.trace_count
+    compiled = r._fused.lower(state, cohort, jax.random.key_data(jax.random.key(0))).compile()
+    shardings = {
+        "cohort_devices": cohort.data.x.sharding.num_devices,
+        "cohort_shard_rows": [s.data.shape[0] for s in cohort.data.x.addressable_shards],
+        "state_devices": jax.tree.leaves(state.variables)[0].sharding.num_devices,
+        "state_replicated": all(a.sharding.is_fully_replicated for a in jax.tree.leaves(state)),
+        "jit_input_cohort_specs": sorted({str(s.spec) for s in jax.tree.leaves(compiled.input_shardings[0][1])}),
+    }
+    return state, ints, losses, shardings, r.trace_count
+
+
+def compare_engine(model, name, method):
+    one, four = engine_run(model, method, None), engine_run(model, method, 4)
+    return {"method": name, "max_diff": max_diff(one[0], four[0]), "bit_equal": bit_equal(one[0], four[0]),
+            "ints_1": one[1], "ints_4": four[1], "loss_diff": max(abs(a - b) for a, b in zip(one[2], four[2])),
+            "shardings_4": four[3], "trace_count_4": four[4]}
+
+
+def sim_run(devices, **overrides):
+    settings = dict(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, rounds=ROUNDS, local_steps=2,
+                    batch_size=8, eval_every=ROUNDS, out_dir=None, strategy="fused", devices=devices)
+    config = RunConfig(**{**settings, **overrides})
+    sim = Simulation(config)
+    return sim, list(sim.rounds())
+
+
+def compare_simulation(method, options=None, **overrides):
+    """The same run on 1 and 4 devices: K = 6, padded to 8 on 4."""
+    (sim1, rec1), (sim4, rec4) = (sim_run(d, method=method, options=options or {}, **overrides) for d in (1, 4))
+    ints = ("client_steps", "upload_bytes", "download_bytes", "clients", "client_flops")
+    ids4, valid4, _, _ = sim4.sample_cohort(0)
+    return {"method": method, "cohort_size_1": sim1.round.ctx.cohort_size, "cohort_size_4": sim4.round.ctx.cohort_size,
+            "max_diff": max_diff(sim1.state, sim4.state), "bit_equal": bit_equal(sim1.state, sim4.state),
+            "max_abs": max(float(np.max(np.abs(a))) for a in leaves(sim1.state.variables)),
+            "groups_4": [[g.name, g.size] for g in sim4.round.groups],
+            "ints_1": [[r[f] for f in ints] for r in rec1], "ints_4": [[r[f] for f in ints] for r in rec4],
+            "acc_1": rec1[-1]["test_accuracy"], "acc_4": rec4[-1]["test_accuracy"],
+            "ids_1": sim1.sample_cohort(0)[0].tolist(), "ids_4": ids4.tolist(), "valid_4": valid4.tolist(),
+            "state_devices_4": jax.tree.leaves(sim4.state.variables)[0].sharding.num_devices}
+
+
+def refusals(model) -> dict:
+    out = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except (ValueError, ConfigError) as e:
+            out[name] = str(e)
+
+    catch("engine_stepwise", lambda: engine.FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
+                                                           client_optimizer=OPT, strategy=engine.stepwise(),
+                                                           devices=4))
+    catch("engine_cohort", lambda: engine.FederatedRound(model, fedavg(), num_clients=8, cohort_size=6,
+                                                         client_optimizer=OPT, strategy=engine.fused(), devices=4))
+    catch("engine_too_many", lambda: engine.FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
+                                                           client_optimizer=OPT, strategy=engine.fused(), devices=5))
+    base = RunConfig(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, out_dir=None)
+    catch("config_too_many", lambda: dataclasses.replace(base, devices=5).validate())
+    catch("config_stepwise", lambda: dataclasses.replace(base, devices=4, strategy="stepwise").validate())
+    catch("config_zero", lambda: dataclasses.replace(base, devices=0).validate())
+    return out
+
+
+def main() -> None:
+    model = from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
+    results = {"device_count": jax.local_device_count(), "seconds": {}}
+    start = time.perf_counter()
+    results["engine"] = [compare_engine(model, name, method)
+                         for name, method in (("fedavg", fedavg()), ("fedldf", fedldf(3)), ("fedspu", fedspu()))]
+    results["seconds"]["engine"] = time.perf_counter() - start
+    start = time.perf_counter()
+    results["simulation"] = compare_simulation("fedspu")
+    # data placed on the (first) device once, each round's gathered cohort then split over the four
+    results["simulation_device_data"] = compare_simulation("fedavg", data_placement="device")
+    # client groups: tiers of 3, 1 and 2 clients of 10; and the whole population of 6 in tiers of 2, so the
+    # 2 padding rows repeat ids.  On 4 devices the last tier holds the padding rows too.
+    results["groups"] = [compare_simulation("embracingfl", {"tier_mix": "4,2,4"}),
+                         compare_simulation("heterofl", {"tier_mix": "2,2,2"}, num_clients=6)]
+    results["seconds"]["simulation"] = time.perf_counter() - start
+    results["refusals"] = refusals(model)
+    # the multi-host assembly, in one process: this process holds every row
+    mesh = sharding.client_mesh(4)
+    cohort = sharding.pad_cohort(make_cohort((4,), k=6), 8, 12)
+    rows = sharding.process_rows(8, mesh)
+    assembled = sharding.global_cohort(jax.tree.map(lambda a: a[rows], cohort), mesh, 8)
+    results["global_cohort"] = {"rows": [rows.start, rows.stop], "equal": bit_equal(assembled, cohort),
+                                "devices": assembled.data.x.sharding.num_devices}
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""The 'auto' strategy rule: by platform and model (README "Throughput" has the measurements behind it)."""
+
+import jax
+import pytest
+
+from fedpartial._src.engine import round as engine
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", None])
+def test_cpu_runs_one_client_at_a_time_and_accelerators_fuse_the_cohort(model, request):
+    m = None if model is None else request.getfixturevalue(model)
+    assert engine.default_strategy("cpu", m) == engine.stepwise(1)
+    for platform in ("gpu", "tpu", "cuda", "rocm"):
+        assert engine.default_strategy(platform, m) == engine.fused(None)
+
+
+def test_auto_resolves_for_this_platform_and_model(mlp, cnn):
+    for m in (mlp, cnn, None):
+        assert engine.parse_strategy("auto", m) == engine.default_strategy(jax.default_backend(), m)
+    assert engine.parse_strategy("stepwise:3", cnn) == engine.stepwise(3)  # explicit choices are kept

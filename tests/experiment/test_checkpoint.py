@@ -1,0 +1,263 @@
+"""Checkpoints, resume, run status and clean interruption (issue 13)."""
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from fedpartial._src.experiment import checkpoint
+from fedpartial._src.cli.main import main
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation, load_config, run
+
+ROUNDS = 5
+TINY = dict(dataset="digits", model="mlp", num_clients=6, cohort_size=3, rounds=ROUNDS, local_steps=2,
+            batch_size=8)
+CLI = ["run", "--dataset", "digits", "--model", "mlp", "--clients", "6", "--cohort", "3", "--rounds", str(ROUNDS),
+       "--local-steps", "2", "--batch-size", "8"]
+WALL_CLOCK = ("round_time_s", "wall_time_s", "host_time_s")
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _without_wall_clock(records):
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in records]
+
+
+def _strict(path):
+    """Parses a result file refusing NaN/Infinity (the JSON standard's numbers only)."""
+    def refuse(name):
+        raise AssertionError(f"{path} holds {name}")
+    with open(path) as f:
+        text = f.read()
+    lines = text.splitlines() if path.endswith(".jsonl") else [text]
+    return [json.loads(line, parse_constant=refuse) for line in lines]
+
+
+def _same_state(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """One Simulation of the tiny configuration and its initial state: compiling once keeps the file fast."""
+    sim = Simulation(RunConfig(**TINY, out_dir=None))
+    return sim, sim.state, dict(sim.progress)
+
+
+def fresh(compiled, out_dir, name):
+    """``compiled``'s simulation back at round 0, writing to ``out_dir/name``."""
+    sim, state, progress = compiled
+    sim.state, sim.progress = state, dict(progress)
+    sim.config = dataclasses.replace(sim.config, out_dir=str(out_dir), run_name=name)
+    return sim
+
+
+@pytest.fixture(scope="module")
+def baseline(compiled, tmp_path_factory):
+    """An uninterrupted run of the tiny configuration (its final state and metrics)."""
+    sim = fresh(compiled, tmp_path_factory.mktemp("base"), "base")
+    result = run(sim.config, sim=sim, checkpoint_every=2)
+    return sim.state, dict(sim.progress), result
+
+
+def test_strict_json_writes_non_finite_numbers_as_null():
+    value = {"a": math.nan, "b": [math.inf, 1.5, -math.inf], "c": np.float32("nan"), "d": np.int64(3)}
+    assert checkpoint.strict_json(value) == '{"a": null, "b": [null, 1.5, null], "c": null, "d": 3}'
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_prng_keys_round_trip_through_key_data(impl):
+    tree = {"key": jax.random.key(7, impl=impl), "keys": jax.random.split(jax.random.key(3, impl=impl), 4),
+            "w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.int32(5)}
+    arrays = checkpoint._to_arrays(tree)
+    assert all(not checkpoint._is_key(a) for a in arrays.values())
+    back = checkpoint._from_arrays(arrays, tree)
+    assert jax.random.key_impl(back["keys"]) == jax.random.key_impl(tree["keys"])
+    np.testing.assert_array_equal(jax.random.key_data(back["keys"]), jax.random.key_data(tree["keys"]))
+    np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(tree["key"]))
+    np.testing.assert_array_equal(back["w"], tree["w"])
+
+
+def test_complete_run_writes_status_checkpoints_and_strict_json(compiled, baseline):
+    state, progress, result = baseline
+    run_dir = result["run_dir"]
+    status = _strict(os.path.join(run_dir, "status.json"))[0]
+    assert status["status"] == "complete" and status["round"] == ROUNDS and status["checkpoint_round"] == ROUNDS
+    # every 2 rounds and the end (round 5), the newest two kept
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["4", "5"]
+    assert _strict(os.path.join(run_dir, "summary.json"))[0]["status"] == "complete"
+    assert [r["round"] for r in _strict(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2, 3, 4, 5]
+    # config.json holds the resolved settings (here: no held-out split, train fraction 1).
+    assert load_config(run_dir) == dataclasses.replace(RunConfig(**TINY), out_dir=os.path.dirname(run_dir),
+                                                       run_name="base", train_fraction=1.0,
+                                                       data_placement=compiled[0].data_placement)
+    # The final checkpoint is the final state, progress included.
+    other = fresh(compiled, "unused", "unused")
+    checkpoint.restore(run_dir, other)
+    _same_state(other.state, state)
+    assert other.progress == progress and other.progress["round"] == ROUNDS
+
+
+def test_signal_stops_after_the_round_and_resume_matches_uninterrupted_run(compiled, baseline, tmp_path):
+    base_state, _, base = baseline
+    sim = fresh(compiled, tmp_path, "stopped")
+
+    def on_round(record):  # a SIGTERM arriving during round 2 (delivered to this, the main thread)
+        if record["round"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(checkpoint.RunInterrupted) as stopped:
+        run(sim.config, sim=sim, on_round=on_round, checkpoint_every=3)
+    assert stopped.value.exit_code == 143
+    run_dir = stopped.value.summary["run_dir"]
+    status = _strict(os.path.join(run_dir, "status.json"))[0]
+    # The run checkpoints where it stopped even though 2 is not a multiple of 3, and says so.
+    assert status["status"] == "interrupted" and status["round"] == 2 and status["checkpoint_round"] == 2
+    assert "SIGTERM" in status["message"] and "--resume" in status["message"]
+    summary = _strict(os.path.join(run_dir, "summary.json"))[0]
+    assert summary["status"] == "interrupted" and summary["rounds"] == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers are given back
+
+    # A kill in the middle of the next checkpoint's write leaves a temporary directory: never read.
+    torn = os.path.join(run_dir, "checkpoints", "3.orbax-checkpoint-tmp-1700000000")
+    os.makedirs(os.path.join(torn, "state"))
+    with open(os.path.join(torn, "state", "garbage"), "w") as f:
+        f.write("half written")
+    # ... and metrics of rounds after the checkpoint (a kill between writing them and the next checkpoint).
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"round": 3, "train_loss": 0.0}) + "\n" + '{"round": 4, "tra')
+    assert checkpoint.latest_round(run_dir) == 2
+
+    sim = fresh(compiled, tmp_path, "unused")
+    result = run(sim.config, sim=sim, resume=run_dir)
+    _same_state(sim.state, base_state)
+    assert _without_wall_clock(_strict(os.path.join(run_dir, "metrics.jsonl"))) == \
+        _without_wall_clock(_strict(os.path.join(base["run_dir"], "metrics.jsonl")))
+    assert result["resumed_from_round"] == 2 and result["rounds"] == ROUNDS
+    assert result["total_upload_bytes"] == base["total_upload_bytes"]
+    assert result["total_simulated_time_s"] == base["total_simulated_time_s"]
+    assert not os.path.exists(torn)  # removed by the checkpoint manager
+    assert checkpoint.read_status(run_dir)["status"] == "complete"
+
+
+def test_per_process_checkpoints_of_a_multi_process_run_resume_bit_identically(compiled, baseline, tmp_path,
+                                                                              monkeypatch):
+    """The format each process of a jax.distributed run writes into its own run directory (orbax synchronises
+    every process on one shared directory), exercised in this one process; the two-process run itself is
+    tests/engine/test_sharding.py's slow test."""
+    base_state, _, base = baseline
+    monkeypatch.setattr(checkpoint, "several_processes", lambda: True)
+    sim = fresh(compiled, tmp_path, "multi")
+    run_dir = run(sim.config, sim=sim, checkpoint_every=1)["run_dir"]
+    root = os.path.join(run_dir, "checkpoints")
+    kept = [str(r) for r in range(ROUNDS - checkpoint.KEEP + 1, ROUNDS + 1)]
+    assert sorted(os.listdir(root), key=int) == kept  # the newest two, nothing temporary left
+    assert sorted(os.listdir(os.path.join(root, kept[-1]))) == ["host.json", "state.npz"]
+    assert checkpoint.latest_round(run_dir) == ROUNDS
+    # killed after the round before the last: its checkpoint is the newest; a half-written next one is ignored
+    shutil.rmtree(os.path.join(root, kept[-1]))
+    os.makedirs(os.path.join(root, f".{ROUNDS}.tmp"))
+    assert checkpoint.latest_round(run_dir) == ROUNDS - 1
+    sim = fresh(compiled, tmp_path, "unused")
+    result = run(sim.config, sim=sim, resume=run_dir)
+    assert result["resumed_from_round"] == ROUNDS - 1
+    _same_state(sim.state, base_state)
+    assert result["total_upload_bytes"] == base["total_upload_bytes"]
+    assert not os.path.exists(os.path.join(root, f".{ROUNDS}.tmp"))
+
+
+def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(compiled, baseline, tmp_path):
+    base_state, base_progress, base = baseline
+    rng = random.Random(13)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedpartial", *CLI, "--checkpoint-every", "1",
+                             "--out", str(tmp_path), "--name", "killed"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    run_dir = str(tmp_path / "killed")
+    deadline = time.monotonic() + 120
+    while checkpoint.latest_round(run_dir) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, 0.3))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.read_status(run_dir)["status"] == "running"  # killed mid-run: nobody wrote otherwise
+    assert checkpoint.latest_round(run_dir) >= 1
+
+    assert main(["run", "--resume", run_dir]) == 0
+    assert _without_wall_clock(_strict(os.path.join(run_dir, "metrics.jsonl"))) == \
+        _without_wall_clock(_strict(os.path.join(base["run_dir"], "metrics.jsonl")))
+    resumed = fresh(compiled, "unused", "unused")
+    checkpoint.restore(run_dir, resumed)  # the final checkpoint: the resumed run's final state
+    assert resumed.progress == base_progress and resumed.progress["round"] == ROUNDS
+    _same_state(resumed.state, base_state)
+    assert checkpoint.read_status(run_dir)["status"] == "complete"
+
+
+def test_cli_sigint_at_any_moment_exits_130_and_says_what_was_kept(tmp_path, capsys):
+    before = signal.getsignal(signal.SIGINT)  # pytest's, or SIG_IGN in some xdist workers
+    timer = threading.Timer(random.Random(5).uniform(0.5, 3.0), os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        # Far more rounds than fit before the signal (a warm compilation cache runs ~50 rounds/s).
+        code = main(CLI + ["--rounds", "5000", "--out", str(tmp_path), "--name", "int"])
+    finally:
+        timer.cancel()
+    assert code == 130
+    assert signal.getsignal(signal.SIGINT) is before  # handlers are given back
+    err = capsys.readouterr().err
+    run_dir = str(tmp_path / "int")
+    status = _strict(os.path.join(run_dir, "status.json"))[0]
+    assert status["status"] == "interrupted" and status["round"] < 5000
+    assert status["checkpoint_round"] == status["round"] == checkpoint.latest_round(run_dir)
+    assert f"checkpoint of round {status['round']}" in err and "--resume" in err
+    assert _strict(os.path.join(run_dir, "summary.json"))[0]["rounds"] == status["round"]
+
+
+def test_divergence_is_status_diverged_and_exit_1(tmp_path, capsys):
+    # Client learning rate 30 on the tiny MLP: rounds 1 and 2 stay finite, round 3 does not.
+    code = main(CLI + ["--lr", "30", "--momentum", "0", "--checkpoint-every", "1", "--out", str(tmp_path),
+                       "--name", "nan"])
+    assert code == 1
+    assert "diverged: round 3" in capsys.readouterr().err
+    status = _strict(os.path.join(tmp_path, "nan", "status.json"))[0]
+    assert status["status"] == "diverged" and status["round"] == status["checkpoint_round"] == 2
+    assert status["message"].endswith("the checkpoint of round 2 is kept.")
+    assert checkpoint.latest_round(str(tmp_path / "nan")) == 2
+    summary = _strict(os.path.join(tmp_path, "nan", "summary.json"))[0]
+    assert summary["status"] == "diverged" and summary["rounds"] == status["round"]
+
+
+def test_an_error_is_status_failed_and_raised(compiled, tmp_path):
+    def boom(record):
+        raise RuntimeError("disk on fire")
+
+    sim = fresh(compiled, tmp_path, "f")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        run(sim.config, sim=sim, on_round=boom)
+    status = checkpoint.read_status(str(tmp_path / "f"))
+    assert status["status"] == "failed" and "RuntimeError: disk on fire" in status["message"]
+    assert status["checkpoint_round"] is None
+
+
+def test_resume_without_a_checkpoint_is_one_sentence(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    assert main(["run", "--resume", str(tmp_path / "empty")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
