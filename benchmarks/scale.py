@@ -94,7 +94,7 @@ def worker(case: str, methods: tuple[str, ...], variant: int | None = None) -> d
         refusal = memory.refusal(on_device, available, where, strategy=str(sim.round.strategy),
                                  cohort_size=config.cohort_size,
                                  stream=sim.streamed_option if engine.stream_refusal(sim.method) is None else None,
-                                 movable_bytes=sim.personal_state_bytes if sim.method.host_client_state else 0,
+                                 movable_bytes=sim.personal_state_bytes if sim.method.capabilities.host_client_state else 0,
                                  move="--client-state disk") if available else None
         rss_built = _rss()
         records = list(sim.rounds())

@@ -10,7 +10,8 @@ The public API is this namespace and three curated subpackages:
   (:class:`Method`, :func:`make_method`, the views and plans, the default pieces);
 * :mod:`fedpartial.methods` — the built-in methods and their catalog (``METHODS``);
 * :mod:`fedpartial.models` — the model zoo and adapters for any Flax module;
-* :mod:`fedpartial.data` — data sources, partitions and cohort packing.
+* :mod:`fedpartial.data` — data sources, partitions and cohort packing;
+* :mod:`fedpartial.masks` — building, combining and counting structured masks (:class:`Mask`).
 
 Everything under ``fedpartial._src`` is private and may change without notice.
 """
@@ -18,8 +19,11 @@ Everything under ``fedpartial._src`` is private and may change without notice.
 from fedpartial._src.core.errors import DivergedError, UserError
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.core.types import (
+    VIEW_FIELDS,
     Batch,
+    Capabilities,
     ClientGroup,
+    ClientOptimizer,
     ClientPlan,
     CohortInfo,
     Holdout,
@@ -30,10 +34,12 @@ from fedpartial._src.core.types import (
     Method,
     MethodContext,
     MethodState,
+    OptimizerSettings,
     PersonalModels,
     RoundView,
     Selection,
     ServerData,
+    client_sgd,
 )
 from fedpartial._src.engine.round import (
     Cohort,
@@ -48,12 +54,15 @@ from fedpartial._src.engine.round import (
 )
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
-from fedpartial._src.core.population import cohort_rows, gather_clients, scatter_clients
+from fedpartial._src.core.population import broadcast_clients, cohort_rows, gather_clients, scatter_clients
 from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained, with_penalty
 from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.catalog import ENTRY_POINT_GROUP
 from fedpartial._src.methods.registry import MethodSpec, Option
 from fedpartial._src.methods.weighting.feddh import reweight
 from fedpartial._src.version import __version__
+
+from fedpartial import data, masks, methods, models  # noqa: E402  (the curated subpackages, after the names they use)
 
 __all__ = [
     # running
@@ -62,12 +71,15 @@ __all__ = [
     "Cohort", "FederatedRound", "ServerState", "Strategy", "debug", "fused", "parse_strategy", "stepwise",
     "streamed",
     # writing a method
-    "Batch", "ClientGroup", "ClientPlan", "CohortInfo", "Holdout", "InitView", "LocalGraph", "LocalStep",
-    "LossAux", "Mask", "Method", "MethodContext", "MethodSpec", "MethodState", "Option", "PersonalModels",
-    "RoundView", "Selection", "ServerData",
-    "cohort_rows", "cross_entropy", "early_stopping", "gather_clients", "make_method", "reweight",
-    "scatter_clients", "upload_trained", "with_penalty",
+    "Batch", "Capabilities", "ClientGroup", "ClientOptimizer", "ClientPlan", "CohortInfo", "ENTRY_POINT_GROUP",
+    "Holdout", "InitView", "LocalGraph", "LocalStep", "LossAux", "Mask", "Method", "MethodContext", "MethodSpec",
+    "MethodState", "Option", "OptimizerSettings", "PersonalModels", "RoundView", "Selection", "ServerData",
+    "VIEW_FIELDS",
+    "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "early_stopping", "gather_clients",
+    "make_method", "reweight", "scatter_clients", "upload_trained", "with_penalty",
     # errors
     "DivergedError", "UserError",
     "__version__",
+    # curated subpackages
+    "data", "masks", "methods", "models",
 ]

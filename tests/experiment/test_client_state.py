@@ -26,7 +26,7 @@ from tests.test_contract import BUILDERS, KEY, build, cohorts
 # Every other method (sub-model masks, MOON's previous models, ...) goes through the same two engine lines
 # (gather at RoundView.client_rows, scatter_clients at cohort_rows): slow, run before a release.
 FAST = ("fedspu+es", "feddyn")
-HOST_METHODS = [n for n in BUILDERS if BUILDERS[n]().host_client_state]
+HOST_METHODS = [n for n in BUILDERS if BUILDERS[n]().capabilities.host_client_state]
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HOST_METHODS]
 
 
@@ -55,7 +55,7 @@ def run_device(r, data):
 def test_the_methods_that_keep_per_client_state_say_whether_it_may_leave_the_device():
     assert {"fedspu", "fedspu+es", "feddrop", "fjord", "hermes", "prunefl", "fedselect", "moon",
             "feddyn"} <= set(HOST_METHODS)
-    assert not get_method("feddh").host_client_state  # its update reads every client's label distribution
+    assert not get_method("feddh").capabilities.host_client_state  # its update reads every client's label distribution
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -102,7 +102,9 @@ def test_model_checks_are_opt_in_for_python_callers():
     RunConfig(method="feddrop", dataset="cifar10", out_dir=None).validate(check_model=True)  # auto: vgg9
 
 
-def test_neuron_methods_are_registered_methods():
+def test_neuron_level_methods_say_so_in_their_capabilities():
+    """The driver refuses residual models from the capability record, not from a list of names."""
     from fedpartial._src.methods.catalog import METHODS
-    from fedpartial._src.experiment.config import NEURON_METHODS
-    assert NEURON_METHODS <= set(METHODS)
+    neuron = {n for n, spec in METHODS.items() if spec.build().capabilities.neuron_masks}
+    assert neuron == {"fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "fedad",
+                      "feddhad"}

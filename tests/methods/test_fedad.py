@@ -298,7 +298,7 @@ def test_flops_and_traffic_count_only_kept_units(mlp, small_data, resample):
 
 def test_fedad_is_registered_with_its_options():
     m = get_method("fedad", rate=0.25, resample="step")
-    assert m.name == "fedad" and m.step_plan is not None and m.needs_execution_times
+    assert m.name == "fedad" and m.step_plan is not None and m.capabilities.needs_execution_times
     assert get_method("feddhad").name == "feddhad"
     with pytest.raises(Exception, match="resample"):
         get_method("fedad", resample="sometimes")

@@ -195,7 +195,7 @@ def test_uniform_degree_leaves_the_wrapped_method_unchanged(mlp, data, fedldf_ru
 def test_wrapped_state_and_personal_models_stay_the_wrapped_methods(mlp):
     """FedSPU + FedDH: FedSPU's [N] personal models and FedDH's (υ, b) side by side, each seen only by its owner."""
     spu, wrapped = fedspu(), reweight(fedspu(), feddh_weighting())
-    assert wrapped.name == "fedspu+feddh" and wrapped.personalised
+    assert wrapped.name == "fedspu+feddh" and wrapped.capabilities.personalised
     ctx = MethodContext(model=mlp, num_clients=6, cohort_size=3)
     g = jax.device_get(mlp.init_variables(KEY))
     view = InitView(global_vars=g, key=KEY, label_counts=EQUAL_JS_COUNTS)

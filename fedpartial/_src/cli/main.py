@@ -32,7 +32,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import METHODS
 from fedpartial._src.methods.registry import boolean
 from fedpartial._src.models.registry import MODELS
-from fedpartial._src.experiment.config import DATASET_SHAPES, DEFAULT_LOCAL_EPOCHS, DEFAULT_MODELS, NEURON_METHODS, RunConfig
+from fedpartial._src.experiment.config import DATASET_SHAPES, DEFAULT_LOCAL_EPOCHS, DEFAULT_MODELS, RunConfig
 
 #: one line per dataset for ``fedpartial list datasets`` (the shape and default model are added)
 DATASET_SUMMARIES = {
@@ -602,7 +602,7 @@ def _capacity(args, console: Console) -> int:
 def _list(args) -> int:
     """One plain line per name (no table: easy to grep)."""
     rows = {
-        "methods": [(n, s.summary + (" [neuron-level: sequential models only]" if n in NEURON_METHODS else ""))
+        "methods": [(n, s.summary + (" [neuron-level: sequential models only]" if s.build().capabilities.neuron_masks else ""))
                     for n, s in METHODS.items()],
         "models": [(n, s.description + ("" if s.sequential else " [residual: no neuron-level methods]"))
                    for n, s in MODELS.items()],

@@ -15,6 +15,7 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     ... per group: prepare once, then local steps ...
     step_plan     (one step)    (ctx, plan, key, step)     -> ClientPlan      e.g. resampled dropout
     objective     (one step)    (ctx, params, LocalStep)   -> (loss, LossAux)
+    transform_grads (one step)  (ctx, grads, LocalStep)    -> grads           e.g. SCAFFOLD's correction
     select        (cohort)      (ctx, RoundView)           -> Selection       upload masks, weights
     ... aggregation (engine) ...
     server_correct (cohort)     (ctx, RoundView)           -> params          optional: e.g. FedNova's step
@@ -23,7 +24,9 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     metrics       (cohort)      (ctx, RoundView)           -> {name: array}   reaches metrics.jsonl
 
 and outside the round ``personal`` (each client's own model) and
-``active_clients`` (who may still be sampled).
+``active_clients`` (who may still be sampled).  What a method needs from the run
+(held-out data, a server set, a sequential model, ...) is one record,
+:class:`Capabilities`, which the driver reads instead of method names.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 import jax
+import optax
 
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.core.structure import ModelStructure
@@ -142,6 +146,44 @@ class PersonalModels(NamedTuple):
     stacked: bool = True
 
 
+class ClientOptimizer(NamedTuple):
+    """The clients' local optimizer: an optax transformation at rate 1 (``direction``) and the rate.
+
+    The engine multiplies every local update by the client's rate in one place
+    (:mod:`fedpartial._src.engine.client`): ``lr`` × the cohort's ``CohortInfo.lr_scale``
+    (replicas that sweep the rate share one round built with ``lr`` 1) × the plan's
+    ``ClientPlan.lr_scale`` (a method's own per-client rates).  A method reads the result as
+    ``LocalStep.lr`` and ``RoundView.client_lr``, never by multiplying scales itself.
+    Build one with :func:`client_sgd`; a plain optax transformation given instead applies its
+    own rate, which the engine then cannot tell a method (``lr`` None).
+    """
+
+    direction: Any  # optax.GradientTransformation at rate 1 (its updates point downhill, unscaled)
+    lr: float | None
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+def client_sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> ClientOptimizer:
+    """SGD with momentum and L2 weight decay (decoupled from the loss) at rate ``lr``.
+
+    The same arithmetic as ``optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(lr, momentum))``
+    bit for bit: ``(-u)·lr`` and ``u·(-lr)`` round alike.
+    """
+    parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+    parts.append(optax.sgd(1.0, momentum=momentum or None))
+    return ClientOptimizer(direction=optax.chain(*parts), lr=float(lr), momentum=float(momentum),
+                           weight_decay=float(weight_decay))
+
+
+class OptimizerSettings(NamedTuple):
+    """The client optimizer's settings a method may read (``MethodContext.client_optimizer``).  The
+    learning rate is not here: it may differ per client and per replica (``LocalStep.lr``)."""
+
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class MethodContext:
     """Static facts a method may use (hashable; never traced)."""
@@ -154,6 +196,8 @@ class MethodContext:
     # The last ``padding`` rows of every cohort are padding clients (never valid) that fill the devices the
     # cohort is split over; ``cohort_size`` counts them.  Client groups put them in their last group.
     padding: int = 0
+    # The client optimizer's momentum and weight decay (None: a plain optax transformation, settings unknown)
+    client_optimizer: OptimizerSettings | None = None
 
     @property
     def structure(self) -> ModelStructure:
@@ -176,12 +220,16 @@ class InitView(NamedTuple):
 
 
 class RoundView(NamedTuple):
-    """Everything a cohort-level hook may read; fields not yet known are None.
+    """What a cohort-level hook reads.  One record for every hook; a field is None where its
+    hook runs before the value exists.  :data:`VIEW_FIELDS` lists, per hook, the fields that
+    can be set (``tests/core/test_views.py`` proves no hook sees more, under every strategy).
 
     ``key`` is the calling hook's own key (plan, select, update and metrics each
-    get a different one).
+    get a different one).  Under the streamed strategy no hook sees ``data``, and
+    ``update`` and ``metrics`` see no ``trained_vars`` or ``start_vars``.
     """
 
+    # ---- every hook --------------------------------------------------------------
     key: jax.Array
     round: jax.Array
     global_vars: dict
@@ -189,19 +237,44 @@ class RoundView(NamedTuple):
     client_state: Any  # the cohort's rows of method_state.clients
     cohort: CohortInfo
     data: Batch  # the cohort's local data [K, S, B, ...]
+    # ---- from summarize on: after local training ---------------------------------------
     plan: ClientPlan | None = None
     trained_vars: dict | None = None  # [K, ...] after local training
+    # ---- from server_correct on: after selection and aggregation ------------------------
     selection: Selection | None = None
+    # ---- update and metrics: after the server optimizer ---------------------------------
     new_global_vars: dict | None = None
-    holdout: Holdout | None = None  # the cohort's validation data, when the run has it
+    # ---- every hook, when the run holds out validation data ------------------------------
+    holdout: Holdout | None = None  # the cohort's validation data
+    # ---- from summarize on -------------------------------------------------------------
     client_loss: jax.Array | None = None  # [K] mean local training loss
     start_vars: dict | None = None  # [K, ...] the model each client started local training from
     client_steps: jax.Array | None = None  # [K] int32 real local steps each client took
+    # ---- from server_correct on ----------------------------------------------------------
     aggregated: dict | None = None  # Σ w m θ / Σ w m (else global), before server_correct and the server optimizer
+    # ---- from select on, when the method has ``summarize`` --------------------------------
     summary: Any = None  # [K, ...] the method's per-client statistic of the trained cohort (``Method.summarize``)
+    # ---- every hook ----------------------------------------------------------------------
     # [K] int32: the cohort's rows of ``method_state.clients`` — its client ids, or 0…K-1 when the round holds
     # only the cohort's rows (per-client state kept off the device); write rows back at these (``scatter_clients``)
     client_rows: jax.Array | None = None
+    # ---- from summarize on, when the client optimizer's rate is known (``ClientOptimizer``) -----
+    # [K] float32 the rate each client trained with: the optimizer's ``lr`` × every ``lr_scale`` (see ClientOptimizer)
+    client_lr: jax.Array | None = None
+
+
+_BEFORE_TRAINING = ("key", "round", "global_vars", "method_state", "client_state", "cohort", "data", "holdout",
+                    "client_rows")
+_TRAINED = _BEFORE_TRAINING + ("plan", "trained_vars", "client_loss", "start_vars", "client_steps", "client_lr")
+#: hook -> the :class:`RoundView` fields that can be set when it runs (the rest are None)
+VIEW_FIELDS: dict[str, frozenset[str]] = {
+    "plan": frozenset(_BEFORE_TRAINING),
+    "summarize": frozenset(_TRAINED),
+    "select": frozenset(_TRAINED + ("summary",)),
+    "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated")),
+    "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars")),
+    "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars")),
+}
 
 
 class LossAux(NamedTuple):
@@ -225,8 +298,12 @@ class LocalStep(NamedTuple):
     index: jax.Array  # the step index
     plan: ClientPlan  # this step's plan (after ``step_plan``)
     global_vars: dict
-    client_state: Any
+    client_state: Any  # this client's rows of the method's per-client state
     forward: Callable[[Any, jax.Array], tuple[jax.Array, dict]]
+    server_state: Any = ()  # the method's server state (``MethodState.server``), e.g. SCAFFOLD's control variate
+    # this client's learning rate (a scalar array: the optimizer's rate × every ``lr_scale``), or None when the
+    # client optimizer is a plain optax transformation whose rate the engine cannot read (see ClientOptimizer)
+    lr: jax.Array | None = None
 
 
 Objective = Callable[[MethodContext, Any, LocalStep], tuple[jax.Array, LossAux]]
@@ -271,57 +348,67 @@ class ClientGroup:
     graph: LocalGraph | None = None
 
 
+class Capabilities(NamedTuple):
+    """What a method needs from a run and which executions it allows — read by the driver and the
+    engine from this record, never from a method's name.
+
+    Attributes:
+      personalised: clients keep their own models (``Method.personal``); runs evaluate each
+        client's model on its held-out data, so they hold data out (default train fraction 0.7).
+      needs_holdout: a hook reads ``RoundView.holdout`` (e.g. early stopping).
+      server_examples_per_class: the server keeps that many training examples of every class
+        (``InitView.server_data``; never a client's).
+      needs_execution_times: ``init`` reads ``InitView.execution_times`` (each device's simulated
+        time for a round of full-model local work, e.g. FedAD's per-device targets).
+      neuron_masks: the method drops single neurons (per-neuron masks wired through the layers),
+        which needs a sequential model (a chain of layers, no residual connections).
+      streamable: whether the streamed strategy (the cohort a chunk of clients at a time) can run
+        the method.  In every case ``plan``, ``select``, ``update`` and ``metrics`` read no ``data``,
+        ``update`` and ``metrics`` no ``trained_vars`` or ``start_vars``, and the method has no
+        ``server_correct``, no client groups and no per-client state.  ``"per_client"``: ``select``'s
+        row ``k`` depends only on client ``k``'s rows (FedAvg).  ``"summary"``: ``select`` reads the
+        whole cohort's ``summary`` but not ``trained_vars`` (FedLDF's top-n); clients that upload
+        anything are trained again (same keys, same results) and aggregated.  None: not streamable.
+      host_client_state: the method reads its per-client state only as the cohort's rows
+        (``RoundView.client_state``) and writes it only at ``RoundView.client_rows``
+        (:func:`~fedpartial._src.core.population.cohort_rows`), so a run may keep the ``[N]`` state on
+        the host or on disk (``--client-state host|disk``); ``personal`` and ``active_clients`` then
+        receive numpy arrays.  False: the state stays on the device.
+    """
+
+    personalised: bool = False
+    needs_holdout: bool = False
+    server_examples_per_class: int = 0
+    needs_execution_times: bool = False
+    neuron_masks: bool = False
+    streamable: str | None = None
+    host_client_state: bool = False
+
+
 class Method(NamedTuple):
-    """A federated method as pure functions (build one with :func:`fedpartial.methods.make_method`).
+    """A federated method: small pure functions (hooks) and one :class:`Capabilities` record.
+    Build one with :func:`fedpartial.make_method`, which fills every hook not given with FedAvg's.
 
-    ``personalised``: clients keep their own models (evaluated per client on held-out
-    data).  ``needs_holdout``: the method reads ``RoundView.holdout``.
-    ``server_examples_per_class``: the server keeps that many training examples of
-    every class (given to ``init`` as :class:`ServerData`; never a client's).
+    Hooks, by phase (the module docstring gives their signatures and order):
 
-    ``server_correct`` (optional): the server step when it is not the plain aggregate
-    (FedNova's normalised averaging, FedDyn's ``h`` correction).  It reads the round
-    with ``RoundView.aggregated`` set and returns new global ``params``, which the
-    server optimizer then treats as it treats the aggregate (pseudo-gradient
-    ``global - params``).  Elements nobody uploaded keep their global value whatever
-    it returns.  Its key is ``fold_in(update's key, 1)``.  None: the aggregate.
+    * **server, once**: ``init``; ``groups`` (how the cohort is split into static client groups);
+      ``adapt_model`` (the model the method trains, made from the one a run names, e.g. MOON's
+      projection head; a model passed to a simulation is used as it is).
+    * **cohort, before training**: ``plan`` (masks, per-client rates).
+    * **one client, local training**: ``client_start``, ``step_plan``, ``objective`` and
+      ``transform_grads`` (each step's gradient before the frozen elements are zeroed, e.g.
+      SCAFFOLD's ``g − c_i + c``).  They see :class:`LocalStep`: the client's own state rows,
+      the method's server state and the client's learning rate.
+    * **cohort, after training**: ``summarize`` (a ``[K, ...]`` per-client statistic read from
+      ``trained_vars``, ``start_vars`` and ``global_vars``, set as ``RoundView.summary`` before
+      ``select``; row ``k`` depends on client ``k``'s rows only); ``select``; ``server_correct``
+      (the server step when it is not the plain aggregate, e.g. FedNova; it returns new global
+      ``params``, which the server optimizer treats as the aggregate; elements nobody uploaded keep
+      their global value; its key is ``fold_in(update's key, 1)``); ``update``; ``metrics``.
+    * **outside the round**: ``personal`` (every client's own model) and ``active_clients`` (who may
+      still be sampled).
 
-    ``needs_execution_times``: the method's ``init`` reads ``InitView.execution_times``
-    (each device's simulated time for a round of full-model local work, e.g. FedAD's
-    per-device dropout targets); a simulation computes them from its device model.
-
-    ``adapt_model`` (optional): the model the method trains, made from the one a run
-    names (MOON adds a projection head); :class:`fedpartial._src.experiment.simulation.Simulation`
-    applies it to the models it builds (a model passed in is used as it is).
-
-    ``summarize`` (optional): a small per-client statistic of the trained cohort,
-    ``[K, ...]`` (FedLDF's ``[K, L]`` layer divergences), read from ``trained_vars``,
-    ``start_vars`` and ``global_vars``; the engine sets ``RoundView.summary`` to it
-    before ``select``.  Row ``k`` must depend on client ``k``'s rows only.
-
-    ``streamable``: whether the streamed strategy (:func:`fedpartial._src.engine.round.streamed`,
-    the cohort a chunk of clients at a time, bounded memory) can run the method.  In
-    every case ``plan``, ``select``, ``update`` and ``metrics`` read no ``data``, and
-    ``update`` and ``metrics`` no ``trained_vars`` or ``start_vars`` (they are None
-    there), there is no ``server_correct``, no client groups and no per-client state:
-
-    * ``"per_client"`` — ``select``'s row ``k`` depends only on client ``k``'s rows
-      (FedAvg's ``n_k`` weights and trained parts): it is called chunk by chunk and
-      the round trains every client once.
-    * ``"summary"`` — ``select`` reads the whole cohort's ``summary`` but not
-      ``trained_vars`` (FedLDF's top-n over the ``[L, K]`` divergences): a first pass
-      trains every chunk and keeps only the summaries; after selection, the clients
-      that upload anything are trained again (same keys: identical results) and
-      aggregated.
-    * None — the method needs the whole cohort at once (every other strategy).
-
-    ``host_client_state``: the method reads its per-client state only as the cohort's
-    rows (``RoundView.client_state``) and writes it back only at ``RoundView.client_rows``
-    (:func:`~fedpartial._src.methods.base.cohort_rows`), so a run may keep the ``[N]`` state
-    on the host or on disk and hand each round just the cohort's rows
-    (``--client-state host|disk``); ``personal`` and ``active_clients`` then receive numpy
-    arrays.  False (e.g. FedDH, whose update reads every client's label distribution):
-    the state stays on the device.
+    Optional hooks are None where the method has no such step.
     """
 
     name: str
@@ -336,12 +423,12 @@ class Method(NamedTuple):
     groups: Callable[[MethodContext], tuple[ClientGroup, ...]] | None
     personal: Callable[[MethodContext, MethodState, dict], PersonalModels]
     active_clients: Callable[[MethodContext, MethodState], jax.Array] | None
-    personalised: bool = False
-    needs_holdout: bool = False
-    server_examples_per_class: int = 0
     server_correct: Callable[[MethodContext, RoundView], Any] | None = None
     adapt_model: Callable[[Model], Model] | None = None
-    needs_execution_times: bool = False
     summarize: Callable[[MethodContext, RoundView], Any] | None = None
-    streamable: str | None = None
-    host_client_state: bool = False
+    transform_grads: Callable[[MethodContext, Any, LocalStep], Any] | None = None
+    capabilities: Capabilities = Capabilities()
+
+    def with_capabilities(self, **changes) -> "Method":
+        """The same method with some capabilities changed (e.g. a wrapper that needs held-out data)."""
+        return self._replace(capabilities=self.capabilities._replace(**changes))

@@ -14,6 +14,13 @@ examples carry no loss, no gradient and no BatchNorm statistics.
 
 Every step has its own key, ``fold_in(client_key, step)``, split in two: one
 for ``Method.step_plan`` and one for the objective (``LocalStep.key``).
+
+**Learning rate.**  This module is the one place a client's rate is applied: the
+optimizer's updates (at rate 1) are multiplied by ``ClientOptimizer.lr`` ×
+``ClientPlan.lr_scale`` (the round has already folded the cohort's ``lr_scale`` into
+the plan).  The same product is the step's ``LocalStep.lr``, so a method that reads
+the rate (SCAFFOLD's control variates) sees exactly the rate that trained the
+client, in a separate run and in a replica of ``--lrs`` alike.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.core.types import (
     Batch,
+    ClientOptimizer,
     ClientPlan,
     LocalGraph,
     LocalStep,
@@ -48,7 +56,7 @@ class LocalState(NamedTuple):
 class ClientFns(NamedTuple):
     init: Any  # (start_vars, optimizer_state=True) -> LocalState (False: opt_state is ())
     prepare: Any  # (start_vars, data [S, B, ...]) -> inputs [S, B, ...]
-    step: Any  # (local, batch, plan, global_vars, client_state, client_key, index) -> LocalState
+    step: Any  # (local, batch, plan, global_vars, client_state, client_key, index, server_state=()) -> LocalState
     final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)
     init_optimizer: Any  # (local without optimizer state) -> local with its fresh optimizer state
 
@@ -70,10 +78,26 @@ def forward_scale(ctx: MethodContext, plan: ClientPlan, params: Any) -> Any | No
     return masks_lib.submodel_scale(ctx.structure, plan.dropout, params, plan.dropout_scale)
 
 
+def as_client_optimizer(optimizer: ClientOptimizer | optax.GradientTransformation) -> ClientOptimizer:
+    """A :class:`ClientOptimizer`; a plain optax transformation applies its own rate (``lr`` None: unknown)."""
+    if isinstance(optimizer, ClientOptimizer):
+        return optimizer
+    return ClientOptimizer(direction=optimizer, lr=None)
+
+
+def update_scale(base_lr: float | None, lr_scale: jax.Array | None) -> jax.Array | None:
+    """What multiplies a client's (or ``[K]`` clients') optimizer updates: ``base_lr`` × ``lr_scale``, either
+    left out when unknown or None; None when both are (a plain optax transformation applies its own rate)."""
+    if base_lr is None:
+        return None if lr_scale is None else jnp.asarray(lr_scale, jnp.float32)
+    lr = jnp.asarray(base_lr, jnp.float32)
+    return lr if lr_scale is None else lr * jnp.asarray(lr_scale, jnp.float32)
+
+
 def make_client_fns(
     ctx: MethodContext,
     method: Method,
-    optimizer: optax.GradientTransformation,
+    optimizer: ClientOptimizer | optax.GradientTransformation,
     *,
     track_batch_stats: bool = True,
     graph: LocalGraph | None = None,
@@ -82,13 +106,16 @@ def make_client_fns(
 
     Args:
       ctx: static model/population facts.
-      method: supplies ``step_plan`` and ``objective``.
-      optimizer: any optax transformation (e.g. SGD with momentum and weight decay).
+      method: supplies ``step_plan``, ``objective`` and ``transform_grads``.
+      optimizer: a :class:`ClientOptimizer` (:func:`~fedpartial._src.core.types.client_sgd`), or any
+        optax transformation, which then applies its own rate (``LocalStep.lr`` is None).
       track_batch_stats: False for the 'static' BatchNorm policy (statistics not
         tracked; batch statistics are used in training).
       graph: the group's local graph (None: the whole model).
     """
     graph = graph or graphs.whole(ctx.model)
+    client_optimizer = as_client_optimizer(optimizer)
+    direction, base_lr = client_optimizer.direction, client_optimizer.lr
 
     def extract_params(tree):
         return graph.extract({"params": tree})["params"]
@@ -99,7 +126,7 @@ def make_client_fns(
         return init_optimizer(local) if optimizer_state else local
 
     def init_optimizer(local: LocalState) -> LocalState:
-        return local._replace(opt_state=optimizer.init(local.variables["params"]))
+        return local._replace(opt_state=direction.init(local.variables["params"]))
 
     def client_prepare(start_vars: dict, data: Batch) -> Batch:
         if graph.prepare is None:
@@ -107,7 +134,7 @@ def make_client_fns(
         return graph.prepare(start_vars, data, not track_batch_stats)
 
     def client_step(local: LocalState, batch: Batch, plan: ClientPlan, global_vars: dict, client_state: Any,
-                    client_key: jax.Array, index: jax.Array) -> LocalState:
+                    client_key: jax.Array, index: jax.Array, server_state: Any = ()) -> LocalState:
         plan_key, loss_key = jax.random.split(jax.random.fold_in(client_key, index))
         if method.step_plan is not None:
             plan = method.step_plan(ctx, plan, plan_key, index)
@@ -122,15 +149,19 @@ def make_client_fns(
             p_fwd = p if scale is None else jax.tree.map(jnp.multiply, p, scale)
             return graph.apply({"params": p_fwd, "batch_stats": stats}, x, True, batch.example_mask)
 
+        rate = update_scale(base_lr, plan.lr_scale)
         step = LocalStep(batch=batch, key=loss_key, index=index, plan=plan, global_vars=global_vars,
-                         client_state=client_state, forward=forward)
+                         client_state=client_state, forward=forward, server_state=server_state,
+                         lr=None if base_lr is None else rate)
         (_, aux), grads = jax.value_and_grad(lambda p: method.objective(ctx, p, step), has_aux=True)(params)
+        if method.transform_grads is not None:  # before the frozen elements are zeroed: they stay frozen
+            grads = method.transform_grads(ctx, grads, step)
         if train_mask is not None:
             elem = extract_params(masks_lib.expand(ctx.structure, train_mask, template))
             grads = jax.tree.map(lambda g, m: jnp.where(m, g, jnp.zeros_like(g)), grads, elem)
-        updates, opt_state = optimizer.update(grads, local.opt_state, params)
-        if plan.lr_scale is not None:  # this client's learning rate over the optimizer's
-            updates = jax.tree.map(lambda u: u * plan.lr_scale.astype(u.dtype), updates)
+        updates, opt_state = direction.update(grads, local.opt_state, params)
+        if rate is not None:  # the one place a client's rate multiplies its updates
+            updates = jax.tree.map(lambda u: u * rate.astype(u.dtype), updates)
         new_params = optax.apply_updates(params, updates)
         if train_mask is not None:
             new_params = jax.tree.map(jnp.where, elem, new_params, params)

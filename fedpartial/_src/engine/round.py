@@ -74,8 +74,10 @@ from fedpartial._src.core import aggregation
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.engine import sharding as sharding_lib
-from fedpartial._src.engine.client import ClientFns, make_client_fns
+from fedpartial._src.engine.client import ClientFns, as_client_optimizer, make_client_fns, update_scale
 from fedpartial._src.core.types import (
+    ClientOptimizer,
+    OptimizerSettings,
     Batch,
     ClientGroup,
     ClientPlan,
@@ -311,6 +313,7 @@ class LocalInputs(NamedTuple):
     plan: ClientPlan  # [size] the group's rows of the plan
     client_state: Any  # [size, ...] the group's rows of the method's per-client state
     client_keys: jax.Array  # [size] typed keys: client k trains with fold_in(train key, id_k)
+    server_state: Any = ()  # the method's server state, which every local step sees (``LocalStep.server_state``)
 
 
 class HookKeys(NamedTuple):
@@ -458,7 +461,7 @@ class FederatedRound:
         *,
         num_clients: int,
         cohort_size: int,
-        client_optimizer: optax.GradientTransformation,
+        client_optimizer: ClientOptimizer | optax.GradientTransformation,
         server_optimizer: optax.GradientTransformation | None = None,
         bn_policy: str = "global",
         strategy: Strategy | None = None,
@@ -480,8 +483,12 @@ class FederatedRound:
                              f"{num_clients}.")
         self.model = model
         self.method = method
+        client_optimizer = as_client_optimizer(client_optimizer)
+        settings = None if client_optimizer.lr is None else OptimizerSettings(client_optimizer.momentum,
+                                                                              client_optimizer.weight_decay)
         self.ctx = MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size,
-                                 rounds=rounds, batch_statistics=bn_policy == "static", padding=padding)
+                                 rounds=rounds, batch_statistics=bn_policy == "static", padding=padding,
+                                 client_optimizer=settings)
         self.client_optimizer = client_optimizer
         self.server_optimizer = server_optimizer or optax.sgd(1.0)
         self.bn_policy = bn_policy
@@ -559,7 +566,7 @@ class FederatedRound:
         if where not in CLIENT_STATES:
             raise ValueError(f"client state {where!r} is unknown; use one of {CLIENT_STATES}.")
         if where == "host" and jax.tree.leaves(self.client_state_shapes()):
-            if not self.method.host_client_state:
+            if not self.method.capabilities.host_client_state:
                 raise UserError(f"method {self.method.name} reads every client's state in its hooks, so its "
                                 "per-client state cannot be kept off the device; keep it on the device.")
             if self.mesh is not None:
@@ -604,7 +611,7 @@ class FederatedRound:
         plan = self._plan(view, keys)
         rows = self._group_slices(self._starts(view, plan), cohort.data, plan, view.client_state,
                                   self._client_keys(keys, cohort))
-        return tuple(LocalInputs(*r) for r in rows)
+        return tuple(LocalInputs(*r, server_state=state.method_state.server) for r in rows)
 
     @property
     def functions(self) -> RoundFunctions:
@@ -721,6 +728,14 @@ class FederatedRound:
         scale = jnp.asarray(view.cohort.lr_scale, jnp.float32)  # a method's own per-client rates compose with it
         return plan._replace(lr_scale=scale if plan.lr_scale is None else plan.lr_scale * scale)
 
+    def _client_lr(self, plan: ClientPlan) -> jax.Array | None:
+        """``[K]`` the rate each client trains with (``RoundView.client_lr``), or None when the client optimizer
+        is a plain optax transformation whose rate is unknown."""
+        if self.client_optimizer.lr is None:
+            return None
+        scale = update_scale(self.client_optimizer.lr, plan.lr_scale)
+        return jnp.broadcast_to(scale, (self.ctx.cohort_size,)) if plan.lr_scale is None else scale
+
     def _client_keys(self, keys: HookKeys, cohort: Cohort) -> jax.Array:
         return jax.vmap(lambda i: jax.random.fold_in(keys.train, i))(jnp.asarray(cohort.info.client_ids))
 
@@ -757,7 +772,7 @@ class FederatedRound:
         finite, trained, losses = _clean_faults(trained, losses, starts)
         view = view._replace(cohort=view.cohort._replace(valid=sent & finite))
         view = view._replace(plan=plan, trained_vars=trained, client_loss=losses, start_vars=starts,
-                             client_steps=steps)
+                             client_steps=steps, client_lr=self._client_lr(plan))
         view = self._summarize(view)
         selection = self._select(view, keys)
         aggregated, received = aggregation.aggregate(
@@ -859,8 +874,8 @@ class FederatedRound:
         for fns, (data, plan_g, cstate, ckeys) in zip(
                 self.clients, self._group_slices(cohort.data, plan, view.client_state, client_keys)):
 
-            def train_group(global_vars, args, fns=fns):
-                train_one = functools.partial(self._train_one, global_vars, fns, num_steps)
+            def train_group(shared, args, fns=fns):
+                train_one = functools.partial(self._train_one, shared, fns, num_steps)
                 if self.strategy.chunk_size is None:
                     return jax.vmap(train_one)(args)
                 return jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size)
@@ -873,20 +888,22 @@ class FederatedRound:
                 train_group = _rows_padded(jax.shard_map(
                     train_group, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(), clients),
                     out_specs=clients, check_vma=False), self.mesh.size)
-            outs.append(train_group(state.variables, args))
+            outs.append(train_group((state.variables, state.method_state.server), args))
         trained, losses, steps = (_concat([o[i] for o in outs]) for i in range(3))
         starts = self._starts(view, plan)  # recomputed, not carried: XLA fuses it into the fault check's select
         return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)
 
-    def _train_one(self, global_vars, fns: ClientFns, num_steps: int, args):
-        """One client's local training from ``global_vars``, steps in ``lax.scan``: ``(trained, loss, steps)``."""
+    def _train_one(self, shared, fns: ClientFns, num_steps: int, args):
+        """One client's local training from ``shared`` (the global variables and the method's server state),
+        steps in ``lax.scan``: ``(trained, loss, steps)``."""
+        global_vars, server_state = shared
         data_k, plan_k, cstate_k, key_k = args
         start = self.method.client_start(self.ctx, global_vars, cstate_k, plan_k)
         inputs = fns.prepare(start, data_k)
 
         def body(local, xs):
             batch, index = xs
-            return fns.step(local, batch, plan_k, global_vars, cstate_k, key_k, index), None
+            return fns.step(local, batch, plan_k, global_vars, cstate_k, key_k, index, server_state), None
 
         local = jax.lax.scan(body, fns.init(start), (inputs, jnp.arange(num_steps)), unroll=self.strategy.unroll)[0]
         return fns.final(local, start)
@@ -940,11 +957,12 @@ class FederatedRound:
             local = data if rows.shape[0] > 1 else jax.tree.map(lambda a: a[None], data)
             trained, losses, steps = jax.vmap(self.clients[0].final)(local, starts)
         else:
-            train_one = functools.partial(self._train_one, state.variables, self.clients[0], data.step_mask.shape[1])
+            train_one = functools.partial(self._train_one, (state.variables, state.method_state.server),
+                                          self.clients[0], data.step_mask.shape[1])
             trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         finite, trained, clean = _clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
-                             client_loss=clean, start_vars=starts, client_steps=steps)
+                             client_loss=clean, start_vars=starts, client_steps=steps, client_lr=self._client_lr(plan))
         return self._summarize(view), losses
 
     def _stream_per_client(self, state, plan, ckeys, rows, info, data, key, sums):
@@ -968,7 +986,7 @@ class FederatedRound:
         keys = hook_keys(self._wrap(key))
         view = self._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         view = view._replace(plan=plan, client_loss=jnp.where(valid, losses, 0.0), client_steps=steps,
-                             summary=summary)
+                             summary=summary, client_lr=self._client_lr(plan))
         selection = self._select(view, keys)
         uploads = (selection.weights > 0) & jnp.any(selection.upload.layers, axis=-1)
         return selection, uploads
@@ -987,7 +1005,8 @@ class FederatedRound:
         keys = hook_keys(self._wrap(key))
         view = self._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         losses = jnp.where(valid, raw, 0.0)  # a failed client's loss is NaN; 0 for the metrics, as fused
-        view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary)
+        view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary,
+                             client_lr=self._client_lr(plan))
         aggregated, received = aggregation.finish_sums(state.variables, sums)
         return self._conclude(state, view, keys, selection, aggregated, received, raw, info.valid)
 
@@ -1029,13 +1048,13 @@ class FederatedRound:
             if inputs is None:
                 inputs = jax.device_put(data if c > 1 else jax.tree.map(lambda a: a[0], data))
             return self._run_steps(0, c if c > 1 else None, data.step_mask, full_step, local,
-                                   (inputs, plan_c, state.variables, cstate_c, key_c))
+                                   (inputs, plan_c, state.variables, cstate_c, key_c, state.method_state.server))
 
         # Each chunk is dispatched only once the one before it has finished (jax.block_until_ready of its
         # result): the next chunk is still packed while the last one trains, but dispatch never runs ahead,
         # which would keep every chunk's packed data alive at once (O(K) memory; measured 0.5 GiB at K = 10k).
         outs = []
-        if self.method.streamable == "per_client":
+        if self.method.capabilities.streamable == "per_client":
             step = self._stream_fn("per_client", self._stream_per_client, donate=(7,))
             for size, rows, chunk_info, data in chunks(np.arange(k)):
                 sums, out = step(state, plan, ckeys, rows, chunk_info, trained(rows, chunk_info, data), key_data,
@@ -1091,7 +1110,7 @@ class FederatedRound:
     def _step_fn(self, group: int, chunk: int | None, full: bool = False):
         """A jitted step over ``chunk`` clients of ``group`` (None: one client, un-vmapped).
 
-        Signature ``(local, data, s, plan, global_vars, client_state, client_key) -> local``.
+        Signature ``(local, data, s, plan, global_vars, client_state, client_key, server_state) -> local``.
         ``full``: the host knows step ``s`` and every example of its batches are real for every client of
         the chunk, so the step and example masks become constant True.  XLA then drops the select that
         keeps padded steps no-ops (one more read and write of the whole local state) and the masked
@@ -1103,15 +1122,15 @@ class FederatedRound:
         if (group, chunk, full) not in self._steps:
             step = self.clients[group].step
 
-            def one_step(local, data, s, plan, global_vars, cstate, ckey_data):
+            def one_step(local, data, s, plan, global_vars, cstate, ckey_data, server_state):
                 self.trace_count += 1
                 batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, s, axis=0, keepdims=False), data)
                 if full:
                     batch = batch._replace(step_mask=jnp.ones((), bool),
                                            example_mask=jnp.ones(batch.example_mask.shape, bool))
-                return step(local, batch, plan, global_vars, cstate, self._wrap(ckey_data), s)
+                return step(local, batch, plan, global_vars, cstate, self._wrap(ckey_data), s, server_state)
 
-            fn = one_step if chunk is None else jax.vmap(one_step, in_axes=(0, 0, None, 0, None, 0, 0))
+            fn = one_step if chunk is None else jax.vmap(one_step, in_axes=(0, 0, None, 0, None, 0, 0, None))
             self._steps[group, chunk, full] = jax.jit(fn, donate_argnums=(0,))
         return self._steps[group, chunk, full]
 
@@ -1155,7 +1174,8 @@ class FederatedRound:
                 local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, rows_in, init_opt)
                 chunk_rows = slice(offset + start, offset + start + size)
                 local_c = self._run_steps(g, batched, step_mask[chunk_rows], full_step[chunk_rows], local_c,
-                                          (data_c, plan_c, state.variables, cstate_c, key_c))
+                                          (data_c, plan_c, state.variables, cstate_c, key_c,
+                                           state.method_state.server))
                 local = _put(batched, start, local, local_c._replace(opt_state=()))
             trained.append(local)
         return cohort, plan, tuple(trained)
@@ -1181,7 +1201,7 @@ class FederatedRound:
                     for s in range(int(np.shape(cohort.data.step_mask)[1])):
                         batch = jax.tree.map(lambda a: a[s], inputs)  # noqa: B023
                         local = fns.step(local, batch, plan_k, state.variables, cstate_k, client_keys[k],
-                                         jnp.asarray(s))
+                                         jnp.asarray(s), state.method_state.server)
                     results.append(local)
                 locals_.append(jax.tree.map(lambda *a: jnp.stack(a), *results))
             return self._finish_round(state, cohort, key, plan, tuple(locals_))
@@ -1189,9 +1209,9 @@ class FederatedRound:
 
 def stream_refusal(method: Method) -> str | None:
     """Why the streamed strategy cannot run ``method`` (one clause), or None when it can."""
-    if method.streamable not in ("per_client", "summary"):
+    if method.capabilities.streamable not in ("per_client", "summary"):
         return f"method {method.name} needs the whole cohort at once, so it cannot be streamed"
-    if method.groups is not None or method.server_correct is not None or method.needs_holdout:
+    if method.groups is not None or method.server_correct is not None or method.capabilities.needs_holdout:
         return f"method {method.name} has client groups, a server correction or held-out data, so it cannot be streamed"
     return None
 

@@ -21,7 +21,7 @@ from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, sources
 from fedpartial._src.engine import round as engine
 from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.methods.catalog import METHODS, get_method
+from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.models import registry
 
 #: Model used when ``model='auto'``.
@@ -48,10 +48,6 @@ _FLAGS = {
     "num_clients": "--clients", "cohort_size": "--cohort", "client_lr": "--lr", "server_lr": "--server-lr",
     "server_optimizer": "--server-opt", "early_stopping": "--es", "out_dir": "--out", "run_name": "--name",
 }
-#: neuron-level methods: their init wires per-neuron masks (``masks.uses_neurons``), which needs a sequential
-#: model.  Kept here so a residual model is refused from the names alone, before any model is built.
-NEURON_METHODS = frozenset({"fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect",
-                            "fedad", "feddhad"})
 #: one example's shape for each dataset whose shape is fixed, so a model that cannot take it is refused
 #: before data is loaded (imdb_reviews' default sequence length; synthetic_text's default is 64)
 DATASET_SHAPES = {
@@ -150,7 +146,7 @@ class RunConfig:
     weight_decay: float = 0.0
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
-    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (see METHODS)
+    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (MethodSpec.options)
     early_stopping: bool = False
     train_fraction: float | None = None
     bn_policy: str = "global"
@@ -190,7 +186,7 @@ class RunConfig:
 
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
-        run cannot use — a neuron-level method (:data:`NEURON_METHODS`) on a residual model, or a model
+        run cannot use — a neuron-level method (``Capabilities.neuron_masks``) on a residual model, or a model
         that cannot take the dataset's known example shape (:data:`DATASET_SHAPES`).  Leave it off when
         the caller brings its own dataset or model, whose shape the names do not tell.
         """
@@ -220,9 +216,10 @@ class RunConfig:
         if self.seed > _MAX_SEED:
             _refuse("seed", self.seed, f"a whole number from 0 to {_MAX_SEED}")
         if not custom_method:
-            if self.method not in METHODS:
-                bad(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}.")
-            spec = METHODS[self.method]
+            try:
+                spec = find_method(self.method)  # built in, installed (entry point) or package.module:factory
+            except UserError as e:
+                bad(f"--{e}")
             for name, value in dict(self.options).items():
                 try:
                     opt = spec.option(name)
@@ -326,7 +323,7 @@ class RunConfig:
         """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
         name = DEFAULT_MODELS.get(self.dataset, "mlp") if self.model == "auto" else self.model
         spec = registry.MODELS[name]
-        if not custom_method and self.method in NEURON_METHODS and not spec.sequential:
+        if not custom_method and not spec.sequential and self.build_method().capabilities.neuron_masks:
             chains = ", ".join(n for n, s in registry.MODELS.items() if s.sequential)
             raise ConfigError(f"--method {self.method} drops single neurons, which needs a sequential model "
                               f"(a chain of layers), but --model {name} has residual connections; choose one "
@@ -360,8 +357,6 @@ class RunConfig:
     def build_method(self) -> Method:
         """The registered method with this configuration's options (before early stopping), and this run's
         values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
-        if self.method not in METHODS:
-            return get_method(self.method)  # the one-sentence error naming the known methods
-        spec = METHODS[self.method]
+        spec = find_method(self.method)  # an unknown name: one sentence naming the known methods
         settings = {name: getattr(self, name) for name in spec.run_settings}
         return spec.factory(**spec.check(dict(self.options)), **settings)

@@ -223,15 +223,23 @@ def attribute(message: str, taken: dict[str, str], path: str) -> str:
 # --- the run record -------------------------------------------------------------------------------------
 
 
+def _spec_or_none(find_method, name: str):
+    """The method's spec, or None for a method object given to a simulation (its name finds nothing)."""
+    try:
+        return find_method(name)
+    except UserError:
+        return None
+
+
 def resolved(config, sim=None):
     """``config`` with every default it leaves open filled in: the method's options, the local epochs in
     effect, and (given the built :class:`~fedpartial._src.experiment.simulation.Simulation`) the model and train fraction."""
-    from fedpartial._src.methods.catalog import METHODS
+    from fedpartial._src.methods.catalog import find_method
     from fedpartial._src.models import registry
 
     changes = {"local_epochs": config.epochs}
-    if config.method in METHODS:
-        spec = METHODS[config.method]
+    spec = _spec_or_none(find_method, config.method)
+    if spec is not None:
         changes["options"] = {o.name: config.options.get(o.name, o.default) for o in spec.options}
     if sim is not None:
         if sim.model.name in registry.MODELS:
@@ -266,8 +274,8 @@ def to_toml(config) -> str:
     Keys are the command-line flags; unset values (None) are left out; method options are written by their
     flags.  Reading it back with ``fedpartial run --config`` gives the same configuration.
     """
-    from fedpartial._src.methods.catalog import METHODS
     from fedpartial._src.experiment.config import _flag
+    from fedpartial._src.methods.catalog import find_method
 
     lines = ["# fedpartial run --config this-file  (keys are the flags of `fedpartial run`)"]
     for field in dataclasses.fields(config):
@@ -278,7 +286,7 @@ def to_toml(config) -> str:
             continue
         lines.append(f"{_flag(field.name)[2:]} = {_toml_value(value)}")
     if config.options:
-        spec = METHODS.get(config.method)
+        spec = _spec_or_none(find_method, config.method)
         lines.append(f"# options of method {config.method}")
         for name, value in config.options.items():
             flag = spec.option(name).cli_flag if spec is not None else "--" + name.replace("_", "-")

@@ -26,7 +26,7 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.core import memory
 from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.core.types import CohortInfo, Holdout, Method, ServerData
+from fedpartial._src.core.types import ClientOptimizer, CohortInfo, Holdout, Method, ServerData, client_sgd
 from fedpartial._src.data import ondevice, packing, sources
 from fedpartial._src.data.partition import partition as split_population
 from fedpartial._src.data.partition import train_holdout_split
@@ -86,13 +86,9 @@ def _distinct_uniform(key: jax.Array, n: int, k: int) -> np.ndarray:
     return np.fromiter(taken, np.int64, count=k)
 
 
-def make_client_optimizer(config: RunConfig) -> optax.GradientTransformation:
-    """SGD with momentum and (decoupled from the loss) L2 weight decay."""
-    parts = []
-    if config.weight_decay:
-        parts.append(optax.add_decayed_weights(config.weight_decay))
-    parts.append(optax.sgd(config.client_lr, momentum=config.momentum or None))
-    return optax.chain(*parts)
+def make_client_optimizer(config: RunConfig) -> ClientOptimizer:
+    """SGD with momentum and (decoupled from the loss) L2 weight decay at the run's client rate."""
+    return client_sgd(config.client_lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 
 def make_server_optimizer(config: RunConfig) -> optax.GradientTransformation:
@@ -187,15 +183,15 @@ class Simulation:
         base = method if method is not None else config.build_method()
         self.train_fraction = config.train_fraction
         if self.train_fraction is None:
-            wants_holdout = base.personalised or base.needs_holdout or config.early_stopping
+            wants_holdout = base.capabilities.personalised or base.capabilities.needs_holdout or config.early_stopping
             self.train_fraction = DEFAULT_TRAIN_FRACTION if wants_holdout else 1.0
         self.method = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
         self.server_data, pool = None, None
-        if self.method.server_examples_per_class:
+        if self.method.capabilities.server_examples_per_class:
             if dataset.natural_partition is not None:
                 raise ConfigError(f"method {self.method.name} needs a server set, which a naturally "
                                   f"partitioned dataset ({dataset.name}) cannot spare.")
-            server = server_examples(dataset.y_train, self.method.server_examples_per_class, config.seed)
+            server = server_examples(dataset.y_train, self.method.capabilities.server_examples_per_class, config.seed)
             self.server_data = ServerData(dataset.x_train[server], dataset.y_train[server])
             pool = np.setdiff1d(np.arange(len(dataset.y_train)), server)
         self.clients = partition_clients(config, dataset, self.train_fraction, pool)
@@ -218,6 +214,10 @@ class Simulation:
             if self.method.adapt_model is not None:  # e.g. MOON's projection head
                 model = self.method.adapt_model(model)
         self.model = model
+        if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
+            raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
+                              f"chain of layers), but model {self.model.name} is not declared sequential; choose "
+                              "a sequential model or a layer-level method.")
         if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
@@ -269,7 +269,7 @@ class Simulation:
         init_key, self.rounds_key = jax.random.split(jax.random.key(config.seed))
         self.devices = config.device_model()  # [N] compute speeds and bandwidths (simulated time)
         self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
-        if self.method.needs_execution_times:  # e.g. FedAD's per-device dropout targets, read by init
+        if self.method.capabilities.needs_execution_times:  # e.g. FedAD's per-device dropout targets, read by init
             self.round.execution_times = self.full_model_times()
         self.state = self.round.init(init_key)
         #: the per-client state kept off the device (``client_state`` host or disk), else None
@@ -291,7 +291,7 @@ class Simulation:
         keep its per-client state off the device); ``device`` when the method keeps none."""
         cfg = self.config
         state_bytes = client_state_lib.tree_bytes(shapes)
-        if cfg.client_state in ("host", "disk") and state_bytes and not self.method.host_client_state:
+        if cfg.client_state in ("host", "disk") and state_bytes and not self.method.capabilities.host_client_state:
             raise ConfigError(f"--client-state {cfg.client_state} is not allowed for --method {self.method.name}: "
                               "it reads every client's state in its hooks; use --client-state device or auto.")
         if state_bytes == 0:
@@ -300,7 +300,7 @@ class Simulation:
         host_free = device_free if where == "RAM" else memory.available_bytes(jax.devices("cpu")[0])[0]
         # (split over several devices the state stays there: the host store feeds one device)
         return client_state_lib.resolve(cfg.client_state, state_bytes,
-                                        can_leave_device=self.method.host_client_state and self.mesh is None,
+                                        can_leave_device=self.method.capabilities.host_client_state and self.mesh is None,
                                         device_free=device_free, host_free=host_free,
                                         platform=jax.devices()[0].platform)
 
@@ -408,7 +408,7 @@ class Simulation:
                                   f"{memory.gib(host)} of RAM is available; use --strategy stream:"
                                   f"{max(1, int(memory.HEADROOM * host // max(est.data / 2 / est.in_flight, 1)))}.")
         movable = 0
-        if self.client_state == "device" and self.method.host_client_state:
+        if self.client_state == "device" and self.method.capabilities.host_client_state:
             movable = client_state_lib.tree_bytes(self.round.client_state_shapes())
         host, _ = memory.available_bytes(jax.devices("cpu")[0])
         move = "--client-state host" if where != "RAM" and host and movable <= memory.HEADROOM * host \

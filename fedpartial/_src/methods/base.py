@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.core.types import (  # noqa: F401  (re-exported: the vocabulary of every method)
     Batch,
+    Capabilities,
     ClientGroup,
     ClientPlan,
     CohortInfo,
@@ -137,36 +138,30 @@ def make_method(
     client_start=start_from_global,
     step_plan=None,
     objective: Objective = cross_entropy,
+    transform_grads=None,
     select=upload_trained,
     update=keep_state,
     metrics=None,
     groups=None,
     personal=global_is_personal,
     active_clients=None,
-    personalised: bool = False,
-    needs_holdout: bool = False,
-    server_examples_per_class: int = 0,
     server_correct=None,
     adapt_model=None,
-    needs_execution_times: bool = False,
     summarize=None,
-    streamable: str | None = None,
-    host_client_state: bool = False,
+    capabilities: Capabilities = Capabilities(),
 ) -> Method:
-    """Builds a :class:`Method`; every piece not given is FedAvg's.
+    """Builds a :class:`Method`; every hook not given is FedAvg's.
 
-    ``step_plan`` None: the plan holds for every local step.  ``metrics`` None: no
-    per-round values of the method's own.  ``groups`` None: the cohort is one group
-    training the whole model.  ``active_clients`` None: every client may always be
-    sampled.  ``server_correct`` None: the server steps to the aggregate.
-    ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
-    no per-client statistic.  ``streamable`` None: the streamed strategy refuses the method.
-    ``host_client_state`` False: the per-client state stays on the device.
+    ``step_plan`` None: the plan holds for every local step.  ``transform_grads`` None: the
+    objective's gradient is used as it is.  ``metrics`` None: no per-round values of the method's
+    own.  ``groups`` None: the cohort is one group training the whole model.  ``active_clients``
+    None: every client may always be sampled.  ``server_correct`` None: the server steps to the
+    aggregate.  ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
+    no per-client statistic.  ``capabilities``: what the method needs from a run and which
+    executions it allows (:class:`Capabilities`; by default none of either).
     """
     return Method(name=name, init=init, plan=plan, client_start=client_start, step_plan=step_plan,
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
-                  personal=personal, active_clients=active_clients, personalised=personalised,
-                  needs_holdout=needs_holdout, server_examples_per_class=server_examples_per_class,
-                  server_correct=server_correct, adapt_model=adapt_model,
-                  needs_execution_times=needs_execution_times, summarize=summarize, streamable=streamable,
-                  host_client_state=host_client_state)
+                  personal=personal, active_clients=active_clients, server_correct=server_correct,
+                  adapt_model=adapt_model, summarize=summarize, transform_grads=transform_grads,
+                  capabilities=capabilities)

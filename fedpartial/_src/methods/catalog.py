@@ -1,7 +1,15 @@
-"""The built-in methods by name: :data:`METHODS` maps each to its self-describing
-:class:`~fedpartial._src.methods.registry.MethodSpec` (factory, options, summary);
-:func:`get_method` builds one with checked options.
+"""Methods by name: :data:`METHODS` maps each built-in one to its self-describing
+:class:`~fedpartial._src.methods.registry.MethodSpec` (factory, options, summary); other packages add
+theirs through the entry-point group :data:`ENTRY_POINT_GROUP`, and any method can be named as
+``package.module:factory``.  :func:`find_method` resolves a name, :func:`get_method` builds one with
+checked options.
 """
+
+import functools
+import importlib
+import inspect
+from importlib import metadata
+from typing import Any, Callable
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import Method
@@ -12,7 +20,7 @@ from fedpartial._src.methods.basic import fednova as _fednova
 from fedpartial._src.methods.basic import fedprox as _fedprox
 from fedpartial._src.methods.basic import moon as _moon
 from fedpartial._src.methods.layerwise import fedldf as _fedldf
-from fedpartial._src.methods.registry import MethodSpec
+from fedpartial._src.methods.registry import MethodSpec, Option, boolean, is_boolean
 from fedpartial._src.methods.submodel import afd as _afd
 from fedpartial._src.methods.submodel import dropout as _dropout
 from fedpartial._src.methods.submodel import feddst as _feddst
@@ -33,8 +41,79 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+#: entry-point group through which other packages offer methods: ``[project.entry-points."fedpartial.methods"]``,
+#: ``name = "package.module:SPEC"`` (a MethodSpec) or ``"package.module:factory"`` (a function returning a Method)
+ENTRY_POINT_GROUP = "fedpartial.methods"
+
+
+def _options_of(factory: Callable) -> tuple[Option, ...]:
+    """A plain factory's keyword arguments with int, float, bool or str defaults, as options (their flags
+    are ``--name``); arguments without such a default are not options."""
+    options = []
+    for param in inspect.signature(factory).parameters.values():
+        default = param.default
+        if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) or default is param.empty:
+            continue
+        kind = type(default)
+        if kind in (int, float, str):
+            options.append(Option(param.name, kind, default, f"{factory.__name__}'s {param.name}"))
+        elif kind is bool:
+            options.append(Option(param.name, boolean, default, f"{factory.__name__}'s {param.name}", is_boolean))
+    return tuple(options)
+
+
+def as_spec(obj: Any, name: str) -> MethodSpec:
+    """``obj`` (a MethodSpec, or a factory returning a Method) as a MethodSpec; ``name`` names it in messages."""
+    if isinstance(obj, MethodSpec):
+        return obj
+    if callable(obj):
+        summary = (inspect.getdoc(obj) or f"{name} (a method from another package)").splitlines()[0]
+        return MethodSpec(name, obj, summary, options=_options_of(obj))
+    raise UserError(f"method {name!r} is a {type(obj).__name__}, not a MethodSpec or a factory returning a Method.")
+
+
+def _load(reference: str) -> Any:
+    """The object ``package.module:attribute`` names; a bad reference is one sentence."""
+    module_name, _, attribute = reference.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"method {reference!r}: module {module_name!r} cannot be imported ({e}).") from None
+    try:
+        return functools.reduce(getattr, attribute.split("."), module)
+    except AttributeError:
+        raise UserError(f"method {reference!r}: module {module_name!r} has no {attribute!r}.") from None
+
+
+def installed_methods() -> dict[str, MethodSpec]:
+    """Methods other packages register under :data:`ENTRY_POINT_GROUP` (a built-in name is never shadowed)."""
+    found = {}
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name not in METHODS and entry.name not in found:
+            found[entry.name] = as_spec(_load(entry.value), entry.name)
+    return found
+
+
+def all_methods() -> dict[str, MethodSpec]:
+    """Every method a name can reach: the built-in ones, then the installed ones."""
+    return {**METHODS, **installed_methods()}
+
+
+def find_method(name: str) -> MethodSpec:
+    """The method ``name`` names: built in, installed (entry point) or ``package.module:attribute``."""
+    if name in METHODS:
+        return METHODS[name]
+    if ":" in name:
+        return as_spec(_load(name), name)
+    installed = installed_methods()
+    if name in installed:
+        return installed[name]
+    known = ", ".join([*METHODS, *installed])
+    raise UserError(f"method {name!r} is unknown; choose one of {known}, or name one of your own as "
+                    "package.module:factory.")
+
+
 def get_method(name: str, **options) -> Method:
-    """Builds a registered method with checked options; bad names or values raise a one-sentence UserError."""
-    if name not in METHODS:
-        raise UserError(f"method {name!r} is unknown; choose one of {', '.join(METHODS)}.")
-    return METHODS[name].build(**options)
+    """Builds a method by name (see :func:`find_method`) with checked options; bad names or values raise a
+    one-sentence UserError."""
+    return find_method(name).build(**options)

@@ -66,6 +66,7 @@ from fedpartial._src.methods.adaptive import importance
 from fedpartial._src.core import masks
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.base import (
+    Capabilities,
     ClientPlan,
     InitView,
     Method,
@@ -264,7 +265,8 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
         return out
 
     return make_method("fedad", init=init, plan=plan, step_plan=step_plan if per_step else None,
-                       select=select, update=update, metrics=metrics, needs_execution_times=True)
+                       select=select, update=update, metrics=metrics,
+                       capabilities=Capabilities(needs_execution_times=True, neuron_masks=True))
 
 
 def feddhad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,

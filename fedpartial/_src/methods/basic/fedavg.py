@@ -6,13 +6,13 @@ Every default piece of :mod:`fedpartial._src.methods.base` *is* FedAvg, so the m
 is just a name.
 """
 
-from fedpartial._src.methods.base import Method, make_method
+from fedpartial._src.methods.base import Capabilities, Method, make_method
 from fedpartial._src.methods.registry import MethodSpec
 
 
 def fedavg() -> Method:
     """FedAvg: full-model local training, ``n_k``-weighted aggregation."""
-    return make_method("fedavg", streamable="per_client")
+    return make_method("fedavg", capabilities=Capabilities(streamable="per_client"))
 
 
 SPEC = MethodSpec("fedavg", fedavg, "Full-model training, n_k-weighted mean (FedOpt with --server-opt).")

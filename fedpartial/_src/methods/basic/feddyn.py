@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import (
+    Capabilities,
     ClientPlan,
     InitView,
     Method,
@@ -132,7 +133,7 @@ def feddyn(alpha: float = 0.01) -> Method:
 
     return make_method("feddyn", init=init, plan=plan, objective=with_penalty(dynamic_term), select=select,
                        update=update, server_correct=server_correct if alpha > 0 else None,
-                       host_client_state=True)
+                       capabilities=Capabilities(host_client_state=True))
 
 
 SPEC = MethodSpec("feddyn", feddyn, "Dynamic regularisation: per-client linear term λ_i and the server's h correction.",

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.base import Method, make_method, with_penalty
+from fedpartial._src.methods.base import Capabilities, Method, make_method, with_penalty
 from fedpartial._src.methods.registry import MethodSpec, Option, at_least
 
 
@@ -23,7 +23,7 @@ def proximal_term(mu: float):
 
 def fedprox(mu: float = 0.01) -> Method:
     """FedProx with proximal coefficient ``mu``."""
-    return make_method("fedprox", objective=with_penalty(proximal_term(mu)), streamable="per_client")
+    return make_method("fedprox", objective=with_penalty(proximal_term(mu)), capabilities=Capabilities(streamable="per_client"))
 
 
 SPEC = MethodSpec("fedprox", fedprox, "FedAvg whose local objective adds μ/2·||w − w_global||².",

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import masked_cross_entropy
 from fedpartial._src.methods.base import (
+    Capabilities,
     InitView,
     LocalStep,
     LossAux,
@@ -132,7 +133,7 @@ def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -
         return heads.with_projection_head(model, dim=projection_dim)
 
     return make_method("moon", init=init, objective=objective, update=update, adapt_model=adapt_model,
-                       host_client_state=True)
+                       capabilities=Capabilities(host_client_state=True))
 
 
 def _positive(v) -> str | None:

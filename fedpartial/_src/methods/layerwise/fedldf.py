@@ -55,6 +55,7 @@ from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods import selection
 from fedpartial._src.methods.base import (
+    Capabilities,
     InitView,
     Method,
     MethodContext,
@@ -129,7 +130,7 @@ def fedldf(n: int = 4) -> Method:
     # The streamed strategy keeps only the [K, L] divergences of the whole cohort, then trains the
     # selected clients again (at most n·L of them) to aggregate their layers.
     return make_method("fedldf", init=init, select=select, metrics=metrics, summarize=summarize,
-                       streamable="summary")
+                       capabilities=Capabilities(streamable="summary"))
 
 
 def random_layers(n: int = 4) -> Method:
@@ -145,7 +146,7 @@ def random_layers(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("random", init=init, select=select, metrics=uploads_per_client, streamable="summary")
+    return make_method("random", init=init, select=select, metrics=uploads_per_client, capabilities=Capabilities(streamable="summary"))
 
 
 def hdfl(n: int = 4) -> Method:
@@ -162,7 +163,7 @@ def hdfl(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client, streamable="summary")
+    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client, capabilities=Capabilities(streamable="summary"))
 
 
 def index_bytes(units: int, kept: int) -> int:

@@ -60,6 +60,7 @@ from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods import selection
 from fedpartial._src.methods.submodel import common as submodel
 from fedpartial._src.methods.base import (
+    Capabilities,
     ClientPlan,
     InitView,
     Method,
@@ -132,7 +133,8 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
                               submodel=masks.from_neurons(ctx.structure, state.clients.neurons))
 
     return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal,
-                       metrics=submodel.active_fraction, personalised=True, host_client_state=True)
+                       metrics=submodel.active_fraction,
+                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
 
 
 # ---- the neuron choices ------------------------------------------------------------

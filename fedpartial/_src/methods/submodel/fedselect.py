@@ -33,6 +33,7 @@ from fedpartial._src.core import masks
 from fedpartial._src.methods import selection
 from fedpartial._src.methods.submodel import common as submodel
 from fedpartial._src.methods.base import (
+    Capabilities,
     ClientPlan,
     InitView,
     Method,
@@ -109,7 +110,8 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
         return PersonalModels(variables=state.clients.variables)
 
     return make_method("fedselect", init=init, plan=plan, client_start=client_start, select=select,
-                       update=update, personal=personal, personalised=True, host_client_state=True)
+                       update=update, personal=personal,
+                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
 
 
 SPEC = MethodSpec("fedselect", fedselect, "A growing personal part: each client keeps its most-changed neurons.", (

@@ -34,6 +34,7 @@ from typing import Sequence
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.methods.submodel import common as submodel
 from fedpartial._src.methods.base import (
+    Capabilities,
     ClientPlan,
     InitView,
     Method,
@@ -73,8 +74,8 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
         return PersonalModels(variables=state.clients)
 
     return make_method("fedspu", init=init, plan=plan, client_start=client_start, update=update,
-                       personal=personal, metrics=submodel.active_fraction, personalised=True,
-                       host_client_state=True)
+                       personal=personal, metrics=submodel.active_fraction,
+                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
 
 
 SPEC = MethodSpec("fedspu", fedspu, "Random active neurons per tier; personal models keep the rest.",

@@ -213,8 +213,10 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
         personal=personal, active_clients=active,
         server_correct=None if method.server_correct is None
         else lambda ctx, view: method.server_correct(ctx, view_of(view, 0)),
-        server_examples_per_class=max(method.server_examples_per_class, weighting.server_examples_per_class),
-        streamable=None)  # the weighting reads every client's trained model and keeps per-client state
+    ).with_capabilities(  # the weighting reads every client's trained model and keeps per-client state
+        server_examples_per_class=max(method.capabilities.server_examples_per_class,
+                                      weighting.server_examples_per_class),
+        streamable=None)
 
 
 # ---- label distributions and the non-IID degree ----------------------------------------------

@@ -1,0 +1,1 @@
+"""Methods written outside fedpartial, on its public API alone (``examples.scaffold``)."""
