@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from fedpartial._src.experiment import records as run_config
+from fedpartial._src.cli import config_file
 from fedpartial._src.cli.main import build_parser, config_from_args, main
+from fedpartial._src.experiment import records as run_record
 from fedpartial._src.experiment.config import RunConfig
 
 SMALL = ["--rounds", "2", "--clients", "6", "--cohort", "3", "--local-steps", "2", "--batch-size", "8",
@@ -25,7 +26,7 @@ def _config(tmp_path, text, argv=()):
     path.write_text(text)
     tokens = ["--config", str(path), *argv]
     args = build_parser().parse_args(["run", *tokens])
-    run_config.merge(args, _run_parser(), tokens, str(path))
+    config_file.merge(args, _run_parser(), tokens, str(path))
     return config_from_args(args)
 
 
@@ -96,23 +97,23 @@ def test_missing_unreadable_and_invalid_files(tmp_path, capsys):
 def test_to_toml_reads_back_as_the_same_config(tmp_path):
     original = RunConfig(method="fjord", rounds=3, local_steps=4, client_lr=0.125, options={"tiers": (0.5, 1.0)},
                          alpha=1e-3, run_name='we"ird', target_accuracy=0.5)
-    text = run_config.to_toml(original)
+    text = run_record.to_toml(original)
     assert "local-epochs" not in text and 'name = "we\\"ird"' in text and "tiers = \"0.5,1.0\"" in text
     assert _config(tmp_path, text) == original
-    full = run_config.resolved(RunConfig(method="fedprox"))
+    full = run_record.resolved(RunConfig(method="fedprox"))
     assert full.options == {"mu": 0.01} and full.local_epochs == 2.0
-    assert _config(tmp_path, run_config.to_toml(full)) == full
+    assert _config(tmp_path, run_record.to_toml(full)) == full
 
 
 def test_metrics_csv_scalars_only_empty_cell_for_nan_and_late_columns(tmp_path):
     path = tmp_path / "metrics.csv"
-    table = run_config.MetricsCSV(str(path))
+    table = run_record.MetricsCSV(str(path))
     table.write({"round": 1, "train_loss": math.nan, "per_client": [1, 2], "ok": True})
     assert path.read_text().splitlines() == ["round,train_loss,ok", "1,,1"]
     table.write({"round": 2, "train_loss": 0.5, "per_client": [3, 4], "ok": False, "test_accuracy": 0.25})
     table.close()
     assert path.read_text().splitlines() == ["round,train_loss,ok,test_accuracy", "1,,1,", "2,0.5,0,0.25"]
-    resumed = run_config.MetricsCSV(str(path), [{"round": 1, "x": 2.0}])  # a resumed run rewrites its rounds
+    resumed = run_record.MetricsCSV(str(path), [{"round": 1, "x": 2.0}])  # a resumed run rewrites its rounds
     resumed.close()
     assert path.read_text().splitlines() == ["round,x", "1,2.0"]
 
@@ -151,4 +152,4 @@ def test_run_record_reproduces_and_progress_modes(tmp_path, capsys):
     assert _metrics(tmp_path / "b") == records  # same seed and config: the same metrics
     again = json.loads((tmp_path / "b" / "config.json").read_text())
     assert {**again, "run_name": "a"} == config
-    assert dataclasses.asdict(run_config.resolved(RunConfig(**config))) == config
+    assert dataclasses.asdict(run_record.resolved(RunConfig(**config))) == config

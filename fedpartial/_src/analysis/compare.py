@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.catalog import METHODS
+from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import load_run, method_curves, parse_distinct, table, write_table
 
@@ -46,8 +46,10 @@ def parse_methods(text: str) -> list[str]:
         raise UserError(f"--methods {text!r} is not allowed: it must be method names separated by commas, "
                         f"e.g. fedavg,fedldf.")
     for name in names:
-        if name not in METHODS:
-            raise UserError(f"--methods names {name!r}, which is unknown; choose from {', '.join(METHODS)}.")
+        try:
+            find_method(name)
+        except UserError as e:
+            raise UserError(f"--methods names {name!r}, which is unknown; {str(e).split('; ', 1)[-1]}") from None
     if len(set(names)) < len(names):
         raise UserError(f"--methods {text!r} names a method twice; name each method once.")
     return names
@@ -79,7 +81,7 @@ def parse_options(pairs: Sequence[str], methods: Sequence[str]) -> dict[str, dic
         if method not in options:
             raise UserError(f"--option {pair!r} is for method {method!r}, which is not in --methods "
                             f"({', '.join(methods)}).")
-        opt = METHODS[method].option(name)  # an unknown name: one sentence listing the method's options
+        opt = find_method(method).option(name)  # an unknown name: one sentence listing the method's options
         try:
             options[method][name] = opt.type(text.strip())
         except (ValueError, UserError):

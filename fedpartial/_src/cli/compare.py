@@ -1,0 +1,73 @@
+"""``fedpartial compare``: several methods on the same partitions and seeds, then a table and figures
+(:mod:`fedpartial._src.analysis.compare`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from fedpartial._src.cli.display import duration, mb
+from fedpartial._src.cli.flags import Formatter, config_from_args
+
+#: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
+NOT_COMPARED = ("help", "method", "seed", "seeds", "lrs", "server_lrs", "out", "name", "resume",
+                "checkpoint_every")
+
+
+def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``compare`` takes every ``run`` flag common to all methods (the same argparse actions, so they stay in
+    step with ``run``) except :data:`NOT_COMPARED` and the per-method option flags, which become
+    ``--option METHOD:NAME=VALUE``."""
+    compare = subparsers.add_parser(
+        "compare", help="several methods on the same partitions and seeds: table and figures",
+        formatter_class=Formatter)
+    compare.add_argument("--methods", required=True,
+                         help="methods, comma-separated, e.g. fedavg,fedldf,fedspu (required, no default)")
+    compare.add_argument("--seeds", default="0", help="seeds, comma-separated, e.g. 0,1,2")
+    compare.add_argument("--option", action="append", default=[], metavar="METHOD:NAME=VALUE",
+                         help="a method's option, e.g. fedldf:n=2 (repeat for more; others keep their defaults)")
+    compare.add_argument("--out", default=None,
+                         help="a new or empty directory for the runs, table and figures "
+                              "(default: runs/compare-YYYYmmdd-HHMMSS)")
+    # The same action objects in matching groups, as argparse's ``parents`` does (which cannot leave some out).
+    exclusive = {}
+    for group in run._mutually_exclusive_groups:
+        twin = compare.add_mutually_exclusive_group(required=group.required)
+        exclusive.update({id(action): twin for action in group._group_actions})
+    groups = {id(run._positionals): compare._positionals, id(run._optionals): compare._optionals}
+    for group in run._action_groups:
+        kept = [a for a in group._group_actions if a.dest not in NOT_COMPARED and not a.dest.startswith("option:")]
+        target = groups.get(id(group)) or (compare.add_argument_group(group.title, group.description) if kept
+                                           else None)
+        for action in kept:
+            exclusive.get(id(action), target)._add_action(action)
+    return compare
+
+
+def handle(args, console: Console, argv: list[str] | None = None) -> int:
+    """``fedpartial compare``."""
+    from fedpartial._src.analysis import compare
+    from fedpartial._src.experiment import summaries
+
+    methods = compare.parse_methods(args.methods)
+    seeds = compare.parse_seeds(args.seeds)
+    options = compare.parse_options(args.option, methods)
+    out_dir = compare.fresh_out_dir(args.out)
+    args = argparse.Namespace(**{**vars(args), "method": methods[0], "seed": seeds[0], "out": out_dir,
+                                 "name": None, "record_decisions": getattr(args, "record_decisions", False)})
+    base = config_from_args(args)
+    compare.plan(base, methods, seeds, options, out_dir)  # every bad value before any run
+    total = len(methods) * len(seeds)
+    console.print(f"comparing {', '.join(methods)} on seeds {', '.join(map(str, seeds))}: {total} runs "
+                  f"in {out_dir}")
+
+    def on_run(i, config, result):
+        console.print(f"  {i + 1}/{total} {config.method} seed {config.seed}: final accuracy "
+                      f"{result['final_test_accuracy']:.4f}, upload {mb(result['total_upload_bytes'])}, "
+                      f"simulated {duration(result['total_simulated_time_s'])}")
+
+    done = compare.compare(base, methods, seeds, options, out_dir, on_run=on_run)
+    print(summaries.table_markdown(done["rows"]), end="")
+    console.print(f"table: {', '.join(done['table_files'])}; figures: {out_dir}")
+    return 0

@@ -1,0 +1,229 @@
+"""``fedpartial run``: one federated simulation, or replicas of it (``--seeds``, ``--lrs``, ``--server-lrs``)
+run as one; ``--config FILE.toml`` reads the flags from a file (:mod:`fedpartial._src.cli.config_file`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from fedpartial._src.cli.display import duration, mb
+from fedpartial._src.cli.flags import Formatter, Parser, add_run_flags, config_from_args
+from fedpartial._src.core.errors import UserError
+
+
+def add_parser(subparsers, specs=None) -> argparse.ArgumentParser:
+    """The ``run`` subcommand and its flags; returns its parser (``compare`` takes most of its flags).
+    ``specs``: the methods whose options become flags (default: the built-in and installed ones)."""
+    run = subparsers.add_parser("run", help="run a federated simulation", formatter_class=Formatter,
+                         epilog="A --config file holds run flags as TOML keys without the leading -- (- or _ "
+                                "alike), method options included, e.g. method = \"fedldf\", rounds = 20, lr = 0.05, "
+                                "n = 4, es = true; flags given on the command line win.  A run directory holds "
+                                "config.toml to repeat the run: fedpartial run --config RUN_DIR/config.toml")
+    add_run_flags(run, specs)
+    return run
+
+
+def _run_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[str]]:
+    """A fresh ``run`` parser (as ``fedpartial``'s own) and the tokens given after ``run`` on the command line."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    subparsers = Parser(prog="fedpartial").add_subparsers(parser_class=Parser)
+    return add_parser(subparsers), tokens[tokens.index("run") + 1:]
+
+
+def handle(args, console: Console, argv: list[str] | None = None) -> int:
+    """``fedpartial run``: ``argv`` is the command line as given (None: ``sys.argv[1:]``), for ``--config``."""
+    from fedpartial._src.cli import config_file  # tomllib only when a run starts, as before
+    from fedpartial._src.experiment import checkpoint
+
+    args.from_file = {}  # flag -> key of the values the --config file gave, so messages name the file's key
+    if args.config is not None:
+        if args.resume is not None:
+            raise UserError("--config cannot be combined with --resume: a resumed run keeps its own config.json.")
+        args.from_file = config_file.merge(args, *_run_flags(argv), args.config)
+    if _replicas_asked(args):  # --seed / --lr / --server-lr on the command line conflict
+        given = config_file.given_on_command_line(*_run_flags(argv))  # (a config file's values are replaced)
+        args.seed_given, args.lr_given, args.server_lr_given = ("seed" in given, "lr" in given,
+                                                                "server_lr" in given)
+    try:
+        return _run_checked(args, console, checkpoint)
+    except UserError as e:
+        if not args.from_file or checkpoint.is_diverged(e):
+            raise
+        raise UserError(config_file.attribute(str(e).strip(), args.from_file, args.config)) from None
+
+
+def _run_checked(args, console: Console, checkpoint) -> int:
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UserError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}.")
+    # Signals from here on only set a flag: the run stops between rounds, never inside JAX.
+    with checkpoint.StopFlag() as stop:
+        return _run_stoppable(args, console, stop)
+
+
+def _join_processes(args) -> None:
+    """``jax.distributed.initialize`` when --coordinator, --num-processes and --process-id are given (all or none)."""
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    if all(v is None for v in given.values()):
+        return
+    missing = [flag for flag, v in given.items() if v is None]
+    if missing:
+        raise UserError(f"a run over several processes needs --coordinator, --num-processes and --process-id; "
+                        f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing.")
+    if args.num_processes < 1:
+        raise UserError(f"--num-processes {args.num_processes} is not allowed: it must be a whole number ≥ 1.")
+    if not args.process_id < args.num_processes:
+        raise UserError(f"--process-id {args.process_id} is not allowed: it must be between 0 and "
+                        f"{args.num_processes - 1} (--num-processes {args.num_processes}).")
+    import jax
+
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _run_stoppable(args, console: Console, stop) -> int:
+    from fedpartial._src.experiment import simulation
+
+    _join_processes(args)  # before anything touches a JAX backend
+    if _replicas_asked(args):
+        return _run_seeds(args, console, stop)
+    if args.resume is not None:
+        config = simulation.load_config(args.resume)
+    else:
+        config = config_from_args(args)
+    config.validate(check_model=True)  # every bad value, path and combination before any set-up
+    t0 = time.perf_counter()
+    sim = simulation.Simulation(config)  # data and model errors surface before the progress bar
+    # Progress: a live rich line on a terminal; otherwise plain lines (one per round, at most ~50 in all,
+    # and always the last round) so logs stay readable; --quiet: nothing but the run directory at the end.
+    live = not args.quiet and console.is_terminal
+    progress = Progress(
+        TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+        TextColumn("acc {task.fields[acc]}"), TextColumn("loss {task.fields[loss]}"),
+        TextColumn("traffic {task.fields[traffic]}"), TextColumn("{task.fields[rate]} rounds/s"),
+        TextColumn("ETA {task.fields[eta]}"),
+        console=console, transient=False,
+    ) if live else None
+    every = max(1, math.ceil(config.rounds / 50))
+    shown = {"acc": "–", "start": None}
+
+    def on_round(r):
+        if shown["start"] is None:  # a resumed run starts at its checkpoint: rates count this session's rounds
+            shown["start"] = r["round"] - 1
+        if "test_accuracy" in r:
+            shown["acc"] = f"{r['test_accuracy']:.4f}"
+        shown["wall"] = shown.get("wall", 0.0) + r.get("wall_time_s", 0.0)  # each record times its own round
+        rate = (r["round"] - shown["start"]) / shown["wall"] if shown["wall"] > 0 else math.nan
+        fields = dict(acc=shown["acc"], loss=f"{r['train_loss']:.3f}",
+                      traffic=mb(r["cumulative_upload_bytes"] + r["cumulative_download_bytes"]),
+                      rate=f"{rate:.2f}" if math.isfinite(rate) else "–",
+                      eta=duration((config.rounds - r["round"]) / rate) if math.isfinite(rate) and rate > 0 else "–")
+        if progress is not None:
+            progress.update(task, completed=r["round"], **fields)
+        elif not args.quiet and (r["round"] % every == 0 or r["round"] == config.rounds):
+            print(f"round {r['round']}/{config.rounds}  acc {fields['acc']}  loss {fields['loss']}  "
+                  f"traffic {fields['traffic']}  {fields['rate']} rounds/s  ETA {fields['eta']}", flush=True)
+
+    with progress if progress is not None else contextlib.nullcontext():
+        if progress is not None:
+            task = progress.add_task("run", total=config.rounds, acc="–", loss="–", traffic="0 MB", rate="–",
+                                     eta="–")
+        summary = simulation.run(config, on_round=on_round, sim=sim, checkpoint_every=args.checkpoint_every,
+                                 resume=args.resume, stop=stop)
+    summary["wall_time_s"] = time.perf_counter() - t0
+    if args.quiet:
+        print(summary["run_dir"], flush=True)
+        return 0
+    table = Table(title=f"fedpartial {config.method} on {summary['dataset']}", show_header=False)
+    rows = [
+        ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
+        ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
+        ("strategy", f"{summary['strategy']} on {summary['backend']}, data on the {summary['data_placement']}"
+                     + (f" ({summary['strategy_note']})" if "strategy_note" in summary else "")
+                     + ("" if summary.get("client_state", "device") == "device"
+                        else f", clients' state on the {summary['client_state']}")),
+        ("rounds", str(summary["rounds"])
+         + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
+        ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
+        ("best test accuracy", f"{summary['best_test_accuracy']:.4f}"),
+        ("final test loss", f"{summary['final_test_loss']:.4f}"),
+        *([("personal accuracy (mean ± std over clients)",
+             f"{summary['final_personal_accuracy']:.4f} ± {summary['final_personal_accuracy_std']:.4f}"),
+            ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),
+            ("personal state", mb(summary["personal_state_bytes"]))]
+          if "final_personal_accuracy" in summary else []),
+        ("upload / download", f"{mb(summary['total_upload_bytes'])} / {mb(summary['total_download_bytes'])}"),
+        ("simulated device time", (f"{duration(summary['total_simulated_time_s'])} "
+                                   f"({summary['total_client_flops'] / 1e9:,.2f} GFLOPs of local work)")),
+        *([(f"time to {config.target_accuracy:g} test accuracy",
+            f"{duration(summary['time_to_target_s'])} (round {summary['round_to_target']})"
+            if summary["time_to_target_s"] is not None else f"not reached in {summary['rounds']} rounds")]
+          if config.target_accuracy is not None else []),
+        ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s)"),
+        ("results", str(summary["run_dir"])),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    return 0
+
+
+def _replicas_asked(args) -> bool:
+    return any(getattr(args, name, None) is not None for name in ("seeds", "lrs", "server_lrs"))
+
+
+def _run_seeds(args, console: Console, stop) -> int:
+    """``fedpartial run --seeds`` / ``--lrs`` / ``--server-lrs``: the replicas as one simulation
+    (:mod:`fedpartial._src.experiment.replicas`)."""
+    from fedpartial._src.analysis import compare
+    from fedpartial._src.experiment import replicas
+
+    flag = "--seeds" if args.seeds is not None else "--lrs" if args.lrs is not None else "--server-lrs"
+    seeds = compare.parse_seeds(args.seeds) if args.seeds is not None else [args.seed]
+    lrs = replicas.parse_lrs(args.lrs) if args.lrs is not None else None
+    server_lrs = replicas.parse_lrs(args.server_lrs, "--server-lrs") if args.server_lrs is not None else None
+    if args.resume is not None:
+        raise UserError(f"{flag} cannot be combined with --resume; resume each replica's run folder on its own "
+                        "(fedpartial run --resume RUN_DIR).")
+    if args.seeds is not None and getattr(args, "seed_given", False):
+        raise UserError("--seeds cannot be combined with --seed; give every seed in --seeds.")
+    if lrs is not None and getattr(args, "lr_given", False):
+        raise UserError("--lrs cannot be combined with --lr; give every learning rate in --lrs.")
+    if server_lrs is not None and getattr(args, "server_lr_given", False):
+        raise UserError("--server-lrs cannot be combined with --server-lr; give every server learning rate in "
+                        "--server-lrs.")
+    config = config_from_args(args)
+    config.validate(check_model=True)
+    replicas.replica_strategy(config.strategy)
+    every = max(1, math.ceil(config.rounds / 50))
+
+    def on_round(t, records):
+        shown = [r for r in records if r is not None]
+        if args.quiet or not shown or not ((t + 1) % every == 0 or t + 1 == config.rounds):
+            return
+        accs = [f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "–" for r in shown]
+        print(f"round {t + 1}/{config.rounds}  acc {' '.join(accs)}  "
+              f"{len(shown)} of {len(records)} replicas running", flush=True)
+
+    done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every,
+                              lrs=lrs, server_lrs=server_lrs)
+    failed = [(os.path.basename(r["run_dir"] or "?"), r) for r in done["results"] if r["status"] != "complete"]
+    if args.quiet:
+        print(done["out_dir"], flush=True)
+    else:
+        if done["out_dir"]:
+            with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
+                print(f.read(), end="")
+        console.print(f"replica axis {done['replica_axis']}, data on the {done['data_placement']}"
+                      + (f" ({done['note']})" if done["note"] else ""), markup=False)
+        for name, r in failed:
+            console.print(f"{name}: {r['status']} ({r['run_dir']})")
+        console.print(f"results: {done['out_dir']}")
+    return 1 if failed else 0
