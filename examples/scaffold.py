@@ -50,8 +50,8 @@ def scaffold() -> fp.Method:
         valid = view.cohort.valid
         k_lr = jnp.maximum(view.client_steps, 1) * view.client_lr  # [K]: K_i · η_i
 
-        def new_row(c_i, c, x, y):
-            return c_i - c + (x - y) / k_lr.reshape((-1,) + (1,) * (y.ndim - 1))
+        def new_row(c_i, c, x, y):  # [K, ...] rows from the [...] server values
+            return c_i - c[None] + (x[None] - y) / k_lr.reshape((-1,) + (1,) * (y.ndim - 1))
 
         rows = jax.tree.map(new_row, view.client_state, view.method_state.server, view.global_vars["params"],
                             view.trained_vars["params"])

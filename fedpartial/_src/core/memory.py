@@ -69,7 +69,7 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
     shapes = jax.eval_shape(fr.pure_init, jax.random.key(0))
     model = tree_bytes(shapes.variables)
     params = tree_bytes(shapes.variables["params"])
-    client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.init, shapes.variables["params"]))
+    client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.direction.init, shapes.variables["params"]))
     state = tree_bytes(shapes)  # model, optimizer and method state, round counter
     cohort_rows = 0
     if getattr(fr, "client_state", "device") == "host":  # only the cohort's rows reach the device, for the round

@@ -660,7 +660,8 @@ def step_costs(fr, cohort, state=None, *, compiled: bool = True) -> tuple[GroupC
                                    graph=group.graph or graphs.whole(fr.model)).step
             plan = plan._replace(dropout=None, dropout_scale=None)
         batch = _row(data)
-        cost = xla_costs(step, local, batch, plan, global_vars, cstate, ckey, index, compiled=compiled)
+        cost = xla_costs(step, local, batch, plan, global_vars, cstate, ckey, index, li.server_state,
+                         compiled=compiled)
         step_flops, step_peak, source = cost.flops, cost.peak_bytes, cost.source
         if not compiled:
             step_flops, source = cost.lowered_flops, "lowered"
@@ -670,7 +671,8 @@ def step_costs(fr, cohort, state=None, *, compiled: bool = True) -> tuple[GroupC
             # example (lowered only, no compilation) splits the two; the compiled count is
             # split in the same proportion.
             one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) if a.ndim else a, batch)
-            single = xla_costs(step, local, one, plan, global_vars, cstate, ckey, index, compiled=False).lowered_flops
+            single = xla_costs(step, local, one, plan, global_vars, cstate, ckey, index, li.server_state,
+                              compiled=False).lowered_flops
             fixed_lowered = single - (cost.lowered_flops - single) / (batch_size - 1)
             fixed = step_flops * min(max(fixed_lowered, 0.0) / cost.lowered_flops, 1.0)
         step_layers, prepare_layers = _graph_layers(fr, group, global_vars)

@@ -354,6 +354,16 @@ class RunConfig:
             return DEFAULT_LOCAL_EPOCHS
         return self.local_epochs
 
+    @property
+    def method_name(self) -> str:
+        """The method's own name, for run folders: ``package.module:factory`` gives the name its spec declares."""
+        if ":" not in self.method:
+            return self.method
+        try:
+            return find_method(self.method).name
+        except UserError:
+            return self.method
+
     def build_method(self) -> Method:
         """The registered method with this configuration's options (before early stopping), and this run's
         values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""

@@ -111,7 +111,7 @@ def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] |
     tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
     rates = "" if lrs is None else "-lrs" + "_".join(map(repr, lrs))
     rates += "" if server_lrs is None else "-slrs" + "_".join(map(repr, server_lrs))
-    return f"{config.method}-{config.dataset}-seeds{tag}{rates}"
+    return f"{config.method_name}-{config.dataset}-seeds{tag}{rates}"
 
 
 def _rate(part: str) -> float | None:
@@ -149,7 +149,7 @@ def replica_run_name(config: RunConfig, setting: Setting) -> str | None:
     name) for a seed alone."""
     if setting.lr is None and setting.server_lr is None:
         return None
-    return (f"{config.method}-{config.dataset}-seed{setting.seed}"
+    return (f"{config.method_name}-{config.dataset}-seed{setting.seed}"
             + ("" if setting.lr is None else f"-lr{setting.lr!r}")
             + ("" if setting.server_lr is None else f"-slr{setting.server_lr!r}"))
 

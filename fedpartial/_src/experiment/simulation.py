@@ -162,7 +162,7 @@ class Simulation:
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
                  method: Method | None = None, model: Model | None = None,
-                 client_optimizer: optax.GradientTransformation | None = None,
+                 client_optimizer: ClientOptimizer | optax.GradientTransformation | None = None,
                  server_optimizer: optax.GradientTransformation | None = None, check_memory: bool = True,
                  data_placement: str | None = None):
         if method is not None:
@@ -813,7 +813,7 @@ class RunWriter:
         elif config.out_dir:
             from fedpartial._src.experiment import records as run_record
 
-            name = config.run_name or f"{config.method}-{config.dataset}-seed{config.seed}"
+            name = config.run_name or f"{config.method_name}-{config.dataset}-seed{config.seed}"
             self.run_dir = unique_run_dir(config.out_dir, name)
             # Every value resolved (method options, local epochs, model, train fraction), so the run can be
             # repeated from config.json or config.toml alone; environment.json says what it ran on.
