@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core import aggregation
-from fedpartial._src.costs import devices
+from fedpartial._src.costs import flops
 from fedpartial._src.engine import round as engine
 from fedpartial._src.experiment import evaluation
 from fedpartial._src.core import memory
@@ -427,8 +427,8 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
         phases = {}
         try:
             phases = measure_phases(rnd, state, cohort, phase_key, test_data[shape], repeats=1)
-            phases["round_flops"] = devices.xla_costs(rnd.pure_round, state, cohort, phase_key,
-                                                      compiled=False).flops
+            phases["round_flops"] = flops.xla_costs(rnd.pure_round, state, cohort, phase_key,
+                                                    compiled=False).flops
         except Exception as e:  # noqa: BLE001
             phases["error"] = f"{type(e).__name__}: {e}"
         record["phases"][method_name] = phases
