@@ -63,6 +63,7 @@ __all__ = [
     "MLP",
     "VGG9",
     "LeNet5",
+    "check_width_ratio",
     "narrow_units",
     "narrowed",
     "stage_range",
@@ -467,6 +468,17 @@ def narrow_units(ratio: float, units: int) -> int:
     return max(1, math.ceil(round(ratio * units, 9)))
 
 
+def check_width_ratio(ratio) -> float:
+    """``ratio`` if it is a width ratio, a number in (0, 1].
+
+    Raises:
+      UserError: anything else (one sentence).
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
+        raise UserError(f"width ratio {ratio!r} must be a number in (0, 1].")
+    return ratio
+
+
 def narrowed(module: nn.Module, ratio: float, *, scaler: bool = True) -> nn.Module:
     """``module`` with ``⌈ratio·C⌉`` channels/units in every hidden layer (width reduction).
 
@@ -478,8 +490,7 @@ def narrowed(module: nn.Module, ratio: float, *, scaler: bool = True) -> nn.Modu
       UserError: ``ratio`` outside (0, 1], or a module without width fields
         (not a zoo model).
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
-        raise UserError(f"width ratio {ratio!r} must be a number in (0, 1].")
+    check_width_ratio(ratio)
     fields = getattr(type(module), "_width_fields", None)
     if fields is None:
         raise UserError(
