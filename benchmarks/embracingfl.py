@@ -185,11 +185,11 @@ def tier_costs(repeats: int = 20) -> list[dict]:
 
 
 def _method_tier_costs(model, method: str, repeats: int) -> list[dict]:
-    """One client of each tier (mix 1,1,1): XLA FLOPs and peak memory (``devices.step_costs``) and the
+    """One client of each tier (mix 1,1,1): XLA FLOPs and peak memory (``flops.step_costs``) and the
     measured time of its compiled local step, each against the strong client's."""
     import optax
 
-    from fedpartial._src.costs import devices
+    from fedpartial._src.costs import flops
     from fedpartial._src.engine import round as engine
     from fedpartial._src.core.types import Batch, CohortInfo
     from fedpartial._src.methods.catalog import get_method
@@ -203,7 +203,7 @@ def _method_tier_costs(model, method: str, repeats: int) -> list[dict]:
                                  np.ones((n, steps), bool)),
                            CohortInfo(np.arange(n, dtype=np.int32), np.full(n, steps * batch, np.float32),
                                       np.ones(n, bool)))
-    costs = devices.step_costs(r, cohort, state)
+    costs = flops.step_costs(r, cohort, state)
     rows = []
     for group, fns, cost, li in zip(r.groups, r.clients, costs, r.local_inputs(state, cohort, jax.random.key(1))):
         one = jax.tree.map(lambda a: a[0], li)

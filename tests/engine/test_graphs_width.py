@@ -15,7 +15,7 @@ from fedpartial._src.core.types import Batch, ClientPlan, MethodContext
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.models.adapter import from_linen, from_stages
-from fedpartial._src.models import zoo
+from fedpartial._src.models import resnet, zoo
 from fedpartial._src.models.registry import build_model, build_narrow_model
 
 KEY = jax.random.key(0, impl="rbg")  # initialises conv nets far faster than threefry on CPU
@@ -23,12 +23,12 @@ KEY = jax.random.key(0, impl="rbg")  # initialises conv nets far faster than thr
 
 def adapt(module, input_shape, num_classes, name):
     return from_linen(module, input_shape=input_shape, num_classes=num_classes,
-                      sequential=not isinstance(module, zoo.ResNet20), name=name)
+                      sequential=not isinstance(module, resnet.ResNet20), name=name)
 
 
 def small_resnet(shortcut="projection"):
     """ResNet20's class at a test size: stem, an identity block (4 channels), a downsampling block (8), head."""
-    return zoo.ResNet20(num_classes=3, shortcut=shortcut, stage_features=(4, 8), blocks_per_stage=1)
+    return resnet.ResNet20(num_classes=3, shortcut=shortcut, stage_features=(4, 8), blocks_per_stage=1)
 
 
 def random_variables(model, seed=1):
@@ -57,8 +57,8 @@ def test_narrowed_keeps_the_leading_ceil_r_c_of_every_hidden_layer():
         (zoo.CNN2C3F(10), 0.1875, {"features": (2, 3), "hidden": (23, 16)}),  # ⌈1.125⌉, ⌈3⌉, ⌈22.5⌉, ⌈15.75⌉
         (zoo.LeNet5(10), 0.5, {"features": (3, 8), "hidden": (60, 42)}),
         (zoo.VGG9(10), 0.25, {"features": (16, 16, 32, 32, 64, 64, 128, 128)}),
-        (zoo.ResNet20(10), 0.4375, {"stage_features": (7, 14, 28), "shortcut_offsets": None}),
-        (zoo.ResNet20(10, shortcut="zeros"), 0.1875, {"stage_features": (3, 6, 12), "shortcut_offsets": (0, 8, 16)}),
+        (resnet.ResNet20(10), 0.4375, {"stage_features": (7, 14, 28), "shortcut_offsets": None}),
+        (resnet.ResNet20(10, shortcut="zeros"), 0.1875, {"stage_features": (3, 6, 12), "shortcut_offsets": (0, 8, 16)}),
         (zoo.FEMNISTCNN(62), 0.01, {"features": (1, 1), "hidden": 21}),
     ]
     for module, ratio, fields in cases:
@@ -68,7 +68,7 @@ def test_narrowed_keeps_the_leading_ceil_r_c_of_every_hidden_layer():
         assert narrow.num_classes == module.num_classes and narrow.train_scale == pytest.approx(1 / ratio)
         assert zoo.narrowed(module, ratio, scaler=False).train_scale == 1.0
     assert zoo.narrowed(zoo.MLP(10), 1.0) == zoo.MLP(10)  # the full width is the model itself
-    assert build_narrow_model("resnet20", 10, (32, 32, 3), 0.4375) == zoo.narrowed(zoo.ResNet20(10), 0.4375)
+    assert build_narrow_model("resnet20", 10, (32, 32, 3), 0.4375) == zoo.narrowed(resnet.ResNet20(10), 0.4375)
     for bad in (0, 1.5, -0.2, True, "0.5"):
         with pytest.raises(UserError, match="must be a number in \\(0, 1\\]"):
             zoo.narrowed(zoo.MLP(10), bad)
@@ -109,7 +109,7 @@ def test_resnet20_width_slicing_keeps_residual_shapes_consistent():
     """The real ResNet20: every block reads the previous block's leading channels, conv1/conv2/shortcut/BN agree.
     (Option-A shortcuts have no variables; their channel alignment is checked by the forward test below.)"""
     shortcut = "projection"
-    module = zoo.ResNet20(10, shortcut=shortcut)
+    module = resnet.ResNet20(10, shortcut=shortcut)
     model = adapt(module, (8, 8, 3), 10, "resnet20")
     for ratio, widths in ((0.4375, (7, 14, 28)), (0.1875, (3, 6, 12))):
         narrow = graphs.narrow_model(model, ratio, module=module)

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from fedpartial._src.costs import footprint as costs
-from fedpartial._src.costs import devices
+from fedpartial._src.costs import flops
 from fedpartial._src.engine import round as engine
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
@@ -599,9 +599,9 @@ def test_feddrop_dense_only_thins_dense_layers_only(conv_dense):
                                       [4 * floats] * 3)
         np.testing.assert_array_equal(plan.extra_download_bytes, [index] * 3)
     # FLOPs: each layer's kernel work is the share (kept inputs/inputs)·(kept outputs/outputs).
-    kernel, _ = devices.kept_shares(conv_dense, got[True][1].dropout)
+    kernel, _ = flops.kept_shares(conv_dense, got[True][1].dropout)
     np.testing.assert_allclose(kernel, np.broadcast_to([1.0, 0.5, 0.5], (3, 3)))
-    kernel, _ = devices.kept_shares(conv_dense, got[False][1].dropout)
+    kernel, _ = flops.kept_shares(conv_dense, got[False][1].dropout)
     np.testing.assert_allclose(kernel, np.broadcast_to([0.5, 0.25, 0.5], (3, 3)))
 
 

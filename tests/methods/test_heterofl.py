@@ -20,7 +20,7 @@ from fedpartial._src.methods.submodel.dropout import fjord
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, capacity_table, heterofl, width_mask
 from fedpartial._src.models.adapter import from_linen
-from fedpartial._src.models import zoo
+from fedpartial._src.models import resnet, zoo
 from fedpartial._src.models.registry import build_model
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
@@ -35,13 +35,13 @@ RATIOS = (1.0, 0.5, 0.25)
 
 def adapt(module, input_shape, num_classes=3, name="m"):
     return from_linen(module, input_shape=input_shape, num_classes=num_classes,
-                      sequential=not isinstance(module, zoo.ResNet20), name=name)
+                      sequential=not isinstance(module, resnet.ResNet20), name=name)
 
 
 def small_resnet():
     """ResNet20's class at a test size: stem, an identity block (4 channels), a downsampling block with a
     projection shortcut (8 channels), head."""
-    return zoo.ResNet20(num_classes=3, stage_features=(4, 8), blocks_per_stage=1)
+    return resnet.ResNet20(num_classes=3, stage_features=(4, 8), blocks_per_stage=1)
 
 
 def build(model, method, *, n=3, k=3, strategy=None, bn_policy="global"):
@@ -304,7 +304,7 @@ def test_resnet20_round_with_three_tiers():
 
 
 def test_capacity_table_matches_table_10():
-    model = adapt(zoo.ResNet20(10), (32, 32, 3), num_classes=10, name="resnet20")
+    model = adapt(resnet.ResNet20(10), (32, 32, 3), num_classes=10, name="resnet20")
     rows = capacity_table(model)
     assert [(r["tier"], r["width"]) for r in rows] == [("strong", 1.0), ("moderate", 0.4375), ("weak", 0.1875)]
     assert [r["params"] for r in rows] == [272_474, 52_811, 9_991]

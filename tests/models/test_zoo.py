@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedpartial._src.models import zoo
+from fedpartial._src.models import resnet, zoo
 from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
 
 # Natural input shape and class count of each registry entry.
@@ -82,7 +82,7 @@ def test_init_and_forward(name):
 
 
 def test_batchnorm_momentum_and_epsilon():
-    model = zoo.ResNet20(num_classes=10)
+    model = resnet.ResNet20(num_classes=10)
     x = _x((4, 8, 8, 3)) * 2.0 + 1.0
     variables = model.init(_key(0), x)
     # bn1 normalises conv1's output: capture it to recompute its batch mean.
@@ -181,15 +181,15 @@ RESNET20_PROJECTION = RESNET20_ZEROS + (512 + 64) + (2_048 + 128)
 def test_resnet20_param_counts():
     assert RESNET20_ZEROS == 269_722 and RESNET20_PROJECTION == 272_474
     shape = (32, 32, 3)
-    assert _param_count(zoo.ResNet20(num_classes=10, shortcut="zeros"), shape) == 269_722
-    assert _param_count(zoo.ResNet20(num_classes=10, shortcut="projection"), shape) == 272_474
+    assert _param_count(resnet.ResNet20(num_classes=10, shortcut="zeros"), shape) == 269_722
+    assert _param_count(resnet.ResNet20(num_classes=10, shortcut="projection"), shape) == 272_474
     assert _param_count(build_model("resnet20", 10, shape), shape) == 272_474
     # EmbracingFL's 272,762 = ours + a 1x1 16->16 projection (256) + its BN (32).
     assert 272_762 - 272_474 == 16 * 16 + 2 * 16
 
 
 def test_resnet20_zero_shortcut_forward():
-    model = zoo.ResNet20(num_classes=10, shortcut="zeros")
+    model = resnet.ResNet20(num_classes=10, shortcut="zeros")
     x = _x((2, 9, 9, 3))  # odd size on purpose
     variables = model.init(_key(0), x)
     logits, _ = model.apply(variables, x, train=True, mutable=["batch_stats"])
@@ -200,7 +200,7 @@ def test_resnet20_zero_shortcut_forward():
 
 def test_resnet20_rejects_unknown_shortcut():
     with pytest.raises(ValueError, match="shortcut"):
-        zoo.ResNet20(num_classes=10, shortcut="identity")
+        resnet.ResNet20(num_classes=10, shortcut="identity")
 
 
 def _flat(tree):
@@ -274,7 +274,7 @@ def test_call_order(name):
 
 def test_call_order_resnet20_zero_shortcut():
     _check_order_contract(
-        zoo.ResNet20(num_classes=10, shortcut="zeros"), (8, 8, 3), _resnet20_order(projection=False)
+        resnet.ResNet20(num_classes=10, shortcut="zeros"), (8, 8, 3), _resnet20_order(projection=False)
     )
 
 

@@ -21,11 +21,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.core.types import Batch, LocalGraph
-from fedpartial._src.core.errors import UserError
-from fedpartial._src.models import registry, zoo
-from fedpartial._src.models.adapter import Model, from_linen
 from fedpartial._src.core.structure import leaf_paths
+from fedpartial._src.core.types import Batch, LocalGraph
+from fedpartial._src.models import narrow
+from fedpartial._src.models.adapter import Model
 
 
 def whole(model: Model) -> LocalGraph:
@@ -96,57 +95,23 @@ def map_inputs(graph: LocalGraph, fn: Callable[[jax.Array], jax.Array]) -> Local
 # ---- width reduction (HeteroFL / FjORD) ---------------------------------------------------------
 
 
-def _full_module(model: Model, module: nn.Module | None) -> nn.Module:
-    """The zoo module ``model`` was built from: ``module``, or the registry's model of that name, checked."""
-    if module is None:
-        if model.name not in registry.MODELS:
-            raise UserError(
-                f"model {model.name!r} has no width-reduced version: width reduction needs a zoo model built by "
-                f"name ({', '.join(registry.MODELS)}) or the zoo module it was built from.")
-        module = registry.build_model(model.name, model.num_classes, model.input_shape)
-    if not isinstance(module, nn.Module):
-        raise UserError(f"width reduction needs a flax linen zoo module, got {type(module).__name__}.")
-    fix_shape = getattr(module, "for_input_shape", None)
-    if callable(fix_shape):
-        module = fix_shape(model.input_shape)
-    sample = jnp.zeros((1, *model.input_shape), jnp.float32)
-    try:
-        got = jax.eval_shape(lambda: module.init(jax.random.key(0), sample, train=False))
-    except Exception:  # noqa: BLE001 - any failure means the module is not this model
-        got = None
-    want = jax.eval_shape(model.init_variables, jax.random.key(0))
-
-    def shapes(tree):
-        return {c: jax.tree.map(lambda a: a.shape, tree.get(c, {})) for c in ("params", "batch_stats")}
-
-    if got is None or shapes(got) != shapes(want):
-        raise UserError(
-            f"model {model.name!r} is not the zoo's {type(module).__name__} with these settings (their variables "
-            "differ), so its width-reduced version is unknown; pass the zoo module it was built from.")
-    return module
-
-
 @functools.lru_cache(maxsize=64)
 def narrow_model(model: Model, ratio: float, *, module: nn.Module | None = None, scaler: bool = True) -> Model:
-    """The physically smaller ``model``: the same zoo architecture with ``⌈ratio·C⌉`` hidden channels/units.
+    """The physically smaller ``model`` a :func:`width` graph runs: ``⌈ratio·C⌉`` hidden channels/units
+    (:func:`fedpartial._src.models.narrow.narrowed_model`).
 
-    Its variables are the full model's leading channels/units (see :func:`width`);
-    the classifier keeps every class.  ``scaler``: hidden Conv/Dense outputs are
-    multiplied by ``1/ratio`` in training (HeteroFL's Scaler).  ``module``: the
-    zoo module ``model`` was built from (default: the registry's model named
-    ``model.name``, checked against ``model``'s variables).
+    One model per arguments, so the graph and a method's masks built from it share its compilations.
+    Its variables are the full model's leading channels/units (see :func:`width`); the classifier keeps
+    every class.  ``scaler``: hidden Conv/Dense outputs are multiplied by ``1/ratio`` in training
+    (HeteroFL's Scaler).  ``module``: the zoo module ``model`` was built from (default: ``model``'s
+    own ``at_width``, else the registry's model named ``model.name``, checked against ``model``'s
+    variables).
 
     Raises:
-      UserError: ``model`` is not a zoo model (e.g. built with ``from_stages``), or
-        ``ratio`` is outside (0, 1].
+      UserError: ``model`` cannot be narrowed (neither a zoo model nor built with ``from_linen(...,
+        width=...)``), or ``ratio`` is outside (0, 1].
     """
-    narrow = zoo.narrowed(_full_module(model, module), ratio, scaler=scaler)
-    out = from_linen(narrow, input_shape=model.input_shape, num_classes=model.num_classes,
-                     sequential=model.structure.sequential, name=f"{model.name}@{ratio:g}")
-    if out.structure.layer_names != model.structure.layer_names:
-        raise ValueError(f"the width-reduced {model.name} has layers {out.structure.layer_names}, not the full "
-                         f"model's {model.structure.layer_names}.")
-    return out
+    return narrow.narrowed_model(model, ratio, module=module, scaler=scaler)
 
 
 class _Slice(NamedTuple):

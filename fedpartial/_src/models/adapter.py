@@ -87,6 +87,10 @@ class Model:
         (``apply`` is then the only stage).  Call :meth:`apply_stages` instead.
       record_outputs: ``(variables, x, train) -> dict`` behind
         :meth:`intermediates`; None records only the logits.
+      at_width: ``(ratio, scaler) -> Model``, this model with ``⌈ratio·C⌉``
+        channels/units in every hidden layer (width tiers, :mod:`fedpartial._src.models.narrow`);
+        ``scaler``: hidden outputs × ``1/ratio`` in training (HeteroFL's Scaler).
+        None: the model cannot rebuild itself narrower (:func:`from_linen`'s ``width`` sets it).
     """
 
     name: str
@@ -99,6 +103,7 @@ class Model:
     stage_of_layer: tuple[int, ...] = ()
     run_stages: Callable[..., tuple[Any, Any]] | None = None
     record_outputs: Callable[..., dict[str, jax.Array]] | None = None
+    at_width: Callable[[float, bool], Model] | None = None
 
     def __post_init__(self):
         n, layers = len(self.stage_names), self.structure.num_layers
@@ -207,6 +212,7 @@ def from_linen(
     num_classes: int,
     sequential: bool = False,
     name: str | None = None,
+    width: Callable[[float, bool], nn.Module] | None = None,
 ) -> Model:
     """Adapts a linen module ``__call__(x, train=False)``.
 
@@ -219,6 +225,12 @@ def from_linen(
     which stage owns each layer is found by initialising the stages one at a
     time.  A module whose architecture depends on the input shape may provide
     ``for_input_shape(input_shape) -> module`` to fix it for ``input_shape``.
+
+    ``width(ratio, scaler) -> module`` makes the model narrowable (HeteroFL /
+    FjORD width tiers, :attr:`Model.at_width`): the same network with ``⌈ratio·C⌉``
+    channels/units in every hidden layer, the classifier keeping every class, whose
+    variables are this module's leading channels/units on every axis; with
+    ``scaler`` its hidden outputs are multiplied by ``1/ratio`` in training.
     """
     input_shape = tuple(input_shape)
     fix_shape = getattr(module, "for_input_shape", None)
@@ -270,8 +282,14 @@ def from_linen(
         stage_of_layer = (0,) * structure.num_layers
     else:
         stage_of_layer = _stage_of_layers(module, sample, structure, stage_names)
+    name = name or type(module).__name__
+
+    def at_width(ratio: float, scaler: bool) -> Model:
+        return from_linen(width(ratio, scaler), input_shape=input_shape, num_classes=num_classes,
+                          sequential=sequential, name=f"{name}@{ratio:g}")
+
     return Model(
-        name=name or type(module).__name__,
+        name=name,
         init=init,
         apply=apply,
         structure=structure,
@@ -281,6 +299,7 @@ def from_linen(
         stage_of_layer=stage_of_layer,
         run_stages=run_stages if declared is not None else None,
         record_outputs=_linen_recorder(structure, stage_names, run_stages),
+        at_width=None if width is None else at_width,
     )
 
 

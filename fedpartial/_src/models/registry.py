@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.models import text, zoo
+from fedpartial._src.models import resnet, text, zoo
 
 __all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model"]
 
@@ -64,7 +64,7 @@ MODELS: dict[str, ModelSpec] = {
         sequential=True,
     ),
     "resnet20": ModelSpec(
-        factory=lambda num_classes, input_shape: zoo.ResNet20(num_classes=num_classes),
+        factory=lambda num_classes, input_shape: resnet.ResNet20(num_classes=num_classes),
         description="CIFAR ResNet20 (BN, 1x1 projection shortcuts), as in EmbracingFL.",
         sequential=False,
     ),

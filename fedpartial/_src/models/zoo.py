@@ -1,6 +1,8 @@
 """Model zoo: the Flax (linen) networks used by the papers fedpartial reproduces.
 
-Every model follows one contract, which the engine relies on to discover the
+This module holds the plain chains (MLP and CNNs, VGG-9), the building blocks
+the zoo shares, and width reduction; the residual ResNet20 is in
+:mod:`fedpartial._src.models.resnet`.  Every model follows one contract, which the engine relies on to discover the
 "layer" structure of SPEC §1 by intercepting module calls at init:
 
 * ``__call__(self, x, train: bool = False, start: int = 0, stop: int | None = None)``
@@ -26,7 +28,8 @@ Every model follows one contract, which the engine relies on to discover the
   (channel ``c`` of a conv feeds dense input rows ``i`` with ``i % C == c``).
 
 **Width reduction** (HeteroFL, FjORD, EmbracingFL's baseline): every zoo model
-names the fields that set its hidden widths (``_width_fields``), and
+names the fields that set its hidden widths (``_width_fields``), and may name
+fields a narrowed copy keeps at their full-width values (``kept_when_narrowed()``);
 :func:`narrowed` returns the same architecture with ``⌈r·C⌉`` channels/units in
 every hidden layer (the classifier keeps every class).  Its variables are the
 full model's *leading* channels/units on every axis (a conv→flatten→dense kernel:
@@ -59,18 +62,20 @@ __all__ = [
     "FEMNISTCNN",
     "MLP",
     "VGG9",
-    "BasicBlock",
     "LeNet5",
-    "ResNet20",
+    "check_width_ratio",
     "narrow_units",
     "narrowed",
     "stage_range",
 ]
 
-_he_normal = nn.initializers.he_normal()
+# ---- building blocks shared by the zoo's models (resnet.py's too) ---------------------------------
+
+he_normal = nn.initializers.he_normal()
 
 
-def _batch_norm(train: bool, name: str) -> nn.BatchNorm:
+def batch_norm(train: bool, name: str) -> nn.BatchNorm:
+    """The zoo's BatchNorm: batch statistics in training, running ones (momentum 0.9) otherwise."""
     return nn.BatchNorm(
         use_running_average=not train, momentum=0.9, epsilon=1e-5, name=name
     )
@@ -84,7 +89,7 @@ def _flatten(x):
     return x.reshape((x.shape[0], -1))
 
 
-def _train_scaled(x, train: bool, scale: float):
+def train_scaled(x, train: bool, scale: float):
     """HeteroFL's Scaler: ``x · scale`` in training, ``x`` otherwise (and always for scale 1)."""
     return x * scale if train and scale != 1.0 else x
 
@@ -96,7 +101,7 @@ def _conv_relu_pool(x, index: int, features: int, kernel_size: int, padding: Any
     Called from a parent's ``@nn.compact`` ``__call__``: the conv becomes its child.
     """
     x = nn.Conv(features, (kernel_size, kernel_size), padding=padding, name=f"conv{index + 1}")(x)
-    return _max_pool(nn.relu(_train_scaled(x, train, scale)))
+    return _max_pool(nn.relu(train_scaled(x, train, scale)))
 
 
 def stage_range(num_stages: int, start: int = 0, stop: int | None = None) -> range:
@@ -116,7 +121,7 @@ def stage_range(num_stages: int, start: int = 0, stop: int | None = None) -> ran
     return range(int(start), int(stop))
 
 
-def _prepare_input(module, x, start: int):
+def prepare_input(module, x, start: int):
     """Checks and casts the raw input; a later stage's input is passed through untouched."""
     if start != 0:
         return x
@@ -125,7 +130,7 @@ def _prepare_input(module, x, start: int):
     return x
 
 
-def _image_hw(model: str, input_shape: Sequence[int]) -> tuple[int, int]:
+def image_hw(model: str, input_shape: Sequence[int]) -> tuple[int, int]:
     """Check that ``input_shape`` is an ``(H, W, C)`` image shape; return ``(H, W)``."""
     shape = tuple(input_shape)
     if len(shape) != 3 or any(int(d) < 1 for d in shape):
@@ -139,7 +144,7 @@ def _image_hw(model: str, input_shape: Sequence[int]) -> tuple[int, int]:
 def _require_min_hw(
     model: str, input_shape: Sequence[int], min_hw: int, why: str
 ) -> tuple[int, int]:
-    h, w = _image_hw(model, input_shape)
+    h, w = image_hw(model, input_shape)
     if h < min_hw or w < min_hw:
         raise UserError(
             f"{model} cannot take input shape {tuple(input_shape)}: {why} need "
@@ -186,7 +191,7 @@ class MLP(nn.Module):
                 x = _flatten(x)
             if s < len(self.hidden):
                 x = nn.Dense(self.hidden[s], name=f"fc{s + 1}")(x)
-                x = nn.relu(_train_scaled(x, train, self.train_scale))
+                x = nn.relu(train_scaled(x, train, self.train_scale))
             else:
                 x = nn.Dense(self.num_classes, name="head")(x)
         return x
@@ -223,7 +228,7 @@ class CNN2C1F(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        x = _prepare_input(self, x, start)
+        x = prepare_input(self, x, start)
         for s in stage_range(len(self.stage_names), start, stop):
             if s < len(self.features):
                 x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, train=train, scale=self.train_scale)
@@ -288,7 +293,7 @@ class CNN2C3F(nn.Module):
         """The padding actually used for images of ``input_shape``."""
         if self.padding != "auto":
             return self.padding
-        h, w = _image_hw(self._model_name, input_shape)
+        h, w = image_hw(self._model_name, input_shape)
         return "VALID" if min(h, w) >= self._valid_min_hw() else "SAME"
 
     @nn.nowrap
@@ -316,7 +321,7 @@ class CNN2C3F(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        x = _prepare_input(self, x, start)
+        x = prepare_input(self, x, start)
         padding = self.resolved_padding(x.shape[1:]) if start == 0 else self.padding
         n_conv, n_fc = len(self.features), len(self.hidden)
         for s in stage_range(len(self.stage_names), start, stop):
@@ -333,7 +338,7 @@ class CNN2C3F(nn.Module):
                 if s == n_conv:
                     x = _flatten(x)
                 x = nn.Dense(self.hidden[s - n_conv], name=f"fc{s - n_conv + 1}")(x)
-                x = nn.relu(_train_scaled(x, train, self.train_scale))
+                x = nn.relu(train_scaled(x, train, self.train_scale))
             else:
                 x = nn.Dense(self.num_classes, name="head")(_flatten(x))
         return x
@@ -390,7 +395,7 @@ class VGG9(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        x = _prepare_input(self, x, start)
+        x = prepare_input(self, x, start)
         for s in stage_range(len(self.stage_names), start, stop):
             if s == len(self.features):
                 x = nn.Dense(self.num_classes, name="head")(_flatten(x))
@@ -401,170 +406,12 @@ class VGG9(nn.Module):
                 (3, 3),
                 padding="SAME",
                 use_bias=False,
-                kernel_init=_he_normal,
+                kernel_init=he_normal,
                 name=f"conv{i}",
             )(x)
-            x = nn.relu(_batch_norm(train, f"bn{i}")(_train_scaled(x, train, self.train_scale)))
+            x = nn.relu(batch_norm(train, f"bn{i}")(train_scaled(x, train, self.train_scale)))
             if i in self.pool_after:
                 x = _max_pool(x)
-        return x
-
-
-# ---------------------------------------------------------------------- ResNet20
-
-
-def _place_channels(x, offset: int, features: int):
-    """``[..., C]`` -> ``[..., features]``: input channel ``j`` at ``offset + j``, zeros elsewhere."""
-    n = max(0, min(x.shape[-1], features - offset))
-    if n == 0:
-        return jnp.zeros((*x.shape[:-1], features), x.dtype)
-    pad = [(0, 0)] * (x.ndim - 1) + [(offset, features - offset - n)]
-    return jnp.pad(x[..., :n], pad)
-
-
-class BasicBlock(nn.Module):
-    """ResNet basic block: conv3x3-BN-ReLU-conv3x3-BN, + shortcut, ReLU.
-
-    Call order: ``conv1``, ``bn1``, ``conv2``, ``bn2``, then (downsampling blocks
-    with ``shortcut="projection"``) ``shortcut_conv``, ``shortcut_bn``. The
-    shortcut is called after the main branch because its output joins the block
-    output, i.e. it sits on the output side of the block's first conv.
-
-    ``shortcut="zeros"`` places input channel ``j`` at output channel
-    ``shortcut_offset + j`` (channels past ``features`` are cut off); None centres
-    the input, offset ``(features - in_features) // 2``.  A width-reduced block
-    keeps its full-width block's offset, so its channels are that block's leading
-    channels.  ``train_scale`` multiplies every conv output in training (before BN).
-    """
-
-    features: int
-    strides: int = 1
-    shortcut: str = "projection"
-    shortcut_offset: int | None = None
-    train_scale: float = 1.0
-
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        in_features = x.shape[-1]
-        s = (self.strides, self.strides)
-        # Symmetric padding 1 (as He et al./PyTorch): same output size as 'SAME',
-        # and output pixel i is centred on input pixel strides*i, which is what the
-        # option-A subsampling x[:, ::2, ::2] picks.
-        y = nn.Conv(
-            self.features, (3, 3), strides=s, padding=1, use_bias=False,
-            kernel_init=_he_normal, name="conv1",
-        )(x)
-        y = nn.relu(_batch_norm(train, "bn1")(_train_scaled(y, train, self.train_scale)))
-        y = nn.Conv(
-            self.features, (3, 3), padding=1, use_bias=False,
-            kernel_init=_he_normal, name="conv2",
-        )(y)
-        y = _batch_norm(train, "bn2")(_train_scaled(y, train, self.train_scale))
-        if self.strides != 1 or in_features != self.features:
-            if self.shortcut == "projection":
-                r = nn.Conv(
-                    self.features, (1, 1), strides=s, padding=0, use_bias=False,
-                    kernel_init=_he_normal, name="shortcut_conv",
-                )(x)
-                r = _batch_norm(train, "shortcut_bn")(_train_scaled(r, train, self.train_scale))
-            elif self.shortcut_offset is None:  # "zeros": option A, parameter-free
-                r = x[:, :: self.strides, :: self.strides, :]
-                extra = self.features - in_features
-                r = jnp.pad(r, ((0, 0), (0, 0), (0, 0), (extra // 2, extra - extra // 2)))
-            else:
-                r = _place_channels(x[:, :: self.strides, :: self.strides, :], self.shortcut_offset, self.features)
-        else:
-            r = x
-        return nn.relu(y + r)
-
-
-class ResNet20(nn.Module):
-    """CIFAR ResNet20 (He et al. 2016): 3 stages x 3 basic blocks, 16/32/64 channels.
-
-    conv 3x3 16 -> BN -> ReLU -> 9 basic blocks (stages 2 and 3 start with stride 2)
-    -> global average pool -> Dense(num_classes). Convs have no bias; every conv is
-    followed by BatchNorm. Not sequential (residual connections).
-
-    ``shortcut="projection"`` (default) uses a 1x1 conv + BN on the two
-    downsampling blocks (272,474 parameters for 10 classes); ``shortcut="zeros"``
-    is option A, strided subsampling + zero-padded channels (269,722 parameters).
-    The EmbracingFL paper's 272,762 is 288 more than our projection variant:
-    exactly a 1x1 16->16 conv + BN (256 + 32) on the first block of stage 1, which
-    their implementation projects although its shape does not change.
-    Layers: ``conv1``/``bn1``, ``stage{s}_block{b}`` (see :class:`BasicBlock`),
-    ``head``. Works for any image size (8x8 digits included).
-
-    Width reduction (:func:`narrowed`) scales ``stage_features``; with
-    ``shortcut="zeros"`` it fixes ``shortcut_offsets`` (per stage, the channel at
-    which the option-A shortcut entering the stage places its input; None:
-    centred) to the full model's, so the narrow residual stream is the full
-    stream's leading channels.  ``train_scale`` multiplies every conv output in
-    training (HeteroFL's Scaler, before BN).
-
-    Stages are cut at block boundaries, where the residual stream is one tensor:
-    ``stem`` (conv1 + bn1 + ReLU), one stage per block named like its module
-    (``stage1_block1`` .. ``stage3_block3``), and ``head`` (global average pool +
-    Dense): 11 stages. EmbracingFL's moderate cut (stem + first 3 blocks frozen)
-    starts the trained suffix at stage 4, its weak cut at stage 7.
-    """
-
-    num_classes: int
-    shortcut: str = "projection"
-    stage_features: tuple[int, ...] = (16, 32, 64)
-    blocks_per_stage: int = 3
-    shortcut_offsets: tuple[int, ...] | None = None
-    train_scale: float = 1.0
-
-    _width_fields = ("stage_features",)
-
-    def __post_init__(self):
-        if self.shortcut not in ("projection", "zeros"):
-            raise ValueError(
-                f"ResNet20 shortcut must be 'projection' or 'zeros', got {self.shortcut!r}."
-            )
-        super().__post_init__()
-
-    @nn.nowrap
-    def validate_input_shape(self, input_shape: Sequence[int]) -> None:
-        _image_hw("resnet20", input_shape)  # stride-2 'SAME'-size convs never vanish
-
-    @nn.nowrap
-    def centred_offsets(self) -> tuple[int, ...]:
-        """Per stage, where a centred option-A shortcut entering it puts its input channels."""
-        widths = (self.stage_features[0], *self.stage_features)
-        return tuple((widths[i + 1] - widths[i]) // 2 for i in range(len(self.stage_features)))
-
-    @property
-    def stage_names(self) -> tuple[str, ...]:
-        blocks = tuple(
-            f"stage{si + 1}_block{bi + 1}"
-            for si in range(len(self.stage_features))
-            for bi in range(self.blocks_per_stage)
-        )
-        return ("stem",) + blocks + ("head",)
-
-    @nn.compact
-    def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        x = _prepare_input(self, x, start)
-        names = self.stage_names
-        for s in stage_range(len(names), start, stop):
-            if s == 0:
-                x = nn.Conv(
-                    self.stage_features[0], (3, 3), padding=1, use_bias=False,
-                    kernel_init=_he_normal, name="conv1",
-                )(x)
-                x = nn.relu(_batch_norm(train, "bn1")(_train_scaled(x, train, self.train_scale)))
-            elif s == len(names) - 1:
-                x = jnp.mean(x, axis=(1, 2))
-                x = nn.Dense(self.num_classes, name="head")(x)
-            else:
-                si, bi = divmod(s - 1, self.blocks_per_stage)
-                strides = 2 if (si > 0 and bi == 0) else 1
-                offset = None if self.shortcut_offsets is None or bi else self.shortcut_offsets[si]
-                x = BasicBlock(
-                    self.stage_features[si], strides=strides, shortcut=self.shortcut,
-                    shortcut_offset=offset, train_scale=self.train_scale, name=names[s],
-                )(x, train=train)
         return x
 
 
@@ -600,14 +447,14 @@ class FEMNISTCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
-        x = _prepare_input(self, x, start)
+        x = prepare_input(self, x, start)
         n_conv = len(self.features)
         for s in stage_range(len(self.stage_names), start, stop):
             if s < n_conv:
                 x = _conv_relu_pool(x, s, self.features[s], 5, train=train, scale=self.train_scale)
             elif s == n_conv:
                 x = nn.Dense(self.hidden, name="fc1")(_flatten(x))
-                x = nn.relu(_train_scaled(x, train, self.train_scale))
+                x = nn.relu(train_scaled(x, train, self.train_scale))
             else:
                 x = nn.Dense(self.num_classes, name="head")(x)
         return x
@@ -621,6 +468,17 @@ def narrow_units(ratio: float, units: int) -> int:
     return max(1, math.ceil(round(ratio * units, 9)))
 
 
+def check_width_ratio(ratio) -> float:
+    """``ratio`` if it is a width ratio, a number in (0, 1].
+
+    Raises:
+      UserError: anything else (one sentence).
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
+        raise UserError(f"width ratio {ratio!r} must be a number in (0, 1].")
+    return ratio
+
+
 def narrowed(module: nn.Module, ratio: float, *, scaler: bool = True) -> nn.Module:
     """``module`` with ``⌈ratio·C⌉`` channels/units in every hidden layer (width reduction).
 
@@ -632,20 +490,20 @@ def narrowed(module: nn.Module, ratio: float, *, scaler: bool = True) -> nn.Modu
       UserError: ``ratio`` outside (0, 1], or a module without width fields
         (not a zoo model).
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
-        raise UserError(f"width ratio {ratio!r} must be a number in (0, 1].")
+    check_width_ratio(ratio)
     fields = getattr(type(module), "_width_fields", None)
     if fields is None:
         raise UserError(
-            f"{type(module).__name__} has no width-reduced version; width reduction needs a model of "
-            "fedpartial._src.models.zoo (mlp, cnn2c1f, cnn2c3f, lenet5, vgg9, resnet20, femnist_cnn)."
+            f"{type(module).__name__} has no width-reduced version; width reduction needs a zoo model "
+            "(mlp, cnn2c1f, cnn2c3f, lenet5, vgg9, resnet20, femnist_cnn)."
         )
     changes: dict[str, Any] = {}
     for field in fields:
         value = getattr(module, field)
         changes[field] = (narrow_units(ratio, value) if isinstance(value, numbers.Integral)
                           else tuple(narrow_units(ratio, v) for v in value))
-    if isinstance(module, ResNet20) and module.shortcut == "zeros":
-        changes["shortcut_offsets"] = module.shortcut_offsets or module.centred_offsets()
+    kept = getattr(module, "kept_when_narrowed", None)
+    if callable(kept):
+        changes.update(kept())
     changes["train_scale"] = module.train_scale / ratio if scaler else module.train_scale
     return module.clone(**changes)
