@@ -2,8 +2,8 @@
 # # Writing a method for fedpartial
 #
 # A method is a NamedTuple of small pure functions run by one generic round
-# (`fedpartial._src.core.types` lists them all; `make_method` fills every piece you leave out
-# with FedAvg's):
+# (`help(fedpartial.Method)` lists them all; `fedpartial.make_method` fills every piece you leave
+# out with FedAvg's).  Everything below comes from the public API: `fedpartial` and `fedpartial.masks`.
 #
 # ```
 # init          (once)        (ctx, InitView)           -> MethodState   the method's own state
@@ -11,6 +11,7 @@
 # client_start  (one client)  (ctx, global, state, plan) -> variables    where local training starts
 # step_plan     (one step)    (ctx, plan, key, step)    -> ClientPlan    e.g. dropout resampled every step
 # objective     (one step)    (ctx, params, LocalStep)  -> (loss, aux)   the local objective
+# transform_grads (one step)  (ctx, grads, LocalStep)   -> grads         e.g. a control-variate correction
 # select        (cohort)      (ctx, RoundView)          -> Selection     upload masks, weights, extra bytes
 # update        (cohort)      (ctx, RoundView)          -> MethodState
 # metrics       (cohort)      (ctx, RoundView)          -> {name: array} per-round values for metrics.jsonl
@@ -28,17 +29,15 @@
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.core import masks
-from fedpartial._src.methods.base import MethodState, Selection, make_method, scatter_clients
-from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation
+import fedpartial as fp
+from fedpartial import masks
 
 
 def random_layers(fraction: float = 0.5):
     def init(ctx, view):
         # Per-client state: a row per client of the population.
         counts = jnp.zeros((ctx.num_clients, ctx.structure.num_layers), jnp.int32)
-        return MethodState(server=(), clients=counts)
+        return fp.MethodState(server=(), clients=counts)
 
     def select(ctx, view):
         k, num_layers = view.cohort.client_ids.shape[0], ctx.structure.num_layers
@@ -48,7 +47,7 @@ def random_layers(fraction: float = 0.5):
         scores = jax.random.uniform(view.key, (k, num_layers))
         threshold = jnp.sort(scores, axis=1)[:, num_layers - n_up][:, None]
         layers = scores >= threshold
-        return Selection(
+        return fp.Selection(
             upload=masks.from_layers(ctx.structure, layers),
             weights=view.cohort.num_samples,
             extra_upload_bytes=jnp.full((k,), 4 * num_layers, jnp.int32),  # say which layers: L int32
@@ -57,19 +56,19 @@ def random_layers(fraction: float = 0.5):
     def update(ctx, view):
         uploaded = view.selection.upload.layers.astype(jnp.int32)
         rows = view.client_state + uploaded
-        clients = scatter_clients(view.method_state.clients, view.cohort.client_ids, rows, view.cohort.valid)
+        clients = fp.scatter_clients(view.method_state.clients, fp.cohort_rows(view), rows, view.cohort.valid)
         return view.method_state._replace(clients=clients)
 
     def metrics(ctx, view):
         return {"layers_uploaded": jnp.sum(view.selection.upload.layers, axis=1)}
 
-    return make_method("random-layers", init=init, select=select, update=update, metrics=metrics)
+    return fp.make_method("random-layers", init=init, select=select, update=update, metrics=metrics)
 
 
 # %% Plug it into the host driver and run a few rounds on digits.
 def main():
-    config = RunConfig(rounds=5, num_clients=20, cohort_size=5, local_epochs=1, out_dir=None)
-    sim = Simulation(config, method=random_layers(0.5))
+    config = fp.RunConfig(rounds=5, num_clients=20, cohort_size=5, local_epochs=1, out_dir=None)
+    sim = fp.Simulation(config, method=random_layers(0.5))
     print(sim.model.structure.describe())
     for record in sim.rounds():
         print(f"round {record['round']}: accuracy {record['test_accuracy']:.3f}, "
