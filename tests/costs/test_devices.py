@@ -19,7 +19,8 @@ from fedpartial._src.methods import base
 from fedpartial._src.methods.submodel import dropout
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.experiment.config import ConfigError, RunConfig
-from fedpartial._src.experiment.simulation import Simulation, run, summarize
+from fedpartial._src.experiment.run_directory import summarize
+from fedpartial._src.experiment.simulation import Simulation, run
 from tests.conftest import make_cohort
 
 # ------------------------------------------------------------------ simulated time
