@@ -11,7 +11,7 @@ when a decision needs it).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -131,9 +131,9 @@ def bounded_strategy(config: RunConfig, method: Method, round: engine.FederatedR
     fit = memory.clients_that_fit(est, available)
     if fit < 1:
         return None
-    return (streamed_strategy(memory.round_down(min(fit, config.cohort_size)), model),
-            f"auto streams the cohort: {round.strategy} would need about {memory.gib(est.total)} "
-            f"but {memory.gib(available)} of {where} is available")
+    why = (f"auto streams the cohort: {round.strategy} would need about {memory.gib(est.total)} "
+           f"but {memory.gib(available)} of {where} is available")
+    return streamed_strategy(memory.round_down(min(fit, config.cohort_size)), model), why
 
 
 def check_memory(est: memory.MemoryEstimate, round: engine.FederatedRound, method: Method, *, client_state: str,

@@ -22,7 +22,7 @@ def load_dataset(config: RunConfig) -> sources.ArrayDataset:
     """The dataset ``config`` names (the synthetic generator sized by its population settings)."""
     options = {}
     if config.dataset == "synthetic":
-        options = dict(alpha=config.alpha, beta=config.alpha, num_clients=config.num_clients)
+        options = {"alpha": config.alpha, "beta": config.alpha, "num_clients": config.num_clients}
         if config.max_samples is not None:
             options.update(max_samples=config.max_samples, min_samples=min(50, config.max_samples))
     return sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)

@@ -76,7 +76,7 @@ class RunWriter:
         self.resumed_from = sim.progress["round"] if resume is not None else None
         self.saved = checkpoint.latest_round(self.run_dir) if self.run_dir else None
         self.extra = {"checkpoint_every": self.checkpoint_every}
-        self.status("running", "resumed from round %d" % self.resumed_from if resume is not None else "")
+        self.status("running", f"resumed from round {self.resumed_from}" if resume is not None else "")
         self.log = self.table = None
         if self.run_dir:  # scalar fields only, written each round (see fedpartial._src.experiment.records.MetricsCSV)
             from fedpartial._src.experiment.records import MetricsCSV

@@ -14,7 +14,8 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -48,7 +49,8 @@ class Simulation:
     ``check_memory``: before any array is built, refuse (:class:`ConfigError`) a run whose
     estimated peak memory (:mod:`fedpartial._src.core.memory`) exceeds what is available.
     ``data_placement``: where the training data goes, ``host`` or ``device``, decided by the caller instead of
-    ``config.data_placement`` (:mod:`fedpartial._src.experiment.replicas` decides ``auto`` for all its replicas together).
+    ``config.data_placement`` (:mod:`fedpartial._src.experiment.replicas` decides ``auto`` for all its replicas
+    together).
     """
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
@@ -301,9 +303,9 @@ class Simulation:
 
     def pad_shapes(self, num_steps: int, holdout_length: int | None = None) -> None:
         """Pads every later cohort to ``num_steps`` local steps and the holdout to ``holdout_length`` examples
-        per client (:mod:`fedpartial._src.experiment.replicas` gives its seeds one shape).  Padded steps and examples are
-        masked no-ops, so training and evaluation are unchanged; on the device the gather's bounds follow
-        (its stream length depends on the population only, so the batches drawn stay the same)."""
+        per client (:mod:`fedpartial._src.experiment.replicas` gives its seeds one shape).  Padded steps and
+        examples are masked no-ops, so training and evaluation are unchanged; on the device the gather's bounds
+        follow (its stream length depends on the population only, so the batches drawn stay the same)."""
         if num_steps < self.num_steps:
             raise ValueError(f"num_steps {num_steps} is below this run's {self.num_steps}; padding only grows it.")
         self.num_steps = num_steps
@@ -359,8 +361,8 @@ class Simulation:
         gathered on the device (:attr:`data_placement`; the two draw different, equally valid orders)."""
         cfg = self.config
         valid = np.ones(len(ids), bool) if valid is None else np.asarray(valid, bool)
-        packing_settings = dict(batch_size=cfg.batch_size, num_steps=self.num_steps, local_steps=cfg.local_steps,
-                                local_epochs=cfg.epochs)
+        packing_settings = {"batch_size": cfg.batch_size, "num_steps": self.num_steps,
+                            "local_steps": cfg.local_steps, "local_epochs": cfg.epochs}
         if self.round.strategy.kind == "stream":
             return population.streamed_cohort(self.dataset, self.clients, self.sizes, self.holdout, ids, valid,
                                               pack_seed, **packing_settings)
