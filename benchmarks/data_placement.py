@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.data_placement [--quick] [--out PATH] [--rounds R] [--cases digits,synthetic,mnist5k]
 
 For every case two :class:`~fedpartial._src.experiment.simulation.Simulation` objects are built from the
-same :class:`~fedpartial._src.experiment.simulation.RunConfig`, one with ``data_placement='host'`` (the
+same :class:`~fedpartial._src.experiment.config.RunConfig`, one with ``data_placement='host'`` (the
 cohort packed with numpy every round, copied to the device by the round) and one with
 ``'device'`` (the population placed once, the cohort gathered in jit).  Both are warmed up
 (compilation), then measured side by side, alternating host and device round by round:

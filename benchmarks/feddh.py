@@ -7,7 +7,7 @@ FedDHE from the same seeds, partitions and cohorts (the cohort sequence depends 
 on the seed).  Where this departs from the paper:
 
 * **No learning-rate decay.**  The paper decays the client lr by 0.99 per round;
-  :class:`~fedpartial._src.experiment.simulation.RunConfig` has no per-round decay (the client
+  :class:`~fedpartial._src.experiment.config.RunConfig` has no per-round decay (the client
   optimizer restarts every round), so the lr is a constant 0.1.
 * **The small CNN** is ``cnn2c1f`` (2 conv 5×5 32/64 + 1 dense; 55k parameters on
   8×8 digits, 95k on 32×32×3 against the paper's 122,570-parameter "CNN").  The

@@ -57,7 +57,8 @@ from fedpartial._src.data import sources
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.methods.submodel.common import DEFAULT_TIERS
 from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation, build_model, run
+from fedpartial._src.experiment.parts import build_model
+from fedpartial._src.experiment.simulation import Simulation, run
 
 #: every method, in the column order of the tables: the paper's order (PruneFL, FjORD,
 #: Hermes, FedMP, FedSelect, FedSPU) with FedDrop, which the paper does not tabulate, first.

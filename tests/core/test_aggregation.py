@@ -147,7 +147,7 @@ def test_server_lr_scale_equals_the_server_optimizer_at_that_rate_bit_for_bit(na
     """What ``--server-lrs`` relies on: every server optimizer built at rate 1, its updates times the rate,
     is the optimizer built at that rate (three steps, so the optimizer state matters), and the state is the same."""
     from fedpartial._src.experiment.config import RunConfig
-    from fedpartial._src.experiment.simulation import make_server_optimizer
+    from fedpartial._src.experiment.parts import make_server_optimizer
 
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=3), jnp.float32)}

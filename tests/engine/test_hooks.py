@@ -16,7 +16,8 @@ from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.methods.base import cross_entropy, upload_trained
 from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation, server_examples
+from fedpartial._src.experiment.population import server_examples
+from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
 N, K = 6, 3

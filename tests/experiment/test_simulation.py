@@ -66,7 +66,7 @@ def test_cohort_draw_of_a_huge_population_is_distinct_uniform_and_o_of_k():
     population of 2^30 costs what 2^17 does (a permutation of 2^30 ids would not fit in this test's memory)."""
     import jax
 
-    from fedpartial._src.experiment.simulation import _PERMUTATION_MAX, _distinct_uniform
+    from fedpartial._src.experiment.population import _PERMUTATION_MAX, _distinct_uniform
 
     n, k, draws = 4 * _PERMUTATION_MAX, 4096, 256
     counts = np.zeros(n)

@@ -16,7 +16,8 @@ from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models import heads
 from fedpartial._src.models.zoo import MLP
 from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation, build_model
+from fedpartial._src.experiment.parts import build_model
+from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
 N, K = 5, 3

@@ -20,7 +20,7 @@ from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.text import BidirectionalLSTM, BiLSTM, sequence_lengths
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
-from fedpartial._src.experiment.simulation import build_model as build_for_dataset
+from fedpartial._src.experiment.parts import build_model as build_for_dataset
 from fedpartial._src.core.structure import leaf_paths
 
 VOCAB, EMBED, HIDDEN, CLASSES, T = 20, 3, 4, 3, 7

@@ -1,7 +1,7 @@
 """Several methods on the same partitions and seeds: ``fedpartial compare`` (issue 13).
 
 Every (method, seed) pair is a normal run directory ``<out>/<method>-seed<seed>`` made by
-:func:`fedpartial._src.experiment.simulation.run` from one base :class:`~fedpartial._src.experiment.simulation.RunConfig` in
+:func:`fedpartial._src.experiment.simulation.run` from one base :class:`~fedpartial._src.experiment.config.RunConfig` in
 which only ``method``, ``options``, ``seed``, ``out_dir`` and ``run_name`` change.  The
 partition, the cohort sequence and the device draw depend only on the seed and the shared
 settings, so the runs of one seed see the same clients in the same rounds.

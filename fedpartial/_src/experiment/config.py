@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -128,34 +128,50 @@ def _check_output(out_dir: str | None, run_name: str | None) -> None:
 class RunConfig:
     """One simulation run. Defaults: the offline digits job of the quick start."""
 
+    # --- method and model ---
     method: str = "fedavg"
+    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (see METHODS)
+    early_stopping: bool = False  # a client leaves for good when its train/held-out loss rises (--es)
+    model: str = "auto"  # 'auto': the dataset's model in DEFAULT_MODELS
+
+    # --- data and population ---
     dataset: str = "digits"
     data_dir: str | None = None
-    model: str = "auto"
     partition: str = "dirichlet"
     alpha: float = 0.5
     classes_per_client: int = 2
     num_clients: int = 20
     cohort_size: int = 10
-    rounds: int = 40
+    # each client's share of its data to train on, the rest held out (None: DEFAULT_TRAIN_FRACTION when the method
+    # or early stopping needs held-out data, else 1)
+    train_fraction: float | None = None
+    # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
+    # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
+    max_samples: int | None = None
+    seed: int = 0  # the partition and held-out split, cohorts, initial model, drawn device profiles
+
+    # --- local training ---
     local_steps: int | None = None
     local_epochs: float | None = None  # None with no local_steps: DEFAULT_LOCAL_EPOCHS
     batch_size: int = 16
     client_lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    bn_policy: str = "global"
+
+    # --- server ---
+    rounds: int = 40
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
-    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (MethodSpec.options)
-    early_stopping: bool = False
-    train_fraction: float | None = None
-    bn_policy: str = "global"
-    strategy: str = "auto"
-    seed: int = 0
+
+    # --- evaluation and output ---
     eval_every: int = 1
+    target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
     out_dir: str | None = "runs"
     run_name: str | None = None
     record_decisions: bool = False  # save every round's plan and selection masks (decisions/*.npz)
+
+    # --- devices and simulated time ---
     # Device model (simulated time, fedpartial._src.costs.devices): a CSV of device profiles (rows cycled by client
     # id) or, without one, distributions drawn with the seed: a number, 'lognormal:MEDIAN:SIGMA' or
     # 'uniform:LOW:HIGH' in FLOP/s (compute) and bytes/s (bandwidths).
@@ -163,10 +179,9 @@ class RunConfig:
     compute_speed: str = devices.DEFAULT_COMPUTE
     download_bandwidth: str = devices.DEFAULT_DOWNLOAD
     upload_bandwidth: str = devices.DEFAULT_UPLOAD
-    target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
-    # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
-    # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
-    max_samples: int | None = None
+
+    # --- execution: the round's strategy, where data and per-client state live, devices ---
+    strategy: str = "auto"
     # Where the clients' training data lives: 'device' (placed once, each round's batches gathered in jit),
     # 'host' (packed with numpy every round) or 'auto' (device on an accelerator when it fits in a quarter of
     # its free memory, host on CPU: Simulation.data_placement).

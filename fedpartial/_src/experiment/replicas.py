@@ -8,7 +8,7 @@ stacked states, cohorts and keys: ``jax.vmap`` of the round over the replica axi
 accelerator, a ``lax.scan`` (one replica after another inside the jit, each new state written over its
 old one) on CPU (:func:`parse_replica_axis`, :func:`over_replicas`).  Each replica's record is then
 built by the same host code as a single run (:meth:`Simulation.finish_round`) and written by the same
-writer (:class:`~fedpartial._src.experiment.simulation.RunWriter`), so every seed gets an ordinary run directory.
+writer (:class:`~fedpartial._src.experiment.run_directory.RunWriter`), so every seed gets an ordinary run directory.
 
 Decisions:
 
@@ -79,7 +79,9 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
 from fedpartial._src.experiment.config import ConfigError, RunConfig
-from fedpartial._src.experiment.simulation import RunWriter, Simulation, make_client_optimizer, make_server_optimizer, unique_run_dir
+from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer
+from fedpartial._src.experiment.run_directory import RunWriter, unique_run_dir
+from fedpartial._src.experiment.simulation import Simulation
 
 #: the flags that make a run a set of replicas (named in refusals)
 REPLICA_FLAGS = "--seeds, --lrs or --server-lrs"

@@ -1,0 +1,163 @@
+"""Where a run's pieces live, decided before any array is built: the devices the cohort is split over, the
+training data (host or device), the method's per-client state (device, host or disk), the round's
+peak-memory estimate, a streamed strategy for a cohort that does not fit at once, and the refusal of a run
+that cannot fit at all (:mod:`fedpartial._src.core.memory`).
+
+:class:`~fedpartial._src.experiment.simulation.Simulation` makes these decisions with its settings; ``room``
+arguments are its ``_device_room``: the free memory less the data that is to go on the device (called only
+when a decision needs it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from fedpartial._src.core import memory
+from fedpartial._src.core.types import Method
+from fedpartial._src.data import ondevice
+from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import sharding
+from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.models.adapter import Model
+
+Room = Callable[[], "tuple[int | None, str]"]
+
+
+def client_mesh(num_devices: int):
+    """The client mesh: this process's first ``num_devices`` devices, or every process's devices when the run
+    spans several processes (``jax.distributed``); None for one device."""
+    if jax.process_count() > 1:
+        return sharding.client_mesh(None)
+    return sharding.client_mesh(num_devices) if num_devices > 1 else None
+
+
+def placed(cohort: engine.Cohort, mesh, padded_size: int) -> engine.Cohort:
+    """The cohort split over the devices of ``mesh`` (unchanged on one device).  With several processes each
+    keeps only its own devices' rows and the global cohort is assembled from them (:func:`sharding.global_cohort`)."""
+    if mesh is None:
+        return cohort
+    if jax.process_count() == 1:
+        return sharding.shard_cohort(cohort, mesh)
+    rows = sharding.process_rows(padded_size, mesh)
+    mine = jax.tree.map(lambda a: np.asarray(a)[rows], cohort)
+    return sharding.global_cohort(mine, mesh, padded_size)
+
+
+def data_bytes(x: np.ndarray, clients: list[np.ndarray], holdout: tuple | None) -> int:
+    """Bytes the data takes on the device (:func:`ondevice.population_bytes` plus the holdout)."""
+    return ondevice.population_bytes(x, clients) + (0 if holdout is None else sum(int(a.nbytes) for a in holdout))
+
+
+def data_placement(config: RunConfig, needed_bytes: int, decided: str | None = None) -> str:
+    """``host`` or ``device``: ``config.data_placement`` resolved, or the caller's ``decided`` placement.
+
+    ``auto`` is ``device`` on an accelerator when the placed data - every client's training examples,
+    labels and index tables, plus the holdout: ``needed_bytes`` - takes at most
+    :data:`ondevice.DEVICE_MEMORY_FRACTION` (a quarter) of its free memory (``bytes_limit`` less what is in
+    use), else ``host``; on CPU it is ``host`` (:func:`ondevice.resolve_placement` says why).  A streamed
+    cohort is packed a chunk at a time, so its data stays on the host.
+    """
+    if engine.parse_strategy(config.strategy).kind == "stream":
+        return "host"
+    return decided or ondevice.resolve_placement(config.data_placement, needed_bytes, ondevice.available_memory(),
+                                                 jax.devices()[0].platform)
+
+
+def client_state_place(config: RunConfig, method: Method, shapes, *, mesh, room: Room) -> str:
+    """``config.client_state`` resolved to ``device``, ``host`` or ``disk`` for per-client state of ``shapes``
+    (refusing a method that cannot keep its per-client state off the device); ``device`` when the method
+    keeps none."""
+    state_bytes = client_state_lib.tree_bytes(shapes)
+    if config.client_state in ("host", "disk") and state_bytes and not method.capabilities.host_client_state:
+        raise ConfigError(f"--client-state {config.client_state} is not allowed for --method {method.name}: "
+                          "it reads every client's state in its hooks; use --client-state device or auto.")
+    if state_bytes == 0:
+        return "device"
+    device_free, where = room()
+    host_free = device_free if where == "RAM" else memory.available_bytes(jax.devices("cpu")[0])[0]
+    # (split over several devices the state stays there: the host store feeds one device)
+    return client_state_lib.resolve(config.client_state, state_bytes,
+                                    can_leave_device=method.capabilities.host_client_state and mesh is None,
+                                    device_free=device_free, host_free=host_free,
+                                    platform=jax.devices()[0].platform)
+
+
+def estimate(round: engine.FederatedRound, client_state: str, *, num_steps: int, batch_size: int,
+             example_shape: tuple, x_dtype) -> memory.MemoryEstimate:
+    """The round's peak-memory estimate (:func:`memory.estimate`), the host store of per-client state
+    included where it shares the RAM."""
+    est = memory.estimate(round, num_steps=num_steps, batch_size=batch_size, example_shape=example_shape,
+                          x_itemsize=np.dtype(x_dtype).itemsize)
+    if client_state == "host" and jax.devices()[0].platform == "cpu":  # the store shares the RAM
+        est = est._replace(server=est.server + client_state_lib.tree_bytes(round.client_state_shapes()))
+    return est
+
+
+def device_data_gives_way(config: RunConfig, placement: str, est: memory.MemoryEstimate,
+                          round: engine.FederatedRound, needed_bytes: int, *, room: Room) -> str | None:
+    """When ``--data-placement auto`` chose the device (``placement``) and the estimate ``est`` of ``round`` does
+    not fit in what the data (``needed_bytes``) would leave, the data stays on the host instead (the round keeps
+    its strategy, where streaming would split the cohort into chunks and a refusal would stop the run):
+    returns why, for people, else None."""
+    if placement != "device" or config.data_placement != "auto":
+        return None
+    available, where = room()
+    if available is None or memory.fits(est, available):
+        return None
+    return memory.data_stays_on_host("its", needed_bytes, str(round.strategy), est.total, available, where)
+
+
+def streamed_strategy(clients_that_fit: int, model: Model) -> engine.Strategy:
+    """The streamed strategy for this platform and ``model`` with at most ``clients_that_fit`` in flight."""
+    return engine.bounded_strategy(clients_that_fit, jax.devices()[0].platform, model)
+
+
+def bounded_strategy(config: RunConfig, method: Method, round: engine.FederatedRound, est: memory.MemoryEstimate,
+                     *, model: Model, mesh, room: Room) -> tuple[engine.Strategy, str] | None:
+    """For ``--strategy auto`` on one device, when the estimate ``est`` of ``round`` exceeds the available memory
+    and the method streams: the streamed strategy (:func:`engine.bounded_strategy`) with a chunk that fits,
+    and why, for people; else None (a run that fits, a named strategy, or one :func:`check_memory` refuses)."""
+    if config.strategy != "auto" or mesh is not None or config.data_placement == "device" \
+            or engine.stream_refusal(method) is not None:
+        return None
+    available, where = room()
+    if available is None or memory.fits(est, available):
+        return None
+    fit = memory.clients_that_fit(est, available)
+    if fit < 1:
+        return None
+    why = (f"auto streams the cohort: {round.strategy} would need about {memory.gib(est.total)} "
+           f"but {memory.gib(available)} of {where} is available")
+    return streamed_strategy(memory.round_down(min(fit, config.cohort_size)), model), why
+
+
+def check_memory(est: memory.MemoryEstimate, round: engine.FederatedRound, method: Method, *, client_state: str,
+                 cohort_size: int, model: Model, room: Room) -> None:
+    """Refuses the run in one sentence when its estimate exceeds the available memory (see
+    :mod:`fedpartial._src.core.memory`); on an accelerator the packed data's host copy is checked against RAM."""
+    available, where = room()
+    if available is None:
+        return
+    if where != "RAM":  # the device holds all but the host copy of the data
+        host, _ = memory.available_bytes(jax.devices("cpu")[0])
+        if host is not None and est.data / 2 > memory.HEADROOM * host:
+            raise ConfigError(f"the run's packed data needs about {memory.gib(est.data / 2)} but "
+                              f"{memory.gib(host)} of RAM is available; use --strategy stream:"
+                              f"{max(1, int(memory.HEADROOM * host // max(est.data / 2 / est.in_flight, 1)))}.")
+    movable = 0
+    if client_state == "device" and method.capabilities.host_client_state:
+        movable = client_state_lib.tree_bytes(round.client_state_shapes())
+    host, _ = memory.available_bytes(jax.devices("cpu")[0])
+    move = "--client-state host" if where != "RAM" and host and movable <= memory.HEADROOM * host \
+        else "--client-state disk"
+    problem = memory.refusal(est, available, where, strategy=str(round.strategy), cohort_size=cohort_size,
+                             stream=functools.partial(streamed_strategy, model=model)
+                             if engine.stream_refusal(method) is None else None,
+                             movable_bytes=movable, move=move)
+    if problem:
+        raise ConfigError(problem[0].upper() + problem[1:])

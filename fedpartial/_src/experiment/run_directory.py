@@ -1,0 +1,248 @@
+"""A run directory, written round by round: what :func:`~fedpartial._src.experiment.simulation.run` writes for
+one :class:`~fedpartial._src.experiment.simulation.Simulation` (many-seed runs keep one writer per seed).
+
+``config.json``, ``config.toml`` and ``environment.json`` when it starts; ``metrics.jsonl``, ``metrics.csv``,
+``decisions/`` and checkpoints each round; ``summary.json`` and ``status.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment.config import RunConfig
+
+if TYPE_CHECKING:
+    from fedpartial._src.experiment.simulation import Simulation
+
+
+def unique_run_dir(out_dir: str, name: str) -> str:
+    """A fresh directory under ``out_dir``; an existing run is never overwritten."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    suffix = 1
+    while os.path.exists(path):
+        path = os.path.join(out_dir, f"{name}-{suffix}")
+        suffix += 1
+    os.makedirs(path)
+    return path
+
+
+
+class RunWriter:
+    """A run directory written round by round: what :func:`~fedpartial._src.experiment.simulation.run` writes,
+    for one :class:`~fedpartial._src.experiment.simulation.Simulation`.
+
+    Made with the simulation (a fresh directory under ``config.out_dir`` named ``config.run_name`` or
+    ``METHOD-DATASET-seedSEED``, or the ``resume`` directory); :meth:`write` takes each round's record,
+    :meth:`close` closes the files, :meth:`finish` writes the summary and status.  With no ``out_dir``
+    nothing is written and only the records are kept.  :mod:`fedpartial._src.experiment.replicas` keeps one per seed.
+    """
+
+    def __init__(self, sim: Simulation, *, checkpoint_every: int | None = None, resume: str | None = None):
+        config = sim.config
+        self.sim, self.checkpoint_every = sim, checkpoint_every
+        self.run_dir = None
+        self.records: list[dict] = []
+        if resume is not None:
+            self.run_dir = resume
+            host = checkpoint.restore(resume, sim)
+            if checkpoint_every is None:
+                self.checkpoint_every = host.get("checkpoint_every")
+            self.records = _truncate_metrics(os.path.join(resume, "metrics.jsonl"), sim.progress["round"])
+        elif config.out_dir:
+            from fedpartial._src.experiment import records as run_record
+
+            name = config.run_name or f"{config.method_name}-{config.dataset}-seed{config.seed}"
+            self.run_dir = unique_run_dir(config.out_dir, name)
+            # Every value resolved (method options, local epochs, model, train fraction), so the run can be
+            # repeated from config.json or config.toml alone; environment.json says what it ran on.
+            full = run_record.resolved(config, sim)
+            checkpoint.write_json(os.path.join(self.run_dir, "config.json"), dataclasses.asdict(full))
+            with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+                f.write(run_record.to_toml(full))
+            checkpoint.write_json(os.path.join(self.run_dir, "environment.json"), run_record.environment(config))
+        elif checkpoint_every is not None:
+            raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
+        self.resumed_from = sim.progress["round"] if resume is not None else None
+        self.saved = checkpoint.latest_round(self.run_dir) if self.run_dir else None
+        self.extra = {"checkpoint_every": self.checkpoint_every}
+        self.status("running", f"resumed from round {self.resumed_from}" if resume is not None else "")
+        self.log = self.table = None
+        if self.run_dir:  # scalar fields only, written each round (see fedpartial._src.experiment.records.MetricsCSV)
+            from fedpartial._src.experiment.records import MetricsCSV
+
+            self.log = open(os.path.join(self.run_dir, "metrics.jsonl"), "a" if resume is not None else "w")
+            self.table = MetricsCSV(os.path.join(self.run_dir, "metrics.csv"), self.records)
+
+    def status(self, state: str, message: str = "") -> None:
+        if self.run_dir:
+            checkpoint.write_status(self.run_dir, state, round=self.sim.progress["round"], message=message,
+                                    checkpoint_round=self.saved)
+
+    def write(self, record: dict) -> None:
+        """Keeps one round's record and writes it (metrics, decisions, a checkpoint when due, status)."""
+        self.records.append(record)
+        if not self.run_dir:
+            return
+        self.log.write(checkpoint.strict_json(record) + "\n")
+        self.log.flush()
+        self.table.write(record)
+        if self.sim.last_decisions is not None:
+            save_decisions(os.path.join(self.run_dir, "decisions", f"round-{record['round']:05d}.npz"),
+                           self.sim.last_decisions)
+        if self.checkpoint_every and record["round"] % self.checkpoint_every == 0:
+            self.saved = checkpoint.save(self.run_dir, self.sim, extra=self.extra)
+        self.status("running")
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+            self.table.close()
+            self.log = None
+
+    def finish(self, error: BaseException | None, signum: int | None, wall: float) -> dict:
+        """Writes the final checkpoint, ``summary.json`` and ``status.json``; raises ``error`` again, or
+        :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` when signal ``signum`` stopped the run early;
+        returns the summary with ``run_dir`` and ``records``."""
+        sim, run_dir, config = self.sim, self.run_dir, self.sim.config
+        done = sim.progress["round"]
+        where = f"after round {done} of {config.rounds}"
+        if error is None and signum is not None and done < config.rounds:
+            if run_dir:
+                self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
+            name = signal.Signals(signum).name
+            message = (f"stopped by {name} {where}; the checkpoint of round {self.saved}, metrics and summary are "
+                       f"kept in {run_dir}; continue with: fedpartial run --resume {run_dir}" if run_dir else
+                       f"stopped by {name} {where}; nothing was written (no output directory)")
+            state = "interrupted"
+        elif error is None:
+            if run_dir:
+                self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
+            state, message = "complete", f"{done} rounds"
+        else:
+            kept = (f"the checkpoint of round {self.saved} is kept" if self.saved is not None
+                    else "no checkpoint was written")
+            if checkpoint.is_diverged(error):
+                state, message = "diverged", f"{str(error).strip().rstrip('.')}; {kept}."
+            elif isinstance(error, KeyboardInterrupt):
+                state, message = "interrupted", f"interrupted during round {done + 1}; {kept}"
+            else:
+                state, message = "failed", f"{type(error).__name__}: {str(error).strip().rstrip('.')}; {kept}."
+        try:
+            summary = summarize(config, sim, self.records, wall, status=state, resumed_from=self.resumed_from)
+        except Exception:  # a failed run's summary must never hide its error
+            if error is None:
+                raise
+            summary = {"status": state, "rounds": len(self.records)}
+        if run_dir:
+            checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
+            self.status(state, message)
+        if error is not None:
+            raise error
+        result = {**summary, "run_dir": run_dir, "records": self.records}
+        if state == "interrupted":
+            raise checkpoint.RunInterrupted(signum, message, result)
+        return result
+
+
+
+def _truncate_metrics(path: str, upto: int) -> list[dict]:
+    """Rounds ``1..upto`` of ``metrics.jsonl`` (each once; a torn last line is dropped); rewrites the file
+    with just those, atomically, and returns them (JSON ``null`` read back as NaN, as it was written)."""
+    kept: dict[int, dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # the line a kill cut short
+                if isinstance(record, dict) and 1 <= record.get("round", 0) <= upto:
+                    kept.setdefault(record["round"], record)
+    records = [kept[r] for r in sorted(kept)]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(checkpoint.strict_json(record) + "\n")
+    os.replace(tmp, path)
+    return [{k: math.nan if v is None else v for k, v in r.items()} for r in records]
+
+
+def save_decisions(path: str, decisions: dict) -> None:
+    """Writes one round's plan and selection masks to ``path`` (``.npz``, one array per named field).
+
+    Array names are the pytree paths, e.g. ``selection/upload/layers`` (``[K, L]``)
+    or ``plan/train/neurons/0`` (``[K, units_0]``); ``client_ids`` says whose rows they are.
+    """
+    arrays = {}
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(decisions)[0]:
+        name = "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keys)
+        arrays[name] = np.asarray(leaf)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez_compressed(path, **arrays)
+
+
+def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: float, *, status: str = "complete",
+              resumed_from: int | None = None) -> dict:
+    """The run's totals from its records.  Values that do not exist yet (no evaluated round) are NaN here
+    and ``null`` in ``summary.json``; ``status`` is the run's (see :mod:`fedpartial._src.experiment.checkpoint`)."""
+    evaluated = [r for r in records if "test_accuracy" in r]
+    accs = [r["test_accuracy"] for r in evaluated]
+    train_time = sum(r["round_time_s"] for r in records)
+    personal = {}
+    if sim.holdout is not None and evaluated:
+        keys = ("personal_accuracy", "personal_accuracy_std", "personal_accuracy_min", "personal_accuracy_max",
+                "global_client_accuracy")
+        personal = {f"final_{k}": evaluated[-1][k] for k in keys}
+        personal["best_personal_accuracy"] = max(r["personal_accuracy"] for r in evaluated)
+    target = config.target_accuracy
+    reached = next((r for r in evaluated if target is not None and r["test_accuracy"] >= target), None)
+    stopping = {}
+    if config.early_stopping:
+        stopping = {"rounds_saved": config.rounds - len(records),
+                    "stopped_clients": int(config.num_clients - sim.active_clients().sum())}
+    return {
+        "status": status,
+        "method": config.method,
+        "dataset": sim.dataset.name,
+        "model": sim.model.name,
+        "num_params": sim.num_params,
+        "strategy": f"{sim.round.strategy.name}:{sim.round.strategy.chunk_size}",
+        **({"strategy_note": sim.strategy_note} if sim.strategy_note else {}),
+        "devices": 1 if sim.mesh is None else sim.mesh.size,
+        "backend": jax.default_backend(),
+        "data_placement": sim.data_placement,
+        "client_state": sim.client_state,
+        "rounds": len(records),
+        "final_test_accuracy": accs[-1] if accs else math.nan,
+        "best_test_accuracy": max(accs) if accs else math.nan,
+        "final_test_loss": evaluated[-1]["test_loss"] if evaluated else math.nan,
+        "final_train_loss": records[-1]["train_loss"] if records else math.nan,
+        "total_upload_bytes": records[-1]["cumulative_upload_bytes"] if records else 0,
+        "total_download_bytes": records[-1]["cumulative_download_bytes"] if records else 0,
+        "total_client_steps": sum(r["client_steps"] for r in records),
+        "total_client_flops": sum(r["client_flops"] for r in records),
+        "total_simulated_time_s": records[-1]["cumulative_simulated_time_s"] if records else 0.0,
+        "target_accuracy": target,
+        "time_to_target_s": reached["cumulative_simulated_time_s"] if reached else None,
+        "round_to_target": reached["round"] if reached else None,
+        "train_time_s": train_time,
+        "rounds_per_s": len(records) / train_time if train_time else math.nan,
+        "wall_time_s": wall,
+        "planned_rounds": config.rounds,
+        "resumed_from_round": resumed_from,
+        "client_train_fraction": sim.train_fraction,
+        "personal_state_bytes": sim.personal_state_bytes,
+        **personal,
+        **stopping,
+    }
