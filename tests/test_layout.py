@@ -68,7 +68,7 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 
 def test_no_two_modules_import_each_other_even_inside_functions():
     """grimp reads every import, function-local ones included, so a cycle hidden in a function shows too."""
-    graph = grimp.build_graph("fedpartial")
+    graph = grimp.build_graph("fedpartial", exclude_type_checking_imports=True)  # as the contracts read it
     assert _cycles(graph) == []
 
 

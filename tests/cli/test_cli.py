@@ -29,7 +29,23 @@ def test_small_run_writes_results(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 2 and 0.0 <= summary["final_test_accuracy"] <= 1.0
     assert json.loads((run_dir / "config.json").read_text())["cohort_size"] == 3
-    assert "final test accuracy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "final test accuracy" in out and "holds the rest out" not in out  # FedAvg holds nothing out
+
+
+def test_a_held_out_split_the_run_did_not_ask_for_is_said(tmp_path, capsys):
+    """A personalised method evaluates each client's model on its held-out data: the 70/30 default is printed,
+    with the reason and the flag that changes it, never silent."""
+    from fedpartial._src.experiment.config import RunConfig
+    from fedpartial._src.experiment.simulation import Simulation
+
+    sim = Simulation(RunConfig(method="fedspu", dataset="synthetic", num_clients=4, cohort_size=2, rounds=1,
+                               local_steps=1, out_dir=None))
+    assert sim.train_fraction == 0.7 and "fedspu is personalised" in sim.holdout_note
+    assert "--train-fraction" in sim.holdout_note
+    asked = Simulation(RunConfig(method="fedspu", dataset="synthetic", num_clients=4, cohort_size=2, rounds=1,
+                                 local_steps=1, train_fraction=0.8, out_dir=None))
+    assert asked.holdout_note is None
 
 
 def test_existing_results_are_never_overwritten(tmp_path):

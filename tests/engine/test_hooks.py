@@ -11,7 +11,7 @@ import pytest
 from fedpartial._src.engine import round as engine
 from fedpartial._src.core import masks
 from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.core.types import ClientPlan, MethodContext, MethodState
+from fedpartial._src.core.types import Capabilities, ClientPlan, MethodContext, MethodState
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.methods.base import cross_entropy, upload_trained
@@ -135,7 +135,7 @@ def test_init_receives_a_class_balanced_server_set_no_client_holds():
         counts = jnp.bincount(view.server_data.y, length=10)
         return MethodState(server=counts)
 
-    method = make_method("server-set", init=init, server_examples_per_class=3)
+    method = make_method("server-set", init=init, capabilities=Capabilities(server_examples_per_class=3))
     sim = Simulation(RunConfig(num_clients=10, cohort_size=2, rounds=1, local_steps=1, out_dir=None),
                      method=method)
     np.testing.assert_array_equal(sim.state.method_state.server, np.full(10, 3))

@@ -229,10 +229,10 @@ def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[
             steps = jnp.arange(jax.tree.leaves(data)[0].shape[0])
 
             def body(local, xs):
-                return fns.step(local, xs[0], plan, global_vars, cstate, key, xs[1]), None
+                return fns.step(local, xs[0], plan, global_vars, cstate, key, xs[1], part.server_state), None
 
             return fns.final(jax.lax.scan(body, fns.init(start), (prepared, steps))[0], start)
-        outs.append(jax.vmap(one)(*part))
+        outs.append(jax.vmap(one)(part.start, part.data, part.plan, part.client_state, part.client_keys))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 
 

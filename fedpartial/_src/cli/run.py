@@ -101,6 +101,8 @@ def _run_stoppable(args, console: Console, stop) -> int:
     config.validate(check_model=True)  # every bad value, path and combination before any set-up
     t0 = time.perf_counter()
     sim = simulation.Simulation(config)  # data and model errors surface before the progress bar
+    if sim.holdout_note and not args.quiet:  # a default that changes what is trained on is said, not silent
+        console.print(f"note: {sim.holdout_note}.")
     # Progress: a live rich line on a terminal; otherwise plain lines (one per round, at most ~50 in all,
     # and always the last round) so logs stay readable; --quiet: nothing but the run directory at the end.
     live = not args.quiet and console.is_terminal

@@ -98,9 +98,17 @@ class Simulation:
         config = self.config
         base = method if method is not None else config.build_method()
         self.train_fraction = config.train_fraction
+        #: why each client holds data out when the run did not say (None: it said, or nothing is held out)
+        self.holdout_note = None
         if self.train_fraction is None:
-            wants_holdout = base.capabilities.personalised or base.capabilities.needs_holdout or config.early_stopping
-            self.train_fraction = DEFAULT_TRAIN_FRACTION if wants_holdout else 1.0
+            caps = base.capabilities
+            why = (f"method {base.name} is personalised: each client's own model is evaluated on its held-out data"
+                   if caps.personalised else f"method {base.name} reads held-out data" if caps.needs_holdout
+                   else "early stopping (--es) reads held-out data" if config.early_stopping else None)
+            self.train_fraction = DEFAULT_TRAIN_FRACTION if why else 1.0
+            if why:
+                self.holdout_note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the "
+                                     f"rest out, because {why} (--train-fraction changes it)")
         self.method = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
 
     def _split_population(self) -> None:
