@@ -15,8 +15,8 @@ import pytest
 import fedpartial as fp
 from examples import scaffold
 from fedpartial._src.cli.main import main
+from fedpartial._src.experiment import replicas
 from fedpartial._src.methods import catalog
-from tests.experiment.test_replicas import _check_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -76,21 +76,25 @@ def test_an_installed_name_never_shadows_a_built_in_one(monkeypatch):
 def test_learning_rate_replicas_of_scaffold_equal_their_separate_runs(tmp_path):
     """The bug this guards against: replicas build the client optimizer at rate 1 and carry the rate in the
     cohort; a method that multiplied a scale by the optimizer's rate itself counted it twice (SCAFFOLD's |c|
-    was 4,301 in the replica against 48 alone).  The control variates must agree too."""
+    was 4,301 in the replica against 48 alone).  Records, models and control variates must agree."""
     config = fp.RunConfig(method="examples.scaffold:SPEC", dataset="digits", model="mlp", num_clients=6,
-                          cohort_size=2, rounds=2, batch_size=16, local_epochs=0.5, momentum=0.0, seed=0)
-    done = _check_equal(config, [0, 1], tmp_path, replica_axis="map", lrs=[0.05, 0.1])
+                          cohort_size=2, rounds=2, batch_size=16, local_epochs=0.5, momentum=0.0, seed=0,
+                          out_dir=str(tmp_path))
+    lrs = [0.05, 0.1]
+    done = replicas.run_seeds(config, [0], replica_axis="map", lrs=lrs)
     norms = []
-    for (seed, lr, _), vsim in zip(fp._src.experiment.replicas.replica_settings([0, 1], [0.05, 0.1]),
-                                   done["simulations"]):
-        alone = fp.Simulation(dataclasses.replace(config, seed=seed, client_lr=lr, strategy="fused", out_dir=None))
-        for _ in alone.rounds():
-            pass
-        mine, theirs = (jax.device_get(s.state.method_state) for s in (vsim, alone))
+    for lr, result, vsim in zip(lrs, done["results"], done["simulations"]):
+        alone = fp.Simulation(dataclasses.replace(config, client_lr=lr, strategy="fused", out_dir=None))
+        records = list(alone.rounds())
+        for mine, theirs in zip(result["records"], records):
+            for key in ("upload_bytes", "download_bytes", "client_steps"):
+                assert mine[key] == theirs[key], key
+            assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-5)
+        mine, theirs = (jax.device_get((s.state.variables, s.state.method_state)) for s in (vsim, alone))
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        norms.append(float(np.sqrt(sum(np.sum(np.square(a)) for a in jax.tree.leaves(mine.server)))))
-    assert all(0 < n < 100 for n in norms), norms
+        norms.append(float(np.sqrt(sum(np.sum(np.square(a)) for a in jax.tree.leaves(mine[1].server)))))
+    assert all(0 < n < 100 for n in norms) and norms[0] != norms[1], norms
 
 
 @pytest.mark.parametrize("strategy", ["fused", "stepwise", "debug"])
