@@ -190,19 +190,20 @@ def _method_tier_costs(model, method: str, repeats: int) -> list[dict]:
     import optax
 
     from fedpartial._src.costs import flops
-    from fedpartial._src.engine import round as engine
+    from fedpartial._src.engine.round import FederatedRound
+    from fedpartial._src.engine.types import Cohort
     from fedpartial._src.core.types import Batch, CohortInfo
     from fedpartial._src.methods.catalog import get_method
 
     n, steps, batch = 3, 10, 32
-    r = engine.FederatedRound(model, get_method(method, tier_mix=(1, 1, 1)), num_clients=n, cohort_size=n,
-                              client_optimizer=optax.sgd(0.01, momentum=0.9))
+    r = FederatedRound(model, get_method(method, tier_mix=(1, 1, 1)), num_clients=n, cohort_size=n,
+                       client_optimizer=optax.sgd(0.01, momentum=0.9))
     state = r.init(jax.random.key(0))
     x = np.ones((n, steps, batch, *model.input_shape), np.int32 if model.name == "bilstm" else np.float32)
-    cohort = engine.Cohort(Batch(x, np.zeros((n, steps, batch), np.int32), np.ones((n, steps, batch), bool),
-                                 np.ones((n, steps), bool)),
-                           CohortInfo(np.arange(n, dtype=np.int32), np.full(n, steps * batch, np.float32),
-                                      np.ones(n, bool)))
+    cohort = Cohort(Batch(x, np.zeros((n, steps, batch), np.int32), np.ones((n, steps, batch), bool),
+                          np.ones((n, steps), bool)),
+                    CohortInfo(np.arange(n, dtype=np.int32), np.full(n, steps * batch, np.float32),
+                               np.ones(n, bool)))
     costs = flops.step_costs(r, cohort, state)
     rows = []
     for group, fns, cost, li in zip(r.groups, r.clients, costs, r.local_inputs(state, cohort, jax.random.key(1))):

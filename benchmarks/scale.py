@@ -59,7 +59,7 @@ def _status_bytes(field: str) -> int | None:
 
 def worker(case: str, methods: tuple[str, ...], variant: int | None = None) -> dict:
     """Runs one case (or one of its variants) in this process; returns its measurements."""
-    from fedpartial._src.engine import round as engine
+    from fedpartial._src.engine.strategy import stream_refusal
     from fedpartial._src.core import memory
     from fedpartial._src.experiment import simulation
     from fedpartial._src.experiment.config import RunConfig
@@ -93,7 +93,7 @@ def worker(case: str, methods: tuple[str, ...], variant: int | None = None) -> d
         on_device = est._replace(server=est.server + off_device)
         refusal = memory.refusal(on_device, available, where, strategy=str(sim.round.strategy),
                                  cohort_size=config.cohort_size,
-                                 stream=sim.streamed_option if engine.stream_refusal(sim.method) is None else None,
+                                 stream=sim.streamed_option if stream_refusal(sim.method) is None else None,
                                  movable_bytes=sim.personal_state_bytes if sim.method.capabilities.host_client_state else 0,
                                  move="--client-state disk") if available else None
         rss_built = _rss()

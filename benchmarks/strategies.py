@@ -13,7 +13,7 @@ every round) the script measures:
   turn, a ``jax.jit``-ted single-client SGD step called S times from Python, then
   the ``n_k``-weighted mean of the client models with ``jax.tree.map`` on the
   host.  Only the Flax module is shared with the engine.
-* ``fused`` — :func:`fedpartial._src.engine.round.fused` (all clients vmapped in one jit);
+* ``fused`` — :func:`fedpartial._src.engine.strategy.fused` (all clients vmapped in one jit);
 * ``fused_chunk`` — ``fused(min(K, 20))`` (``lax.map`` over vmapped chunks);
 * ``fused_unrolled`` — ``fused(min(K, 20), unroll=True)`` (local steps unrolled);
 * ``stepwise_1`` — ``stepwise(1)`` (host loop over clients and steps);
@@ -45,12 +45,28 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial._src.bench import kit as bench
-from fedpartial._src.engine import round as engine
-from fedpartial._src.bench.kit import PlainLoop, device_info, int_list, log, max_abs_diff, name_list, slug, timed
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.models import registry
-from fedpartial._src.models.adapter import from_linen
+# benchmarks/compare_revisions.py runs this file in older checkouts too, so each layout is tried in turn.
+try:  # this tree: the package under fedpartial/_src
+    from fedpartial._src.bench import kit as bench
+    from fedpartial._src.bench.kit import PlainLoop, device_info, int_list, log, max_abs_diff, name_list, slug, timed
+    from fedpartial._src.methods.basic.fedavg import fedavg
+    from fedpartial._src.models import registry
+    from fedpartial._src.models.adapter import from_linen
+except ModuleNotFoundError:  # before the layout by layer: fedpartial/benchkit.py, fedpartial/engine.py, ...
+    from fedpartial import benchkit as bench
+    from fedpartial.benchkit import PlainLoop, device_info, int_list, log, max_abs_diff, name_list, slug, timed
+    from fedpartial.methods.fedavg import fedavg
+    from fedpartial.models import registry
+    from fedpartial.models.adapter import from_linen
+try:  # the engine split into modules
+    from fedpartial._src.engine.round import FederatedRound
+    from fedpartial._src.engine.strategy import Strategy, fused, stepwise
+    from fedpartial._src.engine.types import cohort_from_packed
+except ModuleNotFoundError:
+    try:  # the engine in one module under fedpartial/_src
+        from fedpartial._src.engine.round import FederatedRound, Strategy, cohort_from_packed, fused, stepwise
+    except ModuleNotFoundError:  # the engine before the move: fedpartial/engine.py
+        from fedpartial.engine import FederatedRound, Strategy, cohort_from_packed, fused, stepwise
 
 STRATEGY_NAMES = ("plain_loop", "fused", "fused_chunk", "fused_unrolled", "stepwise_1", "stepwise_chunk")
 ENGINE_STRATEGIES = STRATEGY_NAMES[1:]
@@ -69,14 +85,14 @@ QUICK = dict(models=("mlp", "cnn2c1f"), cohorts=(4,), local_steps=2, batch_size=
 # ---- setup --------------------------------------------------------------------------
 
 
-def engine_strategy(name: str, k: int) -> engine.Strategy:
+def engine_strategy(name: str, k: int) -> Strategy:
     chunk = min(k, CHUNK)
     return {
-        "fused": engine.fused(None),
-        "fused_chunk": engine.fused(chunk),
-        "fused_unrolled": engine.fused(chunk, unroll=True),
-        "stepwise_1": engine.stepwise(1),
-        "stepwise_chunk": engine.stepwise(chunk),
+        "fused": fused(None),
+        "fused_chunk": fused(chunk),
+        "fused_unrolled": fused(chunk, unroll=True),
+        "stepwise_1": stepwise(1),
+        "stepwise_chunk": stepwise(chunk),
     }[name]
 
 
@@ -108,9 +124,9 @@ def measure_plain(module, model_input_shape, packed, cfg, key) -> tuple[dict, An
 def measure_engine(name, model, packed, cfg, key, reference) -> dict:
     k = packed.step_mask.shape[0]
     strategy = engine_strategy(name, k)
-    rnd = engine.FederatedRound(model, fedavg(), num_clients=k, cohort_size=k,
-                                client_optimizer=client_optimizer(cfg), strategy=strategy)
-    cohort = engine.cohort_from_packed(packed, np.arange(k))
+    rnd = FederatedRound(model, fedavg(), num_clients=k, cohort_size=k,
+                         client_optimizer=client_optimizer(cfg), strategy=strategy)
+    cohort = cohort_from_packed(packed, np.arange(k))
     state0 = rnd.init(key)
     initial_params = jax.device_get(state0.variables["params"])  # the fused round may donate state0
     round_key = jax.random.key(SEED + 1)

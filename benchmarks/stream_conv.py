@@ -37,7 +37,9 @@ def worker(model_name: str, k: int, strategy_text: str, rounds: int, local_steps
     import jax
     import numpy as np
 
-    from fedpartial._src.engine import round as engine
+    from fedpartial._src.engine.round import FederatedRound
+    from fedpartial._src.engine.strategy import parse_strategy
+    from fedpartial._src.engine.types import cohort_from_packed
     from fedpartial._src.bench.suite import DEFAULT_INPUT, INPUT_SHAPES, SEED
     from fedpartial._src.bench.kit import NUM_CLASSES, client_optimizer, make_data
     from fedpartial._src.methods.catalog import get_method
@@ -49,10 +51,10 @@ def worker(model_name: str, k: int, strategy_text: str, rounds: int, local_steps
     model = from_linen(module, input_shape=shape, num_classes=NUM_CLASSES,
                        sequential=registry.MODELS[model_name].sequential, name=model_name)
     packed = make_data(k, batch_size=batch_size, local_steps=local_steps, input_shape=shape, seed=SEED)
-    cohort = engine.cohort_from_packed(packed, np.arange(k))
-    rnd = engine.FederatedRound(model, get_method("fedavg"), num_clients=k, cohort_size=k,
-                                client_optimizer=client_optimizer(0.05, 0.9),
-                                strategy=engine.parse_strategy(strategy_text, model=model))
+    cohort = cohort_from_packed(packed, np.arange(k))
+    rnd = FederatedRound(model, get_method("fedavg"), num_clients=k, cohort_size=k,
+                         client_optimizer=client_optimizer(0.05, 0.9),
+                         strategy=parse_strategy(strategy_text, model=model))
     state = rnd.init(jax.random.key(SEED))
     rss_ready = _rss()
     times = []

@@ -41,17 +41,9 @@ from fedpartial._src.core.types import (
     ServerData,
     client_sgd,
 )
-from fedpartial._src.engine.round import (
-    Cohort,
-    FederatedRound,
-    ServerState,
-    Strategy,
-    debug,
-    fused,
-    parse_strategy,
-    stepwise,
-    streamed,
-)
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import Strategy, debug, fused, parse_strategy, stepwise, streamed
+from fedpartial._src.engine.types import Cohort, ServerState
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
 from fedpartial._src.core.population import broadcast_clients, cohort_rows, gather_clients, scatter_clients

@@ -18,7 +18,7 @@ import pytest
 
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice, sources
-from fedpartial._src.engine.round import Cohort
+from fedpartial._src.engine.types import Cohort
 from fedpartial._src.methods.base import Batch, CohortInfo
 from fedpartial._src.models.adapter import from_linen
 

@@ -17,7 +17,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine import strategy as strategies
 from fedpartial._src.core import masks
 from fedpartial._src.core.types import Batch, ServerData, client_sgd
 from fedpartial._src.methods.catalog import METHODS, get_method
@@ -89,9 +91,9 @@ SERVER_DATA = ServerData(np.random.default_rng(4).normal(size=(6, 4)).astype(np.
 
 
 def build(model, method, strategy, record=False, client_state="device"):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
-                                 server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record,
-                                 label_counts=LABEL_COUNTS, server_data=SERVER_DATA, client_state=client_state)
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
+                          server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record,
+                          label_counts=LABEL_COUNTS, server_data=SERVER_DATA, client_state=client_state)
 
 
 def run(r, data):
@@ -146,7 +148,7 @@ def assert_matches_reference(got, metrics, ref, ref_metrics, name=None):
     assert_close_to_scale(got[-1].variables, ref[-1].variables)
     assert_close_to_scale(got[-1].method_state, ref[-1].method_state, atol=STATE_ATOL.get(name, 2e-6))
     for m, r in zip(metrics, ref_metrics):
-        (m_up, r_up), (m_down, r_down) = ((engine.traffic_totals(x)[w] for x in (m, r))
+        (m_up, r_up), (m_down, r_down) = ((traffic_totals(x)[w] for x in (m, r))
                                           for w in ("upload_bytes", "download_bytes"))
         assert m_up == r_up and m_down == r_down
         np.testing.assert_allclose(m["train_loss"], r["train_loss"], rtol=1e-5)
@@ -155,7 +157,7 @@ def assert_matches_reference(got, metrics, ref, ref_metrics, name=None):
 @pytest.mark.parametrize("name", NAMES)
 def test_method_keeps_the_engine_contract(mlp, data, name):
     # Stepwise, recording decisions: the reference.
-    step = build(mlp, BUILDERS[name](), engine.stepwise(1), record=True)
+    step = build(mlp, BUILDERS[name](), strategies.stepwise(1), record=True)
     ref, ref_metrics, traces = run(step, data)
     assert traces[0] > 0 and traces[1] == traces[0], "round 2 retraced (stepwise)"
 
@@ -163,7 +165,7 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
     # the same result, no retrace, and bit-identical when run again with the same seed.  (The whole-cohort
     # fused round differs from it only in the engine's chunking, which tests/engine/test_engine.py checks per
     # strategy; test_whole_cohort_fused_round_matches_too runs it for every method under -m slow.)
-    fused = build(mlp, BUILDERS[name](), engine.fused(2))
+    fused = build(mlp, BUILDERS[name](), strategies.fused(2))
     padded_data = [padded(c) for c in data]
     got, metrics, traces = run(fused, padded_data)
     assert traces[1] == traces[0], "round 2 retraced (fused)"
@@ -193,7 +195,7 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_whole_cohort_fused_round_matches_too(mlp, data, name):
-    ref, ref_metrics, _ = run(build(mlp, BUILDERS[name](), engine.stepwise(1)), data)
-    got, metrics, traces = run(build(mlp, BUILDERS[name](), engine.fused()), data)
+    ref, ref_metrics, _ = run(build(mlp, BUILDERS[name](), strategies.stepwise(1)), data)
+    got, metrics, traces = run(build(mlp, BUILDERS[name](), strategies.fused()), data)
     assert traces[1] == traces[0], "round 2 retraced (fused)"
     assert_matches_reference(got, metrics, ref, ref_metrics, name)

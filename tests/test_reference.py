@@ -5,7 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.methods.basic.fedavg import fedavg
 from tests.conftest import make_cohort
 
@@ -45,13 +46,13 @@ def reference_fedavg_round(model, global_vars, cohort):
     return jax.tree.map(lambda *leaves: sum(wi * l for wi, l in zip(w, leaves)), *results)
 
 
-@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.stepwise(3)], ids=str)
+@pytest.mark.parametrize("strategy", [fused(), stepwise(1), stepwise(3)], ids=str)
 def test_engine_matches_plain_python_fedavg(mlp, strategy):
     cohorts = [make_cohort((4,), k=4, steps=3, batch=5, seed=s, real_steps=[3, 2, 1, 3],
                            real_examples=[5, 3, 5, 4]) for s in range(2)]
     opt = optax.chain(optax.add_decayed_weights(WD), optax.sgd(LR, momentum=MOMENTUM))
-    r = engine.FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=opt,
-                              strategy=strategy)
+    r = FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=opt,
+                       strategy=strategy)
     state = r.init(jax.random.key(0))
     expected = jax.device_get(state.variables)
     for t, c in enumerate(cohorts):

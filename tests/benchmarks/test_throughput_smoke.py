@@ -7,7 +7,9 @@ import pytest
 
 from fedpartial._src.bench import suite as bench
 from fedpartial._src.cli import main as cli
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import default_strategy
+from fedpartial._src.engine.types import cohort_from_packed
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
@@ -38,7 +40,7 @@ def test_every_runner_is_measured_next_to_the_plain_loop(report):
     k, steps = record["cohort_size"], settings.local_steps
     assert (record["model"], k) == ("mlp", 4) and record["peak_memory_bytes"] > 0
     runners = {(e["method"], e["strategy"]): e for e in record["runners"]}
-    auto = str(engine.default_strategy(jax.default_backend()))
+    auto = str(default_strategy(jax.default_backend()))
     assert set(runners) == {("fedavg", "plain_loop"), ("fedavg", "auto"), ("fedavg", "fused:2"),
                             ("fedldf", "auto"), ("fedldf", "fused:2")}
     for (method, strategy), e in runners.items():
@@ -124,10 +126,10 @@ def test_cpu_training_phase_loop_equals_the_vmapped_scan(method):
     model = from_linen(registry.build_model("cnn2c1f", NUM_CLASSES, shape), input_shape=shape,
                        num_classes=NUM_CLASSES, sequential=registry.MODELS["cnn2c1f"].sequential, name="cnn2c1f")
     k = 3
-    rnd = engine.FederatedRound(model, get_method(method), num_clients=k, cohort_size=k,
-                                client_optimizer=client_optimizer(0.1, 0.0))
-    cohort = engine.cohort_from_packed(make_data(k, batch_size=4, local_steps=3, input_shape=shape, seed=0),
-                                       np.arange(k))
+    rnd = FederatedRound(model, get_method(method), num_clients=k, cohort_size=k,
+                         client_optimizer=client_optimizer(0.1, 0.0))
+    cohort = cohort_from_packed(make_data(k, batch_size=4, local_steps=3, input_shape=shape, seed=0),
+                                np.arange(k))
     state, key = rnd.init(jax.random.key(0)), jax.random.key(1)
     inputs = rnd.local_inputs(state, cohort, key)
     looped = bench.local_training_stepwise(rnd)(state, cohort, key, rnd.preview(state, cohort, key).start_vars)

@@ -10,7 +10,7 @@ import pytest
 
 import fedpartial as fp
 from fedpartial import masks
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.strategy import fused
 from tests.conftest import make_cohort
 
 N, K = 5, 3
@@ -141,7 +141,7 @@ def test_client_sgd_is_optax_sgd_bit_for_bit(mlp):
     for optimizer in (optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.05, momentum=0.9)),
                       fp.client_sgd(0.05, momentum=0.9, weight_decay=1e-3)):
         rnd = fp.FederatedRound(mlp, fp.methods.fedavg(), num_clients=N, cohort_size=K, client_optimizer=optimizer,
-                                strategy=engine.fused())
+                                strategy=fused())
         new, _ = rnd(rnd.init(jax.random.key(0)), cohort, jax.random.key(1))
         results.append(jax.device_get(new.variables))
     jax.tree.map(np.testing.assert_array_equal, *results)

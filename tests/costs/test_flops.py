@@ -10,7 +10,8 @@ import pytest
 
 from fedpartial._src.costs import devices, flops
 from fedpartial._src.engine import graphs
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import stepwise
 from fedpartial._src.methods import base
 from fedpartial._src.methods.submodel import dropout
 from fedpartial._src.models.adapter import from_linen
@@ -60,9 +61,9 @@ def _zeros_state(fr):
 
 
 def _round(model, method, k, sgd_momentum=None):
-    return engine.FederatedRound(model, method, num_clients=max(k, 2), cohort_size=k,
-                                 client_optimizer=optax.sgd(0.1, momentum=sgd_momentum),
-                                 strategy=engine.stepwise())
+    return FederatedRound(model, method, num_clients=max(k, 2), cohort_size=k,
+                          client_optimizer=optax.sgd(0.1, momentum=sgd_momentum),
+                          strategy=stepwise())
 
 
 def test_dense_step_xla_count_is_close_to_the_analytic_count():

@@ -17,7 +17,9 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.engine import sharding
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.layerwise.fedldf import fedldf
@@ -50,8 +52,8 @@ def engine_run(model, method, devices, k=6, n=12):
     Returns the final state, per-round integer metrics, per-round train loss, shardings and trace count.
     """
     size = k if devices is None else sharding.padded_size(k, devices)
-    r = engine.FederatedRound(model, method, num_clients=n, cohort_size=size, client_optimizer=OPT,
-                              strategy=engine.fused(), devices=devices)
+    r = FederatedRound(model, method, num_clients=n, cohort_size=size, client_optimizer=OPT,
+                       strategy=fused(), devices=devices)
     state = r.init(jax.random.key(0))
     ints, losses, cohort = [], [], None
     for t in range(ROUNDS):
@@ -60,12 +62,12 @@ def engine_run(model, method, devices, k=6, n=12):
         if r.mesh is not None:
             cohort = sharding.shard_cohort(sharding.pad_cohort(cohort, size, n), r.mesh)
         state, metrics = r(state, cohort, jax.random.key(100 + t))
-        totals = engine.traffic_totals(metrics)
+        totals = traffic_totals(metrics)
         ints.append([int(metrics["client_steps"]), totals["upload_bytes"], totals["download_bytes"]])
         losses.append(float(metrics["train_loss"]))
     if r.mesh is None:
         return state, ints, losses, None, r.trace_count
-    compiled = r._fused.lower(state, cohort, jax.random.key_data(jax.random.key(0))).compile()
+    compiled = r.runner.round.lower(state, cohort, jax.random.key_data(jax.random.key(0))).compile()
     shardings = {
         "cohort_devices": cohort.data.x.sharding.num_devices,
         "cohort_shard_rows": [s.data.shape[0] for s in cohort.data.x.addressable_shards],
@@ -116,13 +118,13 @@ def refusals(model) -> dict:
         except (ValueError, ConfigError) as e:
             out[name] = str(e)
 
-    catch("engine_stepwise", lambda: engine.FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
-                                                           client_optimizer=OPT, strategy=engine.stepwise(),
-                                                           devices=4))
-    catch("engine_cohort", lambda: engine.FederatedRound(model, fedavg(), num_clients=8, cohort_size=6,
-                                                         client_optimizer=OPT, strategy=engine.fused(), devices=4))
-    catch("engine_too_many", lambda: engine.FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
-                                                           client_optimizer=OPT, strategy=engine.fused(), devices=5))
+    catch("engine_stepwise", lambda: FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
+                                                    client_optimizer=OPT, strategy=stepwise(),
+                                                    devices=4))
+    catch("engine_cohort", lambda: FederatedRound(model, fedavg(), num_clients=8, cohort_size=6,
+                                                  client_optimizer=OPT, strategy=fused(), devices=4))
+    catch("engine_too_many", lambda: FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
+                                                    client_optimizer=OPT, strategy=fused(), devices=5))
     base = RunConfig(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, out_dir=None)
     catch("config_too_many", lambda: dataclasses.replace(base, devices=5).validate())
     catch("config_stepwise", lambda: dataclasses.replace(base, devices=4, strategy="stepwise").validate())

@@ -3,18 +3,18 @@
 import jax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.strategy import default_strategy, fused, parse_strategy, stepwise
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn", None])
 def test_cpu_runs_one_client_at_a_time_and_accelerators_fuse_the_cohort(model, request):
     m = None if model is None else request.getfixturevalue(model)
-    assert engine.default_strategy("cpu", m) == engine.stepwise(1)
+    assert default_strategy("cpu", m) == stepwise(1)
     for platform in ("gpu", "tpu", "cuda", "rocm"):
-        assert engine.default_strategy(platform, m) == engine.fused(None)
+        assert default_strategy(platform, m) == fused(None)
 
 
 def test_auto_resolves_for_this_platform_and_model(mlp, cnn):
     for m in (mlp, cnn, None):
-        assert engine.parse_strategy("auto", m) == engine.default_strategy(jax.default_backend(), m)
-    assert engine.parse_strategy("stepwise:3", cnn) == engine.stepwise(3)  # explicit choices are kept
+        assert parse_strategy("auto", m) == default_strategy(jax.default_backend(), m)
+    assert parse_strategy("stepwise:3", cnn) == stepwise(3)  # explicit choices are kept

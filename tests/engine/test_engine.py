@@ -7,7 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine._rows import rows_padded
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.runners import stepwise as stepwise_runner
+from fedpartial._src.engine.runners.stepwise import Steps
+from fedpartial._src.engine.strategy import debug, default_strategy, fused, parse_strategy, stepwise, streamed
 from fedpartial._src.core import masks
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.basic.fedprox import fedprox
@@ -17,7 +22,7 @@ from fedpartial._src.models.adapter import from_linen
 from tests.conftest import make_cohort
 
 OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
-STRATEGIES = [engine.fused(), engine.fused(2), engine.fused(None, unroll=True), engine.stepwise(1), engine.stepwise(3)]
+STRATEGIES = [fused(), fused(2), fused(None, unroll=True), stepwise(1), stepwise(3)]
 
 
 def partial_method():
@@ -35,13 +40,13 @@ def partial_method():
 
 
 def run_rounds(model, method, strategy, cohorts, seed=0, k=4, server=None, n=8):
-    r = engine.FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
-                              server_optimizer=server, strategy=strategy)
+    r = FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
+                       server_optimizer=server, strategy=strategy)
     state = r.init(jax.random.key(seed))
     out = []
     for t, c in enumerate(cohorts):
         state, m = r(state, c, jax.random.fold_in(jax.random.key(seed), t))
-        out.append({**jax.device_get(m), **engine.traffic_totals(m)})
+        out.append({**jax.device_get(m), **traffic_totals(m)})
     return r, state, out
 
 
@@ -67,14 +72,14 @@ def test_strategies_agree(mlp, unequal_cohorts, method):
 
 def test_strategies_agree_on_conv_model(cnn):
     cohorts = [make_cohort((4, 4, 1), k=4, steps=2, seed=3, real_steps=[2, 1, 2, 2])]
-    results = [run_rounds(cnn, fedavg(), s, cohorts)[1] for s in (engine.fused(), engine.stepwise(1))]
+    results = [run_rounds(cnn, fedavg(), s, cohorts)[1] for s in (fused(), stepwise(1))]
     chex.assert_trees_all_close(results[0].variables, results[1].variables, rtol=1e-5, atol=1e-5)
 
 
 def masks_always(monkeypatch):
     """Makes every stepwise step the masked variant (the data's step and example masks, the select)."""
-    masked = engine.FederatedRound._step_fn
-    monkeypatch.setattr(engine.FederatedRound, "_step_fn", lambda self, g, c, full=False: masked(self, g, c))
+    masked = Steps.fn
+    monkeypatch.setattr(Steps, "fn", lambda self, g, c, full=False: masked(self, g, c))
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
@@ -83,13 +88,13 @@ def test_stepwise_drops_the_masks_only_where_the_chunk_has_no_padding(mlp, unequ
     run without masks and clients 1 and 2 (partial batches) with them; in chunks of 3, the first chunk
     holds padded steps and examples and keeps the masks.  The result equals running every step with the
     masks up to float reassociation (the MLP's BatchNorm statistics are the same sums in another order)."""
-    r, state, metrics = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
-    used = {(c, full) for _, c, full in r._steps}
+    r, state, metrics = run_rounds(mlp, fedavg(), stepwise(chunk), unequal_cohorts)
+    used = {(c, full) for _, c, full in r.runner.steps.fns}
     assert used == ({(None, True), (None, False)} if chunk == 1 else {(3, False), (1, True)})
 
     masks_always(monkeypatch)
-    r2, state2, metrics2 = run_rounds(mlp, fedavg(), engine.stepwise(chunk), unequal_cohorts)
-    assert {full for *_, full in r2._steps} == {False}
+    r2, state2, metrics2 = run_rounds(mlp, fedavg(), stepwise(chunk), unequal_cohorts)
+    assert {full for *_, full in r2.runner.steps.fns} == {False}
     chex.assert_trees_all_close(state2, state, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose([m["train_loss"] for m in metrics2], [m["train_loss"] for m in metrics], rtol=1e-6)
 
@@ -97,10 +102,10 @@ def test_stepwise_drops_the_masks_only_where_the_chunk_has_no_padding(mlp, unequ
 def test_stepwise_without_masks_keeps_batchnorm_statistics_up_to_float_noise(cnn, monkeypatch):
     """The conv model's BatchNorm over [B, H, W] with and without the example mask."""
     cohorts = [make_cohort((4, 4, 1), k=4, steps=2, seed=3, real_steps=[2, 1, 2, 2], real_examples=[5, 5, 3, 5])]
-    r, state, _ = run_rounds(cnn, fedavg(), engine.stepwise(1), cohorts)
-    assert {full for *_, full in r._steps} == {True, False}
+    r, state, _ = run_rounds(cnn, fedavg(), stepwise(1), cohorts)
+    assert {full for *_, full in r.runner.steps.fns} == {True, False}
     masks_always(monkeypatch)
-    _, masked, _ = run_rounds(cnn, fedavg(), engine.stepwise(1), cohorts)
+    _, masked, _ = run_rounds(cnn, fedavg(), stepwise(1), cohorts)
     chex.assert_trees_all_close(state.variables, masked.variables, rtol=1e-5, atol=1e-6)
 
 
@@ -109,18 +114,37 @@ def test_stepwise_gives_each_chunk_its_optimizer_state_and_never_stacks_the_coho
     parameter, K of them would be as large as the cohort's models); each chunk gets a fresh one when it
     is taken out, so the trained result equals plain Python SGD with momentum from zero per client
     (tests/test_reference.py), and the chunk written back carries none."""
-    r = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT,
-                              strategy=engine.stepwise(1))
+    r = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT,
+                       strategy=stepwise(1))
     state = r.init(jax.random.key(0))
     cohort = jax.device_put(unequal_cohorts[0])
-    _, groups = r._begin(state, cohort, r._key_data(jax.random.key(1)))
+    _, groups = r.runner._begin(state, cohort, r.runner._key_data(jax.random.key(1)))
     assert groups[0][0].opt_state == ()
     written = []
-    put = engine._put
-    monkeypatch.setattr(engine, "_put",
+    put = stepwise_runner._put
+    monkeypatch.setattr(stepwise_runner, "_put",
                         lambda size, start, tree, rows: written.append(rows) or put(size, start, tree, rows))
     r(state, unequal_cohorts[0], jax.random.key(1))
     assert len(written) == 4 and all(rows.opt_state == () for rows in written)
+
+
+@pytest.mark.parametrize("strategy", [fused(), stepwise(1), streamed(2), debug()], ids=str)
+def test_trace_count_counts_traces_of_the_jitted_pieces_from_outside(mlp, unequal_cohorts, strategy):
+    """``trace_count`` reads JAX's trace cache, so nothing runs inside traced code: every jitted piece is
+    traced for the first round's shapes and not again for another round of the same shapes, the debug
+    strategy traces nothing, and the pure round traced inside a user's jit counts too, once per shape."""
+    r, state, _ = run_rounds(mlp, fedavg(), strategy, unequal_cohorts[:1])
+    first = r.trace_count
+    assert (first == 0) == (strategy.kind == "debug")
+    state, _ = r(state, unequal_cohorts[1], jax.random.key(7))
+    assert r.trace_count == first
+    round_fn = jax.jit(r.functions.round)
+    cohort = jax.tree.map(jnp.asarray, unequal_cohorts[0])
+    for t in range(2):
+        state, _ = round_fn(state, cohort, jax.random.key(t))
+    assert r.trace_count == first + 1
+    with pytest.raises(AttributeError):
+        r.trace_count = 0  # read-only: counted, not kept
 
 
 def test_invalid_padding_client_changes_nothing(mlp):
@@ -129,59 +153,59 @@ def test_invalid_padding_client_changes_nothing(mlp):
     # client 3 has zero weight, and it contributes no traffic.
     padded = c._replace(info=c.info._replace(valid=np.array([True, True, True, False])))
     zero_w = c._replace(info=c.info._replace(num_samples=c.info.num_samples * np.array([1, 1, 1, 0], np.float32)))
-    _, a, ma = run_rounds(mlp, fedavg(), engine.fused(), [padded])
-    _, b, mb = run_rounds(mlp, fedavg(), engine.fused(), [zero_w])
+    _, a, ma = run_rounds(mlp, fedavg(), fused(), [padded])
+    _, b, mb = run_rounds(mlp, fedavg(), fused(), [zero_w])
     chex.assert_trees_all_close(a.variables, b.variables, rtol=1e-6, atol=1e-7)
     assert ma[0]["upload_bytes"] * 4 == mb[0]["upload_bytes"] * 3
 
 
 def test_fedavg_traffic_is_the_whole_model_per_client(mlp):
     c = make_cohort((4,), k=4, steps=1)
-    r, _, m = run_rounds(mlp, fedavg(), engine.fused(), [c])
+    r, _, m = run_rounds(mlp, fedavg(), fused(), [c])
     v = r.model.init_variables(jax.random.key(0))
     model_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(v))  # params + BN statistics
     assert m[0]["upload_bytes"] == m[0]["download_bytes"] == 4 * model_bytes
 
 
 def test_fedprox_mu_zero_is_fedavg_and_mu_pulls_towards_global(mlp, unequal_cohorts):
-    s = engine.fused()
+    s = fused()
     _, avg, _ = run_rounds(mlp, fedavg(), s, unequal_cohorts[:1])
     _, prox0, _ = run_rounds(mlp, fedprox(0.0), s, unequal_cohorts[:1])
     _, prox, _ = run_rounds(mlp, fedprox(10.0), s, unequal_cohorts[:1])
     chex.assert_trees_all_close(avg.variables, prox0.variables, rtol=1e-6, atol=1e-7)
-    init = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT).init(
+    init = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT).init(
         jax.random.key(0)).variables["params"]
     dist = lambda p: sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init)))
     assert dist(prox.variables["params"]) < dist(avg.variables["params"])
 
 
 def test_server_adam_differs_from_fedavg(mlp, unequal_cohorts):
-    _, avg, _ = run_rounds(mlp, fedavg(), engine.fused(), unequal_cohorts[:1])
-    _, adam, _ = run_rounds(mlp, fedavg(), engine.fused(), unequal_cohorts[:1], server=optax.adam(0.01))
+    _, avg, _ = run_rounds(mlp, fedavg(), fused(), unequal_cohorts[:1])
+    _, adam, _ = run_rounds(mlp, fedavg(), fused(), unequal_cohorts[:1], server=optax.adam(0.01))
     assert not np.allclose(avg.variables["params"]["head"]["kernel"], adam.variables["params"]["head"]["kernel"])
 
 
 def test_bad_cohort_shapes_are_reported(mlp):
-    r = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT)
+    r = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT)
     state = r.init(jax.random.key(0))
     with pytest.raises(ValueError, match="expects"):
         r(state, make_cohort((5,), k=4), jax.random.key(0))
     with pytest.raises(ValueError, match="built for 4"):
         r(state, make_cohort((4,), k=3), jax.random.key(0))
     with pytest.raises(ValueError, match="cohort size 9"):
-        engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=9, client_optimizer=OPT)
+        FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=9, client_optimizer=OPT)
     with pytest.raises(ValueError, match="strategy"):
-        engine.parse_strategy("parallel")
+        parse_strategy("parallel")
     with pytest.raises(ValueError, match="padding 4 must be between 0 and the cohort size 4 less one"):
-        engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT, padding=4)
+        FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT, padding=4)
 
 
 def test_padding_rows_may_take_a_cohort_past_the_population(mlp):
     """The whole population of 6 padded to 8 (4 devices): the 6 real clients are what must fit."""
-    r = engine.FederatedRound(mlp, fedavg(), num_clients=6, cohort_size=8, client_optimizer=OPT, padding=2)
+    r = FederatedRound(mlp, fedavg(), num_clients=6, cohort_size=8, client_optimizer=OPT, padding=2)
     assert (r.ctx.cohort_size, r.ctx.clients_per_round) == (8, 6)
     with pytest.raises(ValueError, match="cohort size 7 must be between 1 and the population size 6"):
-        engine.FederatedRound(mlp, fedavg(), num_clients=6, cohort_size=8, client_optimizer=OPT, padding=1)
+        FederatedRound(mlp, fedavg(), num_clients=6, cohort_size=8, client_optimizer=OPT, padding=1)
 
 
 def test_rows_padded_runs_copies_of_the_first_rows_and_keeps_n():
@@ -192,24 +216,24 @@ def test_rows_padded_runs_copies_of_the_first_rows_and_keeps_n():
         return {"y": args["x"] * global_vars, "k": args["key"]}
 
     args = {"x": jnp.arange(3.0), "key": jax.random.split(jax.random.key(0), 3)}
-    out = engine._rows_padded(train, 4)(2.0, args)
+    out = rows_padded(train, 4)(2.0, args)
     assert seen == [4]
     np.testing.assert_array_equal(out["y"], [0.0, 2.0, 4.0])
     assert out["k"].shape == (3,)
-    engine._rows_padded(train, 3)(2.0, args)
+    rows_padded(train, 3)(2.0, args)
     assert seen == [4, 3]  # already a multiple: run as it is
 
 
 def test_static_batchnorm_policy_neither_tracks_nor_uploads_statistics(mlp):
     c = make_cohort((4,), k=4, steps=2)
-    r = engine.FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT, bn_policy="static")
+    r = FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT, bn_policy="static")
     state = jax.device_get(r.init(jax.random.key(0)))  # host copy: the fused round (GPU default) donates
     new, m = r(state, c, jax.random.key(1))
     chex.assert_trees_all_equal(new.variables["batch_stats"], state.variables["batch_stats"])
     params_bytes = sum(a.size * 4 for a in jax.tree.leaves(state.variables["params"]))
-    assert engine.traffic_totals(m)["upload_bytes"] == 4 * params_bytes
+    assert traffic_totals(m)["upload_bytes"] == 4 * params_bytes
     # 'global' aggregates running statistics like parameters: they move.
-    g = engine.FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT)
+    g = FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT)
     moved, _ = g(g.init(jax.random.key(0)), c, jax.random.key(1))
     assert not np.allclose(moved.variables["batch_stats"]["bn1"]["mean"], state.variables["batch_stats"]["bn1"]["mean"])
 
@@ -229,8 +253,8 @@ def skip_layer_after_first_round(layer):
                          ids=["adam", "momentum", "yogi"])
 def test_what_nobody_uploaded_stays_bit_identical_under_any_server_optimizer(mlp, unequal_cohorts, server):
     """The bug of engine v1: fc2, uploaded by nobody after round 1, kept moving on stale optimizer state."""
-    r = engine.FederatedRound(mlp, skip_layer_after_first_round(1), num_clients=8, cohort_size=4,
-                              client_optimizer=OPT, server_optimizer=server, strategy=engine.fused())
+    r = FederatedRound(mlp, skip_layer_after_first_round(1), num_clients=8, cohort_size=4,
+                       client_optimizer=OPT, server_optimizer=server, strategy=fused())
     state = r.init(jax.random.key(0))
     states = []
     for t in range(3):
@@ -248,7 +272,7 @@ def test_traffic_totals_do_not_overflow_int32():
     variables = jax.eval_shape(model.init_variables, jax.random.key(0))
     full = masks.full(model.structure, (128,))
     per_layer = masks.count_bytes_per_layer(model.structure, full, variables, ("params",))
-    totals = engine.traffic_totals({"upload_bytes_per_layer": per_layer, "download_bytes_per_layer": per_layer})
+    totals = traffic_totals({"upload_bytes_per_layer": per_layer, "download_bytes_per_layer": per_layer})
     assert totals["upload_bytes"] == 3_381_099_520 == 128 * 6_603_710 * 4
     assert totals["upload_bytes_per_client"].dtype == np.int64
 
@@ -256,7 +280,7 @@ def test_traffic_totals_do_not_overflow_int32():
 def _lr_round(mlp, strategy, lr, cohorts, scale=None):
     """Final variables and last metrics of ``cohorts`` with SGD at ``lr`` and the cohorts' ``lr_scale``."""
     opt = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(lr, momentum=0.9))
-    r = engine.FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=opt, strategy=strategy)
+    r = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=opt, strategy=strategy)
     if scale is not None:
         cohorts = [c._replace(info=c.info._replace(lr_scale=np.asarray(scale, np.float32))) for c in cohorts]
     state = r.init(jax.random.key(0))
@@ -265,8 +289,8 @@ def _lr_round(mlp, strategy, lr, cohorts, scale=None):
     return state.variables, m
 
 
-@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.streamed(2),
-                                      engine.streamed(1, stepwise=True)], ids=str)
+@pytest.mark.parametrize("strategy", [fused(), stepwise(1), streamed(2),
+                                      streamed(1, stepwise=True)], ids=str)
 def test_cohort_lr_scale_equals_the_optimizer_at_that_rate_bit_for_bit(mlp, unequal_cohorts, strategy):
     """A cohort's ``lr_scale`` multiplies each client's updates: with the optimizer at rate 1 and the
     cohort at rate r, the rounds are those of the optimizer at rate r, bit for bit (how learning-rate
@@ -282,17 +306,17 @@ def test_cohort_lr_scale_is_per_client(mlp, unequal_cohorts):
     rates, one = [0.01, 0.05, 0.2, 0.5], unequal_cohorts[:1]
     for k in (0, 2):
         alone = [c._replace(info=c.info._replace(valid=np.arange(4) == k)) for c in one]
-        chex.assert_trees_all_equal(_lr_round(mlp, engine.fused(), 1.0, alone, rates)[0],
-                                    _lr_round(mlp, engine.fused(), rates[k], alone)[0])
+        chex.assert_trees_all_equal(_lr_round(mlp, fused(), 1.0, alone, rates)[0],
+                                    _lr_round(mlp, fused(), rates[k], alone)[0])
 
 
 def test_a_methods_own_rates_compose_with_the_cohorts(mlp, unequal_cohorts):
     """A method's ``ClientPlan.lr_scale`` (0.5) times the cohort's (0.2) is a rate of 0.1."""
     halve = make_method("halve", plan=lambda ctx, view: ClientPlan(lr_scale=jnp.full(4, 0.5, jnp.float32)))
     opt = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(1.0, momentum=0.9))
-    r = engine.FederatedRound(mlp, halve, num_clients=8, cohort_size=4, client_optimizer=opt)
+    r = FederatedRound(mlp, halve, num_clients=8, cohort_size=4, client_optimizer=opt)
     state = r.init(jax.random.key(0))
     for t, c in enumerate(unequal_cohorts):
         state, _ = r(state, c._replace(info=c.info._replace(lr_scale=np.full(4, 0.2, np.float32))), jax.random.key(t))
-    want, _ = _lr_round(mlp, engine.default_strategy(), 0.1, unequal_cohorts)
+    want, _ = _lr_round(mlp, default_strategy(), 0.1, unequal_cohorts)
     chex.assert_trees_all_close(state.variables, want, rtol=1e-6, atol=1e-7)

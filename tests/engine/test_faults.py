@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.cli.main import main
 from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.core.errors import DivergedError, UserError
@@ -20,7 +21,7 @@ from tests.conftest import make_cohort
 
 N, K = 4, 3
 KEY = jax.random.key(0)
-STRATEGIES = {"fused": engine.fused(), "stepwise": engine.stepwise(1)}
+STRATEGIES = {"fused": fused(), "stepwise": stepwise(1)}
 
 
 def counting():
@@ -42,8 +43,8 @@ def counting():
 
 
 def build(model, strategy, server=None):
-    return engine.FederatedRound(model, counting(), num_clients=N, cohort_size=K, client_optimizer=optax.sgd(0.1),
-                                 server_optimizer=server, strategy=strategy)
+    return FederatedRound(model, counting(), num_clients=N, cohort_size=K, client_optimizer=optax.sgd(0.1),
+                          server_optimizer=server, strategy=strategy)
 
 
 def cohort(poisoned=(), valid=(True,) * K):
@@ -96,7 +97,7 @@ def test_a_nonfinite_client_is_left_out_of_aggregation(poisoned_runs, name):
 
 
 def test_a_nonfinite_client_is_treated_as_padding_and_strategies_agree(mlp, poisoned_runs):
-    _, padded, _ = one_round(mlp, engine.stepwise(1), cohort(valid=(True, False, True)))
+    _, padded, _ = one_round(mlp, stepwise(1), cohort(valid=(True, False, True)))
     for name, (_, after, _) in poisoned_runs.items():
         chex.assert_trees_all_close(after.variables, padded.variables, rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_close(poisoned_runs["fused"][1], poisoned_runs["stepwise"][1], rtol=1e-5, atol=1e-6)

@@ -9,7 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks
 from fedpartial._src.core.types import ClientGroup, ClientPlan
@@ -66,24 +68,24 @@ def cohorts():
 
 
 def run(model, method, strategy):
-    r = engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT, strategy=strategy)
+    r = FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT, strategy=strategy)
     state = r.init(jax.random.key(0))
     for t, c in enumerate(cohorts()):
         state, m = r(state, c, jax.random.key(t))
     return r, jax.device_get(state), jax.device_get(m)
 
 
-@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.stepwise(2)], ids=str)
+@pytest.mark.parametrize("strategy", [fused(), stepwise(1), stepwise(2)], ids=str)
 def test_truncated_graph_equals_the_mask_only_variant(staged, strategy):
     _, cached, mc = run(staged, tiers(True), strategy)
-    _, masked, mm = run(staged, tiers(False), engine.stepwise(1))
+    _, masked, mm = run(staged, tiers(False), stepwise(1))
     chex.assert_trees_all_close(cached.variables, masked.variables, rtol=2e-5, atol=1e-5)  # TF32 on GPUs
     np.testing.assert_allclose(mc["client_loss"], mm["client_loss"], rtol=1e-5)
-    assert engine.traffic_totals(mc)["upload_bytes"] == engine.traffic_totals(mm)["upload_bytes"]
+    assert traffic_totals(mc)["upload_bytes"] == traffic_totals(mm)["upload_bytes"]
 
 
 def test_weak_clients_hold_and_train_only_the_suffix(staged):
-    r, state, _ = run(staged, tiers(True), engine.fused())
+    r, state, _ = run(staged, tiers(True), fused())
     weak = r.clients[1]
     local = weak.init(state.variables)
     assert set(local.variables["params"]) == {"head"}  # neither the prefix's weights nor their optimizer state
@@ -105,8 +107,8 @@ def test_weak_clients_hold_and_train_only_the_suffix(staged):
 def test_groups_must_fill_the_cohort(staged):
     bad = make_method("bad", groups=lambda ctx: (ClientGroup("a", 1), ClientGroup("b", 1)))
     with pytest.raises(ValueError, match="add up to the cohort size 3"):
-        engine.FederatedRound(staged, bad, num_clients=N, cohort_size=K, client_optimizer=OPT)
-    r = engine.FederatedRound(staged, tiers(True), num_clients=N, cohort_size=K, client_optimizer=OPT)
+        FederatedRound(staged, bad, num_clients=N, cohort_size=K, client_optimizer=OPT)
+    r = FederatedRound(staged, tiers(True), num_clients=N, cohort_size=K, client_optimizer=OPT)
     wrong = make_cohort((4,), k=K, client_ids=[0, 5, 6])  # client 5 sits in a strong slot
     with pytest.raises(ValueError, match="client 5 sits in group 'strong'"):
         r(r.init(jax.random.key(0)), wrong, jax.random.key(1))

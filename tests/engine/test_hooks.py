@@ -8,7 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.types import hook_keys
 from fedpartial._src.core import masks
 from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.core.types import Capabilities, ClientPlan, MethodContext, MethodState
@@ -25,8 +28,8 @@ OPT = optax.sgd(0.1)
 
 
 def build(model, method, strategy=None, **kw):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
-                                 strategy=strategy or engine.stepwise(1), **kw)
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
+                          strategy=strategy or strategies.stepwise(1), **kw)
 
 
 def resampled_dropout(p=0.5):
@@ -55,7 +58,7 @@ def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
 
     ctx = MethodContext(mlp, N, K)
     fns = make_client_fns(ctx, method, OPT)
-    train_key = engine.hook_keys(key).train
+    train_key = hook_keys(key).train
     masks_seen = []
     trained = []
     for k, cid in enumerate([1, 3, 4]):
@@ -86,7 +89,7 @@ def test_select_and_update_see_start_variables_and_real_step_counts(mlp):
         return view.method_state._replace(clients=view.method_state.clients.at[view.cohort.client_ids].set(rows))
 
     cohort = make_cohort((4,), k=K, steps=3, real_steps=[3, 1, 2], client_ids=[0, 2, 5])
-    for strategy in (engine.stepwise(1), engine.fused()):
+    for strategy in (strategies.stepwise(1), strategies.fused()):
         r = build(mlp, make_method("watch", init=init, update=update), strategy)
         state = r.init(jax.random.key(0))
         g = jax.device_get(state.variables["params"])
@@ -105,10 +108,10 @@ def test_each_hook_gets_its_own_key(mlp):
     def metrics(ctx, view):
         return {"metrics_key": jax.random.key_data(view.key)}
 
-    r = build(mlp, make_method("keys", update=update, metrics=metrics), engine.fused())
+    r = build(mlp, make_method("keys", update=update, metrics=metrics), strategies.fused())
     key = jax.random.key(3)
     new, m = r(r.init(jax.random.key(0)), make_cohort((4,), k=K), key)
-    keys = engine.hook_keys(key)
+    keys = hook_keys(key)
     np.testing.assert_array_equal(new.method_state.server, jax.random.key_data(keys.update))
     np.testing.assert_array_equal(m["metrics_key"], jax.random.key_data(keys.metrics))
     datas = {np.asarray(jax.random.key_data(k)).tobytes() for k in keys}
@@ -155,16 +158,16 @@ def test_method_metrics_reach_the_record_and_may_not_shadow_engine_names(mlp):
     assert len(record["mean_divergence_per_layer"]) == sim.model.structure.num_layers
     bad = make_method("bad", metrics=lambda ctx, view: {"train_loss": jnp.zeros(())})
     with pytest.raises(ValueError, match="train_loss"):
-        r = build(mlp, bad, engine.fused())
+        r = build(mlp, bad, strategies.fused())
         r(r.init(jax.random.key(0)), make_cohort((4,), k=K), jax.random.key(0))
 
 
 def test_decisions_are_recorded_only_when_asked(mlp):
     cohort = make_cohort((4,), k=K)
-    off = build(mlp, get_method("fedldf", n=2), engine.fused())
+    off = build(mlp, get_method("fedldf", n=2), strategies.fused())
     _, m = off(off.init(jax.random.key(0)), cohort, jax.random.key(1))
     assert "decisions" not in m
-    on = build(mlp, get_method("fedldf", n=2), engine.fused(), record_decisions=True)
+    on = build(mlp, get_method("fedldf", n=2), strategies.fused(), record_decisions=True)
     _, m = on(on.init(jax.random.key(0)), cohort, jax.random.key(1))
     layers = np.asarray(m["decisions"]["selection"].upload.layers)  # [K, L]
     assert layers.shape == (K, mlp.structure.num_layers)
@@ -179,20 +182,20 @@ def test_debug_strategy_runs_hooks_eagerly_and_matches_stepwise(mlp):
         return ClientPlan()
 
     cohort = make_cohort((4,), k=K, steps=2, real_steps=[2, 1, 2])
-    fused = build(mlp, make_method("eager", plan=plan), engine.fused())
+    fused = build(mlp, make_method("eager", plan=plan), strategies.fused())
     with pytest.raises(jax.errors.ConcretizationTypeError):
         fused(fused.init(jax.random.key(0)), cohort, jax.random.key(1))
-    dbg = build(mlp, make_method("eager", plan=plan), engine.debug())
+    dbg = build(mlp, make_method("eager", plan=plan), strategies.debug())
     a, ma = dbg(dbg.init(jax.random.key(0)), cohort, jax.random.key(1))
     ref = build(mlp, get_method("fedavg"))
     b, mb = ref(ref.init(jax.random.key(0)), cohort, jax.random.key(1))
     chex.assert_trees_all_close(a.variables, b.variables, rtol=1e-5, atol=1e-6)
-    assert engine.traffic_totals(ma)["upload_bytes"] == engine.traffic_totals(mb)["upload_bytes"]
+    assert traffic_totals(ma)["upload_bytes"] == traffic_totals(mb)["upload_bytes"]
 
 
 def test_pure_round_can_be_scanned_over_rounds(mlp):
     """``functions.round`` is pure: lax.scan over three rounds equals three calls."""
-    r = build(mlp, get_method("fedavg"), engine.fused())
+    r = build(mlp, get_method("fedavg"), strategies.fused())
     fns = r.functions
     cohort = make_cohort((4,), k=K, steps=2)
     data = jax.tree.map(jnp.asarray, cohort)

@@ -11,7 +11,9 @@ import optax
 import pytest
 
 from fedpartial._src.core import aggregation
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.types import ClientData
 from fedpartial._src.core import masks
 from fedpartial._src.core import memory
 from fedpartial._src.data import packing
@@ -53,7 +55,7 @@ def round_for(model, name, strategy):
     """One FederatedRound per (method, strategy), shared by the tests: each is compiled once."""
     if (name, str(strategy)) not in _ROUNDS:
         factory, server = METHODS[name]
-        _ROUNDS[name, str(strategy)] = engine.FederatedRound(
+        _ROUNDS[name, str(strategy)] = FederatedRound(
             model, factory(), num_clients=N, cohort_size=K, client_optimizer=OPT, server_optimizer=server,
             strategy=strategy)
     return _ROUNDS[name, str(strategy)]
@@ -97,8 +99,8 @@ CASES = [("fedavg", 3), ("fedldf", 3)] + [pytest.param(*c, marks=SLOW) for c in 
 @pytest.mark.parametrize("name, chunk", CASES)
 def test_streamed_equals_fused(mlp, name, chunk):
     rounds = cohorts(valid=[True, True, True, True, True, False, True])  # 7 clients, one padding slot
-    fused = run(mlp, name, engine.fused(), rounds)
-    streamed = run(mlp, name, engine.streamed(chunk), rounds)
+    fused = run(mlp, name, strategies.fused(), rounds)
+    streamed = run(mlp, name, strategies.streamed(chunk), rounds)
     assert_same_round(fused, streamed)
 
 
@@ -112,16 +114,16 @@ STEPWISE_CASES = [("fedavg", 1), ("fedldf", 3)] + [pytest.param(*c, marks=SLOW) 
 @pytest.mark.parametrize("name, chunk", STEPWISE_CASES)
 def test_stepwise_chunks_equal_the_stepwise_round(mlp, name, chunk):
     rounds = cohorts(valid=[True, True, True, True, True, False, True])
-    streamed = run(mlp, name, engine.streamed(chunk, stepwise=True), rounds)
-    assert_same_round(run(mlp, name, engine.stepwise(1), rounds), streamed)
+    streamed = run(mlp, name, strategies.streamed(chunk, stepwise=True), rounds)
+    assert_same_round(run(mlp, name, strategies.stepwise(1), rounds), streamed)
     # trained by the jitted step, not a scan; without masks only where a chunk has no padding at that step
     # (clients of 5 real examples alone in a chunk of one; every chunk of 3 holds a client with fewer)
     want = {(0, None, True), (0, None, False)} if chunk == 1 else {(0, chunk, False)}
-    assert set(streamed[0]._steps) == want and "chunk_start" in streamed[0]._stream_fns
+    assert set(streamed[0].runner.steps.fns) == want and "chunk_start" in streamed[0].runner._stream_fns
 
 
 def test_stepwise_chunks_do_not_retrace(mlp):
-    r = round_for(mlp, "fedldf", engine.streamed(3, stepwise=True))
+    r = round_for(mlp, "fedldf", strategies.streamed(3, stepwise=True))
     state = r.init(jax.random.key(0))
     counts = []
     for t, c in enumerate(cohorts(3)):
@@ -138,14 +140,14 @@ def test_streamed_takes_one_chunk_of_data_at_a_time(mlp):
         taken.append(list(rows))
         return jax.tree.map(lambda a: a[rows], c.data)
 
-    lazy = c._replace(data=engine.ClientData(take, engine.ClientData.of(c.data).spec))
-    streamed = run(mlp, "fedldf", engine.streamed(3), [lazy])
+    lazy = c._replace(data=ClientData(take, ClientData.of(c.data).spec))
+    streamed = run(mlp, "fedldf", strategies.streamed(3), [lazy])
     # first pass: every client once, 3 at a time; second pass: only clients that upload a layer
     assert taken[:3] == [[0, 1, 2], [3, 4, 5], [6]]
     uploads = streamed[2][0]["layers_uploaded_per_client"]
     assert sorted(sum(taken[3:], [])) == list(np.flatnonzero(uploads))
     assert all(len(t) <= 3 for t in taken)
-    assert_same_round(run(mlp, "fedldf", engine.fused(), [c]), streamed)
+    assert_same_round(run(mlp, "fedldf", strategies.fused(), [c]), streamed)
 
 
 @pytest.mark.parametrize("name, stepwise", [("fedavg", False), ("fedldf", False), ("fedldf", True)])
@@ -154,10 +156,10 @@ def test_a_chunk_is_packed_only_when_every_chunk_but_the_last_has_finished(mlp, 
     (the one training and the next being packed), whatever the cohort size."""
     c = cohorts(1)[0]
     factory, server = METHODS[name]
-    r = engine.FederatedRound(mlp, factory(), num_clients=N, cohort_size=K, client_optimizer=OPT,
-                              server_optimizer=server, strategy=engine.streamed(2, stepwise=stepwise))
+    r = FederatedRound(mlp, factory(), num_clients=N, cohort_size=K, client_optimizer=OPT,
+                       server_optimizer=server, strategy=strategies.streamed(2, stepwise=stepwise))
     outputs, unfinished = [], []
-    compile_ = r._stream_fn
+    compile_ = r.runner._stream_fn
 
     def spy(fn_name, fn, donate=()):
         compiled = compile_(fn_name, fn, donate)
@@ -170,14 +172,14 @@ def test_a_chunk_is_packed_only_when_every_chunk_but_the_last_has_finished(mlp, 
             return result
         return call
 
-    monkeypatch.setattr(r, "_stream_fn", spy)
+    monkeypatch.setattr(r.runner, "_stream_fn", spy)
 
     def take(rows):
         unfinished.append(sum(not a.is_ready() for o in outputs[:-1] for a in jax.tree.leaves(o)
                               if not a.is_deleted()))  # (a donated running sum lives on as the next one)
         return jax.tree.map(lambda a: a[rows], c.data)
 
-    lazy = c._replace(data=engine.ClientData(take, engine.ClientData.of(c.data).spec))
+    lazy = c._replace(data=ClientData(take, ClientData.of(c.data).spec))
     r(r.init(jax.random.key(0)), lazy, jax.random.key(1))
     assert len(unfinished) >= 4 and not any(unfinished)
 
@@ -187,15 +189,15 @@ def test_streamed_excludes_a_nonfinite_client_as_fused_does(mlp):
     x = c.data.x.copy()
     x[2, 0, 0, 0] = np.inf  # client 2's first example
     bad = [c._replace(data=c.data._replace(x=x))]
-    fused = run(mlp, "fedldf", engine.fused(), bad)  # both passes clean faults with the same code
-    streamed = run(mlp, "fedldf", engine.streamed(3), bad)
+    fused = run(mlp, "fedldf", strategies.fused(), bad)  # both passes clean faults with the same code
+    streamed = run(mlp, "fedldf", strategies.streamed(3), bad)
     assert int(streamed[2][0]["nonfinite_clients"]) == 1
     assert_same_round(fused, streamed)
 
 
 def test_no_retrace_across_rounds(mlp):
     for name, traced in (("fedavg", 3), ("fedldf", 5)):  # begin, chunk pass(es), selection, finish
-        r = round_for(mlp, name, engine.streamed(3))
+        r = round_for(mlp, name, strategies.streamed(3))
         before = r.trace_count
         state = r.init(jax.random.key(0))
         counts = []
@@ -247,8 +249,8 @@ def test_add_sums_over_chunks_equals_aggregate(mlp):
 def test_a_method_that_needs_the_whole_cohort_is_refused(mlp):
     with pytest.raises(UserError, match="^method fedspu needs the whole cohort at once, so it cannot be streamed; "
                                         "use the fused, stepwise or debug strategy.$"):
-        engine.FederatedRound(mlp, fedspu(), num_clients=N, cohort_size=K, client_optimizer=OPT,
-                              strategy=engine.streamed(3))
+        FederatedRound(mlp, fedspu(), num_clients=N, cohort_size=K, client_optimizer=OPT,
+                       strategy=strategies.streamed(3))
 
 
 def test_run_config_refuses_streaming_what_cannot_stream():
@@ -258,14 +260,14 @@ def test_run_config_refuses_streaming_what_cannot_stream():
     with pytest.raises(ConfigError, match=r"^--strategy stream:50 is not allowed: early stopping \(--es\)"):
         RunConfig(method="fedavg", strategy="stream:50", early_stopping=True, out_dir=None).validate()
     RunConfig(method="fedldf", strategy="stream:50", out_dir=None).validate()
-    assert engine.parse_strategy("stream:50") == engine.streamed(50)
-    assert engine.parse_strategy("stream-stepwise:4") == engine.streamed(4, stepwise=True)
-    assert str(engine.streamed(4, stepwise=True)) == "stream-stepwise:4"
+    assert strategies.parse_strategy("stream:50") == strategies.streamed(50)
+    assert strategies.parse_strategy("stream-stepwise:4") == strategies.streamed(4, stepwise=True)
+    assert str(strategies.streamed(4, stepwise=True)) == "stream-stepwise:4"
     for text in ("stream", "stream-stepwise"):
         with pytest.raises(ValueError, match="'stream:N', 'stream-stepwise:N'"):
-            engine.parse_strategy(text)
+            strategies.parse_strategy(text)
     with pytest.raises(ValueError, match="^stepwise chunks are a choice of the streamed strategy, not of 'fused'"):
-        engine.Strategy("fused", 2, stepwise_chunks=True)
+        strategies.Strategy("fused", 2, stepwise_chunks=True)
     with pytest.raises(ConfigError, match="^--strategy stream-stepwise:50 is not allowed: method fedspu needs"):
         RunConfig(method="fedspu", strategy="stream-stepwise:50", out_dir=None).validate()
 
@@ -274,8 +276,8 @@ def test_run_config_refuses_streaming_what_cannot_stream():
 
 
 def test_estimate_grows_with_clients_in_flight(mlp):
-    fused = round_for(mlp, "fedavg", engine.fused())
-    streamed = round_for(mlp, "fedavg", engine.streamed(3))
+    fused = round_for(mlp, "fedavg", strategies.fused())
+    streamed = round_for(mlp, "fedavg", strategies.streamed(3))
     a = memory.estimate(fused, num_steps=3, batch_size=5, example_shape=(4,))
     b = memory.estimate(streamed, num_steps=3, batch_size=5, example_shape=(4,))
     assert (a.in_flight, b.in_flight) == (K, 3)
@@ -288,14 +290,14 @@ def test_estimate_grows_with_clients_in_flight(mlp):
 def test_refusal_names_the_estimate_and_the_fix():
     est = memory.MemoryEstimate(server=2**30, clients=8 * 2**30, data=2 * 2**30, in_flight=10_000,
                                 per_client=2**20)
-    gpu = functools.partial(engine.bounded_strategy, platform="gpu")
+    gpu = functools.partial(strategies.bounded_strategy, platform="gpu")
     assert memory.refusal(est, 100 * 2**30, "RAM", strategy="fused", cohort_size=10_000, stream=gpu) is None
     # (0.9 · 8 GiB − 1 GiB) / 1 MiB = 6348 clients fit; 2 significant digits
     assert memory.clients_that_fit(est, 8 * 2**30) == 6348
     assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000, stream=gpu) == (
         "the run needs about 11.0 GiB (fused strategy, 10000 clients in flight) but 8.0 GiB of RAM is "
         "available; use --strategy stream:6300.")
-    cpu = functools.partial(engine.bounded_strategy, platform="cpu")  # no model: as one with convolutions
+    cpu = functools.partial(strategies.bounded_strategy, platform="cpu")  # no model: as one with convolutions
     assert memory.refusal(est, 8 * 2**30, "RAM", strategy="stepwise:1", cohort_size=10_000,
                           stream=cpu).endswith("; use --strategy stream-stepwise:1.")
     assert memory.refusal(est, 8 * 2**30, "RAM", strategy="fused", cohort_size=10_000,
@@ -307,22 +309,22 @@ def test_refusal_names_the_estimate_and_the_fix():
 
 def test_bounded_strategy_by_platform_and_model(mlp, cnn):
     conv = cnn
-    assert str(engine.bounded_strategy(6300, "cpu", conv)) == "stream-stepwise:1"  # conv: one client, un-vmapped
-    assert str(engine.bounded_strategy(6300, "cpu", mlp)) == f"stream-stepwise:{engine.DENSE_CPU_CHUNK}"
-    assert str(engine.bounded_strategy(3, "cpu", mlp)) == "stream-stepwise:3"
-    assert str(engine.bounded_strategy(6300, "gpu", conv)) == "stream:6300"
+    assert str(strategies.bounded_strategy(6300, "cpu", conv)) == "stream-stepwise:1"  # conv: one client, un-vmapped
+    assert str(strategies.bounded_strategy(6300, "cpu", mlp)) == f"stream-stepwise:{strategies.DENSE_CPU_CHUNK}"
+    assert str(strategies.bounded_strategy(3, "cpu", mlp)) == "stream-stepwise:3"
+    assert str(strategies.bounded_strategy(6300, "gpu", conv)) == "stream:6300"
     with pytest.raises(ValueError, match="must be at least 1"):
-        engine.bounded_strategy(0, "cpu", mlp)
+        strategies.bounded_strategy(0, "cpu", mlp)
 
 
 def test_simulation_is_refused_before_anything_is_built(monkeypatch):
     # the fused estimate is about 303 MiB
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
     built = []
-    monkeypatch.setattr(engine.FederatedRound, "init", lambda self, key: built.append(key))
+    monkeypatch.setattr(FederatedRound, "init", lambda self, key: built.append(key))
     config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
                        out_dir=None, strategy="fused")
-    # on CPU the fix named for a dense model is the stepwise-chunked stream (engine.bounded_strategy)
+    # on CPU the fix named for a dense model is the stepwise-chunked stream (strategies.bounded_strategy)
     with pytest.raises(ConfigError, match=r"^The run needs about 30\d MiB \(fused strategy, 40 clients in "
                                           r"flight\) but 288 MiB of RAM is available; use --strategy "
                                           r"stream-stepwise:2\.$"):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from fedpartial._src.experiment import client_state
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.strategy import fused
+from fedpartial._src.engine.types import with_clients, without_clients
 from fedpartial._src.core import memory
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import get_method
@@ -38,11 +39,11 @@ def run_host(r, data):
     traces = []
     for t, c in enumerate(data):
         ids = np.asarray(c.info.client_ids)
-        state, _ = r(engine.with_clients(state, store.rows(ids)), c, jax.random.fold_in(KEY, t))
+        state, _ = r(with_clients(state, store.rows(ids)), c, jax.random.fold_in(KEY, t))
         store.write(ids, c.info.valid, state.method_state.clients)
-        state = engine.without_clients(state)
+        state = without_clients(state)
         traces.append(r.trace_count)
-    return engine.with_clients(jax.device_get(state), store.tree()), traces
+    return with_clients(jax.device_get(state), store.tree()), traces
 
 
 def run_device(r, data):
@@ -61,24 +62,24 @@ def test_the_methods_that_keep_per_client_state_say_whether_it_may_leave_the_dev
 @pytest.mark.parametrize("name", NAMES)
 def test_host_state_equals_device_state_bit_for_bit(mlp, name):
     data = cohorts(rounds=3)
-    want = run_device(build(mlp, BUILDERS[name](), engine.fused()), data)
-    host = build(mlp, BUILDERS[name](), engine.fused(), client_state="host")
+    want = run_device(build(mlp, BUILDERS[name](), fused()), data)
+    host = build(mlp, BUILDERS[name](), fused(), client_state="host")
     got, traces = run_host(host, data)
     chex.assert_trees_all_equal(got, want)
     assert traces[-1] == traces[0]  # rounds 2 and 3 did not retrace
 
 
 def test_the_round_refuses_a_state_that_is_not_the_cohorts_rows(mlp):
-    device, host = (build(mlp, get_method("fedspu"), engine.fused(), client_state=w) for w in ("device", "host"))
+    device, host = (build(mlp, get_method("fedspu"), fused(), client_state=w) for w in ("device", "host"))
     c = cohorts(rounds=1)[0]
     with pytest.raises(ValueError, match="must hold the cohort's 3 rows"):
-        host(engine.with_clients(host.init(KEY), device.init(KEY).method_state.clients), c, KEY)  # all N rows
+        host(with_clients(host.init(KEY), device.init(KEY).method_state.clients), c, KEY)  # all N rows
 
 
 def test_a_method_that_reads_the_whole_population_keeps_it_on_the_device(mlp):
-    build(mlp, get_method("feddh"), engine.fused())  # fine on the device
+    build(mlp, get_method("feddh"), fused())  # fine on the device
     with pytest.raises(UserError, match="method feddh reads every client's state in its hooks"):
-        build(mlp, get_method("feddh"), engine.fused(), client_state="host")
+        build(mlp, get_method("feddh"), fused(), client_state="host")
 
 
 def test_the_store_writes_only_real_clients_and_reads_in_cohort_order():

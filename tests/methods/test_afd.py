@@ -7,7 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import stepwise
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.submodel.afd import afd
@@ -29,8 +31,8 @@ def cohort(seed=0, ids=IDS):
 
 
 def build(mlp, method, record=False):
-    return engine.FederatedRound(mlp, method, num_clients=N, cohort_size=K, client_optimizer=optax.sgd(0.1),
-                                 strategy=engine.stepwise(1), record_decisions=record)
+    return FederatedRound(mlp, method, num_clients=N, cohort_size=K, client_optimizer=optax.sgd(0.1),
+                          strategy=stepwise(1), record_decisions=record)
 
 
 def ctx_of(mlp):
@@ -287,7 +289,7 @@ def test_dropped_units_are_not_uploaded_and_keep_their_global_value(mlp, single_
         assert moved > 0
         # Traffic by hand: fc1 keeps 5, fc2 4 → 4·5+5 + 2·5 (BN) + 2·5 (stats) + 5·4+4 + 4·3+3 = 84 floats;
         # down: + 1 + 1 index bytes (bit-masks of 6 and 5 units); up: + 4 bytes of loss.
-        totals = engine.traffic_totals(metrics)
+        totals = traffic_totals(metrics)
         np.testing.assert_array_equal(totals["download_bytes_per_client"], [4 * 84 + 2] * K)
         np.testing.assert_array_equal(totals["upload_bytes_per_client"], [4 * 84 + 4] * K)
 

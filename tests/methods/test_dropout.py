@@ -10,7 +10,9 @@ import pytest
 
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.costs import flops
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
@@ -35,7 +37,7 @@ CEIL_COUNTS = ([2, 3, 4, 5], [1, 2, 3, 4], [3, 3, 3, 3])
 
 FACTORIES = {"feddrop": feddrop, "fjord": fjord, "hermes": hermes, "fedmp": fedmp, "prunefl": prunefl}
 NAMES = list(FACTORIES)
-STRATEGIES = {"fused": engine.fused, "stepwise": lambda: engine.stepwise(1)}
+STRATEGIES = {"fused": fused, "stepwise": lambda: stepwise(1)}
 INIT_KEY = jax.random.key(42)
 ROUND_KEY = jax.random.key(7)
 
@@ -56,7 +58,7 @@ def rounds(mlp):
 
     def get(name, strategy="stepwise", bn_policy="global"):
         if (name, strategy, bn_policy) not in cache:
-            cache[name, strategy, bn_policy] = engine.FederatedRound(
+            cache[name, strategy, bn_policy] = FederatedRound(
                 mlp, FACTORIES[name](), num_clients=N, cohort_size=K, client_optimizer=OPT,
                 bn_policy=bn_policy, strategy=STRATEGIES[strategy]())
         return cache[name, strategy, bn_policy]
@@ -387,7 +389,7 @@ def test_traffic_by_hand(mlp, one_round, name):
     state0, plan, _, metrics = one_round(name)
     down, up = EXPECTED_TRAFFIC[name]
     assert sum(up) == {"feddrop": 788, "fjord": 872}.get(name, 796)
-    metrics = engine.traffic_totals(metrics)
+    metrics = traffic_totals(metrics)
     np.testing.assert_array_equal(metrics["upload_bytes_per_client"], up)
     np.testing.assert_array_equal(metrics["download_bytes_per_client"], down)
     assert int(metrics["upload_bytes"]) == sum(up)
@@ -507,8 +509,8 @@ def test_feddrop_cnn_head_rows_of_dropped_channels(cnn):
     # TinyCNN units (3, 4, 3); ids 1, 3, 6 are tiers 0, 1, 3 → conv2 keeps round(0.8), round(1.6),
     # round(3.2) = 1, 2, 3 of its 4 channels; conv1 keeps 1, 1, 2 of 3.
     ids = [1, 3, 6]
-    r = engine.FederatedRound(cnn, feddrop(), num_clients=N, cohort_size=3, client_optimizer=OPT,
-                              strategy=engine.stepwise(1))
+    r = FederatedRound(cnn, feddrop(), num_clients=N, cohort_size=3, client_optimizer=OPT,
+                       strategy=stepwise(1))
     state0 = r.init(INIT_KEY)
     c = make_cohort((4, 4, 1), k=3, steps=2, batch=4, seed=5, client_ids=ids)
     plan = plan_of(r, state0, c, ROUND_KEY)

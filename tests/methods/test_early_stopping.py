@@ -6,7 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import stepwise
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.methods.basic.fedavg import fedavg
@@ -29,8 +31,8 @@ def _holdout(seed, k=K, h=4, flip=False):
 
 
 def _round(model, method, lr=0.0, bn_policy="global"):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=optax.sgd(lr),
-                                 strategy=engine.stepwise(1), bn_policy=bn_policy)
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=optax.sgd(lr),
+                          strategy=stepwise(1), bn_policy=bn_policy)
 
 
 def test_mixed_loss_is_recorded_and_a_rise_stops_the_client_for_good(mlp):
@@ -89,7 +91,7 @@ def test_wrapping_changes_nothing_else(mlp):
         np.testing.assert_array_equal(x, y)
     for x, y in zip(jax.tree.leaves(sa.method_state.clients), jax.tree.leaves(sb.method_state.clients[0])):
         np.testing.assert_array_equal(x, y)
-    assert engine.traffic_totals(ma)["upload_bytes"] == engine.traffic_totals(mb)["upload_bytes"]
+    assert traffic_totals(ma)["upload_bytes"] == traffic_totals(mb)["upload_bytes"]
     personal = b.method.personal(b.ctx, sb.method_state, sb.variables)
     for x, y in zip(jax.tree.leaves(personal.variables), jax.tree.leaves(sa.method_state.clients)):
         np.testing.assert_array_equal(x, y)

@@ -7,7 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
+from fedpartial._src.engine.types import Cohort
 from fedpartial._src.core.types import Batch, CohortInfo, MethodContext
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
@@ -31,9 +33,9 @@ def staged():
                        names=("b1", "b2", "b3", "head"), sequential=True, name="staged_mlp")
 
 
-def run(model, method, cohorts, k, strategy=engine.stepwise(1), **kw):
-    r = engine.FederatedRound(model, method, num_clients=N, cohort_size=k, client_optimizer=OPT,
-                              strategy=strategy, **kw)
+def run(model, method, cohorts, k, strategy=stepwise(1), **kw):
+    r = FederatedRound(model, method, num_clients=N, cohort_size=k, client_optimizer=OPT,
+                       strategy=strategy, **kw)
     state = r.init(jax.random.key(0))
     metrics = []
     for t, c in enumerate(cohorts):
@@ -119,8 +121,8 @@ def test_weak_clients_leave_the_prefix_bit_identical(staged):
     assert set(r.clients[0].init(state.variables).variables["params"]) == {"head"}
 
 
-@pytest.mark.parametrize("strategy,bn_policy", [(engine.fused(), "global"), (engine.stepwise(2), "global"),
-                                                (engine.fused(), "static")], ids=str)
+@pytest.mark.parametrize("strategy,bn_policy", [(fused(), "global"), (stepwise(2), "global"),
+                                                (fused(), "static")], ids=str)
 def test_cached_activations_equal_mask_only_training(staged, strategy, bn_policy):
     mix = (2, 3, 3)  # cohort of 4: 1 strong, 2 moderate, 1 weak
     cs = cohorts([[0, 2, 4, 5], [1, 3, 4, 7]], k=4)
@@ -137,7 +139,7 @@ def _alone(cohort, rows):
     def pick(a):
         return np.asarray(a)[list(rows)]
 
-    return engine.Cohort(Batch(*map(pick, cohort.data)), jax.tree.map(pick, cohort.info))
+    return Cohort(Batch(*map(pick, cohort.data)), jax.tree.map(pick, cohort.info))
 
 
 def test_layer_wise_aggregation_by_hand(staged):
@@ -201,7 +203,7 @@ def test_weak_bilstm_clients_train_on_the_first_half_of_each_sequence():
     rng = np.random.default_rng(0)
     x = rng.integers(2, 50, (3, 2, 4, 12)).astype(np.int32)
     data = Batch(x, rng.integers(0, 2, (3, 2, 4)).astype(np.int32), np.ones((3, 2, 4), bool), np.ones((3, 2), bool))
-    c = engine.Cohort(data, CohortInfo(np.array([0, 3, 6], np.int32), np.full(3, 8.0, np.float32), np.ones(3, bool)))
+    c = Cohort(data, CohortInfo(np.array([0, 3, 6], np.int32), np.full(3, 8.0, np.float32), np.ones(3, bool)))
     r, cached, _ = run(model, embracingfl(tier_mix=(3, 3, 2)), [c], 3)
     weak = r.clients[2]
     prepared = weak.prepare(cached.variables, jax.tree.map(lambda a: a[2], data))
@@ -209,7 +211,7 @@ def test_weak_bilstm_clients_train_on_the_first_half_of_each_sequence():
     _, masked, _ = run(model, embracingfl(tier_mix=(3, 3, 2), cached=False), [c], 3)
     chex.assert_trees_all_close(cached.variables, masked.variables, rtol=2e-5, atol=1e-6)
     # A weak client alone: its update equals training on the half sequences with the embedding frozen.
-    half = engine.Cohort(data._replace(x=np.where(np.arange(12) < 6, x, 0)), c.info)
+    half = Cohort(data._replace(x=np.where(np.arange(12) < 6, x, 0)), c.info)
     _, on_half, _ = run(model, embracingfl(tier_mix=(0, 0, 8)), [_alone(half, [2])], 1)
     _, alone, _ = run(model, embracingfl(tier_mix=(0, 0, 8)), [_alone(c, [2])], 1)
     chex.assert_trees_all_close(alone.variables, on_half.variables, rtol=2e-5, atol=1e-6)

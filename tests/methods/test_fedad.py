@@ -11,7 +11,9 @@ import pytest
 
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.costs import devices
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
+from fedpartial._src.engine.types import hook_keys
 from fedpartial._src.methods.adaptive import hessian
 from fedpartial._src.methods.adaptive import importance
 from fedpartial._src.core import masks
@@ -33,9 +35,9 @@ IDS = np.array([1, 3, 4], np.int32)
 
 
 def build(model, method, *, times=None, counts=None, strategy=None):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
-                                 strategy=strategy or engine.fused(), record_decisions=True,
-                                 label_counts=counts, execution_times=times)
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
+                          strategy=strategy or fused(), record_decisions=True,
+                          label_counts=counts, execution_times=times)
 
 
 def cohort(seed=0, ids=IDS):
@@ -196,7 +198,7 @@ def test_zero_rates_reduce_to_the_method_without_dropout(mlp, pair):
     theirs = fedavg() if pair == "fedavg" else feddh()
     results = []
     for method in (ours, theirs):
-        r = build(mlp, method, counts=counts, strategy=engine.stepwise())
+        r = build(mlp, method, counts=counts, strategy=stepwise())
         state = r.init(KEY)
         for t in range(3):
             state, m = r(state, cohort(seed=t, ids=np.roll(IDS, t) % N), jax.random.fold_in(KEY, t))
@@ -239,7 +241,7 @@ def test_hessian_global_rate_is_the_weighted_mean_of_each_clients_eigen_gap_rate
     start = jax.device_get(state.variables)
     new, m = r(state, c, KEY)
     assert int(new.method_state.server.updates) == 1
-    update_key = engine.hook_keys(KEY).update
+    update_key = hook_keys(KEY).update
 
     @jax.jit  # one compilation for every client (eagerly, each client's closure recompiled every scan)
     def client_rate(trained, x, y, mask, key):

@@ -10,7 +10,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused
+from fedpartial._src.engine.types import Cohort
 from fedpartial._src.core import masks
 from fedpartial._src.core.types import Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView, Selection, ServerData
 from fedpartial._src.data.sources import ArrayDataset
@@ -49,9 +51,9 @@ JS_HALF = 0.5 * math.log(1.2) + 0.5 * (math.log(2) / 3 + 2 / 3 * math.log(0.8)) 
 
 
 def build(model, method, n, k, *, counts=None, server=None, strategy=None, record=True):
-    return engine.FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
-                                 strategy=strategy or engine.fused(), record_decisions=record,
-                                 label_counts=counts, server_data=server)
+    return FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
+                          strategy=strategy or fused(), record_decisions=record,
+                          label_counts=counts, server_data=server)
 
 
 def run(r, cohorts):
@@ -304,7 +306,7 @@ def skewed_cohort(dists, n=24, steps=12, seed=0):
     batch = Batch(take(x), take(y), np.ones((k, steps, 8), bool), np.ones((k, steps), bool))
     info = CohortInfo(np.arange(k, dtype=np.int32), np.full((k,), n, np.float32), np.ones((k,), bool))
     counts = np.stack([np.bincount(yi, minlength=3) for yi in y]).astype(np.float32)
-    return engine.Cohort(batch, info), counts
+    return Cohort(batch, info), counts
 
 
 def server_set(per_class=6, seed=11):

@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused
 from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import ClientPlan, InitView
@@ -144,9 +145,9 @@ N, K = 5, 3
 
 
 def build(model, method, rounds=6, strategy=None, client_optimizer=None):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K,
-                                 client_optimizer=client_optimizer or optax.sgd(0.1),
-                                 strategy=strategy or engine.fused(), rounds=rounds)
+    return FederatedRound(model, method, num_clients=N, cohort_size=K,
+                          client_optimizer=client_optimizer or optax.sgd(0.1),
+                          strategy=strategy or fused(), rounds=rounds)
 
 
 def test_pruned_weights_stay_zero_in_local_training(history):

@@ -5,7 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.basic.feddyn import feddyn
@@ -41,8 +42,8 @@ def cohorts():
 
 
 def build(model, method, label_counts=None):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=optax.sgd(LR),
-                                 strategy=engine.fused(), label_counts=label_counts)
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=optax.sgd(LR),
+                          strategy=fused(), label_counts=label_counts)
 
 
 def run(r, data, state=None):

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedpartial._src.core import aggregation
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
+from fedpartial._src.engine.types import Cohort
 from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods import selection
@@ -153,7 +156,7 @@ FACTORIES = {
     "fedavg": fedavg, "fedldf": lambda: fedldf(2), "fedldf-all": lambda: fedldf(K),
     "random": lambda: random_layers(2), "hdfl": lambda: hdfl(2), "fedadp": lambda: fedadp(0.2),
 }
-STRATEGIES = {"fused": engine.fused, "stepwise": lambda: engine.stepwise(1)}
+STRATEGIES = {"fused": fused, "stepwise": lambda: stepwise(1)}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +165,7 @@ def rounds(mlp):
 
     def get(name, strategy="fused"):
         if (name, strategy) not in cache:
-            cache[name, strategy] = engine.FederatedRound(
+            cache[name, strategy] = FederatedRound(
                 mlp, FACTORIES[name](), num_clients=8, cohort_size=K, client_optimizer=OPT,
                 strategy=STRATEGIES[strategy]())
         return cache[name, strategy]
@@ -206,7 +209,7 @@ def test_n_equal_k_is_fedavg(three_rounds):
 
 def permuted(c, perm):
     take = lambda a: np.asarray(a)[perm]
-    return engine.Cohort(jax.tree.map(take, c.data), jax.tree.map(take, c.info))
+    return Cohort(jax.tree.map(take, c.data), jax.tree.map(take, c.info))
 
 
 def test_invariant_to_client_order(rounds):
@@ -277,7 +280,7 @@ def test_engine_matches_plain_python_fedldf(mlp, rounds, strategy):
 def test_traffic_formulas(three_rounds):
     n, num_layers = 2, 3
     for t in range(3):
-        up = {name: engine.traffic_totals(three_rounds(name)[1][t])["upload_bytes"] for name in FACTORIES}
+        up = {name: traffic_totals(three_rounds(name)[1][t])["upload_bytes"] for name in FACTORIES}
         avg = up["fedavg"]
         assert avg == K * 107 * 4  # a full model: 107 floats (parameters + BatchNorm statistics)
         assert up["fedldf-all"] == avg + K * num_layers * 4
@@ -356,7 +359,7 @@ def test_top_n_rejects_bad_n():
 
 
 def test_n_larger_than_cohort_is_reported_when_the_round_is_built(mlp):
-    r = engine.FederatedRound(mlp, fedldf(5), num_clients=8, cohort_size=4, client_optimizer=OPT)
+    r = FederatedRound(mlp, fedldf(5), num_clients=8, cohort_size=4, client_optimizer=OPT)
     with pytest.raises(ValueError, match="exceeds the cohort size 4"):
         r.init(jax.random.key(0))
 

@@ -5,7 +5,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import METHODS
 from fedpartial._src.methods.basic.fedavg import fedavg
@@ -34,8 +36,8 @@ def cohorts(real_steps=((3, 1, 2), (2, 3, 1))):
 
 
 def build(model, method, opt):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=opt,
-                                 strategy=engine.fused())
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=opt,
+                          strategy=fused())
 
 
 def run(r, data):
@@ -108,7 +110,7 @@ def test_engine_matches_plain_python_fednova(model):
         np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-5)
     # Each client uploads its normalised update (as large as the model) and its a_i (4 bytes).
     model_bytes = sum(4 * np.size(a) for a in jax.tree.leaves(expected))
-    assert engine.traffic_totals(metrics[0])["upload_bytes"] == K * (model_bytes + 4)
+    assert traffic_totals(metrics[0])["upload_bytes"] == K * (model_bytes + 4)
 
 
 def test_equal_steps_without_momentum_is_fedavg_and_unequal_steps_are_not(model):

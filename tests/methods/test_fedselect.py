@@ -8,7 +8,9 @@ import optax
 import pytest
 
 from fedpartial._src.costs import footprint as costs
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.core import masks
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.submodel.fedselect import fedselect
@@ -22,7 +24,7 @@ N, K = 6, 4
 ROUNDS = 2  # planned rounds: f_0 = 0.25 (start), f_1 = 0.5 (end)
 IDS = ([0, 1, 2, 3], [2, 3, 4, 5])  # clients 2 and 3 train in both rounds; 4 and 5 only in the second
 INIT_KEY = jax.random.key(11)
-STRATEGIES = {"fused": engine.fused, "stepwise": lambda: engine.stepwise(1)}
+STRATEGIES = {"fused": fused, "stepwise": lambda: stepwise(1)}
 # Round 1 (f = 0.5): fc1 keeps max(1, round(0.5·6)) = 3 personal neurons, fc2 round(2.5) = 3 (halves
 # up; Python's round would give 2), the classifier none.
 PERSONAL_COUNTS = (3, 3)
@@ -50,7 +52,7 @@ def rounds(mlp):
     def get(name="fedselect", strategy="stepwise"):
         if (name, strategy) not in cache:
             method = fedselect(0.25, 0.5) if name == "fedselect" else fedavg()
-            cache[name, strategy] = engine.FederatedRound(
+            cache[name, strategy] = FederatedRound(
                 mlp, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
                 strategy=STRATEGIES[strategy](), rounds=ROUNDS)
         return cache[name, strategy]
@@ -69,7 +71,7 @@ def run(rounds):
         begins.append(jax.device_get((preview.plan, preview.start_vars)))
         state, m = r(states[-1], cohort(t), round_key(t))
         states.append(state)
-        metrics.append(engine.traffic_totals(m))
+        metrics.append(traffic_totals(m))
     return [jax.device_get(s) for s in states], begins, metrics
 
 
@@ -129,7 +131,7 @@ def test_first_round_is_fedavg(rounds, run):
     # ... and everything is uploaded: one round is FedAvg's round.
     r = rounds("fedavg")
     avg, avg_metrics = r(r.init(INIT_KEY), cohort(0), round_key(0))
-    avg_metrics = engine.traffic_totals(avg_metrics)
+    avg_metrics = traffic_totals(avg_metrics)
     chex.assert_trees_all_close(states[1].variables, jax.device_get(avg.variables), rtol=0, atol=1e-6)
     # 107 floats (95 parameters + 12 BatchNorm statistics) = 428 bytes per client, no index bytes.
     np.testing.assert_array_equal(metrics[0]["upload_bytes_per_client"], [428] * K)

@@ -8,7 +8,9 @@ import pytest
 
 from fedpartial._src.core import aggregation
 from fedpartial._src.costs import footprint as costs
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.core import masks
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.submodel.fedspu import fedspu
@@ -22,9 +24,9 @@ IDS = [0, 3, 5, 9]  # tiers 0.2, 0.4, 0.6, 1.0 with N = 10 and five tiers
 
 
 def _round(model, method, strategy=None, opt=None, k=K):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=k,
-                                 client_optimizer=opt or optax.sgd(0.1, momentum=0.9),
-                                 strategy=strategy or engine.stepwise(1))
+    return FederatedRound(model, method, num_clients=N, cohort_size=k,
+                          client_optimizer=opt or optax.sgd(0.1, momentum=0.9),
+                          strategy=strategy or stepwise(1))
 
 
 def _perturbed(state, scale=0.3, seed=1):
@@ -209,7 +211,7 @@ def _reference_round(model, state, cohort, plan, lr):
     return new, personal_out
 
 
-@pytest.mark.parametrize("strategy", [engine.fused(), engine.stepwise(1), engine.stepwise(2)],
+@pytest.mark.parametrize("strategy", [fused(), stepwise(1), stepwise(2)],
                          ids=["fused", "stepwise1", "stepwise2"])
 def test_matches_plain_python_reference(mlp, strategy):
     lr = 0.2
@@ -243,7 +245,7 @@ def test_traffic_counts_active_parameters_and_indices(mlp):
         index = min(4 * fc1, 1) + min(4 * fc2, 1)  # a 6- or 5-unit bit-mask is 1 byte
         up += 4 * params
         down += 4 * params + index
-    metrics = engine.traffic_totals(metrics)
+    metrics = traffic_totals(metrics)
     assert int(metrics["upload_bytes"]) == up
     assert int(metrics["download_bytes"]) == down
 

@@ -11,7 +11,10 @@ import optax
 import pytest
 
 from fedpartial._src.core import aggregation
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused, stepwise
+from fedpartial._src.engine.types import ServerState
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks
 from fedpartial._src.core.types import CohortInfo, InitView, MethodContext, RoundView
@@ -45,8 +48,8 @@ def small_resnet():
 
 
 def build(model, method, *, n=3, k=3, strategy=None, bn_policy="global"):
-    return engine.FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
-                                 strategy=strategy or engine.fused(), bn_policy=bn_policy)
+    return FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT,
+                          strategy=strategy or fused(), bn_policy=bn_policy)
 
 
 def start(r, seed=0):
@@ -63,9 +66,9 @@ def start(r, seed=0):
         return jnp.asarray(rng.normal(size=leaf.shape) / np.sqrt(math.prod(leaf.shape[:-1])), jnp.float32)
 
     variables = jax.tree_util.tree_map_with_path(draw, jax.eval_shape(r.model.init_variables, KEY))
-    return engine.ServerState(round=jnp.zeros((), jnp.int32), variables=variables,
-                              opt_state=r.server_optimizer.init(variables["params"]),
-                              method_state=r.method.init(r.ctx, InitView(global_vars=variables, key=KEY)))
+    return ServerState(round=jnp.zeros((), jnp.int32), variables=variables,
+                       opt_state=r.server_optimizer.init(variables["params"]),
+                       method_state=r.method.init(r.ctx, InitView(global_vars=variables, key=KEY)))
 
 
 def cohorts(rounds=2, k=3, shape=(4,), **kw):
@@ -254,15 +257,15 @@ def test_without_the_scaler_heterofl_is_fjord_at_the_same_widths():
     model = adapt(SMALL, (4,))
     results = []
     for method, strategy in ((heterofl(tier_mix=(2, 0, 1), widths=(0.5, 0.25), weighting="samples", scaler=False,
-                                       module=SMALL), engine.stepwise(2)),  # strong: 2 vmapped, weak: 1 alone
-                             (fjord(tier_mix=(2, 0, 1), widths=(0.5, 0.25)), engine.fused())):
+                                       module=SMALL), stepwise(2)),  # strong: 2 vmapped, weak: 1 alone
+                             (fjord(tier_mix=(2, 0, 1), widths=(0.5, 0.25)), fused())):
         r = build(model, method, strategy=strategy)
         if method.name == "heterofl":
             assert [(g.name, g.size, g.members) for g in r.groups] == [("strong", 2, (0, 1)), ("weak", 1, (2,))]
         state = start(r)
         for t, c in enumerate(cohorts()):
             state, m = r(state, c, jax.random.key(t))
-        results.append((jax.device_get(state.variables["params"]), engine.traffic_totals(m)))
+        results.append((jax.device_get(state.variables["params"]), traffic_totals(m)))
     chex.assert_trees_all_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
     # FjORD also downloads one int32 width per masked layer; the parameters sent are the same.
     assert (results[1][1]["upload_bytes_per_client"] == results[0][1]["upload_bytes_per_client"]).all()
@@ -297,7 +300,7 @@ def test_resnet20_round_with_three_tiers():
             np.testing.assert_array_equal(new[~on], old[~on])
             changed.extend(new[on] != old[on])
     assert np.mean(changed) > 0.9  # the held ones moved (bar a few a dead ReLU left without gradient)
-    assert engine.traffic_totals(m)["upload_bytes_per_client"][0] == 0
+    assert traffic_totals(m)["upload_bytes_per_client"][0] == 0
 
 
 # ---- capacity: the paper's Table 10 -------------------------------------------------------------
@@ -346,5 +349,5 @@ def test_the_real_resnet20_round_with_three_tiers():
     model = adapt(build_model("resnet20", 10, (8, 8, 3)), (8, 8, 3), num_classes=10, name="resnet20")
     r = build(model, heterofl(tier_mix=(1, 1, 1)), bn_policy="static")
     _, m = r(start(r), cohorts(1, shape=(8, 8, 3), num_classes=10)[0], jax.random.key(0))
-    assert list(engine.traffic_totals(m)["upload_bytes_per_client"]) == [4 * 272_474, 4 * 52_811, 4 * 9_991]
+    assert list(traffic_totals(m)["upload_bytes_per_client"]) == [4 * 272_474, 4 * 52_811, 4 * 9_991]
     assert all(np.isfinite(m[f"train_loss_{t}"]) for t in ("strong", "moderate", "weak"))

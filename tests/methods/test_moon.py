@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import fused
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.catalog import get_method
@@ -41,8 +42,8 @@ def cohorts():
 
 
 def build(model, method):
-    return engine.FederatedRound(model, method, num_clients=N, cohort_size=K,
-                                 client_optimizer=optax.sgd(LR, momentum=MOMENTUM), strategy=engine.fused())
+    return FederatedRound(model, method, num_clients=N, cohort_size=K,
+                          client_optimizer=optax.sgd(LR, momentum=MOMENTUM), strategy=fused())
 
 
 def run(r, data):

@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.models.registry import MODELS, build_model
 from fedpartial._src.models.adapter import from_linen, from_nnx
@@ -67,7 +67,7 @@ def test_nnx_module_runs_in_the_engine():
     model = from_nnx(NnxMLP(nnx.Rngs(0)), input_shape=(4,), num_classes=3, sequential=True)
     assert model.structure.layer_names == ("fc1", "head")
     assert model.structure.layers[0].norm_paths == (("bn",),)
-    r = engine.FederatedRound(model, fedavg(), num_clients=4, cohort_size=4, client_optimizer=optax.sgd(0.1))
+    r = FederatedRound(model, fedavg(), num_clients=4, cohort_size=4, client_optimizer=optax.sgd(0.1))
     state = jax.device_get(r.init(jax.random.key(0)))  # host copy: the fused round (GPU default) donates
     new, metrics = r(state, make_cohort((4,), k=4, steps=2), jax.random.key(1))
     assert np.isfinite(float(metrics["train_loss"]))

@@ -362,11 +362,11 @@ def test_from_stages_rejects_bad_input():
 
 
 def test_from_stages_runs_in_the_engine():
-    from fedpartial._src.engine import round as engine
+    from fedpartial._src.engine.round import FederatedRound
     from fedpartial._src.methods.basic.fedavg import fedavg
 
     model = from_stages([Body(), nn.Dense(3)], input_shape=(8,), num_classes=3, sequential=True)
-    r = engine.FederatedRound(model, fedavg(), num_clients=4, cohort_size=4, client_optimizer=optax.sgd(0.1))
+    r = FederatedRound(model, fedavg(), num_clients=4, cohort_size=4, client_optimizer=optax.sgd(0.1))
     state = r.init(jax.random.key(0))
     before = jax.tree.map(np.array, state.variables)  # the round may donate the state's buffers
     new, metrics = r(state, make_cohort((8,), k=4), jax.random.key(1))

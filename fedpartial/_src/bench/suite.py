@@ -55,7 +55,10 @@ import numpy as np
 
 from fedpartial._src.core import aggregation
 from fedpartial._src.costs import flops
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.runners.stepwise import Stepwise
+from fedpartial._src.engine.strategy import fused, parse_strategy
+from fedpartial._src.engine.types import Cohort, LocalInputs, ServerState, cohort_from_packed
 from fedpartial._src.experiment import evaluation
 from fedpartial._src.core import memory
 from fedpartial._src.bench.kit import (
@@ -199,7 +202,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise UserError(f"--cohorts: cohort size {k} must be a positive number of clients.")
     for text in settings.strategies:
         try:
-            engine.parse_strategy(text)
+            parse_strategy(text)
         except ValueError as e:
             raise UserError(f"--strategies: {e}") from None
     return settings
@@ -219,7 +222,7 @@ def skipped_by(settings: Settings, model: str, k: int, strategy: str | None = No
 
 
 
-def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[engine.LocalInputs, ...]):
+def local_training(rnd: FederatedRound, global_vars: dict, inputs: tuple[LocalInputs, ...]):
     """Every client's local training as the fused strategy runs it: steps in ``lax.scan``, the cohort
     vmapped.  Returns ``(trained, losses, steps)`` ``[K, ...]``."""
     outs = []
@@ -236,22 +239,23 @@ def local_training(rnd: engine.FederatedRound, global_vars: dict, inputs: tuple[
     return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 
 
-def local_training_stepwise(rnd: engine.FederatedRound) -> Callable:
+def local_training_stepwise(rnd: FederatedRound) -> Callable:
     """``train(state, cohort, key, starts)``: every client's local training as the ``stepwise:1`` strategy
     runs it (the engine's own loop: a jitted step per client and step, called from Python; on a CPU, conv
     steps inside ``lax.scan`` run several times slower), finished from the start models ``starts``
     (``rnd.preview(...).start_vars``, computed once outside the timing).  Returns ``(trained, losses,
     steps)`` ``[K, ...]``.  Its jitted pieces are built once, so a timed call compiles nothing."""
     final = jax.jit(rnd._final_results)
+    stepwise = Stepwise(rnd)  # whatever rnd's own strategy
 
     def train(state, cohort, key, starts):
-        _, _, locals_ = rnd._stepwise_train(state, cohort, jax.random.key_data(key))
+        _, _, locals_ = stepwise.train(state, cohort, jax.random.key_data(key))
         return final(starts, locals_)
 
     return train
 
 
-def measure_phases(rnd: engine.FederatedRound, state: engine.ServerState, cohort: engine.Cohort, key: jax.Array,
+def measure_phases(rnd: FederatedRound, state: ServerState, cohort: Cohort, key: jax.Array,
                    test: tuple[np.ndarray, np.ndarray], repeats: int) -> dict:
     """Seconds of each phase of one round, jitted separately on the same inputs (fastest of ``repeats``)."""
     inputs = rnd.local_inputs(state, cohort, key)
@@ -298,15 +302,15 @@ class Runner:
         self.num_clients = num_clients  # clients it really trains a round (the plain loop may run fewer)
         self.times: list[float] = []
         self.entry: dict = {"method": method, "strategy": strategy}
-        self.round: engine.FederatedRound | None = None  # the engine's round (None: the plain loop)
+        self.round: FederatedRound | None = None  # the engine's round (None: the plain loop)
 
 
 def _engine_runner(model, method_name: str, strategy_text: str, cohort, k: int, settings: Settings,
                    key: jax.Array) -> Runner:
-    strategy = engine.parse_strategy(strategy_text, model=model)
-    rnd = engine.FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
-                                client_optimizer=client_optimizer(settings.lr, settings.momentum),
-                                strategy=strategy)
+    strategy = parse_strategy(strategy_text, model=model)
+    rnd = FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
+                         client_optimizer=client_optimizer(settings.lr, settings.momentum),
+                         strategy=strategy)
     holder = {"state": rnd.init(key), "round": 0}
     round_key = jax.random.key(SEED + 1)
 
@@ -333,7 +337,7 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
               "input_shape": list(shape), "runners": [], "phases": {}}
     s, b = settings.local_steps, settings.batch_size
     packed_bytes = k * s * b * (int(np.prod(shape)) * 4 + 4 + 1) + k * s
-    chunks = [engine.parse_strategy(t, model=model).chunk_size for t in settings.strategies]
+    chunks = [parse_strategy(t, model=model).chunk_size for t in settings.strategies]
     estimate = estimate_bytes(num_params, k, packed_bytes, None if None in chunks else max(chunks))
     record["estimated_bytes"] = estimate
     if skipped_by(settings, model_name, k):
@@ -345,7 +349,7 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
                              f"{available / 2**30:.1f} GiB available")
         return record
     packed = make_data(k, batch_size=b, local_steps=s, input_shape=shape, seed=SEED)
-    cohort = engine.cohort_from_packed(packed, np.arange(k))
+    cohort = cohort_from_packed(packed, np.arange(k))
 
     # the plain loop, on at most plain_clients clients (scaled to K below)
     loop = PlainLoop(module, client_optimizer(settings.lr, settings.momentum), shape)
@@ -420,9 +424,9 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
 
     # phases and FLOPs, per method (on a fused round's inputs)
     for method_name in dict.fromkeys(r.method for r in runners[1:]):
-        rnd = engine.FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
-                                    client_optimizer=client_optimizer(settings.lr, settings.momentum),
-                                    strategy=engine.fused(None))
+        rnd = FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
+                             client_optimizer=client_optimizer(settings.lr, settings.momentum),
+                             strategy=fused(None))
         state, phase_key = rnd.init(key), jax.random.key(SEED + 2)
         phases = {}
         try:

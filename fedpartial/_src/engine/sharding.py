@@ -85,7 +85,7 @@ def padding_ids(cohort: np.ndarray, num_clients: int, count: int) -> np.ndarray:
 
 
 def pad_cohort(cohort: Any, size: int, num_clients: int) -> Any:
-    """A :class:`~fedpartial._src.engine.round.Cohort` of ``K`` clients (host arrays) padded to ``size`` rows with padding
+    """A :class:`~fedpartial._src.engine.types.Cohort` of ``K`` clients (host arrays) padded to ``size`` rows with padding
     clients: zero data and masks (no step, no example), ``valid`` False, ids from :func:`padding_ids`.
 
     For callers of the engine; :class:`~fedpartial._src.experiment.simulation.Simulation` pads when it samples.
