@@ -20,6 +20,7 @@ from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, sources
 from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.models import registry
@@ -275,12 +276,12 @@ class RunConfig:
             bad(f"--data-placement {self.data_placement!r} is unknown; choose one of "
                 f"{', '.join(ondevice.PLACEMENTS)}.")
         try:
-            strategy = engine.parse_strategy(self.strategy)
+            strategy = engine_strategy.parse_strategy(self.strategy)
         except ValueError as e:
             bad(f"--{e}")
         if strategy.kind == "stream" and not custom_method:
             problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
-                       if self.early_stopping else engine.stream_refusal(self.build_method()))
+                       if self.early_stopping else engine_strategy.stream_refusal(self.build_method()))
             if problem:
                 bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
                     "or stepwise:N.")
@@ -313,7 +314,7 @@ class RunConfig:
         if self.devices > available:
             _refuse("devices", self.devices, f"between 1 and {available}, the number of local "
                                              f"{jax.default_backend()} devices")
-        kind = engine.parse_strategy(self.strategy).kind
+        kind = engine_strategy.parse_strategy(self.strategy).kind
         if self.devices > 1 and self.strategy != "auto" and kind != "fused":
             raise ConfigError(f"--devices {self.devices} needs the fused strategy (--strategy fused or fused:N); "
                               f"--strategy {self.strategy} runs on one device.")
@@ -324,15 +325,15 @@ class RunConfig:
         fused on an accelerator, else 1 (fake CPU devices share the same cores: splitting gains nothing)."""
         if self.devices is not None:
             return self.devices
-        fused = engine.parse_strategy(self.strategy).kind == "fused"
+        fused = engine_strategy.parse_strategy(self.strategy).kind == "fused"
         return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
 
-    def run_strategy(self, num_devices: int | None = None, model=None) -> engine.Strategy:
+    def run_strategy(self, num_devices: int | None = None, model=None) -> engine_strategy.Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
         ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
         if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
-            return engine.fused()
-        return engine.parse_strategy(self.strategy, model)
+            return engine_strategy.fused()
+        return engine_strategy.parse_strategy(self.strategy, model)
 
     def _check_model(self, custom_method: bool) -> None:
         """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""

@@ -20,6 +20,8 @@ from fedpartial._src.core import memory
 from fedpartial._src.core.types import Method
 from fedpartial._src.data import ondevice
 from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import strategy as engine_strategy
+from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import ConfigError, RunConfig
@@ -36,7 +38,7 @@ def client_mesh(num_devices: int):
     return sharding.client_mesh(num_devices) if num_devices > 1 else None
 
 
-def placed(cohort: engine.Cohort, mesh, padded_size: int) -> engine.Cohort:
+def placed(cohort: engine_types.Cohort, mesh, padded_size: int) -> engine_types.Cohort:
     """The cohort split over the devices of ``mesh`` (unchanged on one device).  With several processes each
     keeps only its own devices' rows and the global cohort is assembled from them (:func:`sharding.global_cohort`)."""
     if mesh is None:
@@ -62,7 +64,7 @@ def data_placement(config: RunConfig, needed_bytes: int, decided: str | None = N
     use), else ``host``; on CPU it is ``host`` (:func:`ondevice.resolve_placement` says why).  A streamed
     cohort is packed a chunk at a time, so its data stays on the host.
     """
-    if engine.parse_strategy(config.strategy).kind == "stream":
+    if engine_strategy.parse_strategy(config.strategy).kind == "stream":
         return "host"
     return decided or ondevice.resolve_placement(config.data_placement, needed_bytes, ondevice.available_memory(),
                                                  jax.devices()[0].platform)
@@ -112,18 +114,18 @@ def device_data_gives_way(config: RunConfig, placement: str, est: memory.MemoryE
     return memory.data_stays_on_host("its", needed_bytes, str(round.strategy), est.total, available, where)
 
 
-def streamed_strategy(clients_that_fit: int, model: Model) -> engine.Strategy:
+def streamed_strategy(clients_that_fit: int, model: Model) -> engine_strategy.Strategy:
     """The streamed strategy for this platform and ``model`` with at most ``clients_that_fit`` in flight."""
-    return engine.bounded_strategy(clients_that_fit, jax.devices()[0].platform, model)
+    return engine_strategy.bounded_strategy(clients_that_fit, jax.devices()[0].platform, model)
 
 
 def bounded_strategy(config: RunConfig, method: Method, round: engine.FederatedRound, est: memory.MemoryEstimate,
-                     *, model: Model, mesh, room: Room) -> tuple[engine.Strategy, str] | None:
+                     *, model: Model, mesh, room: Room) -> tuple[engine_strategy.Strategy, str] | None:
     """For ``--strategy auto`` on one device, when the estimate ``est`` of ``round`` exceeds the available memory
-    and the method streams: the streamed strategy (:func:`engine.bounded_strategy`) with a chunk that fits,
+    and the method streams: the streamed strategy (:func:`engine_strategy.bounded_strategy`) with a chunk that fits,
     and why, for people; else None (a run that fits, a named strategy, or one :func:`check_memory` refuses)."""
     if config.strategy != "auto" or mesh is not None or config.data_placement == "device" \
-            or engine.stream_refusal(method) is not None:
+            or engine_strategy.stream_refusal(method) is not None:
         return None
     available, where = room()
     if available is None or memory.fits(est, available):
@@ -157,7 +159,7 @@ def check_memory(est: memory.MemoryEstimate, round: engine.FederatedRound, metho
         else "--client-state disk"
     problem = memory.refusal(est, available, where, strategy=str(round.strategy), cohort_size=cohort_size,
                              stream=functools.partial(streamed_strategy, model=model)
-                             if engine.stream_refusal(method) is None else None,
+                             if engine_strategy.stream_refusal(method) is None else None,
                              movable_bytes=movable, move=move)
     if problem:
         raise ConfigError(problem[0].upper() + problem[1:])

@@ -13,7 +13,8 @@ import numpy as np
 from fedpartial._src.core.types import CohortInfo, Holdout
 from fedpartial._src.data import packing, sources
 from fedpartial._src.data.partition import partition as split_population
-from fedpartial._src.engine import round as engine
+from fedpartial._src.core import types as core_types
+from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 
@@ -138,7 +139,7 @@ def sample_cohort(rounds_key: jax.Array, t: int, active: np.ndarray, groups, *, 
 
 def packed_cohort(dataset: sources.ArrayDataset, clients: list[np.ndarray], holdout: tuple | None,
                   ids: np.ndarray, valid: np.ndarray, pack_seed: int, *, batch_size: int, num_steps: int,
-                  local_steps: int | None, local_epochs: float | None) -> engine.Cohort:
+                  local_steps: int | None, local_epochs: float | None) -> engine_types.Cohort:
     """The clients ``ids``' local data for one round, packed on the host and shuffled with ``pack_seed``
     (a client not ``valid`` gets none)."""
     empty = np.zeros(0, np.int64)
@@ -147,14 +148,14 @@ def packed_cohort(dataset: sources.ArrayDataset, clients: list[np.ndarray], hold
         batch_size=batch_size, num_steps=num_steps, local_steps=local_steps, local_epochs=local_epochs,
         seed=pack_seed,
     )
-    return engine.cohort_from_packed(packed, ids, valid, _cohort_holdout(holdout, ids, valid))
+    return engine_types.cohort_from_packed(packed, ids, valid, _cohort_holdout(holdout, ids, valid))
 
 
 def streamed_cohort(dataset: sources.ArrayDataset, clients: list[np.ndarray], sizes: np.ndarray,
                     holdout: tuple | None, ids: np.ndarray, valid: np.ndarray, pack_seed: int, *,
                     batch_size: int, num_steps: int, local_steps: int | None,
-                    local_epochs: float | None) -> engine.Cohort:
-    """The cohort with its data packed a chunk at a time (:class:`engine.ClientData`): each client's
+                    local_epochs: float | None) -> engine_types.Cohort:
+    """The cohort with its data packed a chunk at a time (:class:`engine_types.ClientData`): each client's
     batches come from its own seed ``(pack_seed, id)``, so they do not depend on its chunk."""
     empty = np.zeros(0, np.int64)
     x, y = dataset.x_train, dataset.y_train
@@ -164,15 +165,15 @@ def streamed_cohort(dataset: sources.ArrayDataset, clients: list[np.ndarray], si
             x, y, [clients[i] if v else empty for i, v in zip(ids[rows], valid[rows])],
             batch_size=batch_size, num_steps=num_steps, local_steps=local_steps,
             local_epochs=local_epochs, seed=pack_seed, client_keys=ids[rows])
-        return engine.cohort_from_packed(packed, ids[rows]).data
+        return engine_types.cohort_from_packed(packed, ids[rows]).data
 
     k, s, b = len(ids), num_steps, batch_size
     x_dtype = x.dtype if np.issubdtype(x.dtype, np.integer) else np.dtype(np.float32)
-    spec = engine.Batch(jax.ShapeDtypeStruct((k, s, b, *x.shape[1:]), x_dtype),
+    spec = core_types.Batch(jax.ShapeDtypeStruct((k, s, b, *x.shape[1:]), x_dtype),
                         jax.ShapeDtypeStruct((k, s, b), np.int32), jax.ShapeDtypeStruct((k, s, b), bool),
                         jax.ShapeDtypeStruct((k, s), bool))
     client_sizes = np.where(valid, sizes[ids], 0).astype(np.float32)
-    cohort = engine.Cohort(engine.ClientData(take, spec), CohortInfo(np.asarray(ids, np.int32), client_sizes,
+    cohort = engine_types.Cohort(engine_types.ClientData(take, spec), CohortInfo(np.asarray(ids, np.int32), client_sizes,
                                                                      np.asarray(valid, bool)))
     if holdout is not None:
         cohort = cohort._replace(holdout=_cohort_holdout(holdout, ids, valid))

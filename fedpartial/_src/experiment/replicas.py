@@ -75,7 +75,8 @@ import numpy as np
 
 from fedpartial._src.experiment import checkpoint
 from fedpartial._src.experiment import summaries
-from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import strategy as engine_strategy
+from fedpartial._src.engine import types as engine_types
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
 from fedpartial._src.experiment.config import ConfigError, RunConfig
@@ -95,7 +96,7 @@ def replica_strategy(strategy: str) -> str:
     if strategy == "auto":
         return "fused"
     try:
-        kind = engine.parse_strategy(strategy).kind
+        kind = engine_strategy.parse_strategy(strategy).kind
     except ValueError as e:
         raise ConfigError(f"--{e}") from None
     if kind != "fused":
@@ -310,7 +311,7 @@ def stack(trees: Sequence) -> object:
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def with_lr(cohort: engine.Cohort, lr: float) -> engine.Cohort:
+def with_lr(cohort: engine_types.Cohort, lr: float) -> engine_types.Cohort:
     """``cohort`` whose clients train at ``lr`` times the client optimizer's rate."""
     size = np.shape(cohort.info.client_ids)[0]
     return cohort._replace(info=cohort.info._replace(lr_scale=np.full(size, lr, np.float32)))

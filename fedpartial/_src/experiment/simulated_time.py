@@ -12,6 +12,7 @@ from fedpartial._src.core.masks import Mask
 from fedpartial._src.costs import devices
 from fedpartial._src.data import packing
 from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import types as engine_types
 
 #: a method metric (per layer ``[K, units]``) giving each unit's keep probability when masks are drawn
 #: per local step (FedAD ``resample='step'``): the device model counts expected kept units from it
@@ -30,11 +31,11 @@ def kept_units(metrics: dict, num_clients: int) -> Mask | None:
     return Mask(layers=np.ones((num_clients, len(neurons)), bool), neurons=neurons)
 
 
-def client_work(costs: devices.CostModel, profiles: devices.DeviceProfiles, cohort: engine.Cohort,
+def client_work(costs: devices.CostModel, profiles: devices.DeviceProfiles, cohort: engine_types.Cohort,
                 ids: np.ndarray, valid: np.ndarray, metrics: dict) -> tuple[np.ndarray, float]:
     """``[K]`` every cohort client's FLOPs of local work, and the round's simulated time
     (:func:`devices.round_time` of the real clients' compute and traffic times)."""
-    flops = costs.client_flops(engine.data_spec(cohort), metrics["client_steps_per_client"],
+    flops = costs.client_flops(engine_types.data_spec(cohort), metrics["client_steps_per_client"],
                                kept_units(metrics, len(ids)))
     seconds = devices.client_times(profiles, ids, flops, metrics["download_bytes_per_client"],
                                    metrics["upload_bytes_per_client"])
@@ -42,7 +43,7 @@ def client_work(costs: devices.CostModel, profiles: devices.DeviceProfiles, coho
 
 
 def full_model_times(round: engine.FederatedRound, costs: devices.CostModel, profiles: devices.DeviceProfiles,
-                     cohort: engine.Cohort, sizes: np.ndarray, *, batch_size: int, local_steps: int | None,
+                     cohort: engine_types.Cohort, sizes: np.ndarray, *, batch_size: int, local_steps: int | None,
                      local_epochs: float | None) -> np.ndarray:
     """``[N]`` each device's simulated time for one round of *full-model* local work on its
     own data (its real steps × the step's FLOPs at its speed, plus the whole model down

@@ -28,6 +28,9 @@ from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, packing, sources
 from fedpartial._src.data.partition import train_holdout_split
 from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import metrics as engine_metrics
+from fedpartial._src.engine import strategy as engine_strategy
+from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import checkpoint, layout, population, simulated_time
 from fedpartial._src.experiment import client_state as client_state_lib
@@ -169,7 +172,7 @@ class Simulation:
         if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
             self.round = self._new_round("host")
 
-    def _new_round(self, client_state: str, strategy: engine.Strategy | None = None) -> engine.FederatedRound:
+    def _new_round(self, client_state: str, strategy: engine_strategy.Strategy | None = None) -> engine.FederatedRound:
         """This run's round with its per-client state on the ``device`` or handed in from the ``host``, running
         ``strategy`` (default: the config's for this model and these devices)."""
         config = self.config
@@ -239,15 +242,15 @@ class Simulation:
             return self.state.method_state
         return self.state.method_state._replace(clients=self.client_store.tree())
 
-    def checkpoint_state(self) -> engine.ServerState:
+    def checkpoint_state(self) -> engine_types.ServerState:
         """What a checkpoint saves: the server state with every client's rows."""
-        return engine.with_clients(self.state, self.method_state().clients)
+        return engine_types.with_clients(self.state, self.method_state().clients)
 
-    def load_state(self, state: engine.ServerState) -> None:
+    def load_state(self, state: engine_types.ServerState) -> None:
         """Sets the state from a restored checkpoint (host arrays): per-client rows into their store."""
         if self.client_store is not None:
             self.client_store.load(state.method_state.clients)
-            state = engine.without_clients(state)
+            state = engine_types.without_clients(state)
         # replicated on the devices the cohort is split over, as the round keeps it (with several processes the
         # arrays must be global: every process restored the same values from its own copy)
         self.state = jax.device_put(state, None if self.mesh is None else sharding.replicated(self.mesh))
@@ -258,12 +261,12 @@ class Simulation:
         state = self.state
         if self.client_store is not None:
             # one copy to the device: the stepwise strategy hands the state to several jitted pieces
-            state = engine.with_clients(state, jax.device_put(self.client_store.rows(prepared.ids)))
+            state = engine_types.with_clients(state, jax.device_put(self.client_store.rows(prepared.ids)))
         state, metrics = self.round(state, layout.placed(prepared.cohort, self.mesh, self.round.ctx.cohort_size),
                                     prepared.key)
         if self.client_store is not None:
             self.client_store.write(prepared.ids, prepared.valid, state.method_state.clients)
-            state = engine.without_clients(state)
+            state = engine_types.without_clients(state)
         self.state = state
         return metrics
 
@@ -273,7 +276,7 @@ class Simulation:
                                batch_size=self.config.batch_size, example_shape=self.model.input_shape,
                                x_dtype=self.dataset.x_train.dtype)
 
-    def streamed_option(self, clients_that_fit: int) -> engine.Strategy:
+    def streamed_option(self, clients_that_fit: int) -> engine_strategy.Strategy:
         """The streamed strategy for this platform and model with at most ``clients_that_fit`` in flight."""
         return layout.streamed_strategy(clients_that_fit, self.model)
 
@@ -368,7 +371,7 @@ class Simulation:
                                         num_clients=self.config.num_clients, cohort_size=self.config.cohort_size,
                                         padded_size=self.round.ctx.cohort_size)
 
-    def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine.Cohort:
+    def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine_types.Cohort:
         """The clients ``ids``' local data for one round, shuffled with ``pack_seed``: packed on the host, or
         gathered on the device (:attr:`data_placement`; the two draw different, equally valid orders)."""
         cfg = self.config
@@ -382,7 +385,7 @@ class Simulation:
             ids = np.asarray(ids, np.int32)
             batch, num_samples, holdout = ondevice.gather_round(
                 self._population, self._device_holdout, ids, valid, np.uint32(pack_seed), spec=self._gather_spec)
-            return engine.Cohort(data=batch, info=CohortInfo(client_ids=ids, num_samples=num_samples, valid=valid),
+            return engine_types.Cohort(data=batch, info=CohortInfo(client_ids=ids, num_samples=num_samples, valid=valid),
                                  holdout=holdout)
         return population.packed_cohort(self.dataset, self.clients, self.holdout, ids, valid, pack_seed,
                                         **packing_settings)
@@ -450,7 +453,7 @@ class Simulation:
             what = ("every client's update was non-finite (NaN/inf)" if failed == int(np.sum(valid))
                     else "the global model became non-finite (NaN/inf)")
             raise DivergedError(f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data")
-        metrics.update(engine.traffic_totals(metrics))
+        metrics.update(engine_metrics.traffic_totals(metrics))
         finished = time.perf_counter()
         train_time = finished - prepared.start if round_time is None else round_time
         self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
@@ -476,7 +479,7 @@ class Simulation:
         }
         # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
         for name, value in metrics.items():
-            if name not in engine.ENGINE_METRICS and name != simulated_time.KEEP_PROBABILITY and name not in record:
+            if name not in engine_metrics.ENGINE_METRICS and name != simulated_time.KEEP_PROBABILITY and name not in record:
                 record[name] = np.asarray(value).tolist()
         if "decisions" in metrics:
             self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
@@ -500,7 +503,7 @@ class PreparedRound(NamedTuple):
     ids: np.ndarray  # [K] client ids
     valid: np.ndarray  # [K] which are real
     key: jax.Array  # the round key
-    cohort: engine.Cohort
+    cohort: engine_types.Cohort
     start: float  # time.perf_counter() when preparation began
     host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
 
