@@ -4,13 +4,6 @@ import gc
 import os
 import pathlib
 
-# The suite's programs are tiny: compiling them costs far more than running them, so LLVM's backend
-# optimisations are off (XLA's own HLO passes still run; the arithmetic is the same, only the machine
-# code is less tuned).  Measured on tests/methods/test_fedspu.py, 2-core CPU: 44 s -> 31 s.  Set before
-# jax starts its backend; subprocesses (CLI, checkpoint, 4-device tests) inherit it.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-
 import flax.linen as nn
 import jax
 import numpy as np
