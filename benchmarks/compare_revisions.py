@@ -39,7 +39,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCH = Path("benchmarks") / "strategies.py"
-KIT = Path("fedpartial") / "benchkit.py"  # strategies.py's measuring pieces: copied with it
+#: strategies.py's measuring pieces, copied with it: where this layout keeps them, then where the flat layout did
+KITS = (Path("fedpartial") / "_src" / "bench" / "kit.py", Path("fedpartial") / "benchkit.py")
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -204,8 +205,11 @@ def main(argv=None) -> int:
             (before["path"] / BENCH).parent.mkdir(exist_ok=True)
             (before["path"] / BENCH).write_bytes(code)
             (before["path"] / "benchmarks" / "__init__.py").touch()
-        if (after["path"] / KIT).exists():
-            (before["path"] / KIT).write_bytes((after["path"] / KIT).read_bytes())
+        kit = next((after["path"] / k for k in KITS if (after["path"] / k).exists()), None)
+        if kit is not None:  # into whichever layout the before tree has (strategies.py imports either)
+            target = next((before["path"] / k for k in KITS if (before["path"] / k).exists()), None)
+            if target is not None:
+                target.write_bytes(kit.read_bytes())
         for tree in (before, after):
             check_import(tree)
         runs: dict[str, list[dict]] = {"before": [], "after": []}
