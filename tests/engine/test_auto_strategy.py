@@ -1,4 +1,4 @@
-"""The 'auto' strategy rule: by platform and model (README "Throughput" has the measurements behind it)."""
+"""The 'auto' strategy rule: by platform and model (benchmarks/results holds the measurements behind it)."""
 
 import jax
 import pytest
