@@ -124,3 +124,11 @@ def test_scaffold_control_variates_follow_option_two(mlp, strategy):
     mean = jax.tree.map(lambda *a: sum(wi * ai for wi, ai in zip(w, a)), *trained)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                  jax.device_get(new.variables["params"]), mean)
+
+
+def test_a_broken_installed_method_fails_only_the_run_that_names_it(monkeypatch, capsys):
+    installed(monkeypatch, broken="nowhere.at_all:SPEC")
+    assert main(["run", "--help"]) == 0  # every other command still works
+    capsys.readouterr()
+    assert main(["run", "--method", "broken", "--rounds", "1", "--out", "unused"]) == 2
+    assert "cannot be imported" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment.config import DEFAULT_LOCAL_EPOCHS, RunConfig
 import dataclasses
 
-from fedpartial._src.methods.catalog import all_methods, find_method
+from fedpartial._src.methods.catalog import METHODS, all_methods, find_method
 from fedpartial._src.methods.registry import MethodSpec, boolean
 
 
@@ -70,7 +70,10 @@ def method_specs(names: Iterable[str] = ()) -> list[MethodSpec]:
     """The methods whose options become flags: the built-in and installed ones (entry points), and each of
     ``names`` given as ``package.module:factory`` (under that name; one that cannot be loaded is left out here
     and refused in one sentence when the run is checked)."""
-    specs = dict(all_methods())
+    try:
+        specs = dict(all_methods())
+    except UserError:  # a broken installed plugin: its sentence comes when a run names it, not on every command
+        specs = dict(METHODS)
     for name in names:
         if ":" in name and name not in specs:
             try:
