@@ -46,7 +46,10 @@ Usage::
     python -m benchmarks.feddh [--quick] [--datasets digits,mnist5k:lenet5,synthetic]
         [--rounds R] [--local-epochs E] [--seeds 0,1] [--target-fraction 0.9] [--out DIR]
 
-``--datasets`` takes ``dataset`` (all of its models) or ``dataset:model`` entries.
+``--datasets`` takes ``dataset`` (all of its models) or ``dataset:model`` entries;
+``--methods`` takes method names or variants ``method@option=value[;option=value]``
+(e.g. ``fedad@target=literal``), which run the method with those options on top of
+this benchmark's and are labelled with them.
 Writes ``<out>/feddh-<device>.json`` (every round of every run), a plot of test
 accuracy against simulated time and prints, per (dataset, model), the Table-3 rows:
 final and best accuracy, the gap to FedAvg, simulated time to the target and its
@@ -113,8 +116,31 @@ def skip_reason(dataset: str, method: str) -> str | None:
     return None
 
 
+def split_variant(entry: str) -> tuple[str, dict]:
+    """``'fedad@target=literal;rate=0.3'`` -> ``('fedad', {'target': 'literal', 'rate': 0.3})``."""
+    name, _, rest = entry.partition("@")
+    overrides = {}
+    for item in filter(None, rest.split(";")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"method variant {entry!r}: {item!r} is not option=value")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return name, overrides
+
+
+def variant_label(entry: str, labels: dict) -> str:
+    name, _, rest = entry.partition("@")
+    return labels.get(name, name) + (f"[{rest}]" if rest else "")
+
+
 def run_one(dataset: str, model: str, method: str, seed: int, args, options=None) -> dict:
-    """One run; ``options(method, model)`` gives the method's options (default: this benchmark's)."""
+    """One run; ``options(method, model)`` gives the method's options (default: this benchmark's);
+    ``method`` may be a variant ``name@option=value`` (see :func:`split_variant`)."""
+    entry = method
+    method, overrides = split_variant(entry)
     _, partition, alpha, lr, epochs, steps, rounds = SETUPS[dataset]
     if epochs is not None and args.local_epochs is not None:
         epochs = args.local_epochs
@@ -124,12 +150,12 @@ def run_one(dataset: str, model: str, method: str, seed: int, args, options=None
         method=method, dataset=dataset, data_dir=args.data_dir, model=model, partition=partition, alpha=alpha,
         num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds or rounds, local_epochs=epochs,
         local_steps=steps, batch_size=BATCH, client_lr=lr, momentum=0.0, seed=seed, eval_every=args.eval_every,
-        out_dir=None, options=(options or method_options)(method, model),
+        out_dir=None, options={**(options or method_options)(method, model), **overrides},
     )
     start = time.perf_counter()
     sim = Simulation(config)
     records = list(sim.rounds())
-    return {"dataset": dataset, "model": model, "method": method, "seed": seed, "num_params": sim.num_params,
+    return {"dataset": dataset, "model": model, "method": entry, "seed": seed, "num_params": sim.num_params,
             "options": config.options, "local_epochs": epochs, "local_steps": steps, "rounds": config.rounds,
             "partition_digest": hashlib.sha1(sim.label_counts.astype(np.int64).tobytes()).hexdigest()[:12],
             "max_local_steps": int(sim.num_steps), "diagnostics": degree_diagnostics(sim),
@@ -228,16 +254,17 @@ def claims(rows: list[dict]) -> list[dict]:
 def table(rows: list[dict], claim_rows: list[dict], labels=None, claim_lines=None) -> str:
     labels = labels or LABELS
     lines = []
+    w = max([8] + [len(labels[r["method"]]) for r in rows])
     for dataset, model in sorted({(r["dataset"], r["model"]) for r in rows}):
         mine = [r for r in rows if (r["dataset"], r["model"]) == (dataset, model)]
         lines.append(f"\n{dataset} / {model}  (seeds {','.join(map(str, mine[0]['seeds']))}; "
                      f"target = {mine[0]['target_accuracy']:.4f})")
-        lines.append(f"{'method':<8} {'final':>7} {'best':>7} {'gap':>8} {'time→tgt s':>11} {'speed-up':>9} "
+        lines.append(f"{'method':<{w}} {'final':>7} {'best':>7} {'gap':>8} {'time→tgt s':>11} {'speed-up':>9} "
                      f"{'MFLOPs/rnd':>11}")
         for r in mine:
             t = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
             sp = "–" if r["speedup_vs_fedavg"] is None else f"{r['speedup_vs_fedavg']:.2f}x"
-            lines.append(f"{labels[r['method']]:<8} {r['final_accuracy']:>7.4f} {r['best_accuracy']:>7.4f} "
+            lines.append(f"{labels[r['method']]:<{w}} {r['final_accuracy']:>7.4f} {r['best_accuracy']:>7.4f} "
                          f"{r['gap_to_fedavg']:>+8.4f} {t:>11} {sp:>9} {r['mflops_per_round']:>11.1f}")
     if claim_rows:
         lines.extend((claim_lines or feddh_claim_lines)(claim_rows))
@@ -253,7 +280,7 @@ def feddh_claim_lines(claim_rows: list[dict]) -> list[str]:
                          f"FedDH−FedJS {c['feddh_minus_fedjs']:+.4f}  FedJS−FedAvg {c['fedjs_minus_fedavg']:+.4f}  "
                          f"FedDH>FedAvg: {'yes' if c['feddh_beats_fedavg'] else 'no'}  "
                          f"FedDH≥FedJS≥FedAvg: {'yes' if c['feddh_ge_fedjs_ge_fedavg'] else 'no'}  "
-                         f"best: {LABELS[c['best_method']]}")
+                         f"best: {variant_label(c['best_method'], LABELS)}")
     return lines
 
 
@@ -346,10 +373,16 @@ def compare(argv, bench: Comparison) -> int:
     if not 0 < args.target_fraction <= 1:
         p.error(f"target fraction {args.target_fraction} must be in (0, 1]")
     methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in methods_all]
+    try:
+        unknown = [m for m in methods if split_variant(m)[0] not in methods_all]
+    except ValueError as e:
+        p.error(str(e))
     if unknown or "fedavg" not in methods:
-        p.error(f"methods must include fedavg (the target's reference) and come from {', '.join(methods_all)}; "
-                f"got {args.methods!r}")
+        p.error(f"methods must include fedavg (the target's reference) and come from {', '.join(methods_all)} "
+                f"(or be their variants name@option=value); got {args.methods!r}")
+    # variants (name@option=value) run after the names they vary, labelled with their options
+    methods_all = tuple(methods_all) + tuple(m for m in methods if m not in methods_all)
+    labels = {**bench.labels, **{m: variant_label(m, bench.labels) for m in methods}}
     seeds = [int(s) for s in args.seeds.split(",")]
     pairs = parse_targets(args.datasets, p.error)
     os.makedirs(args.out, exist_ok=True)
@@ -361,9 +394,9 @@ def compare(argv, bench: Comparison) -> int:
         try:
             for seed in seeds:
                 for method in methods:
-                    reason = bench.skip_reason(dataset, method)
+                    reason = bench.skip_reason(dataset, split_variant(method)[0])
                     if reason:
-                        note = f"{dataset}/{model}: {bench.labels[method]} skipped ({reason})"
+                        note = f"{dataset}/{model}: {labels[method]} skipped ({reason})"
                         if note not in notes:
                             notes.append(note)
                             print(note, file=sys.stderr)
@@ -372,7 +405,7 @@ def compare(argv, bench: Comparison) -> int:
                     runs.append(run)
                     _, acc = accuracy_curve(run)
                     last = run["records"][-1]
-                    print(f"{dataset:<9} {model:<8} seed {seed} {bench.labels[method]:<8} acc {acc[-1]:.4f} best "
+                    print(f"{dataset:<9} {model:<8} seed {seed} {labels[method]:<8} acc {acc[-1]:.4f} best "
                           f"{acc.max():.4f} sim {last['cumulative_simulated_time_s']:8.1f}s  "
                           f"{run['time_s']:.1f}s", flush=True)
         except DataError as e:  # a tfds dataset not prepared here
@@ -381,7 +414,7 @@ def compare(argv, bench: Comparison) -> int:
             print(notes[-1], file=sys.stderr)
     rows = summarize(runs, args.target_fraction, methods_all) if runs else []
     claim_rows = bench.claims(rows)
-    print(table(rows, claim_rows, bench.labels, bench.claim_lines))
+    print(table(rows, claim_rows, labels, bench.claim_lines))
     for note in notes:
         print(f"note: {note}")
     slug = device_slug() + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
@@ -391,7 +424,8 @@ def compare(argv, bench: Comparison) -> int:
                    "jax_version": jax.__version__},
         "protocol": {**vars(args), "batch_size": BATCH, "momentum": 0.0, "lr_decay": None,
                      "setups": {d: SETUPS[d] for d in {d for d, _ in pairs}},
-                     "options": {m: {model: bench.options(m, model) for _, model in pairs} for m in methods}},
+                     "options": {m: {model: {**bench.options(split_variant(m)[0], model), **split_variant(m)[1]}
+                                     for _, model in pairs} for m in methods}},
         "notes": notes, "summary": rows, "claims": claim_rows, "runs": runs,
         "total_time_s": time.perf_counter() - t0,
     }
@@ -399,7 +433,7 @@ def compare(argv, bench: Comparison) -> int:
     with open(json_path, "w") as f:
         json.dump(result, f, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
     if runs:
-        plot(runs, rows, os.path.join(args.out, f"{bench.name}-{slug}.png"), methods_all, bench.labels,
+        plot(runs, rows, os.path.join(args.out, f"{bench.name}-{slug}.png"), methods_all, labels,
              bench.highlight)
     print(f"\nwrote {json_path}  ({time.perf_counter() - t0:.0f}s)")
     return 0

@@ -26,13 +26,15 @@ import pytest
 from fedpartial._src.engine import sharding
 from fedpartial._src.methods.base import scatter_clients
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from tests.conftest import XLA_TEST_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ATOL = 2e-6
 
 
 def _env(devices: int) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+    flags = f"--xla_force_host_platform_device_count={devices} {XLA_TEST_FLAGS}"
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 

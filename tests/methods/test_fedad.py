@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.costs import devices
@@ -22,7 +24,8 @@ from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.adaptive.fedad import AdaptiveState, fedad, feddhad, sample_units, unit_rates, unit_shares
+from fedpartial._src.methods.adaptive.fedad import (AdaptiveState, device_targets, fedad, feddhad, sample_units,
+                                                    unit_rates, unit_shares)
 from fedpartial._src.methods.weighting.feddh import feddh
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
@@ -98,10 +101,42 @@ def test_masks_follow_the_rates_and_scale_kept_units():
 # ---- the schedule (importance scripted) -----------------------------------------------------------
 
 
-def test_schedule_and_device_targets(mlp, monkeypatch):
+def test_device_targets_by_hand_for_both_readings():
+    """A slow device (ET 8), the reference (ET 4) and a fast one (ET 1) at d_avg = 0.3, capped at 0.5."""
+    times, ref, d_avg = jnp.array([8.0, 4.0, 1.0]), jnp.asarray(4.0), jnp.asarray(0.3)
+    # time-matched: 8·(1 − d) = 4·0.7 → d = 0.65, capped to 0.5; the reference keeps d_avg; 1 − 4·0.7/1 < 0 → 0
+    np.testing.assert_allclose(device_targets("time-matched", d_avg, times, ref, 0.5), [0.5, 0.3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(device_targets("time-matched", d_avg, times, ref, 0.9), [0.65, 0.3, 0.0], rtol=1e-6)
+    # literal: min(4·0.3 / ET, 1): the slow device drops least, the fast one most
+    np.testing.assert_allclose(device_targets("literal", d_avg, times, ref, 0.5), [0.15, 0.3, 1.0], rtol=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.05, 50.0), min_size=1, max_size=8), st.floats(0.05, 50.0), st.floats(0.0, 0.95),
+       st.floats(0.05, 0.95))
+def test_time_matched_targets_never_leave_a_device_slower_than_the_cap_allows(times, ref, d_avg, max_rate):
+    """Under time-matched, a device's expected compute time at its target, ET_k·(1 − d*_k), is at most the
+    reference's at d_avg, ET_ref·(1 − d_avg) — except where the cap binds, and then at most ET_k·(1 − max_rate);
+    a device never drops more than it must, nor more than the cap."""
+    d_avg = min(d_avg, max_rate)
+    t = np.asarray(times, np.float32)
+    d = np.asarray(device_targets("time-matched", jnp.float32(d_avg), jnp.asarray(t), jnp.float32(ref), max_rate))
+    assert np.all((d >= 0) & (d <= max_rate + 1e-6))
+    budget = ref * (1 - d_avg)
+    time = t * (1 - d)
+    capped = np.isclose(d, max_rate, atol=1e-6)
+    assert np.all(time[~capped] <= budget * (1 + 1e-5) + 1e-6)
+    np.testing.assert_allclose(time[capped], t[capped] * (1 - max_rate), rtol=1e-5)
+    # a device slower than the budget and under the cap meets it exactly; a faster one drops nothing
+    np.testing.assert_allclose(time[(t > budget) & ~capped], budget, rtol=1e-4)
+    assert np.all(d[t < budget * (1 - 1e-5)] == 0)
+
+
+@pytest.mark.parametrize("target", ["literal", "time-matched"])
+def test_schedule_and_device_targets(mlp, monkeypatch, target):
     """h = 1, C = 2: the rates are recomputed after the variation has not decreased for 2 rounds, then again
-    whenever it decreases; d*_k = min(ET_ref · d_avg / ET_k, 1) with ET_ref the biggest client's time."""
-    method = fedad(rate=0.3, measure_every=1, patience=2)
+    whenever it decreases; the device targets from ET_ref, the biggest client's time, by either reading."""
+    method = fedad(rate=0.3, measure_every=1, patience=2, target=target)
     ctx = MethodContext(model=mlp, num_clients=N, cohort_size=K)
     g = mlp.init_variables(KEY)
     times = np.array([1.0, 2.0, 4.0, 0.5, 8.0, 3.0])
@@ -123,7 +158,9 @@ def test_schedule_and_device_targets(mlp, monkeypatch):
         assert int(s.updates) == updates, t
         if t:
             np.testing.assert_allclose(float(s.variation), script[t] - script[t - 1], rtol=1e-5)
-    np.testing.assert_allclose(s.target, np.minimum(4.0 * 0.3 / times, 1.0), rtol=1e-6)
+    expect = (np.minimum(4.0 * 0.3 / times, 1.0) if target == "literal"
+              else np.clip(1 - 4.0 * 0.7 / times, 0.0, 0.5))  # default max_rate 0.5
+    np.testing.assert_allclose(s.target, expect, rtol=1e-6)
     np.testing.assert_allclose(float(s.global_rate), 0.3)
     chex.assert_trees_all_close(s.shares, unit_shares(importance.importance_kinds(mlp), tuple(13.0 * e for e in line)))
 
@@ -304,3 +341,5 @@ def test_fedad_is_registered_with_its_options():
     assert get_method("feddhad").name == "feddhad"
     with pytest.raises(Exception, match="resample"):
         get_method("fedad", resample="sometimes")
+    with pytest.raises(Exception, match="target"):
+        get_method("fedad", target="backwards")

@@ -12,12 +12,22 @@ are recomputed only when the importance of the units stops changing.
 * the global rate ``d_avg = Σ n_k d_k / Σ n_k`` with ``d_k = m_k / h_k`` from the
   Hessian criterion (:mod:`fedpartial._src.methods.adaptive.hessian`: Lanczos on Hessian-vector products
   at the trained model, first eigen-gap above ``4·L_k``), or a fixed ``rate``;
-* ``ET_max = ET°_ref · d_avg`` with ``ET°_ref`` the full-model execution time of the
-  device holding the most training examples (the paper's "device with the most
-  significant dataset"), and every device's target ``d*_k = min(ET_max / ET°_k, 1)``
-  (``ET°_k``: :func:`fedpartial._src.costs.devices.expected_execution_time` of full-model local
-  work on device ``k``, given to ``init`` as ``InitView.execution_times``; without a
-  device model every device gets ``d_avg``);
+* every device's target ``d*_k`` from ``d_avg``, its full-model execution time ``ET°_k``
+  (:func:`fedpartial._src.costs.devices.expected_execution_time` of full-model local work on
+  device ``k``, given to ``init`` as ``InitView.execution_times``) and ``ET°_ref``, the
+  time of the device holding the most training examples (the paper's "device with the
+  most significant dataset"); without a device model every device gets ``d_avg``.
+  ``target`` picks one of two readings (:func:`device_targets`):
+
+  - ``'time-matched'`` (default): each device drops what makes its expected full-model
+    time match the reference device's at ``d_avg``, ``ET°_k (1 − d*_k) = ET°_ref (1 − d_avg)``,
+    so ``d*_k = clip(1 − ET°_ref (1 − d_avg) / ET°_k, 0, max_rate)``: slow devices drop
+    more, devices faster than the reference drop nothing.
+  - ``'literal'``: Algorithm 2 as printed, ``ET_max = ET°_ref · d_avg`` and
+    ``d*_k = min(ET_max / ET°_k, 1)``.  The paper treats ``d`` as a keep fraction in
+    these two formulas and as a dropout rate in the next one; read as a rate, *faster*
+    devices drop more, which is the opposite of what adaptive dropout is for.  Kept as
+    the paper's text, for comparison.
 * per unit ``d_k^i = softmax(−R)_i · N_kind · d*_k``, the softmax taken over all
   conv filters together and over all hidden dense neurons together (``N_kind`` their
   number), clipped to ``[0, max_rate]`` (``max_rate < 1``; default 0.5, so the
@@ -26,9 +36,6 @@ are recomputed only when the importance of the units stops changing.
   three rounds of the first update, measured on the GPU benchmark).  The classifier
   is never dropped.  Before the first update every rate is 0 (the paper's critical early
   period: FedAD starts as FedAvg).
-
-Read literally, as here, ``d*_k`` is a dropout rate that *grows* as ``ET°_k``
-shrinks: the device with the most data drops ``d_avg`` and faster devices drop more.
 
 **Schedule.**  Every ``measure_every`` rounds (``h``) the importance is measured and
 its variation ``Δ = ‖R^t − R^{t−h}‖`` compared with the previous one; the rounds
@@ -80,6 +87,7 @@ from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weightin
 from fedpartial._src.methods.registry import MethodSpec, Option, positive_int
 
 RESAMPLE_MODES = ("round", "step")
+TARGET_READINGS = ("time-matched", "literal")
 
 
 class AdaptiveState(NamedTuple):
@@ -117,6 +125,14 @@ def unit_rates(shares: tuple[jax.Array, ...], target: jax.Array, max_rate: float
     return tuple(jnp.clip(s[None, :] * target[:, None], 0.0, max_rate) for s in shares)
 
 
+def device_targets(reading: str, global_rate: jax.Array, execution_times: jax.Array, reference_time: jax.Array,
+                   max_rate: float) -> jax.Array:
+    """Each device's target dropout ``d*_k`` from ``d_avg`` and the execution times (see the module doc)."""
+    if reading == "literal":
+        return jnp.minimum(reference_time * global_rate / execution_times, 1.0)
+    return jnp.clip(1.0 - reference_time * (1.0 - global_rate) / execution_times, 0.0, max_rate)
+
+
 def sample_units(key: jax.Array, rates: tuple[jax.Array, ...], ids: jax.Array) -> tuple[tuple, tuple]:
     """Each client's kept units (unit ``i`` kept w.p. ``1 − d_i``) and their scales ``1/(1 − d_i)``.
 
@@ -148,7 +164,8 @@ def _real_batches(view: RoundView, batches: int):
 
 
 def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,
-          resample: str = "round", importance_batches: int = 2, lanczos_steps: int = 16) -> Method:
+          resample: str = "round", importance_batches: int = 2, lanczos_steps: int = 16,
+          target: str = "time-matched") -> Method:
     """FedAD: per-unit dropout rates from unit importance, a global rate and each device's time.
 
     Args:
@@ -159,9 +176,12 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
       resample: ``'round'`` (one sub-model per round, the paper) or ``'step'`` (a mask per local step).
       importance_batches: local batches per client on which HRank is measured.
       lanczos_steps: Lanczos iterations of the Hessian criterion.
+      target: ``'time-matched'`` or ``'literal'``, the reading of the device targets ``d*_k``.
     """
     if resample not in RESAMPLE_MODES:
         raise ValueError(f"fedad: resample {resample!r} is unknown; use one of {RESAMPLE_MODES}.")
+    if target not in TARGET_READINGS:
+        raise ValueError(f"fedad: target {target!r} is unknown; use one of {TARGET_READINGS}.")
     per_step = resample == "step"
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
@@ -232,9 +252,9 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
     def recompute(ctx: MethodContext, view: RoundView, s: AdaptiveState, scores) -> AdaptiveState:
         d_avg = jnp.asarray(rate, jnp.float32) if rate is not None else hessian_rate(ctx, view)
         d_avg = jnp.clip(d_avg, 0.0, max_rate)
-        target = jnp.minimum(s.reference_time * d_avg / s.execution_times, 1.0)
-        return s._replace(shares=unit_shares(importance.importance_kinds(ctx.model), scores), global_rate=d_avg, target=target,
-                          stall=jnp.zeros((), jnp.int32), updates=s.updates + 1)
+        targets = device_targets(target, d_avg, s.execution_times, s.reference_time, max_rate)
+        return s._replace(shares=unit_shares(importance.importance_kinds(ctx.model), scores), global_rate=d_avg,
+                          target=targets, stall=jnp.zeros((), jnp.int32), updates=s.updates + 1)
 
     def measure(ctx: MethodContext, view: RoundView, s: AdaptiveState) -> AdaptiveState:
         scores = client_importance(ctx, view)
@@ -271,10 +291,11 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
 
 def feddhad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,
             resample: str = "round", importance_batches: int = 2, lanczos_steps: int = 16,
-            lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b: float = 1e-4,
-            decay_b: float = 0.99) -> Method:
+            target: str = "time-matched", lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999,
+            lr_b: float = 1e-4, decay_b: float = 0.99) -> Method:
     """FedDHAD: FedAD's sub-models aggregated with FedDH's learned non-IID weights."""
-    return reweight(fedad(rate, measure_every, patience, max_rate, resample, importance_batches, lanczos_steps),
+    return reweight(fedad(rate, measure_every, patience, max_rate, resample, importance_batches, lanczos_steps,
+                          target),
                     feddh_weighting(lr_upsilon, decay_upsilon, lr_b, decay_b), name="feddhad")
 
 
@@ -296,6 +317,10 @@ def _non_negative_int(v) -> str | None:
 
 def _resample(v) -> str | None:
     return None if v in RESAMPLE_MODES else f"must be one of {', '.join(RESAMPLE_MODES)}"
+
+
+def _target(v) -> str | None:
+    return None if v in TARGET_READINGS else f"must be one of {', '.join(TARGET_READINGS)}"
 
 
 OPTIONS = (
