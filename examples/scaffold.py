@@ -12,7 +12,9 @@ equals its own separate run.  Both control variates count as traffic: ``c`` goes
 model, ``c_i⁺ − c_i`` comes up with it.  Every client uploads its whole model, as in the paper.
 
 Use it with ``fedpartial run --method examples.scaffold:SPEC`` or register ``SPEC`` under the entry
-point group ``fedpartial.methods``.
+point group ``fedpartial.methods``.  fedpartial's built-in ``scaffold``
+(:func:`fedpartial.methods.control_variates`) is the same algorithm, generalised to the elements a
+partial method uploads; this file shows what a method written outside fedpartial looks like.
 """
 
 import jax
@@ -64,8 +66,8 @@ def scaffold() -> fp.Method:
         clients = fp.scatter_clients(view.method_state.clients, fp.cohort_rows(view), rows, valid)
         return fp.MethodState(server=server, clients=clients)
 
-    return fp.make_method("scaffold", init=init, plan=plan, transform_grads=correct, select=select, update=update,
+    return fp.make_method("my_scaffold", init=init, plan=plan, transform_grads=correct, select=select, update=update,
                           capabilities=fp.Capabilities(host_client_state=True))
 
 
-SPEC = fp.MethodSpec("scaffold", scaffold, "SCAFFOLD (option II): control variates correct every local gradient.")
+SPEC = fp.MethodSpec("my_scaffold", scaffold, "SCAFFOLD (option II): control variates correct every local gradient.")

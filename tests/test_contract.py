@@ -24,6 +24,7 @@ from fedpartial._src.core import masks
 from fedpartial._src.core.types import Batch, ServerData, client_sgd
 from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.basic.scaffold import control_variates
 from fedpartial._src.methods.base import Holdout
 from examples import scaffold
 from tests.conftest import make_cohort
@@ -54,6 +55,7 @@ BUILDERS["feddhad"] = lambda: get_method("feddhad", rate=0.5, measure_every=1, p
 # computed client by client); here FedDHAD is the composition of FedAD with FedDH's weights.
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
+BUILDERS["fedldf+scaffold"] = lambda: control_variates(get_method("fedldf", n=2))  # control variates on partial uploads
 
 
 def cohorts(rounds=2, steps=3, seed=0):
@@ -118,7 +120,9 @@ def data():
 # norm (one chooser, ``dropout._by_parameter_norm``); FedJS is FedDH's weighting with (υ, b) never stepped.
 # FedAD's per-step masks (a step_plan) are checked for determinism and against the device model in
 # tests/methods/test_fedad.py, and step_plan itself under every strategy in tests/engine/test_hooks.py.
-SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad"}
+# examples/scaffold.py is the built-in scaffold's algorithm on the public API (tests/test_extension.py checks it
+# by hand under every strategy and as learning-rate replicas).
+SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad", "scaffold_example": "scaffold"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n for n in BUILDERS]
 
 
@@ -141,7 +145,7 @@ def assert_close_to_scale(got, ref, rtol=2e-5, atol=2e-6):
 #: method state that divides by the clients' rates: SCAFFOLD's c_i = (x − y_i) / (K·η) carries the parameters'
 #: tolerance (2e-6 + 2e-5 of a leaf reaching ~1, see above) over K·η = 0.1 for the client with one real step
 #: (measured 1.1e-4 on a c_i of 0.0087 on this AVX-512 CPU); tests/test_extension.py checks SCAFFOLD tightly
-STATE_ATOL = {"scaffold_example": (2e-6 + 2e-5) / 0.1}
+STATE_ATOL = {name: (2e-6 + 2e-5) / 0.1 for name in ("scaffold", "scaffold_example", "fedldf+scaffold")}
 
 
 def assert_matches_reference(got, metrics, ref, ref_metrics, name=None):

@@ -36,14 +36,14 @@ def test_scaffold_uses_only_the_public_api_and_is_short():
 
 
 def test_an_installed_method_is_listed_and_runs_by_name(monkeypatch, tmp_path, capsys):
-    installed(monkeypatch, scaffold="examples.scaffold:SPEC")
+    installed(monkeypatch, my_scaffold="examples.scaffold:SPEC")
     assert main(["list", "methods"]) == 0
-    assert "scaffold" in capsys.readouterr().out
-    args = ["run", "--method", "scaffold", "--dataset", "synthetic", "--clients", "6", "--cohort", "3", "--rounds",
+    assert "my_scaffold" in capsys.readouterr().out
+    args = ["run", "--method", "my_scaffold", "--dataset", "synthetic", "--clients", "6", "--cohort", "3", "--rounds",
             "2", "--local-steps", "2", "--quiet", "--out", str(tmp_path)]
     assert main(args) == 0
     run_dir = pathlib.Path(capsys.readouterr().out.strip().splitlines()[-1])
-    assert run_dir.name == "scaffold-synthetic-seed0"
+    assert run_dir.name == "my_scaffold-synthetic-seed0"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 2
 

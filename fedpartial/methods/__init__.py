@@ -12,6 +12,7 @@ from fedpartial._src.methods.basic.feddyn import feddyn
 from fedpartial._src.methods.basic.fednova import fednova
 from fedpartial._src.methods.basic.fedprox import fedprox
 from fedpartial._src.methods.basic.moon import moon
+from fedpartial._src.methods.basic.scaffold import control_variates, scaffold
 from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial._src.methods.submodel.afd import afd
@@ -25,7 +26,7 @@ from fedpartial._src.methods.weighting.feddh import feddh, feddhe, fedjs
 
 __all__ = [
     "METHODS", "get_method",
-    "fedavg", "fedprox", "fednova", "feddyn", "moon",
+    "fedavg", "fedprox", "fednova", "feddyn", "moon", "scaffold", "control_variates",
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
     "embracingfl", "heterofl",

@@ -341,5 +341,6 @@ def test_fedad_is_registered_with_its_options():
     assert get_method("feddhad").name == "feddhad"
     with pytest.raises(Exception, match="resample"):
         get_method("fedad", resample="sometimes")
-    with pytest.raises(Exception, match="target"):
+    assert get_method("fedad", target="literal").name == "fedad"
+    with pytest.raises(Exception, match="--ad-target = .backwards. must be one of time-matched, literal"):
         get_method("fedad", target="backwards")

@@ -19,6 +19,7 @@ from fedpartial._src.methods.basic import fedavg as _fedavg
 from fedpartial._src.methods.basic import fednova as _fednova
 from fedpartial._src.methods.basic import fedprox as _fedprox
 from fedpartial._src.methods.basic import moon as _moon
+from fedpartial._src.methods.basic import scaffold as _scaffold
 from fedpartial._src.methods.layerwise import fedldf as _fedldf
 from fedpartial._src.methods.registry import MethodSpec, Option, boolean, is_boolean
 from fedpartial._src.methods.submodel import afd as _afd
@@ -36,7 +37,7 @@ METHODS: dict[str, MethodSpec] = {
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _afd.SPEC, _fedselect.SPEC,
         _embracingfl.SPEC, _heterofl.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
-        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _feddst.SPEC,
+        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC,
     )
 }
 

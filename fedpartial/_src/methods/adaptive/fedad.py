@@ -338,6 +338,9 @@ OPTIONS = (
            positive_int, flag="--ad-importance-batches"),
     Option("lanczos_steps", int, 16, "FedAD: Lanczos iterations of the Hessian criterion", positive_int,
            flag="--ad-lanczos-steps"),
+    Option("target", str, "time-matched", "FedAD: reading of each device's target dropout: time-matched "
+           "(slow devices drop until their time matches the reference device's) or literal (Algorithm 2 "
+           "as printed: faster devices drop more)", _target, flag="--ad-target"),
 )
 
 SPECS = (

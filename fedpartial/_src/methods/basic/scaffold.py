@@ -1,0 +1,128 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020, Algorithm 1 with option II), for any whole-model method.
+
+Server control variate ``c`` and one per client ``c_i`` (``[N]`` rows of the method's state).  Every
+local step follows the corrected gradient ``g − c_i + c`` (:attr:`Method.transform_grads`, after the
+wrapped method's own transform; frozen elements stay frozen).  After ``K_i`` local steps at rate
+``η_i`` (``RoundView.client_lr``, the rate the client really trained with)::
+
+    c_i⁺ = c_i − c + (x − y_i) / (K_i · η_i)          c ← c + Σ_{i∈S} (c_i⁺ − c_i) / N
+
+**Partial methods** (:func:`control_variates` wraps any method whose clients train the whole
+model's graph): the update is defined on *uploaded* elements only.  ``c_i`` changes where client
+``i`` uploaded (elsewhere the server learns nothing of its drift), ``c`` moves by those changes over
+``N``, and the model update is the wrapped method's.  ``c`` travels down on the elements the client
+receives (all of them when its plan sends the whole model), ``c_i⁺ − c_i`` up on the elements it
+uploads: both count as traffic.  ``scaffold()`` is ``control_variates(fedavg())``, the paper's method.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.base import (
+    InitView,
+    LocalStep,
+    Method,
+    MethodContext,
+    MethodState,
+    RoundView,
+    cohort_rows,
+    scatter_clients,
+)
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.registry import MethodSpec
+
+
+def _per_client(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``[K]`` values broadcast against ``[K, ...]`` leaves."""
+    return x.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def _param_bytes(ctx: MethodContext, mask, variables: dict, k: int) -> jax.Array:
+    if mask is None:
+        mask = masks.full(ctx.structure, (k,))
+    return masks.count_bytes(ctx.structure, mask, variables, ("params",))
+
+
+def control_variates(method: Method, name: str | None = None) -> Method:
+    """``method`` with SCAFFOLD's control variates (option II) on the elements its clients upload."""
+    if method.groups is not None:
+        raise UserError(f"control variates need every client to train the whole model; {method.name} trains "
+                        "per-group graphs.")
+
+    def split(state: MethodState) -> MethodState:
+        return MethodState(server=state.server[0], clients=state.clients[0])
+
+    def inner(view: RoundView) -> RoundView:
+        return view._replace(method_state=split(view.method_state), client_state=view.client_state[0])
+
+    def inner_step(step: LocalStep) -> LocalStep:
+        return step._replace(client_state=step.client_state[0], server_state=step.server_state[0])
+
+    def init(ctx: MethodContext, view: InitView) -> MethodState:
+        state = method.init(ctx, view)
+        c = jax.tree.map(jnp.zeros_like, view.global_vars["params"])
+        rows = jax.tree.map(lambda a: jnp.zeros((ctx.num_clients, *a.shape), a.dtype), c)
+        return MethodState(server=(state.server, c), clients=(state.clients, rows))
+
+    def plan(ctx, view):  # c travels down on what the client receives
+        p = method.plan(ctx, inner(view))
+        k = view.cohort.valid.shape[0]
+        extra = 0 if p.extra_download_bytes is None else p.extra_download_bytes
+        return p._replace(extra_download_bytes=extra + _param_bytes(ctx, p.download, view.global_vars, k))
+
+    def correct(ctx, grads, step: LocalStep):  # g − c_i + c
+        if method.transform_grads is not None:
+            grads = method.transform_grads(ctx, grads, inner_step(step))
+        return jax.tree.map(lambda g, c_i, c: g - c_i + c, grads, step.client_state[1], step.server_state[1])
+
+    def select(ctx, view):  # c_i⁺ − c_i travels up on what the client uploads
+        s = method.select(ctx, inner(view))
+        return s._replace(extra_upload_bytes=s.extra_upload_bytes + _param_bytes(ctx, s.upload, view.global_vars,
+                                                                                   s.weights.shape[0]))
+
+    def update(ctx: MethodContext, view: RoundView) -> MethodState:
+        if view.client_lr is None:
+            raise UserError("scaffold needs the clients' learning rate: build the round with "
+                            "client_optimizer=fedpartial.client_sgd(...).")
+        new_inner = method.update(ctx, inner(view))
+        c, c_rows = view.method_state.server[1], view.client_state[1]
+        k_lr = jnp.maximum(view.client_steps, 1) * view.client_lr  # K_i · η_i
+        uploaded = jax.vmap(lambda m: masks.expand(ctx.structure, m, view.global_vars["params"]))(view.selection.upload)
+        valid = view.cohort.valid & (view.selection.weights > 0)
+
+        def new_row(c_i, c, x, y, up):
+            fresh = c_i - c[None] + (x[None] - y) / _per_client(k_lr, y)
+            return jnp.where(up & _per_client(valid, y), fresh, c_i)
+
+        rows = jax.tree.map(new_row, c_rows, c, view.global_vars["params"], view.trained_vars["params"], uploaded)
+        c_new = jax.tree.map(lambda c, new, old: c + jnp.sum(new - old, axis=0) / ctx.num_clients, c, rows, c_rows)
+        clients = scatter_clients(view.method_state.clients[1], cohort_rows(view), rows, view.cohort.valid)
+        return MethodState(server=(new_inner.server, c_new), clients=(new_inner.clients, clients))
+
+    def wrap(hook):
+        return None if hook is None else (lambda ctx, view: hook(ctx, inner(view)))
+
+    return method._replace(
+        name=name or f"{method.name}+scaffold", init=init, plan=plan, transform_grads=correct, select=select,
+        update=update, metrics=wrap(method.metrics), summarize=wrap(method.summarize),
+        server_correct=wrap(method.server_correct),
+        client_start=lambda ctx, g, client_state, plan_k: method.client_start(ctx, g, client_state[0], plan_k),
+        objective=lambda ctx, params, step: method.objective(ctx, params, inner_step(step)),
+        step_plan=method.step_plan,
+        personal=lambda ctx, state, g: method.personal(ctx, split(state), g),
+        active_clients=None if method.active_clients is None
+        else (lambda ctx, state: method.active_clients(ctx, split(state))),
+    ).with_capabilities(host_client_state=True, streamable=None)
+
+
+def scaffold() -> Method:
+    """SCAFFOLD: FedAvg with control variates correcting every local gradient (option II)."""
+    return control_variates(fedavg(), name="scaffold")
+
+
+SPEC = MethodSpec("scaffold", scaffold, "SCAFFOLD (option II): server and client control variates correct every "
+                  "local gradient; both count as traffic.")
