@@ -14,6 +14,7 @@ from fedpartial._src.data import ondevice, sources
 from fedpartial._src.engine.types import Cohort
 from fedpartial._src.methods.base import Batch, CohortInfo
 from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.zoo import narrow_units
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -39,14 +40,21 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class TinyMLP(nn.Module):
-    """Dense(6) → BN → ReLU → Dense(5) → ReLU → Dense(3): three layers, one BatchNorm."""
+    """Dense(6) → BN → ReLU → Dense(5) → ReLU → Dense(3): three layers, one BatchNorm.
+
+    ``ratio`` < 1: the narrow model of width tiers (⌈ratio·units⌉ hidden units; with ``scaler``, hidden
+    outputs ×1/ratio in training, HeteroFL's Scaler)."""
+
+    ratio: float = 1.0
+    scaler: bool = True
 
     @nn.compact
     def __call__(self, x, train: bool = False):
+        scale = 1 / self.ratio if self.scaler and train and self.ratio < 1 else 1.0
         x = x.reshape((x.shape[0], -1))
-        x = nn.Dense(6, name="fc1")(x)
+        x = nn.Dense(narrow_units(self.ratio, 6), name="fc1")(x) * scale
         x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn1")(x))
-        x = nn.relu(nn.Dense(5, name="fc2")(x))
+        x = nn.relu(nn.Dense(narrow_units(self.ratio, 5), name="fc2")(x) * scale)
         return nn.Dense(3, name="head")(x)
 
 
@@ -65,7 +73,8 @@ class TinyCNN(nn.Module):
 
 @pytest.fixture(scope="session")
 def mlp():
-    return from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
+    return from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp",
+                      width=lambda ratio, scaler: TinyMLP(ratio, scaler))
 
 
 @pytest.fixture(scope="session")

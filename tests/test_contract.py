@@ -53,6 +53,9 @@ BUILDERS["fedad-step"] = lambda: get_method("fedad", rate=0.5, measure_every=1, 
 BUILDERS["feddhad"] = lambda: get_method("feddhad", rate=0.5, measure_every=1, patience=0)
 # The Hessian criterion inside a round is checked in tests/methods/test_fedad.py (against the criterion
 # computed client by client); here FedDHAD is the composition of FedAD with FedDH's weights.
+# Width tiers (ids 0-4 strong, 5-6 moderate, 7 weak: one of each in these cohorts): FedRolex's windows roll
+# over the narrow clients' units (its first round's are HeteroFL's), so the entry covers the narrow graphs too.
+BUILDERS["fedrolex"] = lambda: get_method("fedrolex", tier_mix="5,2,1", widths="0.5,0.25")
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
 BUILDERS["fedldf+scaffold"] = lambda: control_variates(get_method("fedldf", n=2))  # control variates on partial uploads

@@ -21,6 +21,7 @@ from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.submodel.fedselect import fedselect
 from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.methods.tiered.embracingfl import embracingfl
+from fedpartial._src.methods.tiered.fedrolex import fedrolex
 from fedpartial._src.methods.tiered.heterofl import heterofl
 from fedpartial._src.methods.weighting.feddh import feddh, feddhe, fedjs
 
@@ -29,7 +30,7 @@ __all__ = [
     "fedavg", "fedprox", "fednova", "feddyn", "moon", "scaffold", "control_variates",
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
-    "embracingfl", "heterofl",
+    "embracingfl", "heterofl", "fedrolex",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
 ]

@@ -180,16 +180,19 @@ def _narrow_loss(q, x, y, real, r):
 _narrow_grad = jax.jit(jax.grad(_narrow_loss), static_argnums=4)
 
 
-def reference_round(global_params, cohort, *, hidden=(6, 5), ratios=RATIOS, weighting="uniform"):
+def reference_round(global_params, cohort, *, hidden=(6, 5), ratios=RATIOS, weighting="uniform", window=None):
     """HeteroFL as a textbook would write it, one client at a time: slice the leading units, train the
-    small MLP (hidden outputs ×1/r) with momentum SGD, then average every element over its holders."""
+    small MLP (hidden outputs ×1/r) with momentum SGD, then average every element over its holders.
+    ``window``: FedRolex's instead, the units ``window, window+1, … (mod units)`` of each hidden layer."""
     g = jax.tree.map(lambda a: np.array(a, np.float64), global_params)
     num = jax.tree.map(np.zeros_like, g)
     den = jax.tree.map(np.zeros_like, g)
+    classes = g["head"]["bias"].shape[0]
     for k, r in enumerate(ratios):
-        h1, h2 = (math.ceil(r * h) for h in hidden)
-        cut = {"fc1": {"kernel": np.s_[:, :h1], "bias": np.s_[:h1]}, "fc2": {"kernel": np.s_[:h1, :h2],
-               "bias": np.s_[:h2]}, "head": {"kernel": np.s_[:h2, :], "bias": np.s_[:]}}
+        i0 = np.arange(g["fc1"]["kernel"].shape[0])
+        i1, i2 = ((np.arange(math.ceil(r * h)) + (window or 0)) % h for h in hidden)
+        cut = {"fc1": {"kernel": np.ix_(i0, i1), "bias": i1}, "fc2": {"kernel": np.ix_(i1, i2), "bias": i2},
+               "head": {"kernel": np.ix_(i2, np.arange(classes)), "bias": np.arange(classes)}}
         p = {m: {n: g[m][n][cut[m][n]] for n in g[m]} for m in g}
         velocity = jax.tree.map(np.zeros_like, p)
         for s in range(cohort.data.step_mask.shape[1]):

@@ -234,7 +234,7 @@ def local_training(rnd: FederatedRound, global_vars: dict, inputs: tuple[LocalIn
             def body(local, xs):
                 return fns.step(local, xs[0], plan, global_vars, cstate, key, xs[1], part.server_state), None
 
-            return fns.final(jax.lax.scan(body, fns.init(start), (prepared, steps))[0], start)
+            return fns.final(jax.lax.scan(body, fns.init(start, window=plan.window), (prepared, steps))[0], start)
         outs.append(jax.vmap(one)(part.start, part.data, part.plan, part.client_state, part.client_keys))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 

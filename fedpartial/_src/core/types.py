@@ -99,6 +99,10 @@ class ClientPlan(NamedTuple):
         bit-masks), or None to count the masked elements.
       lr_scale: ``[K]`` multipliers of each client's optimizer updates, or None for 1.
         The engine multiplies in the cohort's ``lr_scale`` after the method plans.
+      window: ``[K]`` int32 where each client's width window starts (FedRolex rolls it
+        every round): a windowed graph (:func:`fedpartial._src.engine.graphs.width`) then holds
+        units ``window … window + n - 1`` (mod the layer's units) instead of the leading ``n``;
+        None: the leading units.  Graphs without windows (the whole model) ignore it.
     """
 
     train: Mask | None = None
@@ -109,6 +113,7 @@ class ClientPlan(NamedTuple):
     extra: Any = None
     download_bytes_per_layer: jax.Array | None = None
     lr_scale: jax.Array | None = None
+    window: jax.Array | None = None
 
 
 class Selection(NamedTuple):
@@ -317,13 +322,15 @@ class LocalGraph(NamedTuple):
     full-shaped one; ``prepare(variables, data, batch_statistics)`` turns one
     client's whole local data ``[S, B, ...]`` into the steps' inputs, once per
     round (None: the raw data); ``apply(variables, x, train, example_mask)`` is
-    the group's forward pass.
+    the group's forward pass.  A ``windowed`` graph's ``extract(tree, window)`` and
+    ``insert(full, part, window)`` also take a client's window start (``ClientPlan.window``).
     """
 
-    extract: Callable[[Any], Any]
-    insert: Callable[[Any, Any], Any]
+    extract: Callable[..., Any]
+    insert: Callable[..., Any]
     apply: Callable[..., tuple[jax.Array, Any]]
     prepare: Callable[[dict, Batch, bool], Batch] | None = None
+    windowed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -51,10 +51,11 @@ class LocalState(NamedTuple):
     opt_state: Any
     loss_sum: jax.Array  # sum of step losses (real steps only)
     steps: jax.Array  # real steps taken
+    window: Any = None  # where the client's width window starts (ClientPlan.window), None: the leading units
 
 
 class ClientFns(NamedTuple):
-    init: Any  # (start_vars, optimizer_state=True) -> LocalState (False: opt_state is ())
+    init: Any  # (start_vars, optimizer_state=True, window=None) -> LocalState (False: opt_state is ())
     prepare: Any  # (start_vars, data [S, B, ...]) -> inputs [S, B, ...]
     step: Any  # (local, batch, plan, global_vars, client_state, client_key, index, server_state=()) -> LocalState
     final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)
@@ -117,12 +118,18 @@ def make_client_fns(
     client_optimizer = as_client_optimizer(optimizer)
     direction, base_lr = client_optimizer.direction, client_optimizer.lr
 
-    def extract_params(tree):
-        return graph.extract({"params": tree})["params"]
+    def extract(tree, window):
+        return graph.extract(tree) if window is None or not graph.windowed else graph.extract(tree, window)
 
-    def client_init(start_vars: dict, optimizer_state: bool = True) -> LocalState:
-        local = LocalState(variables=graph.extract(start_vars), opt_state=(), loss_sum=jnp.zeros((), jnp.float32),
-                           steps=jnp.zeros((), jnp.int32))
+    def insert(full, part, window):
+        return graph.insert(full, part) if window is None or not graph.windowed else graph.insert(full, part, window)
+
+    def extract_params(tree, window):
+        return extract({"params": tree}, window)["params"]
+
+    def client_init(start_vars: dict, optimizer_state: bool = True, window: jax.Array | None = None) -> LocalState:
+        local = LocalState(variables=extract(start_vars, window), opt_state=(), loss_sum=jnp.zeros((), jnp.float32),
+                           steps=jnp.zeros((), jnp.int32), window=window)
         return init_optimizer(local) if optimizer_state else local
 
     def init_optimizer(local: LocalState) -> LocalState:
@@ -143,7 +150,7 @@ def make_client_fns(
         template = global_vars["params"]  # full-model shapes: masks are expanded there, then cut
         train_mask = trainable_mask(ctx, plan)
         scale = forward_scale(ctx, plan, template)
-        scale = None if scale is None else extract_params(scale)
+        scale = None if scale is None else extract_params(scale, local.window)
 
         def forward(p, x):
             p_fwd = p if scale is None else jax.tree.map(jnp.multiply, p, scale)
@@ -157,7 +164,7 @@ def make_client_fns(
         if method.transform_grads is not None:  # before the frozen elements are zeroed: they stay frozen
             grads = method.transform_grads(ctx, grads, step)
         if train_mask is not None:
-            elem = extract_params(masks_lib.expand(ctx.structure, train_mask, template))
+            elem = extract_params(masks_lib.expand(ctx.structure, train_mask, template), local.window)
             grads = jax.tree.map(lambda g, m: jnp.where(m, g, jnp.zeros_like(g)), grads, elem)
         updates, opt_state = direction.update(grads, local.opt_state, params)
         if rate is not None:  # the one place a client's rate multiplies its updates
@@ -170,12 +177,13 @@ def make_client_fns(
             opt_state=opt_state,
             loss_sum=local.loss_sum + aux.loss,
             steps=local.steps + 1,
+            window=local.window,
         )
         # A padded step leaves every part of the client state unchanged.
         return jax.tree.map(lambda a, b: jnp.where(batch.step_mask, a, b), new, local)
 
     def client_final(local: LocalState, start_vars: dict) -> tuple[dict, jax.Array, jax.Array]:
         mean_loss = local.loss_sum / jnp.maximum(local.steps, 1).astype(jnp.float32)
-        return graph.insert(start_vars, local.variables), mean_loss, local.steps
+        return insert(start_vars, local.variables, local.window), mean_loss, local.steps
 
     return ClientFns(client_init, client_prepare, client_step, client_final, init_optimizer)

@@ -123,17 +123,28 @@ class _Slice(NamedTuple):
     narrow_view: tuple[int, ...]
     index: tuple[slice, ...]
 
-    def take(self, full):
+    def roll(self, view, shift):
+        """``view`` (full-view shaped) with every narrowed axis rolled by ``shift`` (None: unchanged)."""
+        if shift is None:
+            return view
+        for axis, (n, f) in enumerate(zip(self.narrow_view, self.full_view)):
+            if n < f:
+                view = jnp.roll(view, shift, axis=axis)
+        return view
+
+    def take(self, full, window=None):
         if isinstance(full, jax.ShapeDtypeStruct):  # shapes only (e.g. from jax.eval_shape)
             return jax.ShapeDtypeStruct(self.narrow_shape, full.dtype)
-        return full.reshape(self.full_view)[self.index].reshape(self.narrow_shape)
+        view = self.roll(full.reshape(self.full_view), None if window is None else -window)
+        return view[self.index].reshape(self.narrow_shape)
 
-    def put(self, full, part):
+    def put(self, full, part, window=None):
         if isinstance(full, jax.ShapeDtypeStruct):
             return full
         full = jnp.asarray(full)
         part = jnp.asarray(part, full.dtype).reshape(self.narrow_view)
-        return full.reshape(self.full_view).at[self.index].set(part).reshape(self.full_shape)
+        view = self.roll(full.reshape(self.full_view), None if window is None else -window)
+        return self.roll(view.at[self.index].set(part), window).reshape(self.full_shape)
 
 
 def _leaf_slices(model: Model, narrow: Model) -> dict[tuple[str, tuple[str, ...]], _Slice]:
@@ -173,22 +184,54 @@ def width(model: Model, ratio: float, *, module: nn.Module | None = None, scaler
     into the full one; ``apply`` runs :func:`narrow_model`, so the compiled step
     really is smaller (about ``ratio²`` of the FLOPs of a conv/dense stack).
     ``ratio = 1`` is :func:`whole` (with ``scaler``, the Scaler is then 1).
+
+    The graph is windowed: given a client's ``window`` start ``w`` (``ClientPlan.window``), every
+    narrowed axis of ``C`` units holds units ``w, w+1, … (mod C)`` instead of the leading ones
+    (FedRolex's rolling sub-model; :func:`rolls_units_consistently` says whether that is a
+    sub-network of ``model``).
     """
     if ratio == 1:
         return whole(model)
     narrow = narrow_model(model, ratio, module=module, scaler=scaler)
     slices = _leaf_slices(model, narrow)
 
-    def extract(tree):
-        return {c: jax.tree.unflatten(jax.tree.structure(sub), [slices[c, path].take(a) for path, a in leaf_paths(sub)])
+    def extract(tree, window=None):
+        return {c: jax.tree.unflatten(jax.tree.structure(sub), [slices[c, path].take(a, window)
+                                                                for path, a in leaf_paths(sub)])
                 for c, sub in tree.items()}
 
-    def insert(full, part):
+    def insert(full, part, window=None):
         out = dict(full)
         for c, sub in part.items():
-            leaves = [slices[c, path].put(f, p) for (path, f), p in zip(leaf_paths(full[c]), jax.tree.leaves(sub),
-                                                                          strict=True)]
+            leaves = [slices[c, path].put(f, p, window) for (path, f), p in zip(leaf_paths(full[c]),
+                                                                                 jax.tree.leaves(sub), strict=True)]
             out[c] = jax.tree.unflatten(jax.tree.structure(full[c]), leaves)
         return out
 
-    return LocalGraph(extract=extract, insert=insert, apply=narrow.apply)
+    return LocalGraph(extract=extract, insert=insert, apply=narrow.apply, windowed=True)
+
+
+def roll_units(model: Model, ratio: float, variables: dict, shift, *, module: nn.Module | None = None) -> dict:
+    """``variables`` with every unit axis a :func:`width` graph of ``ratio`` narrows rolled by ``shift`` (the
+    relabelling that moves window ``shift`` to the leading units, negated)."""
+    if ratio == 1:
+        return variables
+    slices = _leaf_slices(model, narrow_model(model, ratio, module=module))
+    return {c: jax.tree.unflatten(jax.tree.structure(sub), [
+        slices[c, path].roll(jnp.asarray(a).reshape(slices[c, path].full_view), shift).reshape(a.shape)
+        for path, a in leaf_paths(sub)]) for c, sub in variables.items()}
+
+
+def rolls_units_consistently(model: Model, ratio: float, *, module: nn.Module | None = None,
+                             key: jax.Array | None = None) -> bool:
+    """Whether rolling the units a :func:`width` graph of ``ratio`` narrows leaves ``model``'s function unchanged,
+    i.e. whether every rolled window is a sub-network of ``model`` (checked on random variables and inputs; an
+    option-A ResNet, whose shortcuts place channels at fixed offsets, is not)."""
+    if ratio == 1:
+        return True
+    key = jax.random.key(0, impl="rbg") if key is None else key
+    variables = model.init_variables(key)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (2, *model.input_shape), jnp.float32)
+    before, _ = model.apply(variables, x, False)
+    after, _ = model.apply(roll_units(model, ratio, variables, 1, module=module), x, False)
+    return bool(jnp.allclose(before, after, rtol=1e-4, atol=1e-5))

@@ -447,6 +447,7 @@ class FederatedRound:
             batch, index = xs
             return fns.step(local, batch, plan_k, global_vars, cstate_k, key_k, index, server_state), None
 
-        local = jax.lax.scan(body, fns.init(start), (inputs, jnp.arange(num_steps)), unroll=self.strategy.unroll)[0]
+        local = jax.lax.scan(body, fns.init(start, window=plan_k.window), (inputs, jnp.arange(num_steps)),
+                             unroll=self.strategy.unroll)[0]
         return fns.final(local, start)
 

@@ -28,6 +28,7 @@ from fedpartial._src.methods.submodel import feddst as _feddst
 from fedpartial._src.methods.submodel import fedselect as _fedselect
 from fedpartial._src.methods.submodel import fedspu as _fedspu
 from fedpartial._src.methods.tiered import embracingfl as _embracingfl
+from fedpartial._src.methods.tiered import fedrolex as _fedrolex
 from fedpartial._src.methods.tiered import heterofl as _heterofl
 from fedpartial._src.methods.weighting import feddh as _feddh
 
@@ -35,7 +36,7 @@ from fedpartial._src.methods.weighting import feddh as _feddh
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec for spec in (
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _afd.SPEC, _fedselect.SPEC,
-        _embracingfl.SPEC, _heterofl.SPEC,
+        _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
         _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC,
     )

@@ -29,7 +29,7 @@ class Debug(Runner):
                     plan_k, cstate_k = one(plan), one(view.client_state)
                     start = rnd.method.client_start(rnd.ctx, state.variables, cstate_k, plan_k)
                     inputs = fns.prepare(start, one(cohort.data))
-                    local = fns.init(start)
+                    local = fns.init(start, window=plan_k.window)
                     for s in range(int(np.shape(cohort.data.step_mask)[1])):
                         batch = jax.tree.map(lambda a: a[s], inputs)  # noqa: B023
                         local = fns.step(local, batch, plan_k, state.variables, cstate_k, client_keys[k],

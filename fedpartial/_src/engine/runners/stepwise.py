@@ -107,7 +107,7 @@ class Stepwise(Runner):
                 inputs = jax.vmap(fns.prepare)(start, data)
             else:
                 inputs = data if len(rnd.groups) > 1 else None
-            local = jax.vmap(functools.partial(fns.init, optimizer_state=False))(start)
+            local = jax.vmap(lambda s, w: fns.init(s, optimizer_state=False, window=w))(start, plan_g.window)
             groups.append((local, inputs, plan_g, cstate, jax.random.key_data(ckeys)))
         return plan, tuple(groups)
 

@@ -70,7 +70,8 @@ class Streamed(Runner):
         view, plan, starts = self._stream_starts(state, plan, rows, info, key)
         fns = rnd.clients[0]
         inputs = None if data is None else jax.vmap(fns.prepare)(starts, data)
-        out = (jax.vmap(fns.init)(starts), inputs, plan, view.client_state, ckeys[rows])
+        out = (jax.vmap(lambda s, w: fns.init(s, window=w))(starts, plan.window), inputs, plan, view.client_state,
+               ckeys[rows])
         return out if rows.shape[0] > 1 else jax.tree.map(lambda a: a[0], out)
 
     def _stream_train(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, data, key):

@@ -109,7 +109,7 @@ WIDTHS_OPTION = Option("widths", parse_widths, DEFAULT_WIDTHS,
                        "HeteroFL / FjORD tiers: width ratios M,W of moderate and weak clients (default: 7/16, 3/16 "
                        "of the channels, the EmbracingFL paper's Table 10)", check=check_widths, flag="--widths")
 WEIGHTING_OPTION = Option("weighting", str, "uniform",
-                          "HeteroFL: each holder's aggregation weight, uniform (as HeteroFL) or samples (n_k)",
+                          "HeteroFL / FedRolex: each holder's aggregation weight, uniform (as HeteroFL) or samples (n_k)",
                           check=check_weighting, flag="--heterofl-weights")
 
 
@@ -122,18 +122,24 @@ def tier_ratios(widths: Sequence[float]) -> tuple[float, float, float]:
     return (1.0, moderate, weak)
 
 
-def width_mask(model: Model, narrow: Model | None) -> Mask:
+def _held(units: int, kept: int, window) -> jax.Array:
+    """``[units]`` the units a width of ``kept`` holds: the leading ones, or from ``window`` on (mod ``units``)."""
+    index = jnp.arange(units)
+    return index < kept if window is None else (index - window) % units < kept
+
+
+def width_mask(model: Model, narrow: Model | None, window=None) -> Mask:
     """One client's width in full-model coordinates (no leading axis); ``narrow`` None: the full width.
 
-    Neurons: the leading ``units`` of every layer (the classifier keeps all).  A
-    sequential model wires each kernel's input axis to the previous layer's
-    neurons.  A residual model (ResNet20) is wired explicitly (``Mask.inputs``):
-    every kernel after the first keeps the leading rows its narrow kernel has —
-    the channels of the residual stream or of the previous conv it reads.
+    Neurons: the leading ``units`` of every layer (the classifier keeps all), or, given a ``window``
+    start (a traced scalar is fine), the ``units`` from there on, wrapping around (FedRolex).  A
+    sequential model wires each kernel's input axis to the previous layer's neurons.  A residual
+    model (ResNet20) is wired explicitly (``Mask.inputs``): every kernel after the first keeps the
+    rows its narrow kernel has — the channels of the residual stream or of the previous conv it reads.
     """
     structure = model.structure
     units = structure.units if narrow is None else narrow.structure.units
-    neurons = tuple(jnp.arange(u) < n for u, n in zip(structure.units, units))
+    neurons = tuple(_held(u, n, window) for u, n in zip(structure.units, units))
     layers = jnp.ones((structure.num_layers,), bool)
     if structure.sequential:
         return Mask(layers=layers, neurons=neurons)
@@ -143,7 +149,7 @@ def width_mask(model: Model, narrow: Model | None) -> Mask:
             inputs.append(jnp.zeros((0,), bool))  # reads the data (or has no input axis): unwired
         else:
             kept = layer.fan_in if narrow is None else narrow.structure.layers[i].fan_in
-            inputs.append(jnp.arange(layer.fan_in) < kept)
+            inputs.append(_held(layer.fan_in, kept, window))
     return Mask(layers=layers, neurons=neurons, inputs=tuple(inputs))
 
 
@@ -159,9 +165,15 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
       module: the zoo module the run's model was built from, when it is not the
         registry's model of that name (e.g. ``ResNet20(shortcut="zeros")``).
     """
+    return width_tiers(name, tier_mix, capacity_case, widths, weighting, scaler=scaler, module=module, rolling=False)
+
+
+def width_tiers(name: str, tier_mix, capacity_case, widths, weighting, *, scaler: bool, module, rolling: bool):
+    """Width reduction per capacity tier: HeteroFL's leading units, or (``rolling``) FedRolex's window that
+    starts at unit ``round`` (mod each layer's units); each element averaged over its holders."""
     ratios = tier_ratios(widths)
     if check_weighting(weighting):
-        raise UserError(f"heterofl: weighting {weighting!r} {check_weighting(weighting)}.")
+        raise UserError(f"{name}: weighting {weighting!r} {check_weighting(weighting)}.")
 
     def sizes_of(ctx: MethodContext) -> tuple[int, int, int]:
         return cohort_rows(resolve_mix(ctx.num_clients, tier_mix, capacity_case), ctx)
@@ -172,6 +184,13 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
     def groups(ctx: MethodContext) -> tuple[ClientGroup, ...]:
         mix = resolve_mix(ctx.num_clients, tier_mix, capacity_case)
         sizes = cohort_rows(mix, ctx)
+        if rolling:
+            for t in range(3):
+                if sizes[t] > 0 and not graphs.rolls_units_consistently(ctx.model, ratios[t], module=module):
+                    raise UserError(
+                        f"{name}: rolling the units of model {ctx.model.name} changes what it computes (e.g. "
+                        f"option-A shortcuts place channels at fixed offsets), so a rolling window is not a "
+                        f"sub-network of it; use a sequential model or ResNet20 with projection shortcuts.")
         return tuple(
             ClientGroup(TIER_NAMES[t], sizes[t], members=mix.members(t),
                         graph=None if ratios[t] == 1 else graphs.width(ctx.model, ratios[t], module=module,
@@ -180,10 +199,13 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         sizes = sizes_of(ctx)
-        rows = [jax.tree.map(lambda a, s=s: jnp.broadcast_to(a, (s, *a.shape)), width_mask(ctx.model, narrow(ctx, t)))
+        window = jnp.asarray(view.round, jnp.int32) if rolling else None
+        rows = [jax.tree.map(lambda a, s=s: jnp.broadcast_to(a, (s, *a.shape)),
+                             width_mask(ctx.model, narrow(ctx, t), window))
                 for t, s in enumerate(sizes) if s > 0]  # the cohort is laid out tier after tier
         mask = jax.tree.map(lambda *a: jnp.concatenate(a), *rows)
-        return ClientPlan(download=mask)
+        k = ctx.cohort_size
+        return ClientPlan(download=mask, window=None if window is None else jnp.broadcast_to(window, (k,)))
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
         k = view.cohort.num_samples.shape[0]
