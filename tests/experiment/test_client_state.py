@@ -35,7 +35,8 @@ def run_host(r, data):
     """The rounds of ``data`` with the per-client state in a host store; the final state with every row."""
     state = r.init(KEY)
     store = client_state.HostClientState(r.client_state_shapes())
-    store.fill(lambda start, size: r.init_client_rows(KEY, start, size), chunk=3)  # N = 8: overlapping chunks
+    variables = state.variables  # the rows from the initial global variables, as Simulation fills them
+    store.fill(lambda start, size: r.init_client_rows(KEY, start, size, variables), chunk=3)  # N = 8: overlapping chunks
     traces = []
     for t, c in enumerate(data):
         ids = np.asarray(c.info.client_ids)

@@ -68,6 +68,7 @@ from fedpartial._src.core.types import (
     InitView,
     Method,
     MethodContext,
+    MethodState,
     OptimizerSettings,
     RoundView,
     ServerData,
@@ -88,7 +89,6 @@ from fedpartial._src.engine.types import (
     RoundPreview,
     ServerState,
     hook_keys,
-    without_clients,
 )
 from fedpartial._src.models.adapter import Model
 
@@ -205,16 +205,17 @@ class FederatedRound:
         """``jax.ShapeDtypeStruct`` of every leaf of the method's per-client state ``[N, ...]`` (nothing computed)."""
         return jax.eval_shape(self.pure_init, jax.random.key(0)).method_state.clients
 
-    def init_client_rows(self, key: jax.Array, start: int, size: int) -> Any:
+    def init_client_rows(self, key: jax.Array, start: int, size: int, variables: dict) -> Any:
         """Rows ``start … start+size-1`` of the initial per-client state of ``init(key)`` (the same values,
         computed in one jitted call per chunk size: XLA keeps only the slice, e.g. ``size`` copies of a
-        broadcast model, not ``[N]``)."""
+        broadcast model, not ``[N]``).  ``variables``: ``init(key)``'s global variables (so the model's
+        initialisation is not compiled again)."""
         if size not in self._client_rows_fns:
-            def rows(key, start):
-                clients = self.pure_init(key).method_state.clients
+            def rows(key, start, variables):
+                clients = self._init_method(variables, key).clients
                 return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), clients)
             self._client_rows_fns[size] = jax.jit(rows)
-        return self._client_rows_fns[size](key, jnp.asarray(start, jnp.int32))
+        return self._client_rows_fns[size](key, jnp.asarray(start, jnp.int32), variables)
 
     def preview(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundPreview:
         """The plan and every client's start model that a round with these inputs would use."""
@@ -255,22 +256,30 @@ class FederatedRound:
     def pure_init(self, key: jax.Array) -> ServerState:
         """The initial server state (pure)."""
         variables = self.model.init_variables(key)
-        method_key = jax.random.fold_in(key, 1)
         return ServerState(
             round=jnp.zeros((), jnp.int32),
             variables=variables,
             opt_state=self.server_optimizer.init(variables["params"]),
-            method_state=self.method.init(self.ctx, InitView(global_vars=variables, key=method_key,
-                                                             server_data=self.server_data,
-                                                             label_counts=self.label_counts,
-                                                             execution_times=self.execution_times)),
+            method_state=self._init_method(variables, key),
         )
+
+    def _init_method(self, variables: dict, key: jax.Array) -> MethodState:
+        """The method's initial state for the initial global ``variables`` of ``pure_init(key)``."""
+        return self.method.init(self.ctx, InitView(global_vars=variables, key=jax.random.fold_in(key, 1),
+                                                   server_data=self.server_data, label_counts=self.label_counts,
+                                                   execution_times=self.execution_times))
 
     def init(self, key: jax.Array) -> ServerState:
         """The initial server state, computed eagerly (the model's own initialisation, bit for bit)
         with no two leaves sharing a buffer (the fused round donates them)."""
-        if self.client_state == "host":  # jitted so XLA computes no [N] per-client rows (same values: tested)
-            state = jax.jit(lambda k: without_clients(self.pure_init(k)))(key)
+        if self.client_state == "host":
+            # The model's initialisation eagerly, as below; the method's jitted so XLA computes no [N]
+            # per-client rows (same values: tested).  (Jitting the model's too compiled a conv net's random
+            # initialisers for seconds.)
+            variables = self.model.init_variables(key)
+            method_state = jax.jit(lambda v, k: self._init_method(v, k)._replace(clients=()))(variables, key)
+            state = ServerState(round=jnp.zeros((), jnp.int32), variables=variables,
+                                opt_state=self.server_optimizer.init(variables["params"]), method_state=method_state)
         else:
             with jax.disable_jit(self.strategy.kind == "debug"):
                 state = self.pure_init(key)

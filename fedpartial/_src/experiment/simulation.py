@@ -233,7 +233,8 @@ class Simulation:
             shapes = self.round.client_state_shapes()
             self.client_store = client_state_lib.HostClientState(shapes, disk=self.client_state == "disk")
             per_client = max(1, client_state_lib.tree_bytes(shapes) // self.config.num_clients)
-            self.client_store.fill(lambda start, size: self.round.init_client_rows(init_key, start, size),
+            variables = self.state.variables
+            self.client_store.fill(lambda start, size: self.round.init_client_rows(init_key, start, size, variables),
                                    chunk=max(1, CLIENT_STATE_CHUNK_BYTES // per_client))
 
     def method_state(self):
