@@ -151,7 +151,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fedldf", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="digits IID only, 4 rounds, N=10, K=5, n=2 (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="digits IID only, 2 rounds, N=10, K=5, n=2 (a smoke test)")
     p.add_argument("--datasets", default=None, help="default digits,mnist5k,synthetic,cifar10 (--quick: digits)")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--seeds", default="0")
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.datasets, args.rounds, args.clients, args.cohort, args.n, args.eval_every = (
-            args.datasets or "digits", 4, 10, 5, 2, 1)
+            args.datasets or "digits", 2, 10, 5, 2, 1)
     args.datasets = args.datasets or "digits,mnist5k,synthetic,cifar10"
     seeds = [int(s) for s in args.seeds.split(",")]
     os.makedirs(args.out, exist_ok=True)

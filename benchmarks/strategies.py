@@ -78,7 +78,7 @@ SEED = 0
 
 DEFAULTS = dict(models=("mlp", "cnn2c1f"), cohorts=(20, 200), local_steps=5, batch_size=32, rounds=3,
                 input_size=28, lr=0.05, momentum=0.9)
-QUICK = dict(models=("mlp", "cnn2c1f"), cohorts=(4,), local_steps=2, batch_size=8, rounds=1,
+QUICK = dict(models=("mlp",), cohorts=(4,), local_steps=2, batch_size=8, rounds=1,
              input_size=8, lr=0.05, momentum=0.9)
 
 
@@ -244,7 +244,7 @@ def table(record: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.strategies", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes (K=4, S=2, R=1, batch 8, 8x8x1 inputs)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (the MLP only, K=4, S=2, R=1, batch 8, 8x8x1 inputs)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/strategies-<backend>-<device>.json)")
     p.add_argument("--models", type=name_list, help="comma-separated registry model names")
     p.add_argument("--cohorts", type=int_list, help="comma-separated cohort sizes K (population N = K)")
