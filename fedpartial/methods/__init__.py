@@ -17,6 +17,8 @@ from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial._src.methods.submodel.afd import afd
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
+from fedpartial._src.methods.personal.fedper import fedper
+from fedpartial._src.methods.personal.lgfedavg import lgfedavg
 from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.submodel.fedselect import fedselect
 from fedpartial._src.methods.submodel.fedspu import fedspu
@@ -31,6 +33,7 @@ __all__ = [
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
     "embracingfl", "heterofl", "fedrolex",
+    "fedper", "lgfedavg",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
 ]
