@@ -18,6 +18,7 @@ from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, rando
 from fedpartial._src.methods.submodel.afd import afd
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
 from fedpartial._src.methods.personal.fedper import fedper
+from fedpartial._src.methods.personal.fedrep import fedrep
 from fedpartial._src.methods.personal.lgfedavg import lgfedavg
 from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.submodel.fedselect import fedselect
@@ -33,7 +34,7 @@ __all__ = [
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
     "embracingfl", "heterofl", "fedrolex",
-    "fedper", "lgfedavg",
+    "fedper", "lgfedavg", "fedrep",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
 ]

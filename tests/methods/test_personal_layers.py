@@ -1,5 +1,5 @@
-"""FedPer and LG-FedAvg (personal layers): a plain-Python reference over two rounds with a client sampled twice,
-the evaluated personal models, the traffic, the reductions to FedAvg, and a bad split."""
+"""FedPer, LG-FedAvg and FedRep (personal layers): a plain-Python reference over two rounds with a client sampled
+twice, the evaluated personal models, the traffic, the reductions to FedAvg, and a bad split."""
 
 import chex
 import jax
@@ -25,9 +25,11 @@ def cohorts():
                         client_ids=ids) for t, ids in enumerate(IDS)]
 
 
-def reference(global_params, data, personal_layers):
+def reference(global_params, data, personal_layers, body_fraction=None):
     """The method as a textbook writes it, one client at a time: start from the global shared layers and the
-    client's own personal ones, train everything with momentum SGD, average the shared layers (n_k weights)."""
+    client's own personal ones, train everything with momentum SGD, average the shared layers (n_k weights).
+    ``body_fraction`` (FedRep): the first round((1 - f)·steps) real steps train the personal layers only, the
+    rest the shared ones only."""
     g = jax.tree.map(lambda a: np.array(a, np.float64), global_params)
     own = {i: jax.tree.map(np.copy, g) for i in range(N)}
     for c in data:
@@ -35,13 +37,19 @@ def reference(global_params, data, personal_layers):
         for k, i in enumerate(np.asarray(c.info.client_ids)):
             p = {name: (own[i] if name in personal_layers else g)[name] for name in LAYERS}
             velocity = jax.tree.map(np.zeros_like, p)
+            head_steps = None if body_fraction is None else np.round(d.step_mask[k].sum() * (1 - body_fraction))
             for s in range(d.step_mask.shape[1]):
                 if not d.step_mask[k, s]:
                     continue
+                trains = set(LAYERS) if head_steps is None else (
+                    set(personal_layers) if s < head_steps else set(LAYERS) - set(personal_layers))
                 grads = _narrow_grad(jax.tree.map(lambda a: a.astype(np.float32), p), d.x[k, s], d.y[k, s],
                                      d.example_mask[k, s].astype(np.float32), 1.0)
-                velocity = jax.tree.map(lambda v, dg: MOMENTUM * v + np.asarray(dg), velocity, grads)
-                p = jax.tree.map(lambda a, v: a - LR * v, p, velocity)
+                grads = {name: jax.tree.map(lambda a, on=name in trains: np.asarray(a) * on, grads[name])
+                         for name in LAYERS}  # a frozen layer: no gradient, and it does not move
+                velocity = jax.tree.map(lambda v, dg: MOMENTUM * v + dg, velocity, grads)
+                p = {name: jax.tree.map(lambda a, v: a - LR * v, p[name], velocity[name]) if name in trains
+                     else p[name] for name in LAYERS}
             own[i] = p
             trained.append(p)
             weights.append(float(c.info.num_samples[k]))
@@ -52,12 +60,16 @@ def reference(global_params, data, personal_layers):
     return g, own
 
 
-@pytest.mark.parametrize("name, personal", [("fedper", ("head",)), ("lgfedavg", ("fc1", "fc2"))])
-def test_engine_matches_a_plain_python_reference(name, personal):
+@pytest.mark.parametrize("name, personal, options", [
+    ("fedper", ("head",), {}), ("lgfedavg", ("fc1", "fc2"), {}),
+    ("fedrep", ("head",), {"body_fraction": 0.5}),  # 3 real steps: 2 head, 1 body; 2 real steps: 1 and 1
+])
+def test_engine_matches_a_plain_python_reference(name, personal, options):
     model = adapt(SMALL, (4,))
-    r = build(model, get_method(name), n=N, k=2, strategy=stepwise(1))
+    r = build(model, get_method(name, **options), n=N, k=2, strategy=stepwise(1))
     state = start(r)
-    expected, own = reference(jax.device_get(state.variables["params"]), cohorts(), personal)
+    expected, own = reference(jax.device_get(state.variables["params"]), cohorts(), personal,
+                              options.get("body_fraction"))
     for t, c in enumerate(cohorts()):
         state, m = r(state, c, jax.random.key(t))
     chex.assert_trees_all_close(jax.device_get(state.variables["params"]), expected, rtol=2e-5, atol=2e-6)
@@ -94,6 +106,22 @@ def test_a_split_beyond_the_model_is_one_sentence():
         start(build(model, get_method("fedper", head_layers=4), n=N, k=2))
     with pytest.raises(UserError, match="--head-layers = -1 must be a whole number of layers"):
         get_method("lgfedavg", head_layers=-1)
+    with pytest.raises(UserError, match="--body-fraction = 1.5 must be a fraction of the local steps"):
+        get_method("fedrep", body_fraction=1.5)
+
+
+def test_fedrep_with_no_body_steps_never_moves_the_shared_body():
+    """Every step trains the head: the clients upload the body they received, so the global body stays."""
+    model = adapt(SMALL, (4,))
+    r = build(model, get_method("fedrep", body_fraction=0.0), n=N, k=2)
+    state = start(r)
+    before = jax.device_get(state.variables["params"])
+    for t, c in enumerate(cohorts()):
+        state, _ = r(state, c, jax.random.key(t))
+    after = jax.device_get(state.variables["params"])
+    for layer in ("fc1", "fc2"):
+        chex.assert_trees_all_close(after[layer], before[layer], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(state.method_state.clients["params"]["head"]["kernel"][2], before["head"]["kernel"])
 
 
 def test_a_run_reports_personal_accuracy():
