@@ -62,10 +62,15 @@ from fedpartial._src.experiment.simulation import Simulation, run
 
 #: every method, in the column order of the tables: the paper's order (PruneFL, FjORD,
 #: Hermes, FedMP, FedSelect, FedSPU) with FedDrop, which the paper does not tabulate, first.
-METHODS = ("feddrop", "prunefl", "fjord", "hermes", "fedmp", "fedselect", "fedspu")
-BASELINES = METHODS[:-1]
+#: The personalised partial-model methods (personal layers) come after them: not the paper's, run when named
+#: (``benchmarks/personalised.py`` names them), compared with FedSPU apart from the dropout baselines.
+METHODS = ("feddrop", "prunefl", "fjord", "hermes", "fedmp", "fedselect", "fedspu", "fedper", "lgfedavg", "fedrep")
+PAPER_METHODS = METHODS[:7]
+BASELINES = METHODS[:6]
+PERSONALISED = METHODS[7:]
 LABELS = {"feddrop": "FedDrop", "prunefl": "PruneFL", "fjord": "FjORD", "hermes": "Hermes", "fedmp": "FedMP",
-          "fedselect": "FedSelect", "fedspu": "FedSPU"}
+          "fedselect": "FedSelect", "fedspu": "FedSPU", "fedper": "FedPer", "lgfedavg": "LG-FedAvg",
+          "fedrep": "FedRep"}
 ALPHAS = (0.1, 0.5, 1.0)
 LOCAL_EPOCHS = 5
 PAPER_GAIN = {False: 4.45, True: 5.11}  # mean over datasets of FedSPU − best baseline (Tables 1, 2)
@@ -136,7 +141,8 @@ def config_for(dataset: str, alpha: float, method: str, es: bool, seed: int, arg
         method=method, dataset=dataset, data_dir=args.data_dir, model=model, partition=partition, alpha=alpha,
         num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds,
         local_steps=steps, local_epochs=None if steps else args.local_epochs, batch_size=batch, client_lr=lr,
-        momentum=momentum, options={} if method == "fedselect" else {"tiers": DEFAULT_TIERS}, early_stopping=es, train_fraction=0.7, strategy=args.strategy,
+        momentum=momentum, options={} if method == "fedselect" or method in PERSONALISED else {"tiers": DEFAULT_TIERS},
+        early_stopping=es, train_fraction=0.7, strategy=args.strategy,
         seed=seed, eval_every=args.eval_every, out_dir=None,
     )
 
@@ -182,10 +188,11 @@ def accuracy_table(runs: list[dict], es: bool) -> list[dict]:
             per_alpha = [100 * _seed_mean(_select(mine, alpha=a), "final_personal_accuracy") for a in alphas]
             row["methods"][m] = {"mean": float(np.mean(per_alpha)), "std": float(np.std(per_alpha)),
                                  "per_alpha": dict(zip(map(str, alphas), per_alpha))}
-        base = {m: v["mean"] for m, v in row["methods"].items() if m != "fedspu"}
-        row["best_baseline"] = max(base, key=base.get) if base else None
-        row["fedspu_minus_best_baseline"] = (row["methods"]["fedspu"]["mean"] - base[row["best_baseline"]]
-                                             if base and "fedspu" in row["methods"] else None)
+        for key, group in (("baseline", BASELINES), ("personalised", PERSONALISED)):
+            base = {m: v["mean"] for m, v in row["methods"].items() if m in group}
+            row[f"best_{key}"] = max(base, key=base.get) if base else None
+            row[f"fedspu_minus_best_{key}"] = (row["methods"]["fedspu"]["mean"] - base[row[f"best_{key}"]]
+                                               if base and "fedspu" in row["methods"] else None)
         if row["methods"]:
             rows.append(row)
     return rows
@@ -301,6 +308,12 @@ def verdicts(rows: list[dict]) -> list[str]:
         es = " with ES" if r["early_stopping"] else ""
         lines.append(f"{r['dataset']}{es}: FedSPU {verb} the best dropout baseline ({LABELS[r['best_baseline']]}) "
                      f"by {abs(gap):.2f} points (paper: +{PAPER_GAIN[r['early_stopping']]:.2f} on average)")
+    for r in rows:
+        gap = r.get("fedspu_minus_best_personalised")
+        if gap is not None:
+            es = " with ES" if r["early_stopping"] else ""
+            lines.append(f"{r['dataset']}{es}: FedSPU {'beats' if gap >= 0 else 'trails'} the best personal-layers "
+                         f"method ({LABELS[r['best_personalised']]}) by {abs(gap):.2f} points (not in the paper)")
     return lines
 
 
@@ -411,7 +424,9 @@ def main(argv=None) -> int:
                    help="default digits,mnist5k,synthetic,emnist,cifar10 (--quick: digits); emnist and cifar10 run "
                         "only when prepared in --data-dir (else skipped with a note)")
     p.add_argument("--alphas", default=",".join(map(str, ALPHAS)))
-    p.add_argument("--methods", default=",".join(METHODS), help="names, or name+es entries for a literal list")
+    p.add_argument("--methods", default=None,
+                   help=f"names ({', '.join(METHODS)}; default the paper's, --quick: fedspu,hermes,fedspu+es), or "
+                        f"name+es entries for a literal list")
     p.add_argument("--es", choices=("both", "none", "only"), default="both",
                    help="for plain names in --methods: run without and with early stopping, or one of them")
     p.add_argument("--rounds", type=int, default=200, help="the paper runs 500")
@@ -428,12 +443,14 @@ def main(argv=None) -> int:
                    help="run nothing: rebuild the tables from these result files (e.g. one per dataset or α)")
     args = p.parse_args(argv)
     if args.quick:
-        args.datasets, args.alphas, args.methods = args.datasets or "digits", "0.5", "fedspu,hermes,fedspu+es"
+        args.datasets, args.alphas = args.datasets or "digits", "0.5"
+        args.methods = args.methods or "fedspu,hermes,fedspu+es"
         args.rounds, args.clients, args.cohort, args.local_epochs = 2, 10, 4, 1.0
         args.eval_every = args.rounds  # evaluate once, at the end: each evaluation compiles on first use
     if args.eval_every is None:
         args.eval_every = max(1, args.rounds // 10)
     args.datasets = args.datasets or "digits,mnist5k,synthetic,emnist,cifar10"
+    args.methods = args.methods or ",".join(PAPER_METHODS)
     alphas = [float(a) for a in args.alphas.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
