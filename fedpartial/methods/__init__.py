@@ -17,6 +17,7 @@ from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial._src.methods.submodel.afd import afd
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
+from fedpartial._src.methods.personal.fedbn import fedbn
 from fedpartial._src.methods.personal.fedper import fedper
 from fedpartial._src.methods.personal.fedrep import fedrep
 from fedpartial._src.methods.personal.lgfedavg import lgfedavg
@@ -34,7 +35,7 @@ __all__ = [
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
     "embracingfl", "heterofl", "fedrolex",
-    "fedper", "lgfedavg", "fedrep",
+    "fedper", "lgfedavg", "fedrep", "fedbn",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
 ]

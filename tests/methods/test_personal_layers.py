@@ -1,8 +1,10 @@
-"""FedPer, LG-FedAvg and FedRep (personal layers): a plain-Python reference over two rounds with a client sampled
-twice, the evaluated personal models, the traffic, the reductions to FedAvg, and a bad split."""
+"""FedPer, LG-FedAvg, FedRep (personal layers) and FedBN (personal normalisers): plain-Python references over two
+rounds with a client sampled twice, the evaluated personal models, the traffic, the reductions to FedAvg, bad
+splits."""
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -131,3 +133,81 @@ def test_a_run_reports_personal_accuracy():
                        batch_size=8, out_dir=None, partition="iid", strategy="fused")
     records = list(Simulation(config).rounds())
     assert 0 <= records[-1]["personal_accuracy"] <= 1 and "global_client_accuracy" in records[-1]
+
+
+# ---- FedBN: the normalisers stay local ---------------------------------------------------------------
+
+
+def is_norm(path):
+    return path[0] == "bn1"  # TinyMLP's one BatchNorm (its scale, bias, mean and var)
+
+
+def fedbn_reference(model, variables, data):
+    """FedBN as a textbook writes it with the model's own forward pass: each client starts from the global
+    weights and its own BatchNorm (scale, bias, running statistics), trains everything with momentum SGD, and
+    the server averages all but the BatchNorm (n_k weights)."""
+    g = jax.tree.map(lambda a: np.array(a, np.float64), variables)
+    own = {i: jax.tree.map(np.copy, g) for i in range(N)}
+
+    def merged(i):
+        return {c: jax.tree_util.tree_map_with_path(
+            lambda path, a, b: b if is_norm(tuple(k.key for k in path)) else a, g[c], own[i][c]) for c in g}
+
+    def loss(params, stats, x, y, mask):
+        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, x, True, mask)
+        logp = jax.nn.log_softmax(logits)
+        ce = -jnp.take_along_axis(logp, y[:, None], axis=1)[:, 0]
+        return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1), new_stats
+
+    grad = jax.jit(jax.grad(loss, has_aux=True))
+    for c in data:
+        d, trained, weights = c.data, [], []
+        for k, i in enumerate(np.asarray(c.info.client_ids)):
+            v = merged(i)
+            p, stats = v["params"], v["batch_stats"]
+            velocity = jax.tree.map(np.zeros_like, p)
+            for s in range(d.step_mask.shape[1]):
+                if not d.step_mask[k, s]:
+                    continue
+                grads, stats = grad(jax.tree.map(lambda a: a.astype(np.float32), p),
+                                    jax.tree.map(lambda a: a.astype(np.float32), stats),
+                                    d.x[k, s], d.y[k, s], d.example_mask[k, s])
+                velocity = jax.tree.map(lambda vel, dg: MOMENTUM * vel + np.asarray(dg), velocity, grads)
+                p = jax.tree.map(lambda a, vel: a - LR * vel, p, velocity)
+                stats = jax.tree.map(np.asarray, stats)
+            own[i] = {"params": p, "batch_stats": stats}
+            trained.append(own[i])
+            weights.append(float(c.info.num_samples[k]))
+        w = np.asarray(weights) / sum(weights)
+        mean = jax.tree.map(lambda *leaves: sum(wk * a for wk, a in zip(w, leaves)), *trained)
+        g = {coll: jax.tree_util.tree_map_with_path(
+            lambda path, old, new: old if is_norm(tuple(k.key for k in path)) else new, g[coll], mean[coll])
+             for coll in g}
+    return g, own
+
+
+def test_fedbn_matches_a_plain_python_reference(mlp):
+    r = build(mlp, get_method("fedbn"), n=N, k=2, strategy=stepwise(1))
+    state = start(r)
+    expected, own = fedbn_reference(mlp, jax.device_get(state.variables), cohorts())
+    for t, c in enumerate(cohorts()):
+        state, m = r(state, c, jax.random.key(t))
+    chex.assert_trees_all_close(jax.device_get(state.variables), expected, rtol=2e-5, atol=2e-6)
+    # Never uploaded: the global BatchNorm is the initial one; each client evaluates its own.
+    chex.assert_trees_all_equal(state.variables["params"]["bn1"], start(r).variables["params"]["bn1"])
+    models = r.method.personal(r.ctx, state.method_state, state.variables)
+    for i in (0, 2, 3):
+        got = jax.tree.map(lambda a: np.asarray(a[i]), models.variables)
+        want = {c: {layer: (own[i] if layer == "bn1" else expected)[c][layer] for layer in expected[c]}
+                for c in expected}
+        chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
+    # Traffic: everything but the BatchNorm's 6 + 6 parameters and 6 + 6 statistics, both ways.
+    everything = sum(a.size for a in jax.tree.leaves(state.variables))
+    traffic = traffic_totals(m)
+    for way in ("upload", "download"):
+        np.testing.assert_array_equal(traffic[f"{way}_bytes_per_client"], [4 * (everything - 24)] * 2)
+
+
+def test_fedbn_needs_a_normaliser():
+    with pytest.raises(UserError, match="fedbn: the model has no BatchNorm"):
+        start(build(adapt(SMALL, (4,)), get_method("fedbn"), n=N, k=2))

@@ -47,11 +47,15 @@ class Mask(NamedTuple):
         vector: each of its ``n`` units feeds ``fan_in / n`` input rows (NHWC
         tiling); an empty ``[..., 0]`` leaves it unwired.  Width reduction uses
         this for ResNet20 (:mod:`fedpartial._src.methods.tiered.heterofl`).
+      norms: None (the default): a layer's normaliser (BatchNorm scale, bias and
+        statistics) is on with its layer; otherwise ``[..., L]`` bool, whether each
+        layer's normaliser is on as well (FedBN keeps them off: local).
     """
 
     layers: jax.Array
     neurons: tuple[jax.Array, ...]
     inputs: tuple[jax.Array, ...] | None = None
+    norms: jax.Array | None = None
 
 
 def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool = True) -> Mask:
@@ -125,9 +129,12 @@ def _input_units(structure: ModelStructure, layer: int, per_unit: Sequence[jax.A
     return jnp.tile(units, spec.input_tile)
 
 
-def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_vals, combine, inputs=None):
+def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_vals, combine, inputs=None,
+                 norms=None):
     role = structure.role(collection, path)
     value = layer_vals[role.layer]
+    if role.norm and norms is not None:
+        value = combine(value, norms[role.layer])
     out = out_vals[role.layer]
     value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
     if role.has_input_axis:
@@ -142,7 +149,7 @@ def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "
     flat = leaf_paths(tree)
     leaves = [
         _leaf_values(structure, collection, path, jnp.shape(leaf), mask.layers, mask.neurons,
-                     mask.neurons, jnp.logical_and, mask.inputs)
+                     mask.neurons, jnp.logical_and, mask.inputs, mask.norms)
         for path, leaf in flat
     ]
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
@@ -191,7 +198,10 @@ def submodel_scale(structure: ModelStructure, submodel: Mask, params: Any,
 
 def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: Mask) -> jax.Array:
     role = structure.role(collection, path)
-    on = mask.layers[..., role.layer].astype(jnp.int32)
+    on = mask.layers[..., role.layer]
+    if role.norm and mask.norms is not None:
+        on = on & mask.norms[..., role.layer]
+    on = on.astype(jnp.int32)
     n_out = jnp.sum(mask.neurons[role.layer], axis=-1, dtype=jnp.int32)
     if not role.has_input_axis:
         return on * n_out * math.prod(shape[:-1])

@@ -66,6 +66,8 @@ class LeafRole:
     layer: int
     # Whether the leaf's second-to-last axis is the layer's input (kernels).
     has_input_axis: bool
+    # Whether the leaf belongs to the layer's normaliser (BatchNorm scale/bias and statistics).
+    norm: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a jit static argument
@@ -213,7 +215,7 @@ def build_structure(
                 )
             layer = module_layer[module_path]
             is_kernel_like = module_path not in norm_set and np.ndim(leaf) >= 2
-            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like))
+            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like), norm=module_path in norm_set)
         roles[collection] = coll_roles
     return ModelStructure(layers=tuple(built), roles=roles, sequential=sequential)
 

@@ -21,6 +21,7 @@ from fedpartial._src.methods.basic import fedprox as _fedprox
 from fedpartial._src.methods.basic import moon as _moon
 from fedpartial._src.methods.basic import scaffold as _scaffold
 from fedpartial._src.methods.layerwise import fedldf as _fedldf
+from fedpartial._src.methods.personal import fedbn as _fedbn
 from fedpartial._src.methods.personal import fedper as _fedper
 from fedpartial._src.methods.personal import fedrep as _fedrep
 from fedpartial._src.methods.personal import lgfedavg as _lgfedavg
@@ -39,7 +40,7 @@ from fedpartial._src.methods.weighting import feddh as _feddh
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec for spec in (
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _afd.SPEC, _fedselect.SPEC,
-        _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC,
+        _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
         _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC,
     )

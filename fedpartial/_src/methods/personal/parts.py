@@ -1,6 +1,7 @@
-"""Personal layers: the piece the personalised partial-model methods share (FedPer, LG-FedAvg).
+"""Personal parts: the piece the personalised partial-model methods share (FedPer, LG-FedAvg, FedRep, FedBN).
 
-Every client keeps its own copy of some layers across rounds (``MethodState.clients``, ``[N]``
+Every client keeps its own copy of some parts of the model (whole layers, or every layer's
+normaliser) across rounds (``MethodState.clients``, ``[N]``
 full models, initially the broadcast ``w⁰``) and shares the others.  In a round, a sampled client:
 
 1. receives the shared layers' global values (they count as download) and starts from them
@@ -10,9 +11,9 @@ full models, initially the broadcast ``w⁰``) and shares the others.  In a roun
    value of the personal layers (nobody uploads them);
 4. keeps its trained model (the personal layers are what it reuses).
 
-Evaluation is each client's own model on its held-out split: the current global shared layers
-with its personal layers.  Which layers are personal is a function of the number of layers ``L``
-(whole layers: a BatchNorm belongs to the layer it follows), so any model works, residual or not.
+Evaluation is each client's own model on its held-out split: the current global shared parts
+with its personal ones.  What is shared is a layer-level mask (a BatchNorm belongs to the layer
+it follows; ``Mask.norms`` sets normalisers apart), so any model works, residual or not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.population import broadcast_clients
+from fedpartial._src.core.structure import ModelStructure
 from fedpartial._src.methods.base import (
     Capabilities,
     ClientPlan,
@@ -45,6 +47,8 @@ from fedpartial._src.methods.submodel.common import merge
 
 #: ``num_layers -> [L] bool``, the layers each client keeps as its own
 PersonalOf = Callable[[int], np.ndarray]
+#: ``structure -> Mask`` (one client's), what every client shares; the rest is its own
+SharedOf = Callable[[ModelStructure], masks.Mask]
 
 
 def check_head_layers(value) -> str | None:
@@ -68,10 +72,16 @@ def head_of(name: str, head_layers: int, num_layers: int) -> np.ndarray:
 
 def personal_layers(name: str, personal_of: PersonalOf) -> Method:
     """A method whose clients keep the layers ``personal_of(L)`` marks as their own and share the rest."""
+    return personal_parts(name, lambda structure: masks.from_layers(
+        structure, ~np.asarray(personal_of(structure.num_layers), bool)))
+
+
+def personal_parts(name: str, shared_of: SharedOf) -> Method:
+    """A method whose clients share what ``shared_of(structure)`` marks and keep the rest as their own."""
 
     def shared(ctx: MethodContext, batch_shape=()) -> masks.Mask:
-        layers = ~np.asarray(personal_of(ctx.structure.num_layers), bool)
-        return masks.from_layers(ctx.structure, jnp.broadcast_to(jnp.asarray(layers), (*batch_shape, layers.size)))
+        mask = shared_of(ctx.structure)
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (*batch_shape, *jnp.shape(a))), mask)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         shared(ctx)  # a bad split is refused before anything runs
