@@ -111,6 +111,20 @@ def test_bad_flags_are_one_sentence_naming_the_flag(flags, flag, capsys):
     assert err.startswith("fedpartial: error: ") and flag in err and len(err.splitlines()) == 1
 
 
+def test_an_existing_out_is_refused_and_left_alone(tmp_path, capsys):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text('{"benchmark": "throughput"}')
+    assert cli.main(["bench", "--out", str(earlier)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedpartial: error: --out ") and "already exists" in err and len(err.splitlines()) == 1
+    assert earlier.read_text() == '{"benchmark": "throughput"}'
+    # The default name of a second run the same day does not take the first's.
+    (tmp_path / "t.json").write_text("{}")
+    (tmp_path / "t-2.png").write_bytes(b"")
+    assert bench.free_path(str(tmp_path / "t.json")) == str(tmp_path / "t-3.json")
+    assert bench.free_path(str(tmp_path / "new.json")) == str(tmp_path / "new.json")
+
+
 @pytest.mark.parametrize("method", ["fedavg", "fedspu", "embracingfl"])
 def test_cpu_training_phase_loop_equals_the_vmapped_scan(method):
     """On a CPU the training phase is timed as the stepwise strategy's loop of jitted steps; it trains what

@@ -473,14 +473,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "(default benchmarks/results/throughput-<device>-<date>.json)")
 
 
+def check_out(out: str | None) -> None:
+    """Results are never overwritten: an ``--out`` that exists (or whose figure does) is one sentence."""
+    if out is None:
+        return
+    for path in (out, os.path.splitext(out)[0] + ".png"):
+        if os.path.exists(path):
+            raise UserError(f"--out {out!r}: {path!r} already exists; give a new path (results are never "
+                            f"overwritten).")
+
+
+def free_path(path: str) -> str:
+    """``path``, or ``<stem>-2<ext>``, ``-3`` … when it (or its figure) exists: a second run of the day
+    keeps the first's."""
+    stem, ext = os.path.splitext(path)
+    candidate, n = path, 2
+    while os.path.exists(candidate) or os.path.exists(os.path.splitext(candidate)[0] + ".png"):
+        candidate, n = f"{stem}-{n}{ext}", n + 1
+    return candidate
+
+
 def run(settings: Settings, out: str | None = None, preset: str = "custom") -> tuple[dict, str]:
-    """Runs the suite; returns the report and the JSON path (written after every cell)."""
+    """Runs the suite; returns the report and the JSON path (written after every cell).  ``out`` None: a new
+    file named by device and date; an existing ``out`` is refused (nothing is overwritten)."""
+    check_out(out)
     device = device_info()
     log(f"device: {device['backend']} / {device['device_kind']}  ({device['cpu_count']} CPUs); "
         "measuring matmul FLOP/s")
     device.update(matmul_flops_per_s(device["platform"]))
     when = datetime.datetime.now(datetime.timezone.utc)
-    out = out or default_out(device, when)
+    out = out or free_path(default_out(device, when))
     config = {**dataclasses.asdict(settings), "preset": preset, "num_classes": NUM_CLASSES, "seed": SEED,
               "plain_loop": "FedAvg: per-client Python loop of a jitted SGD step, weighted mean on the host",
               "client_optimizer": f"sgd(lr={settings.lr}, momentum={settings.momentum})",
@@ -511,6 +533,7 @@ def run(settings: Settings, out: str | None = None, preset: str = "custom") -> t
 def main(args: argparse.Namespace) -> int:
     """``fedpartial bench``: exit status 1 when a path disagrees with its reference."""
     settings = settings_from_args(args)
+    check_out(args.out)
     report, out = run(settings, args.out, args.preset)
     print(f"wrote {out} and {os.path.splitext(out)[0]}.png")
     status = 0

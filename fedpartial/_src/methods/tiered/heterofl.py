@@ -109,7 +109,8 @@ WIDTHS_OPTION = Option("widths", parse_widths, DEFAULT_WIDTHS,
                        "HeteroFL / FjORD tiers: width ratios M,W of moderate and weak clients (default: 7/16, 3/16 "
                        "of the channels, the EmbracingFL paper's Table 10)", check=check_widths, flag="--widths")
 WEIGHTING_OPTION = Option("weighting", str, "uniform",
-                          "HeteroFL / FedRolex: each holder's aggregation weight, uniform (as HeteroFL) or samples (n_k)",
+                          "HeteroFL / FedRolex: each holder's aggregation weight, uniform (as HeteroFL) or samples "
+                          "(n_k)",
                           check=check_weighting, flag="--heterofl-weights")
 
 
