@@ -261,3 +261,18 @@ def test_resume_without_a_checkpoint_is_one_sentence(tmp_path, capsys):
     os.makedirs(tmp_path / "empty")
     assert main(["run", "--resume", str(tmp_path / "empty")]) == 2
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_resuming_a_completed_run_changes_nothing(tmp_path, capsys):
+    """A completed run is said to be complete in one sentence, exit 0, and no file of it is rewritten."""
+    from fedpartial._src.experiment import checkpoint
+
+    run_dir = tmp_path / "done"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / "summary.json").write_text('{"status": "complete"}')
+    checkpoint.write_status(str(run_dir), "complete", round=3, message="3 rounds", checkpoint_round=3)
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()}
+    assert main(["run", "--resume", str(run_dir)]) == 0
+    assert f"{run_dir} is complete (3 rounds): nothing to resume" in capsys.readouterr().out
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()} == before

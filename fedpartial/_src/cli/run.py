@@ -53,7 +53,12 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
         args.seed_given, args.lr_given, args.server_lr_given = ("seed" in given, "lr" in given,
                                                                 "server_lr" in given)
     try:
+        if args.resume is not None:
+            _check_resume(args, *_run_flags(argv), checkpoint)
         return _run_checked(args, console, checkpoint)
+    except RunComplete as done:
+        print(str(done), flush=True)  # plain: a path is neither wrapped nor read as markup
+        return 0
     except UserError as e:
         if not args.from_file or checkpoint.is_diverged(e):
             raise
@@ -86,6 +91,34 @@ def _join_processes(args) -> None:
     import jax
 
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+
+
+#: what may be given with --resume: how this session runs, not what the run is (that is its config.json)
+RESUME_FLAGS = ("resume", "checkpoint_every", "quiet", "coordinator", "num_processes", "process_id")
+REPLICA_FLAGS = {"seeds", "lrs", "server_lrs"}
+
+
+def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str], checkpoint) -> None:
+    """A run flag given with --resume would be dropped without a word: refused, naming it.  A completed run
+    is left as it is (:class:`RunComplete`)."""
+    from fedpartial._src.cli import config_file
+
+    given = config_file.given_on_command_line(parser, tokens)
+    if given & set(REPLICA_FLAGS):
+        return  # replicas cannot be resumed at all: their own sentence, below
+    extra = sorted((a for a in parser._actions if a.dest in given and a.dest not in RESUME_FLAGS),
+                   key=lambda a: a.dest == "out")  # a flag that changes the run is named before --out
+    if extra:
+        raise UserError(f"{extra[0].option_strings[0]} cannot be combined with --resume: a resumed run keeps its own "
+                        f"config.json (only --checkpoint-every and --quiet may be given).")
+    status = checkpoint.read_status(args.resume) if os.path.isdir(args.resume) else None
+    if status is not None and status.get("status") == "complete":
+        raise RunComplete(f"{args.resume} is complete ({status.get('round')} rounds): nothing to resume, its "
+                          f"results are left as they are.")
+
+
+class RunComplete(Exception):
+    """``--resume`` of a completed run: said in one sentence, exit 0, nothing written."""
 
 
 def _run_stoppable(args, console: Console, stop) -> int:
