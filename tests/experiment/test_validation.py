@@ -108,3 +108,13 @@ def test_neuron_level_methods_say_so_in_their_capabilities():
     neuron = {n for n, spec in METHODS.items() if spec.build().capabilities.neuron_masks}
     assert neuron == {"fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "fedad",
                       "feddhad"}
+
+
+def test_a_run_name_too_long_for_a_folder_is_refused_before_anything_is_made(tmp_path, capsys):
+    """A 300-character --name would fail as ENAMETOOLONG after folders were made: refused up front."""
+    name = "a" * 300
+    assert main(["run", "--out", str(tmp_path / "out"), "--name", name]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fedpartial: error: --name {name!r} is not allowed: it must be a folder name of at most 240 bytes "
+                   f"(file systems allow 255, and a taken name gets a suffix).\n")
+    assert list(tmp_path.iterdir()) == []

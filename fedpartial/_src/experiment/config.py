@@ -33,6 +33,8 @@ DEFAULT_MODELS = {
 }
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DEFAULT_LOCAL_EPOCHS = 2.0
+#: a run folder's name: file systems allow 255 bytes; a taken name gets a suffix such as "-1"
+MAX_RUN_NAME_BYTES = 240
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
@@ -109,6 +111,9 @@ def _check_output(out_dir: str | None, run_name: str | None) -> None:
             not isinstance(run_name, str) or not run_name or run_name in (".", "..") or os.path.isabs(run_name)
             or "/" in run_name or (os.sep in run_name) or (os.altsep and os.altsep in run_name)):
         _refuse("run_name", run_name, "a plain folder name without '/' (the folder is made inside --out)")
+    if run_name is not None and len(run_name.encode()) > MAX_RUN_NAME_BYTES:
+        _refuse("run_name", run_name, f"a folder name of at most {MAX_RUN_NAME_BYTES} bytes (file systems allow "
+                                      f"255, and a taken name gets a suffix)")
     path = os.path.abspath(os.fspath(out_dir))
     probe = path
     while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
