@@ -91,6 +91,15 @@ def test_plot_draws_the_run_dirs(done, tmp_path, capsys):
     assert main(["plot", dirs[0], str(tmp_path), "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a run directory" in err and not (tmp_path / "q").exists()
+    # Earlier figures are never overwritten, a file is not a directory: one sentence each, nothing drawn.
+    before = {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir()}
+    assert main(["plot", *dirs, "--out", str(tmp_path / "p")]) == 2
+    assert "already holds accuracy_vs_round.png; choose a new directory" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir()} == before
+    (tmp_path / "f").write_text("x")
+    assert main(["plot", *dirs, "--out", str(tmp_path / "f" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be made" in err and "is a file" in err
 
 
 def _run(out, method, seed, accs, upload, time_s):

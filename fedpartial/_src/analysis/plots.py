@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment.summaries import load_run, run_curve
 
 #: file stem -> (curve key of the x axis, x label)
@@ -26,6 +27,25 @@ FIGURES = {
     "accuracy_vs_simulated_time": ("time", "cumulative simulated time (s)"),
 }
 FORMATS = ("png", "svg")
+
+
+def check_out_dir(out_dir: str, flag: str = "--out") -> None:
+    """The figures can be written in ``out_dir`` without overwriting any: else one sentence (nothing is made)."""
+    path = os.path.abspath(out_dir)
+    probe = path
+    while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == path else f"cannot be made: {probe} is a file"
+        raise UserError(f"{flag} {out_dir!r} {where}; it must be a directory for the figures.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "is not writable" if probe == path else f"cannot be made: {probe} is not writable"
+        raise UserError(f"{flag} {out_dir!r} {where}; choose a directory you may write to.")
+    taken = [f"{stem}.{fmt}" for stem in FIGURES for fmt in FORMATS
+             if os.path.exists(os.path.join(path, f"{stem}.{fmt}"))]
+    if taken:
+        raise UserError(f"{flag} {out_dir!r} already holds {taken[0]}; choose a new directory (figures are never "
+                        f"overwritten).")
 
 
 def draw(curves: Sequence[dict], out_dir: str) -> list[str]:

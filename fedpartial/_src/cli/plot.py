@@ -27,6 +27,7 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
     for run_dir in args.run_dirs:
         summaries.load_run(run_dir)  # a path that is not a run directory: one sentence before anything is drawn
     out_dir = args.out or compare.default_out_dir().replace("compare-", "plot-", 1)
+    plotting.check_out_dir(out_dir)  # a file, an unwritable place or earlier figures: one sentence, nothing drawn
     paths = plotting.plot_runs(args.run_dirs, out_dir)
     console.print(f"{len(paths)} figures in {out_dir}")
     return 0
