@@ -161,3 +161,31 @@ def test_out_with_files_is_refused(tmp_path, capsys):
     assert main(["compare", "--methods", "fedavg", "--out", str(tmp_path)] + TINY) == 2
     assert "already holds files" in capsys.readouterr().err
     assert os.listdir(tmp_path) == ["keep.txt"]
+
+
+def test_a_config_file_gives_the_flags_the_command_line_does_not(tmp_path, capsys, monkeypatch):
+    """``compare --config exp.toml`` reads the file as ``run`` does (methods and seeds too), the command line
+    winning; a missing file, a bad key and no methods anywhere are one sentence before any run."""
+    planned = []
+
+    def capture(configs, **kwargs):
+        planned.extend(configs)
+        raise compare.UserError("stop here")
+
+    monkeypatch.setattr(compare, "run_all", capture)
+    exp = tmp_path / "exp.toml"
+    exp.write_text('methods = "fedavg,fedldf"\nseeds = "3"\nrounds = 5\nlr = 0.2\ndataset = "synthetic"\n'
+                   'model = "mlp"\nclients = 6\ncohort = 3\nlocal_steps = 1\nbatch_size = 8\n')
+    assert main(["compare", "--config", str(exp), "--lr", "0.3", "--out", str(tmp_path / "c")]) == 2
+    assert "stop here" in capsys.readouterr().err
+    assert [(c.method, c.seed, c.rounds, c.client_lr) for c in planned] == [("fedavg", 3, 5, 0.3),
+                                                                             ("fedldf", 3, 5, 0.3)]
+    for text, words in [(None, "does not exist"), ('methods = "fedavg"\nbogus = 1\n', "key 'bogus' is not a run"),
+                        ("rounds = 2\n", "--methods is required")]:
+        path = tmp_path / "missing.toml" if text is None else tmp_path / "bad.toml"
+        if text is not None:
+            path.write_text(text)
+        assert main(["compare", "--config", str(path), "--out", str(tmp_path / "d")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+        assert not (tmp_path / "d").exists()

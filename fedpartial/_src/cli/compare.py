@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 
 from fedpartial._src.cli.display import duration, mb
 from fedpartial._src.cli.flags import Formatter, config_from_args
+from fedpartial._src.core.errors import UserError
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
 NOT_COMPARED = ("help", "method", "seed", "seeds", "lrs", "server_lrs", "out", "name", "resume",
@@ -22,8 +24,8 @@ def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentPar
     compare = subparsers.add_parser(
         "compare", help="several methods on the same partitions and seeds: table and figures",
         formatter_class=Formatter)
-    compare.add_argument("--methods", required=True,
-                         help="methods, comma-separated, e.g. fedavg,fedldf,fedspu (required, no default)")
+    compare.add_argument("--methods", default=None,
+                         help="methods, comma-separated, e.g. fedavg,fedldf,fedspu (required, here or in --config)")
     compare.add_argument("--seeds", default="0", help="seeds, comma-separated, e.g. 0,1,2")
     compare.add_argument("--option", action="append", default=[], metavar="METHOD:NAME=VALUE",
                          help="a method's option, e.g. fedldf:n=2 (repeat for more; others keep their defaults)")
@@ -45,11 +47,29 @@ def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentPar
     return compare
 
 
+def _compare_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[str]]:
+    """A fresh ``compare`` parser (as ``fedpartial``'s own) and the tokens given after ``compare``."""
+    from fedpartial._src.cli import run as run_cli
+    from fedpartial._src.cli.flags import Parser
+
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    subparsers = Parser(prog="fedpartial").add_subparsers(parser_class=Parser)
+    return add_parser(subparsers, run_cli.add_parser(subparsers)), tokens[tokens.index("compare") + 1:]
+
+
 def handle(args, console: Console, argv: list[str] | None = None) -> int:
-    """``fedpartial compare``."""
+    """``fedpartial compare``; ``--config FILE.toml`` gives flags as ``run`` reads them (methods and seeds
+    too), the command line winning."""
     from fedpartial._src.analysis import compare
     from fedpartial._src.experiment import summaries
 
+    if getattr(args, "config", None) is not None:  # the file's values where the command line gave none
+        from fedpartial._src.cli import config_file
+
+        config_file.merge(args, *_compare_flags(argv), args.config)
+    if args.methods is None:
+        raise UserError("--methods is required (e.g. --methods fedavg,fedldf), on the command line or as methods = "
+                        "\"…\" in a --config file.")
     methods = compare.parse_methods(args.methods)
     seeds = compare.parse_seeds(args.seeds)
     options = compare.parse_options(args.option, methods)
