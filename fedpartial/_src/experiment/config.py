@@ -258,6 +258,10 @@ class RunConfig:
                 spec.check(dict(self.options))
             except UserError as e:
                 bad(str(e))
+            tiers = dict(self.options).get("tiers")
+            if isinstance(tiers, (tuple, list)) and len(tiers) > self.num_clients:  # equal clusters by client id
+                bad(f"--tiers gives {len(tiers)} keep ratios but the population has {self.num_clients} clients "
+                    f"(--clients), so some tiers would have nobody; give at most {self.num_clients}.")
         if self.dataset not in sources.DATASETS:
             bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
         if self.model != "auto" and self.model not in registry.MODELS:
