@@ -88,29 +88,25 @@ def test_engine_matches_a_plain_python_reference_over_three_rounds():
         np.testing.assert_array_equal(traffic[f"{way}_bytes_per_client"], [4 * 83, 4 * 39, 4 * 25])
 
 
+def two_rounds(method, strategy=None):
+    """The global variables after two rounds of ``method`` on the small MLP."""
+    r = build(adapt(SMALL, (4,)), method, strategy=strategy)
+    state = start(r)
+    for t, c in enumerate(cohorts(2)):
+        state, _ = r(state, c, jax.random.key(t))
+    return jax.device_get(state.variables)
+
+
 def test_stepwise_strategy_agrees():
-    model = adapt(SMALL, (4,))
-    results = []
-    for strategy in (None, stepwise(1)):
-        r = build(model, fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL), strategy=strategy)
-        state = start(r)
-        for t, c in enumerate(cohorts(2)):
-            state, _ = r(state, c, jax.random.key(t))
-        results.append(jax.device_get(state.variables))
+    results = [two_rounds(fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL), strategy)
+               for strategy in (None, stepwise(1))]
     chex.assert_trees_all_close(*results, rtol=1e-6, atol=1e-7)
 
 
 def test_all_strong_fedrolex_is_fedavg():
     """Every client strong with n_k weights: the whole model, averaged over everyone — FedAvg."""
-    model = adapt(SMALL, (4,))
-    results = []
-    for method in (fedrolex(weighting="samples"), get_method("fedavg")):
-        r = build(model, method)
-        state = start(r)
-        for t, c in enumerate(cohorts(2)):
-            state, _ = r(state, c, jax.random.key(t))
-        results.append(jax.device_get(state.variables))
-    chex.assert_trees_all_close(*results, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(two_rounds(fedrolex(weighting="samples")), two_rounds(get_method("fedavg")),
+                                rtol=1e-6, atol=1e-7)
 
 
 def test_an_option_a_resnet_is_refused_and_projection_shortcuts_roll():

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment.config import check_writable_dir
 from fedpartial._src.experiment.summaries import load_run, run_curve
 
 #: file stem -> (curve key of the x axis, x label)
@@ -31,16 +32,8 @@ FORMATS = ("png", "svg")
 
 def check_out_dir(out_dir: str, flag: str = "--out") -> None:
     """The figures can be written in ``out_dir`` without overwriting any: else one sentence (nothing is made)."""
+    check_writable_dir(out_dir, flag, "a directory for the figures")
     path = os.path.abspath(out_dir)
-    probe = path
-    while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        where = "is a file" if probe == path else f"cannot be made: {probe} is a file"
-        raise UserError(f"{flag} {out_dir!r} {where}; it must be a directory for the figures.")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = "is not writable" if probe == path else f"cannot be made: {probe} is not writable"
-        raise UserError(f"{flag} {out_dir!r} {where}; choose a directory you may write to.")
     taken = [f"{stem}.{fmt}" for stem in FIGURES for fmt in FORMATS
              if os.path.exists(os.path.join(path, f"{stem}.{fmt}"))]
     if taken:

@@ -114,20 +114,27 @@ def _check_output(out_dir: str | None, run_name: str | None) -> None:
     if run_name is not None and len(run_name.encode()) > MAX_RUN_NAME_BYTES:
         _refuse("run_name", run_name, f"a folder name of at most {MAX_RUN_NAME_BYTES} bytes (file systems allow "
                                       f"255, and a taken name gets a suffix)")
-    path = os.path.abspath(os.fspath(out_dir))
-    probe = path
+    check_writable_dir(out_dir, "--out", "a directory to write run folders in")
+
+
+def check_writable_dir(path: str, flag: str, what: str) -> None:
+    """``path`` is a directory that exists or can be made, and may be written: else one sentence naming ``flag``
+    and ``what`` it must be.  Nothing is left behind (an empty probe folder is made in the nearest existing
+    ancestor and removed at once)."""
+    full = os.path.abspath(os.fspath(path))
+    probe = full
     while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        where = "is a file" if probe == path else f"cannot be made: {probe} is a file"
-        raise ConfigError(f"--out {out_dir!r} {where}; it must be a directory to write run folders in.")
-    where = "is not writable" if probe == path else f"cannot be made: {probe} is not writable"
+        where = "is a file" if probe == full else f"cannot be made: {probe} is a file"
+        raise ConfigError(f"{flag} {path!r} {where}; it must be {what}.")
+    where = "is not writable" if probe == full else f"cannot be made: {probe} is not writable"
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out_dir!r} {where}; choose a directory you may write to.")
+        raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.")
     try:  # os.access says yes to root even where the kernel refuses (/proc, /sys): try an empty folder
         os.rmdir(tempfile.mkdtemp(prefix=".fedpartial-probe-", dir=probe))
     except OSError:
-        raise ConfigError(f"--out {out_dir!r} {where}; choose a directory you may write to.") from None
+        raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.") from None
 
 
 @dataclasses.dataclass
