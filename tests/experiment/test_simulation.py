@@ -86,3 +86,32 @@ def test_cohort_draw_of_a_huge_population_is_distinct_uniform_and_o_of_k():
     # Small populations keep the permutation draw, so earlier runs' cohorts are unchanged.
     small = _distinct_uniform(jax.random.key(2), 100, 10)
     np.testing.assert_array_equal(small, np.asarray(jax.random.choice(jax.random.key(2), 100, (10,), replace=False)))
+
+
+def _dataset(labels, num_classes=10):
+    from fedpartial._src.data.arrays import ArrayDataset
+
+    rng = np.random.default_rng(0)
+    y = np.asarray(labels, np.int32)
+    return ArrayDataset(name="tiny", x_train=rng.normal(size=(len(y), 4)).astype(np.float32), y_train=y,
+                        x_test=rng.normal(size=(4, 4)).astype(np.float32), y_test=np.zeros(4, np.int32),
+                        num_classes=num_classes)
+
+
+@pytest.mark.parametrize("outputs, labels, match", [
+    (5, list(range(10)) * 2, "model m gives 5 outputs per example, but tiny has 10 classes; build the model with "
+                             "num_classes=10"),
+    (20, list(range(10)) * 2, "model m gives 20 outputs per example, but tiny has 10 classes"),
+    (10, [0, 3, 12, 1] * 5, "tiny's training labels include 12, but it declares 10 classes \\(labels 0 to 9\\)"),
+    (10, [0, -1, 2, 1] * 5, "tiny's training labels include -1"),
+])
+def test_a_model_that_does_not_fit_the_labels_is_one_sentence(outputs, labels, match):
+    """Said as what it is before anything is built (was: 'diverged … lower --lr', a reshape error, or nothing)."""
+    from fedpartial._src.models import zoo
+    from fedpartial._src.models.adapter import from_linen
+
+    model = from_linen(zoo.MLP(outputs, hidden=(6,)), input_shape=(4,), num_classes=outputs, sequential=True,
+                       name="m")
+    config = RunConfig(dataset="synthetic", num_clients=4, cohort_size=2, rounds=1, local_steps=1, batch_size=4)
+    with pytest.raises(ConfigError, match=match):
+        Simulation(config, _dataset(labels), model=model)

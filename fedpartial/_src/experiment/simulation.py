@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -40,6 +41,24 @@ from fedpartial._src.experiment.parts import build_model, make_client_optimizer,
 from fedpartial._src.experiment.run_directory import RunWriter
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
+
+
+def check_labels(dataset) -> None:
+    """Every label of ``dataset`` is a class it declares (``0 … num_classes − 1``): else one sentence."""
+    for split, y in (("training", dataset.y_train), ("test", dataset.y_test)):
+        y = np.asarray(y)
+        if y.size and (y.min() < 0 or y.max() >= dataset.num_classes):
+            bad = int(y.min()) if y.min() < 0 else int(y.max())
+            raise ConfigError(f"{dataset.name}'s {split} labels include {bad}, but it declares {dataset.num_classes} "
+                              f"classes (labels 0 to {dataset.num_classes - 1}); fix the labels or num_classes.")
+
+
+def model_outputs(model: Model, dtype=np.float32) -> int:
+    """How many logits ``model`` gives per example of ``dtype`` (from shapes alone: nothing is computed)."""
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), dtype)
+    logits = jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x)
+    return int(logits.shape[-1])
 
 
 class Simulation:
@@ -95,6 +114,7 @@ class Simulation:
     def _load_dataset(self, dataset: sources.ArrayDataset | None) -> None:
         """The training and test data: the caller's ``dataset``, else the one the config names."""
         self.dataset = dataset if dataset is not None else population.load_dataset(self.config)
+        check_labels(self.dataset)  # before the partition counts them
 
     def _choose_method(self, method: Method | None) -> None:
         """The method (the caller's or the config's, early stopping around it) and each client's train fraction."""
@@ -151,6 +171,11 @@ class Simulation:
         if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
+        outputs = model_outputs(self.model, dataset.x_train.dtype)
+        if outputs != dataset.num_classes:  # fewer would fail later as something else, more would pass silently
+            raise ConfigError(f"model {self.model.name} gives {outputs} outputs per example, but {dataset.name} has "
+                              f"{dataset.num_classes} classes; build the model with num_classes="
+                              f"{dataset.num_classes}.")
 
     def _split_over_devices(self) -> None:
         """The mesh the cohort is split over (None on one device); a run over several processes uses them all."""
