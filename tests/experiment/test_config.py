@@ -10,7 +10,7 @@ import pytest
 from fedpartial._src.cli import config_file
 from fedpartial._src.cli.main import build_parser, config_from_args, main
 from fedpartial._src.experiment import records as run_record
-from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.config import ConfigError, RunConfig
 
 SMALL = ["--rounds", "2", "--clients", "6", "--cohort", "3", "--local-steps", "2", "--batch-size", "8",
          "--model", "mlp"]
@@ -153,3 +153,15 @@ def test_run_record_reproduces_and_progress_modes(tmp_path, capsys):
     again = json.loads((tmp_path / "b" / "config.json").read_text())
     assert {**again, "run_name": "a"} == config
     assert dataclasses.asdict(run_record.resolved(RunConfig(**config))) == config
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"options": "n=4"}, "options 'n=4' is not allowed: it must be a mapping of option names to values"),
+    ({"options": {4: "n"}}, "options {4: 'n'} is not allowed"),
+    ({"dataset": ["digits"]}, "--dataset \\['digits'\\] is not allowed: it must be a name \\(a string\\)"),
+    ({"method": 3}, "--method 3 is not allowed: it must be a name"),
+])
+def test_a_value_of_the_wrong_type_is_one_sentence(kw, match):
+    """From Python, where argparse does not stand guard (were a raw ValueError or TypeError)."""
+    with pytest.raises(ConfigError, match=match):
+        RunConfig(**kw).validate()

@@ -7,6 +7,7 @@ files, ``fedpartial compare`` and many-seed runs can check a run before anything
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 import math
 import os
 import tempfile
@@ -220,6 +221,14 @@ class RunConfig:
         """
         def bad(msg):
             raise ConfigError(msg)
+
+        # Types first: a string where a mapping belongs (options='n=4') must not reach the checks below.
+        for field in ("method", "dataset", "model", "partition"):
+            if not isinstance(getattr(self, field), str):
+                bad(f"{_flag(field)} {getattr(self, field)!r} is not allowed: it must be a name (a string).")
+        if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
+            bad(f"options {self.options!r} is not allowed: it must be a mapping of option names to values, e.g. "
+                f"{{'n': 4}} (the method's own flags on the command line).")
 
         _check_finite(self, "alpha", lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)")
         _check_finite(self, "local_epochs", lambda v: v > 0, "> 0")
