@@ -189,3 +189,16 @@ def test_a_config_file_gives_the_flags_the_command_line_does_not(tmp_path, capsy
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
         assert not (tmp_path / "d").exists()
+
+
+def test_plot_reads_a_run_whose_last_line_a_kill_cut_short(done, tmp_path, capsys):
+    """A torn last line of metrics.jsonl is left out, as --resume leaves it out (was 'not a run directory')."""
+    import shutil
+
+    run = tmp_path / "torn"
+    shutil.copytree(done / "fedavg-seed0", run)
+    whole = summaries.load_run(str(run))["records"]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"round": 3, "test_accur')
+    assert summaries.load_run(str(run))["records"] == whole
+    assert main(["plot", str(run), "--out", str(tmp_path / "p")]) == 0

@@ -8,7 +8,6 @@ one :class:`~fedpartial._src.experiment.simulation.Simulation` (many-seed runs k
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -20,6 +19,7 @@ import numpy as np
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import checkpoint
 from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.summaries import metric_records
 
 if TYPE_CHECKING:
     from fedpartial._src.experiment.simulation import Simulation
@@ -162,12 +162,8 @@ def _truncate_metrics(path: str, upto: int) -> list[dict]:
     kept: dict[int, dict] = {}
     if os.path.exists(path):
         with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # the line a kill cut short
-                if isinstance(record, dict) and 1 <= record.get("round", 0) <= upto:
+            for record in metric_records(f):
+                if 1 <= record["round"] <= upto:
                     kept.setdefault(record["round"], record)
     records = [kept[r] for r in sorted(kept)]
     tmp = f"{path}.tmp"

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

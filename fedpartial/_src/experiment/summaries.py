@@ -45,6 +45,20 @@ def parse_distinct(text: str, flag: str, convert: Callable[[str], Any], allowed:
     return values
 
 
+def metric_records(lines) -> list[dict]:
+    """The round records among ``metrics.jsonl``'s lines, as ``--resume`` reads them: a line a kill cut short
+    (or any line that is not one JSON record of a round) is left out."""
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the line a kill cut short
+        if isinstance(record, dict) and isinstance(record.get("round"), int):
+            records.append(record)
+    return records
+
+
 def load_run(run_dir: str) -> dict:
     """A run directory's ``config`` and per-round ``records`` (and ``summary`` when written, else None)."""
     def read(name):
@@ -53,8 +67,8 @@ def load_run(run_dir: str) -> dict:
 
     try:
         config = json.loads(read("config.json"))
-        records = [json.loads(line) for line in read("metrics.jsonl").splitlines() if line.strip()]
-        if not isinstance(config, dict) or not all(isinstance(r, dict) and "round" in r for r in records):
+        records = metric_records(read("metrics.jsonl").splitlines())
+        if not isinstance(config, dict):
             raise ValueError
     except (OSError, ValueError):
         raise UserError(f"{run_dir!r} is not a run directory (it needs a readable config.json and "
