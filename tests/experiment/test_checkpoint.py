@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -276,3 +277,28 @@ def test_resuming_a_completed_run_changes_nothing(tmp_path, capsys):
     assert main(["run", "--resume", str(run_dir)]) == 0
     assert f"{run_dir} is complete (3 rounds): nothing to resume" in capsys.readouterr().out
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()} == before
+
+
+def test_a_run_folder_in_use_is_refused_and_a_dead_holder_s_lock_is_taken_over(tmp_path, capsys):
+    """A second process resuming a folder another live process writes is one sentence and writes nothing; a lock a
+    killed run left behind is taken over with a sentence; the lock is given back when the run ends."""
+    from fedpartial._src.experiment import checkpoint
+
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / "lock-0").write_text(f"{os.getppid()} {socket.gethostname()}\n")  # a live process: pytest's parent
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    assert main(["run", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run_dir} is in use by process {os.getppid()}" in err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "lock-0").write_text(f"{dead.pid} {socket.gethostname()}\n")
+    note = checkpoint.lock_run_dir(str(run_dir))
+    assert note == f"took over the lock of {run_dir} from process {dead.pid}, which is no longer running"
+    assert (run_dir / "lock-0").read_text().split() == [str(os.getpid()), socket.gethostname()]
+    checkpoint.unlock_run_dir(str(run_dir))
+    assert not (run_dir / "lock-0").exists()

@@ -37,11 +37,13 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -132,6 +134,66 @@ def read_status(run_dir: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+# --- the run folder's lock ------------------------------------------------------------------------------
+
+
+def _lock_path(run_dir: str) -> str:
+    # One per process: the processes of one multi-process run share the folder, each holding its own lock.
+    return os.path.join(run_dir, f"lock-{jax.process_index()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def lock_run_dir(run_dir: str) -> str | None:
+    """Takes ``run_dir``'s lock (a file holding this process's pid and host) so that no second process writes
+    the folder at the same time.  Held by a live process: one sentence (:class:`UserError`).  Left by a process
+    that is no longer running: taken over, and the sentence saying so is returned (None otherwise)."""
+    path, mine = _lock_path(run_dir), f"{os.getpid()} {socket.gethostname()}\n"
+    note = None
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid_text, _, host = f.read().strip().partition(" ")
+                pid = int(pid_text)
+            except (OSError, ValueError):
+                pid, host = None, ""
+            here = host == socket.gethostname()
+            if pid is not None and pid != os.getpid() and (not here or _alive(pid)):
+                where = "" if here else f" on {host}"
+                raise UserError(f"{run_dir} is in use by process {pid}{where} (its lock file {path}); wait for it to "
+                                f"finish or stop it{'' if here else ', or delete the lock file if it has ended'}.")
+            if pid is not None and pid != os.getpid():
+                note = f"took over the lock of {run_dir} from process {pid}, which is no longer running"
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(mine)
+        return note
+    raise UserError(f"{run_dir}'s lock file {path} keeps coming back; another process is taking it.")
+
+
+def unlock_run_dir(run_dir: str) -> None:
+    """Gives ``run_dir``'s lock back, if this process holds it."""
+    path = _lock_path(run_dir)
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            if f.read().split(" ")[0] != str(os.getpid()):
+                return
+        os.remove(path)
 
 
 # --- signals ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 import jax
@@ -54,8 +55,13 @@ class RunWriter:
         self.run_dir = None
         self.records: list[dict] = []
         if resume is not None:
+            self._lock(resume)  # before anything of it is read: a second process may be writing it
             self.run_dir = resume
-            host = checkpoint.restore(resume, sim)
+            try:
+                host = checkpoint.restore(resume, sim)
+            except BaseException:
+                checkpoint.unlock_run_dir(resume)
+                raise
             if checkpoint_every is None:
                 self.checkpoint_every = host.get("checkpoint_every")
             self.records = _truncate_metrics(os.path.join(resume, "metrics.jsonl"), sim.progress["round"])
@@ -64,6 +70,7 @@ class RunWriter:
 
             name = config.run_name or f"{config.method_name}-{config.dataset}-seed{config.seed}"
             self.run_dir = unique_run_dir(config.out_dir, name)
+            self._lock(self.run_dir)
             # Every value resolved (method options, local epochs, model, train fraction), so the run can be
             # repeated from config.json or config.toml alone; environment.json says what it ran on.
             full = run_record.resolved(config, sim)
@@ -83,6 +90,12 @@ class RunWriter:
 
             self.log = open(os.path.join(self.run_dir, "metrics.jsonl"), "a" if resume is not None else "w")
             self.table = MetricsCSV(os.path.join(self.run_dir, "metrics.csv"), self.records)
+
+    @staticmethod
+    def _lock(run_dir: str) -> None:
+        note = checkpoint.lock_run_dir(run_dir)
+        if note:  # a lock a killed run left behind: taken over, and said
+            print(f"note: {note}.", file=sys.stderr, flush=True)
 
     def status(self, state: str, message: str = "") -> None:
         if self.run_dir:
@@ -147,6 +160,7 @@ class RunWriter:
         if run_dir:
             checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
             self.status(state, message)
+            checkpoint.unlock_run_dir(run_dir)
         if error is not None:
             raise error
         result = {**summary, "run_dir": run_dir, "records": self.records}
