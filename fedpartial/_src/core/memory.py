@@ -87,7 +87,7 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
                           data=in_flight * per_client_data, in_flight=in_flight, per_client=per_client, state=state)
 
 
-def _host_available() -> int | None:
+def host_available() -> int | None:
     """The host's ``MemAvailable`` (Linux), else its free physical pages; None when neither is known."""
     try:
         with open("/proc/meminfo") as f:
@@ -113,7 +113,7 @@ def available_bytes(device=None) -> tuple[int | None, str]:
             stats = {}
         if stats.get("bytes_limit"):
             return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} memory"
-    return _host_available(), "RAM"
+    return host_available(), "RAM"
 
 
 def gib(n: float) -> str:

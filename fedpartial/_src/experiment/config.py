@@ -16,6 +16,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from fedpartial._src.core import memory
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
@@ -34,6 +35,9 @@ DEFAULT_MODELS = {
 }
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DEFAULT_LOCAL_EPOCHS = 2.0
+#: the least host memory one client of the population takes (its device profile, ids, sample counts, data
+#: index): a population that cannot fit even that is refused before anything is drawn
+MIN_BYTES_PER_CLIENT = 64
 #: a run folder's name: file systems allow 255 bytes; a taken name gets a suffix such as "-1"
 MAX_RUN_NAME_BYTES = 240
 #: each client's training share when the method needs held-out data and none is given
@@ -241,6 +245,12 @@ class RunConfig:
         _check_finite(self, "target_accuracy", lambda v: 0 < v <= 1, "in (0, 1]")
         for field in ("num_clients", "rounds", "batch_size", "eval_every"):
             _check_int(self, field, 1)
+        ram = memory.host_available()
+        need = self.num_clients * MIN_BYTES_PER_CLIENT
+        if ram is not None and need > ram:  # before validation itself draws the population's device profiles
+            bad(f"--clients {self.num_clients} needs at least {memory.gib(need)} of host memory for the "
+                f"population's per-client records alone ({MIN_BYTES_PER_CLIENT} bytes a client), more than this "
+                f"machine has available.")
         if self.local_steps is not None:
             _check_int(self, "local_steps", 1)
         if self.max_samples is not None:
