@@ -222,14 +222,14 @@ def roll_units(model: Model, ratio: float, variables: dict, shift, *, module: nn
         for path, a in leaf_paths(sub)]) for c, sub in variables.items()}
 
 
-def rolls_units_consistently(model: Model, ratio: float, *, module: nn.Module | None = None,
-                             key: jax.Array | None = None) -> bool:
+@functools.lru_cache(maxsize=64)
+def rolls_units_consistently(model: Model, ratio: float, *, module: nn.Module | None = None) -> bool:
     """Whether rolling the units a :func:`width` graph of ``ratio`` narrows leaves ``model``'s function unchanged,
-    i.e. whether every rolled window is a sub-network of ``model`` (checked on random variables and inputs; an
-    option-A ResNet, whose shortcuts place channels at fixed offsets, is not)."""
+    i.e. whether every rolled window is a sub-network of ``model`` (checked once per arguments, eagerly, on random
+    variables and inputs; an option-A ResNet, whose shortcuts place channels at fixed offsets, is not)."""
     if ratio == 1:
         return True
-    key = jax.random.key(0, impl="rbg") if key is None else key
+    key = jax.random.key(0, impl="rbg")
     variables = model.init_variables(key)
     x = jax.random.normal(jax.random.fold_in(key, 1), (2, *model.input_shape), jnp.float32)
     before, _ = model.apply(variables, x, False)

@@ -58,8 +58,9 @@ def check_head_layers(value) -> str | None:
 
 HEAD_LAYERS_OPTION = Option(
     "head_layers", int, 1,
-    "FedPer / LG-FedAvg: the head is the model's last N layers (default 1, the classifier); FedPer keeps it "
-    "personal, LG-FedAvg shares it and keeps the rest personal", check=check_head_layers, flag="--head-layers")
+    "FedPer / LG-FedAvg / FedRep: the head is the model's last N layers (default 1, the classifier); FedPer and "
+    "FedRep keep it personal, LG-FedAvg shares it and keeps the rest personal", check=check_head_layers,
+    flag="--head-layers")
 
 
 def head_of(name: str, head_layers: int, num_layers: int) -> np.ndarray:
