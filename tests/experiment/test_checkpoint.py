@@ -302,3 +302,122 @@ def test_a_run_folder_in_use_is_refused_and_a_dead_holder_s_lock_is_taken_over(t
     assert (run_dir / "lock-0").read_text().split() == [str(os.getpid()), socket.gethostname()]
     checkpoint.unlock_run_dir(str(run_dir))
     assert not (run_dir / "lock-0").exists()
+
+
+def _largest_file(folder):
+    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(step_dir):
+    path = _largest_file(os.path.join(step_dir, "state"))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _zero(step_dir):
+    path = _largest_file(os.path.join(step_dir, "state"))
+    with open(path, "r+b") as f:
+        f.write(bytes(os.path.getsize(path)))
+
+
+def _flip(step_dir):
+    """One byte flipped in the middle of the arrays' data: read back without complaint, caught by the checksum."""
+    path = _largest_file(os.path.join(step_dir, "state"))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _no_host_record(step_dir):
+    os.remove(os.path.join(step_dir, "host", "metadata"))
+
+
+DAMAGE = {"truncated": _truncate, "zeroed": _zero, "byte-flipped": _flip, "no host record": _no_host_record}
+
+
+@pytest.fixture(scope="module")
+def stopped_at_4(compiled, tmp_path_factory):
+    """A run stopped after round 4 with checkpoints of rounds 2 and 4 (copied by each test before damaging)."""
+    sim = fresh(compiled, tmp_path_factory.mktemp("stopped"), "stopped")
+
+    def on_round(record):
+        if record["round"] == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(checkpoint.RunInterrupted) as stopped:
+        run(sim.config, sim=sim, on_round=on_round, checkpoint_every=2)
+    return stopped.value.summary["run_dir"]
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+        compiled, baseline, stopped_at_4, tmp_path, capsys, damage):
+    base_state, _, base = baseline
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(stopped_at_4, run_dir)
+    DAMAGE[damage](os.path.join(run_dir, "checkpoints", "4"))
+    capsys.readouterr()
+    sim = fresh(compiled, tmp_path, "unused")
+    result = run(sim.config, sim=sim, resume=run_dir)
+    note = capsys.readouterr().err
+    assert "the checkpoint of round 4" in note and "resumes from round 2" in note and "damaged-4" in note
+    assert len(note.strip().splitlines()) == 1  # one sentence, no orbax traceback
+    assert result["resumed_from_round"] == 2
+    _same_state(sim.state, base_state)  # rounds 3 and 4 run again: the same result as never stopping
+    assert _without_wall_clock(_strict(os.path.join(run_dir, "metrics.jsonl"))) == \
+        _without_wall_clock(_strict(os.path.join(base["run_dir"], "metrics.jsonl")))
+    assert checkpoint.read_status(run_dir)["status"] == "complete"
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "damaged-4"))  # kept for inspection, never read
+
+
+def test_a_checkpoint_without_orbax_metadata_still_reads_back_and_verifies(compiled, baseline, stopped_at_4,
+                                                                          tmp_path, capsys):
+    """Orbax restores the arrays from its OCDBT manifest when ``state/_METADATA`` is gone; the checksum says
+    they are the ones written, so the run resumes from that checkpoint without a note."""
+    base_state, _, _ = baseline
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(stopped_at_4, run_dir)
+    os.remove(os.path.join(run_dir, "checkpoints", "4", "state", "_METADATA"))
+    capsys.readouterr()
+    sim = fresh(compiled, tmp_path, "unused")
+    result = run(sim.config, sim=sim, resume=run_dir)
+    assert result["resumed_from_round"] == 4 and "note" not in capsys.readouterr().err
+    _same_state(sim.state, base_state)
+
+
+def test_a_config_json_edited_to_another_method_is_refused_and_nothing_changes(stopped_at_4, tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(stopped_at_4, run_dir)
+    path = os.path.join(run_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["method"], config["options"] = "fedprox", {}  # the same state shapes: it would restore silently
+    with open(path, "w") as f:
+        json.dump(config, f)
+    status_before = checkpoint.read_status(run_dir)
+    capsys.readouterr()
+    assert main(["run", "--resume", run_dir]) == 2
+    err = capsys.readouterr().err
+    assert "method = 'fedprox'" in err and "written with method = 'fedavg'" in err and "Traceback" not in err
+    assert checkpoint.read_status(run_dir) == status_before
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # orbax's leftovers stay quiet
+def test_when_no_checkpoint_reads_back_the_run_says_so_and_its_status_is_failed(compiled, stopped_at_4, tmp_path,
+                                                                              capsys):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(stopped_at_4, run_dir)
+    _zero(os.path.join(run_dir, "checkpoints", "4"))
+    _truncate(os.path.join(run_dir, "checkpoints", "2"))
+    before = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert main(["run", "--resume", run_dir]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint" in err and "round 4" in err and "round 2" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    status = checkpoint.read_status(run_dir)
+    assert status["status"] == "failed" and "no checkpoint" in status["message"]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == before  # nothing moved or removed

@@ -38,6 +38,8 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
 import json
 import math
 import os
@@ -75,6 +77,10 @@ class RunInterrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
         self.message = message
         self.summary = summary
+
+
+class CheckpointsDamaged(UserError):
+    """No checkpoint of a run folder reads back (each is truncated, zeroed, flipped or incomplete)."""
 
 
 def is_diverged(error: BaseException) -> bool:
@@ -343,36 +349,153 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
 
     step = int(sim.progress["round"])
     state = sim.checkpoint_state()  # per-client rows kept off the device included
-    host = {"progress": dict(sim.progress), "num_leaves": len(jax.tree.leaves(state)), **(extra or {})}
+    arrays = _to_arrays(state)
+    host = {"progress": dict(sim.progress), "num_leaves": len(arrays), "checksum": checksum(arrays), **(extra or {})}
     if several_processes():
         if latest_round(run_dir) != step:
-            _save_local(run_dir, step, _to_arrays(state), _finite(host))
+            _save_local(run_dir, step, arrays, _finite(host))
         return step
     with _manager(run_dir) as mgr:
         if mgr.latest_step() == step:
             return step  # already saved after this round
-        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_arrays(state)),
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                host=ocp.args.JsonSave(_finite(host))), force=True)
         mgr.wait_until_finished()
     return step
 
 
-def restore(run_dir: str, sim, step: int | None = None) -> dict:
-    """Loads checkpoint ``step`` (default: the newest) into ``sim`` (state and progress); returns its host item."""
+def checksum(arrays: dict) -> str:
+    """SHA-256 over :func:`_to_arrays`'s output (names, dtypes, shapes and bytes, in order): stored with each
+    checkpoint, so a restore notices flipped or zeroed bytes that the storage format itself reads back."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def _all_rounds(run_dir: str) -> list[int]:
+    """Rounds with a complete checkpoint, oldest first."""
+    if several_processes():
+        return _local_rounds(run_dir)
+    if not os.path.isdir(os.path.join(run_dir, CHECKPOINTS)):
+        return []
+    with _manager(run_dir, read_only=True) as mgr:
+        return sorted(mgr.all_steps())
+
+
+def _read_host(run_dir: str, step: int) -> dict:
+    """Checkpoint ``step``'s host item (progress, checksum, what wrote it)."""
     import orbax.checkpoint as ocp
 
-    step = latest_round(run_dir) if step is None else step
-    if step is None:
+    if several_processes():
+        with open(os.path.join(run_dir, CHECKPOINTS, str(step), LOCAL_HOST)) as f:
+            host = json.load(f)
+    else:
+        with _manager(run_dir, read_only=True) as mgr:
+            host = dict(mgr.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"])
+    if not isinstance(host.get("progress"), dict):
+        raise ValueError("its host record has no progress")
+    return host
+
+
+def _read_arrays(run_dir: str, step: int, template: dict, host: dict) -> dict:
+    """Checkpoint ``step``'s arrays, verified against the checksum in ``host`` (older checkpoints have none)."""
+    import orbax.checkpoint as ocp
+
+    if several_processes():
+        arrays, _ = _restore_local(run_dir, step)
+    else:
+        with _manager(run_dir, read_only=True) as mgr:
+            arrays = dict(mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))["state"])
+    expected = host.get("checksum")
+    if expected is not None and checksum(arrays) != expected:
+        raise ValueError("its arrays do not match their stored checksum")
+    return arrays
+
+
+def _check_identity(run_dir: str, written: dict | None, identity: dict | None) -> None:
+    """A checkpoint written by another configuration (config.json edited since) is refused, not damage."""
+    if not written or not identity:
+        return
+    for field, now in identity.items():
+        if field in written and written[field] != now:
+            raise UserError(f"{os.path.join(run_dir, 'config.json')} has {field} = {now!r}, but the run's "
+                            f"checkpoints were written with {field} = {written[field]!r}; put config.json back "
+                            "as it was, or start a new run.")
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """Orbax's reader leaves asyncio callbacks behind when a read fails; they fire later on a closed event loop
+    and Python prints each as a traceback.  Those (and only those) are dropped while checkpoints are tried."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and "Event loop is closed" in str(error)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()  # the failed reads' leftovers are collected here, under the hook
+        sys.unraisablehook = previous
+
+
+def _damage(error: BaseException) -> str:
+    """One line for why a checkpoint did not restore (orbax's and tensorstore's messages run to many lines)."""
+    first = (str(error).strip().splitlines() or [""])[0].strip().rstrip(".")
+    if len(first) > 120:
+        first = first[:117] + "..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _set_aside(run_dir: str, step: int) -> str:
+    """Renames damaged checkpoint ``step`` to ``checkpoints/damaged-<step>[-n]`` (kept for inspection, never
+    read again: orbax and :func:`_local_rounds` list numeric folders only); returns the new path."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    target, n = os.path.join(root, f"damaged-{step}"), 1
+    while os.path.exists(target):
+        target, n = os.path.join(root, f"damaged-{step}-{n}"), n + 1
+    os.replace(os.path.join(root, str(step)), target)
+    return target
+
+
+def restore(run_dir: str, sim, step: int | None = None, *, identity: dict | None = None) -> dict:
+    """Loads checkpoint ``step`` (default: the newest that restores and matches its checksum) into ``sim``
+    (state and progress); returns its host item.
+
+    Without ``step``, a newer checkpoint that does not restore (truncated, zeroed or flipped bytes, a missing
+    orbax metadata file) is set aside as ``checkpoints/damaged-<round>`` and the next older one is tried; the
+    host item's ``"damaged"`` then lists ``(round, why)`` for each one set aside.  A checkpoint written by a
+    different configuration is not damage: that is a :class:`UserError` at once (``identity``: the
+    settings that determine the state, compared with the ``"written_by"`` that :func:`save`'s caller stored).
+    """
+    rounds = _all_rounds(run_dir) if step is None else [step]
+    if not rounds:
         raise UserError(f"{run_dir} has no checkpoint to resume from (it stopped before its first one); "
                         "start the run again.")
-    if several_processes():
-        arrays, host = _restore_local(run_dir, step)
-    else:
-        with _manager(run_dir) as mgr:
-            template = _to_arrays(sim.checkpoint_state())
-            restored = mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(template), host=ocp.args.JsonRestore()))
-        arrays, host = dict(restored["state"]), dict(restored["host"])
-    sim.load_state(_from_arrays(arrays, sim.checkpoint_state(), put=False))
-    sim.progress = {**sim.progress, **host["progress"]}
-    return host
+    template = _to_arrays(sim.checkpoint_state())
+    damaged: list[tuple[int, str]] = []
+    for candidate in reversed(rounds):
+        try:
+            with _quiet_failed_reads():
+                host = _read_host(run_dir, candidate)
+                _check_identity(run_dir, host.get("written_by"), identity)
+                arrays = _read_arrays(run_dir, candidate, template, host)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 — any failure to read a checkpoint back is damage to it
+            damaged.append((candidate, _damage(error)))
+            continue
+        state = _from_arrays(arrays, sim.checkpoint_state(), put=False)  # a shape mismatch: UserError
+        aside = [(bad, why, os.path.basename(_set_aside(run_dir, bad))) for bad, why in damaged]
+        sim.load_state(state)
+        sim.progress = {**sim.progress, **host["progress"]}
+        return {**host, "damaged": aside}
+    listed = "; ".join(f"round {r}: {why}" for r, why in damaged)
+    raise CheckpointsDamaged(f"no checkpoint in {os.path.join(run_dir, CHECKPOINTS)} can be read back ({listed}); "
+                    "they are left as they are; start the run again.")

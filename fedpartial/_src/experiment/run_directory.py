@@ -8,6 +8,7 @@ one :class:`~fedpartial._src.experiment.simulation.Simulation` (many-seed runs k
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -39,6 +40,25 @@ def unique_run_dir(out_dir: str, name: str) -> str:
 
 
 
+#: the settings a checkpoint's state depends on: config.json edited in any of them since is refused on resume
+IDENTITY = ("method", "options", "early_stopping", "model", "dataset", "num_clients", "cohort_size", "seed")
+
+
+def _identity(sim: Simulation) -> dict:
+    from fedpartial._src.experiment import records as run_record
+
+    full = dataclasses.asdict(run_record.resolved(sim.config, sim))
+    return json.loads(checkpoint.strict_json({field: full[field] for field in IDENTITY}))
+
+
+def _status_or_none(run_dir: str) -> dict | None:
+    try:
+        status = checkpoint.read_status(run_dir)
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
 class RunWriter:
     """A run directory written round by round: what :func:`~fedpartial._src.experiment.simulation.run` writes,
     for one :class:`~fedpartial._src.experiment.simulation.Simulation`.
@@ -58,10 +78,19 @@ class RunWriter:
             self._lock(resume)  # before anything of it is read: a second process may be writing it
             self.run_dir = resume
             try:
-                host = checkpoint.restore(resume, sim)
-            except BaseException:
+                host = checkpoint.restore(resume, sim, identity=_identity(sim))
+            except BaseException as error:
+                previous = _status_or_none(resume) if isinstance(error, checkpoint.CheckpointsDamaged) else None
+                if previous is not None:
+                    # Say so where the run's state is read, not only on the terminal; nothing else is touched.
+                    checkpoint.write_status(resume, "failed", round=previous.get("round") or 0,
+                                            message=str(error), checkpoint_round=previous.get("checkpoint_round"))
                 checkpoint.unlock_run_dir(resume)
                 raise
+            for step, why, aside in host.get("damaged", ()):
+                print(f"note: the checkpoint of round {step} in {resume} does not read back ({why}); it is kept as "
+                      f"checkpoints/{aside} and the run resumes from round {sim.progress['round']}.",
+                      file=sys.stderr, flush=True)
             if checkpoint_every is None:
                 self.checkpoint_every = host.get("checkpoint_every")
             self.records = _truncate_metrics(os.path.join(resume, "metrics.jsonl"), sim.progress["round"])
@@ -82,7 +111,7 @@ class RunWriter:
             raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
         self.resumed_from = sim.progress["round"] if resume is not None else None
         self.saved = checkpoint.latest_round(self.run_dir) if self.run_dir else None
-        self.extra = {"checkpoint_every": self.checkpoint_every}
+        self.extra = {"checkpoint_every": self.checkpoint_every, "written_by": _identity(sim)}
         self.status("running", f"resumed from round {self.resumed_from}" if resume is not None else "")
         self.log = self.table = None
         if self.run_dir:  # scalar fields only, written each round (see fedpartial._src.experiment.records.MetricsCSV)
