@@ -38,7 +38,6 @@ SCRIPTS = {
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad",
 }
-SETTINGS_KEYS = ("protocol", "settings", "config", "common")
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
           "afd": "AFD", "feddrop": "FedDrop", "fjord": "FjORD", "fedad": "FedAD", "feddhad": "FedDHAD",
@@ -90,6 +89,57 @@ def date_of(name: str, d: dict) -> str:
     return "not recorded"
 
 
+# Where each script's flags are declared (its argparse calls), to rebuild a command from recorded settings.
+FLAG_SOURCES = {
+    "strategies": "benchmarks/strategies.py", "throughput": "fedpartial/_src/bench/suite.py",
+    "seeds": "benchmarks/seeds.py", "stream_conv": "benchmarks/stream_conv.py", "gather": "benchmarks/gather.py",
+    "replica_memory": "benchmarks/replica_memory.py", "fedldf": "benchmarks/fedldf.py",
+    "fedspu": "benchmarks/fedspu.py", "embracingfl": "benchmarks/embracingfl.py", "feddh": "benchmarks/feddh.py",
+    "feddhad": "benchmarks/feddh.py",
+}
+NOT_REBUILT = ("--out", "--worker", "--params-out", "--tag", "--merge", "--data-dir")
+
+
+def script_flags(benchmark: str) -> set[str]:
+    path = ROOT / FLAG_SOURCES[benchmark]
+    return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', path.read_text())) if path.exists() else set()
+
+
+def recorded_settings(d: dict) -> dict | None:
+    """The settings a result file recorded, keyed like its script's flags (None: none usable)."""
+    benchmark = d.get("benchmark")
+    if benchmark == "stream_conv":
+        return {"model": d["model"], "cohort": d["cohort_size"], "rounds": d["rounds"],
+                "local_steps": d["local_steps"], "batch_size": d["batch_size"],
+                "strategies": [r["strategy"] for r in d["runs"]]}
+    if benchmark == "replica_memory":
+        return {**d["settings"], "axes": [r["axis"] for r in d["results"]]}
+    if benchmark == "fedspu" and "merged_from" in d.get("settings", {}):
+        return None  # merged from several files: no one command
+    return next((d[k] for k in ("protocol", "settings", "config") if isinstance(d.get(k), dict)), None)
+
+
+def rebuilt_command(d: dict) -> str | None:
+    """The script's command line with the recorded settings as flags, or None when it cannot be rebuilt."""
+    benchmark = d.get("benchmark")
+    settings = recorded_settings(d) if benchmark in FLAG_SOURCES else None
+    flags = script_flags(benchmark) if settings is not None else set()
+    if not flags:
+        return None
+    parts = [SCRIPTS[benchmark]]
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if (flag not in flags or flag in NOT_REBUILT or value is None or value is False or isinstance(value, dict)
+                or value in ([], ())):
+            continue
+        if value is True:
+            parts.append(flag)
+        else:
+            text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+            parts.append(f"{flag} {text}")
+    return " ".join(parts)
+
+
 def command_of(name: str, d: dict) -> str:
     if d.get("command"):
         return f"`{d['command']}`"
@@ -100,9 +150,10 @@ def command_of(name: str, d: dict) -> str:
         args = " ".join(d.get("passthrough_args") or [])
         return (f"`{script} --before {d['before']['revision']}{' ' + args if args else ''}` "
                 f"(rebuilt from the recorded arguments)")
-    recorded = next((k for k in SETTINGS_KEYS if k in d), None)
-    where = f"; its settings are the file's `{recorded}`" if recorded else ""
-    return f"not recorded (written by `{script}`{where})" if script else f"not recorded{where}"
+    rebuilt = rebuilt_command(d)
+    if rebuilt:
+        return f"not recorded; rebuilt from the recorded settings: `{rebuilt}`"
+    return f"not recorded (written by `{script}`)" if script else "not recorded"
 
 
 def source(name: str, d: dict) -> str:
