@@ -26,7 +26,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BLOCK_PAGES = ("README.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
                "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md")
-BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.S)
+BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
 SCRIPTS = {
@@ -465,7 +465,7 @@ def _seed_groups(runs: dict[str, dict]) -> dict[str, list[str]]:
 def feddh_table(results, benchmark: str) -> list[str]:
     lines = []
     runs = family(results, benchmark)
-    for base, names in _seed_groups(runs).items():
+    for names in _seed_groups(runs).values():
         entries = [s for n in names for s in runs[n]["summary"]]
         cols = list(dict.fromkeys((s["dataset"], s["model"]) for s in entries))
         methods = list(dict.fromkeys(s["method"] for s in entries))
@@ -572,8 +572,14 @@ def render_page(results: dict[str, dict]) -> str:
              "Every number on this page is read from a JSON file in `benchmarks/results/` by "
              "`python -m benchmarks.render_docs`; `tests/test_docs.py` fails when this page differs from what the "
              "script renders. Each table names its file, the device, the date and the command, as far as the file "
-             "records them (older files did not record the command line: the page says so). Times on the shared "
-             "2-core CPU are noisy; compare ratios measured in the same file, not seconds across files.", ""]
+             "records them (where a file did not record its command line, the page says so, and rebuilds the command "
+             "from the settings the file did record when it can). Times on the shared "
+             "2-core CPU are noisy; compare ratios measured in the same file, not seconds across files.", "",
+             "To measure: every script in `benchmarks/` runs as `python -m benchmarks.<name>` (each section "
+             "below names its own) and writes a JSON naming its device to `benchmarks/results/`; then run "
+             "`python -m benchmarks.render_docs` and commit the result and the pages. "
+             "`bash benchmarks/gpu_plan.sh list` lists the GPU measurements still to make, as steps that fit one "
+             "call of a lent GPU machine each.", ""]
     for title, intro, render in SECTIONS:
         body = render(results)
         if body:

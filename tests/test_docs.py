@@ -164,6 +164,31 @@ def test_the_readme_is_short_and_keeps_the_quick_start():
 
 def test_the_api_reference_documents_the_public_api_only():
     targets = [m.group(1) for p in (ROOT / "docs" / "api").glob("*.md")
-               for m in re.finditer(r"^::: (\S+)", p.read_text(), re.M)]
+               for m in re.finditer(r"^::: (\S+)", p.read_text(), re.MULTILINE)]
     assert sorted(targets) == ["fedpartial", "fedpartial.data", "fedpartial.masks", "fedpartial.methods",
                                "fedpartial.models"]
+
+
+def module_map() -> list[tuple[str, str]]:
+    """(folder cell, modules cell) of each row of the table that follows docs/layout.md's module-map marker."""
+    text = (ROOT / "docs" / "layout.md").read_text().split("<!-- module-map", 1)[1]
+    rows = []
+    for line in text.splitlines()[1:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return [(cells[0], cells[-1]) for cells in rows[2:]]
+
+
+def test_the_module_map_lists_every_module():
+    rows, missing = module_map(), []
+    source = ROOT / "fedpartial" / "_src"
+    for path in sorted(source.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(source)
+        top = f"`{rel.parts[0]}/`" if len(rel.parts) > 1 else "`./`"
+        modules = next((cell for folder, cell in rows if top in folder), "")
+        if not all(name in modules for name in [*(f"`{p}/`" for p in rel.parts[1:-1]), f"`{path.stem}`"]):
+            missing.append(str(rel))
+    assert missing == []
