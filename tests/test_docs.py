@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 import time
@@ -192,3 +193,10 @@ def test_the_module_map_lists_every_module():
         if not all(name in modules for name in [*(f"`{p}/`" for p in rel.parts[1:-1]), f"`{path.stem}`"]):
             missing.append(str(rel))
     assert missing == []
+
+
+def test_sphinx_roles_in_docstrings_become_code_in_the_api_reference():
+    plain = runpy.run_path(str(ROOT / "docs" / "hooks" / "sphinx_roles.py"))["plain"]
+    assert plain("see :class:`~fedpartial._src.core.types.Method` and :func:`make_method`.") == (
+        "see `Method` and `make_method`.")
+    assert plain(":mod:`fedpartial.masks`") == "`fedpartial.masks`"
