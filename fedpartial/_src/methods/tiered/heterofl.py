@@ -159,11 +159,13 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
     """HeteroFL (static) with the given tier mix (default: all strong, i.e. FedAvg with ``weighting`` weights).
 
     Args:
-      tier_mix / capacity_case: the tiers (:func:`fedpartial._src.methods.tiered.tiers.resolve_mix`).
+      tier_mix (tuple[int, int, int] | str | None): strong, moderate and weak client counts (or ``"S,M,W"``);
+        with ``capacity_case``, the tiers (:func:`fedpartial._src.methods.tiered.tiers.resolve_mix`).
+      capacity_case: the EmbracingFL paper's client mix 1..10, instead of ``tier_mix``.
       widths: moderate and weak width ratios.
       weighting: ``"uniform"`` (every holder weighs 1, as HeteroFL) or ``"samples"`` (``n_k``).
       scaler: multiply hidden outputs by ``1/r`` in training (HeteroFL's Scaler).
-      module: the zoo module the run's model was built from, when it is not the
+      module (flax.linen.Module | None): the zoo module the run's model was built from, when it is not the
         registry's model of that name (e.g. ``ResNet20(shortcut="zeros")``).
     """
     return width_tiers(name, tier_mix, capacity_case, widths, weighting, scaler=scaler, module=module, rolling=False)

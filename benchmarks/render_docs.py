@@ -1,0 +1,648 @@
+"""Render the measured numbers of the documentation from ``benchmarks/results/*.json``.
+
+Nothing measured is typed by hand: this script writes ``docs/benchmarks.md`` whole, and fills the
+generated blocks of ``README.md`` and ``docs/reproductions/*.md`` (the text between
+``<!-- BEGIN generated: NAME -->`` and ``<!-- END generated: NAME -->``).  Every table names the
+result file it was read from, and every result file its device, date and command, as far as the file
+records them; where it does not, the page says so instead of guessing.
+
+    python -m benchmarks.render_docs            # rewrite the pages
+    python -m benchmarks.render_docs --check    # exit 1, naming the pages, when a committed page differs
+
+``tests/test_docs.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+BLOCK_PAGES = ("README.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
+               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md")
+BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
+
+# How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
+SCRIPTS = {
+    "strategies": "python -m benchmarks.strategies", "compare_revisions": "python -m benchmarks.compare_revisions",
+    "throughput": "fedpartial bench", "seeds": "python -m benchmarks.seeds", "scale": "python -m benchmarks.scale",
+    "stream_conv": "python -m benchmarks.stream_conv", "data_placement": "python -m benchmarks.data_placement",
+    "gather": "python -m benchmarks.gather", "replica_memory": "python -m benchmarks.replica_memory",
+    "fedldf": "python -m benchmarks.fedldf", "fedspu": "python -m benchmarks.fedspu",
+    "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
+    "feddhad": "python -m benchmarks.feddhad",
+}
+LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
+          "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
+          "afd": "AFD", "feddrop": "FedDrop", "fjord": "FjORD", "fedad": "FedAD", "feddhad": "FedDHAD",
+          "fedldf": "FedLDF", "random": "Random", "hdfl": "HDFL", "fedadp": "FedADP", "hermes": "Hermes",
+          "fedmp": "FedMP", "fedselect": "FedSelect", "fedspu": "FedSPU", "fedper": "FedPer",
+          "lgfedavg": "LG-FedAvg", "fedrep": "FedRep", "embracingfl": "EmbracingFL",
+          "heterofl": "width reduction (HeteroFL)"}
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+
+
+def load_results(directory: pathlib.Path = RESULTS) -> dict[str, dict]:
+    """Every result file, by file name, in name order."""
+    return {p.name: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
+
+
+def _device_record(d: dict) -> dict | None:
+    if isinstance(d.get("device"), dict):
+        return d["device"]
+    if isinstance(d.get("platform"), dict) and isinstance(d["platform"].get("device"), dict):
+        return d["platform"]["device"]  # compare_revisions
+    env = d.get("environment")
+    if isinstance(env, dict) and env.get("backend"):
+        return {"platform": env["backend"], "jax_version": env.get("packages", {}).get("jax")}
+    return None
+
+
+def device_of(name: str, d: dict) -> str:
+    dev = _device_record(d)
+    if dev is None:
+        return "not recorded in the file (its name says " + ("GPU" if "-gpu-" in name else "CPU") + ")"
+    kind = dev.get("device_kind") or dev.get("platform") or dev.get("backend") or "?"
+    text = "CPU" if kind.lower() == "cpu" else kind
+    if text == "CPU" and dev.get("cpu_count"):
+        text += f" ({dev['cpu_count']} cores)"
+    if dev.get("jax_version"):
+        text += f", jax {dev['jax_version']}"
+    return text
+
+
+def date_of(name: str, d: dict) -> str:
+    for value in (d.get("date"), d.get("time"), (d.get("environment") or {}).get("time")):
+        if isinstance(value, str) and value:
+            return value[:10]
+    match = re.search(r"(\d{4})-?(\d{2})-?(\d{2})", name)
+    if match:
+        return "{}-{}-{} (from the file name)".format(*match.groups())
+    return "not recorded"
+
+
+# Where each script's flags are declared (its argparse calls), to rebuild a command from recorded settings.
+FLAG_SOURCES = {
+    "strategies": "benchmarks/strategies.py", "throughput": "fedpartial/_src/bench/suite.py",
+    "seeds": "benchmarks/seeds.py", "stream_conv": "benchmarks/stream_conv.py", "gather": "benchmarks/gather.py",
+    "replica_memory": "benchmarks/replica_memory.py", "fedldf": "benchmarks/fedldf.py",
+    "fedspu": "benchmarks/fedspu.py", "embracingfl": "benchmarks/embracingfl.py", "feddh": "benchmarks/feddh.py",
+    "feddhad": "benchmarks/feddh.py",
+}
+NOT_REBUILT = ("--out", "--worker", "--params-out", "--tag", "--merge", "--data-dir")
+
+
+def script_flags(benchmark: str) -> set[str]:
+    path = ROOT / FLAG_SOURCES[benchmark]
+    return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', path.read_text())) if path.exists() else set()
+
+
+def recorded_settings(d: dict) -> dict | None:
+    """The settings a result file recorded, keyed like its script's flags (None: none usable)."""
+    benchmark = d.get("benchmark")
+    if benchmark == "stream_conv":
+        return {"model": d["model"], "cohort": d["cohort_size"], "rounds": d["rounds"],
+                "local_steps": d["local_steps"], "batch_size": d["batch_size"],
+                "strategies": [r["strategy"] for r in d["runs"]]}
+    if benchmark == "replica_memory":
+        return {**d["settings"], "axes": [r["axis"] for r in d["results"]]}
+    if benchmark == "fedspu" and "merged_from" in d.get("settings", {}):
+        return None  # merged from several files: no one command
+    return next((d[k] for k in ("protocol", "settings", "config") if isinstance(d.get(k), dict)), None)
+
+
+def rebuilt_command(d: dict) -> str | None:
+    """The script's command line with the recorded settings as flags, or None when it cannot be rebuilt."""
+    benchmark = d.get("benchmark")
+    settings = recorded_settings(d) if benchmark in FLAG_SOURCES else None
+    flags = script_flags(benchmark) if settings is not None else set()
+    if not flags:
+        return None
+    parts = [SCRIPTS[benchmark]]
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if (flag not in flags or flag in NOT_REBUILT or value is None or value is False or isinstance(value, dict)
+                or value in ([], ())):
+            continue
+        if value is True:
+            parts.append(flag)
+        else:
+            text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+            parts.append(f"{flag} {text}")
+    return " ".join(parts)
+
+
+def command_of(name: str, d: dict) -> str:
+    if d.get("command"):
+        return f"`{d['command']}`"
+    script = SCRIPTS.get(d.get("benchmark"))
+    if "argv" in d and script:
+        return f"`{' '.join([script, *d['argv']])}`"
+    if d.get("benchmark") == "compare_revisions":
+        args = " ".join(d.get("passthrough_args") or [])
+        return (f"`{script} --before {d['before']['revision']}{' ' + args if args else ''}` "
+                f"(rebuilt from the recorded arguments)")
+    rebuilt = rebuilt_command(d)
+    if rebuilt:
+        return f"not recorded; rebuilt from the recorded settings: `{rebuilt}`"
+    return f"not recorded (written by `{script}`)" if script else "not recorded"
+
+
+def source(name: str, d: dict) -> str:
+    """One line naming the file, its device, date and command."""
+    return (f"*Source:* `benchmarks/results/{name}` · device: {device_of(name, d)} · date: {date_of(name, d)}"
+            f" · command: {command_of(name, d)}")
+
+
+# ---- formatting ------------------------------------------------------------------------------------
+
+
+def num(x, digits: int = 2, suffix: str = "") -> str:
+    if x is None or isinstance(x, bool):
+        return "—"
+    return f"{x:,.{digits}f}{suffix}"
+
+
+def gib(b) -> str:
+    return "—" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def label(method: str) -> str:
+    base, _, variant = method.partition("@")
+    return LABELS.get(base, base) + (f" ({variant})" if variant else "")
+
+
+def family(results: dict[str, dict], benchmark: str) -> dict[str, dict]:
+    return {n: d for n, d in results.items() if d.get("benchmark") == benchmark}
+
+
+# ---- engine measurements ----------------------------------------------------------------------------
+
+
+def strategies(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "strategies").items():
+        names = [m["strategy"] for m in d["results"][0]["measurements"]]
+        rows = []
+        for r in d["results"]:
+            by = {m["strategy"]: m for m in r["measurements"]}
+            plain = by.get("plain_loop", {})
+            cells = [f"{num(plain.get('rounds_per_s'))} r/s"]
+            for s in names[1:]:
+                m = by.get(s, {})
+                cells.append("not run" if m.get("skipped") else num(m.get("speedup_vs_plain"), 2, "×"))
+            rows.append([r["model"], r["cohort_size"], *cells])
+        lines += [source(name, d), ""] + table(["model", "K", "plain loop", *names[1:]], rows)
+    return lines
+
+
+def compare_revisions(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "compare_revisions").items():
+        rows = [[c["model"], c["cohort_size"], c["strategy"], num(c.get("before_rounds_per_s_median")),
+                 num(c.get("after_rounds_per_s_median")), num(c.get("after_over_before"), 2, "×")]
+                for c in d["comparison"]]
+        lines += [source(name, d), "",
+                  f"Before: `{d['before']['label']}` ({d['before']['revision']}); after: `{d['after']['label']}` "
+                  f"({d['after']['revision']}); {d.get('repeats')} repeats, {d.get('order')}.", ""]
+        lines += table(["model", "K", "strategy", "before r/s", "after r/s", "after / before"], rows)
+    return lines
+
+
+def throughput(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "throughput").items():
+        rows = []
+        for cell in d["results"]:
+            if cell.get("skipped"):
+                rows.append([cell["model"], cell["cohort_size"], "—", "—", f"skipped: {cell['skipped']}",
+                             "—", "—", "—", "—"])
+                continue
+            for r in cell["runners"]:
+                if r.get("skipped"):
+                    rows.append([cell["model"], cell["cohort_size"], r["method"], r["strategy"],
+                                 f"skipped: {r['skipped']}", "—", "—", "—", "—"])
+                    continue
+                strategy = r.get("resolved_strategy", r["strategy"])
+                if r["strategy"] not in ("plain_loop", strategy):
+                    strategy = f"{r['strategy']} = {strategy}"
+                flops = r.get("achieved_flops_per_s")
+                rows.append([cell["model"], cell["cohort_size"], r["method"], strategy, num(r.get("round_s"), 3),
+                             num(r.get("ratio_to_plain"), 2, "×"), num(r.get("round_time_over_fedavg")),
+                             "—" if flops is None else num(flops / 1e9, 1), gib(r.get("peak_memory_bytes"))])
+        matmul = d["device"].get("matmul_flops_per_s")
+        cfg = d["config"]
+        lines += [source(name, d), "",
+                  f"Local steps {cfg.get('local_steps')} × batch {cfg.get('batch_size')}, {cfg.get('rounds')} timed "
+                  f"rounds; matmul reference {num(matmul and matmul / 1e9, 0)} GFLOP/s.", ""]
+        lines += table(["model", "K", "method", "strategy", "s/round", "vs plain loop", "round / FedAvg's",
+                        "GFLOP/s", "peak memory"], rows)
+    return lines
+
+
+def seeds(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "seeds").items():
+        cfg = d["config"]
+        sweep = ", ".join(f"{k} {cfg[k]}" for k in ("lrs", "server_lrs", "server_opt") if k in cfg)
+        rows = []
+        for r in d["results"]:
+            for m in r["measurements"]:
+                sp = m.get("speedup", {})
+                rows.append([r["model"], r["dataset"], m["variant"], num(m["wall_s"], 1), num(m["steady_s"], 2),
+                             num(sp.get("sequential_fused", {}).get("wall"), 2, "×"),
+                             num(sp.get("sequential_fused", {}).get("steady"), 2, "×"),
+                             num(sp.get("sequential_default", {}).get("wall"), 2, "×"),
+                             num(sp.get("sequential_default", {}).get("steady"), 2, "×")])
+        equal = all(r.get("vmapped_equals_sequential_fused", True) and r.get("mapped_equals_sequential_fused", True)
+                    for r in d["results"])
+        lines += [source(name, d), "",
+                  f"Seeds {cfg['seeds']}{'; ' + sweep if sweep else ''}; N = {cfg['clients']}, K = {cfg['cohort']}, "
+                  f"{cfg['rounds']} rounds of {cfg['local_steps']} steps of {cfg['batch_size']}; every replica equal "
+                  f"to its own run: {'yes' if equal else 'NO'}. {d.get('note', '')}", ""]
+        lines += table(["model", "data", "replicas", "wall s", "steady s", "vs runs, fused: wall", "steady",
+                        "vs runs, default: wall", "steady"], rows)
+    return lines
+
+
+def data_placement(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "data_placement").items():
+        rows = []
+        for c in d["cases"]:
+            for placement in ("host", "device"):
+                p = c.get(placement) or {}
+                rows.append([c["description"], placement, *(num(p.get(f"{k}_s_median") and 1e3 * p[f"{k}_s_median"], 1)
+                                                            for k in ("sample", "prepare", "transfer", "compute")),
+                             num(p.get("end_to_end_rounds_per_s"), 3),
+                             num(c.get("device_over_host_end_to_end_rounds_per_s"), 2, "×") if placement == "device"
+                             else ""])
+        lines += [source(name, d), ""] + table(
+            ["case", "placement", "sample ms", "pack / gather ms", "transfer ms", "round compute ms", "rounds/s",
+             "device / host"], rows)
+    return lines
+
+
+def gather(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "gather").items():
+        cfg = d["config"]
+        rows = [[case, r["largest_client"], num(1e3 * r["median_s"], 1)] for case, r in d["results"].items()]
+        lines += [source(name, d), "",
+                  f"K = {cfg['cohort']} of {cfg['clients']} clients, {cfg['local_steps']} steps of "
+                  f"{cfg['batch_size']}; one client of {cfg['large']} examples over as is: "
+                  f"{num(d.get('large_over_as_is'), 3, '×')}.", ""]
+        lines += table(["population", "largest client", "gather ms (median)"], rows)
+    return lines
+
+
+def replica_memory(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "replica_memory").items():
+        s = d["settings"]
+        rows = [[f"`{r['axis']}`", gib(r["estimate_bytes"]), gib(max(r["rss_after_round"])),
+                 num(r["peak_over_estimate"], 3, "×"), ", ".join(num(t, 1) for t in r["round_s"])]
+                for r in d["results"]]
+        lines += [source(name, d), "",
+                  f"{s['method']} on {s['dataset']}, N = {s['clients']}, K = {s['cohort_size']}, seeds {s['seeds']}, "
+                  f"{s['rounds']} rounds.", ""]
+        lines += table(["replica axis", "estimate", "peak RSS", "peak / estimate", "round s"], rows)
+    return lines
+
+
+def stream_conv(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "stream_conv").items():
+        rows = [[f"`{r['strategy']}`", ", ".join(num(t, 2) for t in r["round_s"]), gib(r["peak_rss"]),
+                 gib(r["rss_ready"])] for r in d["runs"]]
+        diff = d.get("max_abs_param_diff")
+        lines += [source(name, d), "",
+                  f"FedAvg, {d['model']}, K = {d['cohort_size']}, {d['local_steps']} steps of {d['batch_size']}, "
+                  f"{d['rounds']} timed rounds; largest parameter difference between the strategies: "
+                  f"{'not measured' if diff is None else num(diff, 7)}.", ""]
+        lines += table(["strategy", "round s", "peak RSS", "RSS once data and model exist"], rows)
+    return lines
+
+
+def scale(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "scale").items():
+        rows = []
+        for case in d["results"]:
+            s = case["settings"]
+            for r in case["runs"]:
+                rows.append([case["case"], f"{s['num_clients']:,}", f"{s['cohort_size']:,}", f"`{s['strategy']}`",
+                             r["method"], r.get("client_state_used", "—"), gib(r.get("personal_state_bytes")),
+                             num(r.get("build_s"), 1), ", ".join(num(t, 1) for t in r["round_s"]),
+                             gib(r.get("peak_rss"))])
+        lines += [source(name, d), "", f"{d.get('note', '')}", ""]
+        lines += table(["case", "N", "K", "strategy", "method", "client state", "per-client state", "build s",
+                        "round s", "peak RSS"], rows)
+    return lines
+
+
+def other_runs(results) -> list[str]:
+    lines = []
+    for name, d in results.items():
+        if d.get("benchmark") == "memory-estimate-calibration":
+            rows = [[f"{r['config']['num_clients']:,}", f"`{r['config']['strategy']}`", gib(r["estimate_total"]),
+                     gib(r["increase"])] for r in d["runs"]]
+            lines += [f"**{d['benchmark']}**", "", source(name, d), "", d.get("note", ""), ""]
+            lines += table(["clients = K", "strategy", "estimate", "measured increase"], rows)
+        elif "summary" in d and "rounds" in d and "command" in d:
+            s = d["summary"]
+            rows = [[r["round"], num(r["round_time_s"], 1), num(r["train_loss"], 4)] for r in d["rounds"]]
+            lines += [f"**{d['benchmark']}**", "", source(name, d), "",
+                      f"Strategy run: `{s['strategy']}` ({s.get('strategy_note', '')}); peak RSS "
+                      f"{gib(d.get('peak_rss_bytes'))}. {d.get('note', '')}", ""]
+            lines += table(["round", "round s", "train loss"], rows)
+    return lines
+
+
+# ---- the papers ------------------------------------------------------------------------------------
+
+
+def fedldf(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "fedldf").items():
+        p = d["protocol"]
+        methods = list(dict.fromkeys(s["method"] for s in d["summary"]))
+        settings = list(dict.fromkeys((s["dataset"], s["setting"]) for s in d["summary"]))
+        by = {(s["dataset"], s["setting"], s["method"]): s for s in d["summary"]}
+        rows = [[f"{ds}, {st}", *(num(100 * by[ds, st, m]["final_error"], 2, "%") for m in methods),
+                 ", ".join(num(by[ds, st, m]["upload_vs_fedavg"], 3) for m in methods[1:])]
+                for ds, st in settings]
+        lines += [source(name, d), "",
+                  f"N = {p['clients']}, K = {p['cohort']}, n = {p['n']}, {p['rounds']} rounds, seeds {p['seeds']} "
+                  f"(mean). Final test error:", ""]
+        lines += table(["data", *(label(m) for m in methods), "upload vs FedAvg (" + ", ".join(
+            label(m) for m in methods[1:]) + ")"], rows)
+    return lines
+
+
+def fedspu(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "fedspu").items():
+        t = d["tables"]
+        rows, methods = [], None
+        for entry in t["table1_accuracy"] + t["table2_accuracy_es"]:
+            methods = methods or list(entry["methods"])
+            rows.append([entry["dataset"] + (", all +ES" if entry["early_stopping"] else ""),
+                         *(num(entry["methods"].get(m, {}).get("mean"), 1) for m in methods),
+                         f"{num(entry['fedspu_minus_best_baseline'], 2)} ({label(entry['best_baseline'])})"])
+        s = inner = d["settings"]
+        while isinstance(inner.get("settings"), list):  # merged files nest the settings of the files merged
+            inner = inner["settings"][0]
+        lines += [source(name, d), "",
+                  f"N = {inner['clients']}, K = {inner['cohort']}, tiers {inner['tiers']}, α ∈ {inner['alphas']}, "
+                  f"{inner['rounds']} rounds, {inner['local_epochs']} local epochs. Mean final personal accuracy (%) "
+                  f"over the α values{' and the merged seeds' if 'merged_from' in s else ''}:", ""]
+        lines += table(["data", *(label(m) for m in methods), "FedSPU − best dropout baseline"], rows)
+        if t.get("table4_rounds"):
+            lines += ["Early stopping (FedSPU+ES against FedSPU):", ""]
+            lines += table(["data", "α", "rounds", "rounds with ES", "saved", "accuracy", "accuracy with ES"],
+                           [[r["dataset"], r["alpha"], num(r["fedspu_rounds"], 1), num(r["fedspu_es_rounds"], 1),
+                             num(100 * r["saved"], 1, "%"), num(r["fedspu_accuracy"], 1),
+                             num(r["fedspu_es_accuracy"], 1)] for r in t["table4_rounds"]])
+        if t.get("memory"):
+            lines += ["Training memory per client, FedSPU against full-model training (weights + gradients + "
+                      "activations, `fedpartial._src.costs.footprint`):", ""]
+            lines += table(["data / model", "p", "reduction"],
+                           [[f"{r['dataset']} / {r['model']}", r["p"], num(100 * r["reduction"], 1, "%")]
+                            for r in t["memory"]])
+        lines += [f"- {v}" for v in d.get("verdicts", [])] + [""]
+    return lines
+
+
+def embracingfl(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "embracingfl").items():
+        p = d["protocol"]
+        if d["summary"]:
+            methods = list(dict.fromkeys(s["method"] for s in d["summary"]))
+            keys = list(dict.fromkeys((s["dataset"], s["experiment"], s["setting"]) for s in d["summary"]))
+            by = {(s["dataset"], s["experiment"], s["setting"], s["method"]): s for s in d["summary"]}
+            rows = [[ds, exp, setting, *(num((by.get((ds, exp, setting, m)) or {}).get("best_accuracy"), 3)
+                                         for m in methods)] for ds, exp, setting in keys]
+            lines += [source(name, d), "",
+                      f"{p['clients']} clients (scale {p['scale']}), {p['rounds']} rounds of {p['steps']} local "
+                      f"steps, seed {p['seed']}. Best test accuracy:", ""]
+            lines += table(["data", "experiment", "clients", *(label(m) for m in methods)], rows)
+        if d["costs"]:
+            rows = [[c["model"], label(c["method"]), f"not measured: {c['error']}", "—", "—", "—", "—"]
+                    if "error" in c else
+                    [c["model"], label(c["method"]), c["tier"], num(c["flops_vs_strong"], 3),
+                     num(c["time_vs_strong"], 3), num(c["memory_vs_strong"], 3),
+                     num(c["prepare_flops_per_batch"] / 1e6, 0)] for c in d["costs"]]
+            lines += [source(name, d), "", "One local step of batch 32, against the strong tier's:", ""]
+            lines += table(["model", "method", "tier", "FLOPs", "time", "peak memory (XLA)",
+                            "prefix MFLOPs per batch"], rows)
+    return lines
+
+
+def _seed_groups(runs: dict[str, dict]) -> dict[str, list[str]]:
+    """Files that differ only by a trailing ``-seedN``, grouped (their summaries are averaged)."""
+    groups: dict[str, list[str]] = {}
+    for name in runs:
+        groups.setdefault(re.sub(r"-seed\d+(?=\.json$)", "", name), []).append(name)
+    return groups
+
+
+def feddh_table(results, benchmark: str) -> list[str]:
+    lines = []
+    runs = family(results, benchmark)
+    for names in _seed_groups(runs).values():
+        entries = [s for n in names for s in runs[n]["summary"]]
+        cols = list(dict.fromkeys((s["dataset"], s["model"]) for s in entries))
+        methods = list(dict.fromkeys(s["method"] for s in entries))
+        cell = {}
+        for s in entries:
+            cell.setdefault((s["dataset"], s["model"], s["method"]), []).append(s)
+
+        def fmt(ss):
+            if not ss:
+                return "—"
+            times = [s["time_to_target_s"] for s in ss]
+            time = "never" if any(t is None for t in times) else num(statistics.mean(times), 0)
+            return (f"{num(statistics.mean(s['final_accuracy'] for s in ss), 3)} / {time} / "
+                    f"{num(statistics.mean(s['mflops_per_round'] for s in ss), 0)}")
+
+        p = runs[names[0]]["protocol"]
+        seeds = sorted({seed for s in entries for seed in s["seeds"]})
+        epochs = p["local_epochs"] or "the setup's"
+        lines += [line for n in names for line in (source(n, runs[n]), "")]
+        lines += [f"N = {p['clients']}, K = {p['cohort']}, {p['rounds'] or 'the setup’s'} rounds, {epochs} local "
+                  f"epochs, batch {p['batch_size']}; seeds {seeds}"
+                  f"{' (mean over the files)' if len(names) > 1 else ''}. Each cell: final accuracy / simulated "
+                  f"seconds to the target ({p['target_fraction']} × FedAvg's best) / MFLOPs of local work a round.",
+                  ""]
+        lines += table(["method", *(f"{ds} / {m}" for ds, m in cols)],
+                       [[label(m), *(fmt(cell.get((ds, mo, m), [])) for ds, mo in cols)] for m in methods])
+        for n in names:
+            lines += [f"- `{n}`: {note}" for note in runs[n].get("notes", [])]
+        lines += [""] + claims(runs, names)
+    return lines
+
+
+def claims(runs: dict[str, dict], names: list[str]) -> list[str]:
+    """The paper's claims as the benchmark checked them (its ``claims`` records), one row per file and setting."""
+    rows, header = [], None
+    for n in names:
+        for c in runs[n].get("claims", []):
+            flat = {k: v for k, v in c.items() if not isinstance(v, (dict, list))}
+            header = header or list(flat)
+            rows.append([f"`{n}`", *(num(flat.get(k), 3) if isinstance(flat.get(k), float)
+                                     else {True: "yes", False: "no"}.get(flat.get(k), flat.get(k))
+                                     for k in header)])
+    if not rows:
+        return []
+    return ["The paper's claims, as the benchmark checks them (differences are accuracy fractions, speed-ups "
+            "ratios):", ""] + table(["file", *(k.replace("_", " ") for k in header)], rows)
+
+
+def feddh(results) -> list[str]:
+    return feddh_table(results, "feddh")
+
+
+def feddhad(results) -> list[str]:
+    return feddh_table(results, "feddhad")
+
+
+# ---- pages -----------------------------------------------------------------------------------------
+
+SECTIONS = (
+    ("Execution strategies", "FedAvg rounds/s of every strategy beside a plain per-client Python loop of jitted "
+     "steps (what Python FL frameworks do), as the speed-up over that loop. `python -m benchmarks.strategies`.",
+     strategies),
+    ("Two revisions compared", "The strategies benchmark run on two trees, interleaved. "
+     "`python -m benchmarks.compare_revisions --before REV`.", compare_revisions),
+    ("Throughput suite", "Every method and strategy next to the plain loop, in one process, taking turns round by "
+     "round (medians). Memory is the GPU's peak in use or the CPU process's max RSS so far. `fedpartial bench`.",
+     throughput),
+    ("Seeds and learning rates as replicas", "`--seeds` / `--lrs` / `--server-lrs` replicas in one jitted round "
+     "against the same runs one after another. `python -m benchmarks.seeds`.", seeds),
+    ("Data placement", "Host packing against gathering on the device, medians per round. "
+     "`python -m benchmarks.data_placement`.", data_placement),
+    ("On-device gather", "The cohort's batches gathered inside jit, with and without one very large client. "
+     "`python -m benchmarks.gather`.", gather),
+    ("Replica memory", "The replica round's memory estimate against the measured peak. "
+     "`python -m benchmarks.replica_memory`.", replica_memory),
+    ("Streamed strategies", "Peak memory and round time of the streamed layouts on a CPU. "
+     "`python -m benchmarks.stream_conv`.", stream_conv),
+    ("Large populations and cohorts", "Streaming, per-client state on host or disk, a million clients. "
+     "`python -m benchmarks.scale`.", scale),
+    ("Other runs", "Single measurements kept with their results.", other_runs),
+    ("FedLDF", "See [the FedLDF reproduction](reproductions/fedldf.md).", fedldf),
+    ("FedSPU", "See [the FedSPU reproduction](reproductions/fedspu.md).", fedspu),
+    ("EmbracingFL", "See [the EmbracingFL reproduction](reproductions/embracingfl.md).", embracingfl),
+    ("FedDH", "See [the FedDHAD reproduction](reproductions/feddhad.md).", feddh),
+    ("FedDHAD", "See [the FedDHAD reproduction](reproductions/feddhad.md).", feddhad),
+)
+
+
+def catalogue(results) -> list[str]:
+    """One row per result file; a figure (PNG) written beside it is named with it."""
+    figures = sorted(p.name for p in RESULTS.glob("*.png"))
+    rows = []
+    for name, d in results.items():
+        png = [f for f in figures if re.sub(r"-(curves|memory)(?=-)", "", f[:-4], count=1) == name[:-5]]
+        rows.append([f"`{name}`" + "".join(f" (+ `{f}`)" for f in png), d.get("benchmark", "—"),
+                     device_of(name, d), date_of(name, d), command_of(name, d)])
+    return table(["file", "benchmark", "device", "date", "command"], rows)
+
+
+def render_page(results: dict[str, dict]) -> str:
+    lines = ["# Benchmarks", "",
+             "<!-- Generated by `python -m benchmarks.render_docs` from benchmarks/results/*.json: do not edit. -->",
+             "",
+             "Every number on this page is read from a JSON file in `benchmarks/results/` by "
+             "`python -m benchmarks.render_docs`; `tests/test_docs.py` fails when this page differs from what the "
+             "script renders. Each table names its file, the device, the date and the command, as far as the file "
+             "records them (where a file did not record its command line, the page says so, and rebuilds the command "
+             "from the settings the file did record when it can). Times on the shared "
+             "2-core CPU are noisy; compare ratios measured in the same file, not seconds across files.", "",
+             "To measure: every script in `benchmarks/` runs as `python -m benchmarks.<name>` (each section "
+             "below names its own) and writes a JSON naming its device to `benchmarks/results/`; then run "
+             "`python -m benchmarks.render_docs` and commit the result and the pages. "
+             "`bash benchmarks/gpu_plan.sh list` lists the GPU measurements still to make, as steps that fit one "
+             "call of a lent GPU machine each.", ""]
+    for title, intro, render in SECTIONS:
+        body = render(results)
+        if body:
+            lines += [f"## {title}", "", intro, ""] + body
+    lines += ["## Every result file", ""] + catalogue(results)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def blocks(results: dict[str, dict]) -> dict[str, str]:
+    """The generated blocks other pages embed, by name."""
+    gpu = {n: d for n, d in family(results, "strategies").items() if "-gpu-" in n}
+    headline = strategies(gpu) if gpu else ["No GPU measurement of the strategies yet."]
+    return {"readme-headline": "\n".join(headline).rstrip(),
+            "fedldf": "\n".join(fedldf(results)).rstrip(),
+            "fedspu": "\n".join(fedspu(results)).rstrip(),
+            "embracingfl": "\n".join(embracingfl(results)).rstrip(),
+            "feddh": "\n".join(feddh(results)).rstrip(),
+            "feddhad": "\n".join(feddhad(results)).rstrip()}
+
+
+def fill_blocks(text: str, generated: dict[str, str]) -> str:
+    def replace(match):
+        name = match.group("name")
+        if name not in generated:
+            raise KeyError(f"unknown generated block {name!r}")
+        return f"{match.group(1)}\n{generated[name]}\n\n{match.group(3)}"
+    return BLOCK.sub(replace, text)
+
+
+def outputs(root: pathlib.Path = ROOT) -> dict[pathlib.Path, str]:
+    """Every page this script writes, with the text it should hold."""
+    results = load_results()
+    generated = blocks(results)
+    pages = {PAGE: render_page(results)}
+    for rel in BLOCK_PAGES:
+        path = root / rel
+        if path.exists():
+            pages[path] = fill_blocks(path.read_text(), generated)
+    return pages
+
+
+def stale(root: pathlib.Path = ROOT) -> list[str]:
+    """The pages whose committed text differs from what this script renders."""
+    return [str(p.relative_to(root)) for p, text in outputs(root).items()
+            if not p.exists() or p.read_text() != text]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when a committed page differs; write nothing")
+    args = p.parse_args(argv)
+    if args.check:
+        differ = stale()
+        if differ:
+            print("out of date (run python -m benchmarks.render_docs): " + ", ".join(differ), file=sys.stderr)
+            return 1
+        return 0
+    for path, text in outputs().items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The documentation is tested: the site builds with ``mkdocs build --strict`` (no broken link, anchor or
+reference), every code block marked runnable in ``docs/`` and ``README.md`` runs, the benchmark tables are
+what ``benchmarks/render_docs.py`` renders from the result files, and every registered method is in the
+method tables.  ``docs/contributing.md`` describes the markers."""
+
+import json
+import os
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import render_docs
+from fedpartial.methods import METHODS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+RUNNABLE = "<!-- runnable -->"
+NOT_RUNNABLE = re.compile(r"<!-- not runnable: \S.*-->")
+FENCE = re.compile(r"^```(\S*)\s*$")
+BUILD_LIMIT_S = 60  # the issue's bound for the strict build; it takes a few seconds
+
+
+def code_blocks(path: pathlib.Path) -> list[tuple[int, str, str, str]]:
+    """Every fenced block of a Markdown file: (line of its first code line, language, marker line, code)."""
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening and opening.group(1):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```")
+            marker = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            blocks.append((i + 2, opening.group(1), marker, "\n".join(lines[i + 1:end])))
+            i = end
+        i += 1
+    return blocks
+
+
+def runnable_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    return [(line, code) for line, lang, marker, code in code_blocks(path) if lang == "python" and marker == RUNNABLE]
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_the_site_builds_strictly_within_a_minute(tmp_path):
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=10 * BUILD_LIMIT_S,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    took = time.perf_counter() - start
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert took < BUILD_LIMIT_S, f"mkdocs build took {took:.1f} s"
+    assert (tmp_path / "site" / "api" / "fedpartial" / "index.html").exists()
+
+
+def test_every_python_block_says_whether_it_runs():
+    unmarked = [f"{_rel(p)}:{line}" for p in PAGES for line, lang, marker, _ in code_blocks(p)
+                if lang == "python" and marker != RUNNABLE and not NOT_RUNNABLE.fullmatch(marker)]
+    assert unmarked == [], "mark each with <!-- runnable --> or <!-- not runnable: why -->"
+
+
+def test_the_block_finder_reads_markers_and_lines(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# t\n\n<!-- runnable -->\n```python\nx = 1\n```\n\n```bash\nls\n```\n"
+                    "<!-- not runnable: a fragment -->\n```python\ny(\n```\n")
+    assert code_blocks(page) == [(5, "python", RUNNABLE, "x = 1"), (9, "bash", "```", "ls"),
+                                 (13, "python", "<!-- not runnable: a fragment -->", "y(")]
+    assert runnable_blocks(page) == [(5, "x = 1")]
+
+
+# One process per page: its runnable blocks run in order in one namespace (a page may build an example step
+# by step), each compiled with the page's file name and line numbers so that a failure points at the page.
+RUNNER = """
+import json, sys
+namespace = {"__name__": "__main__"}
+for label, line, code in json.load(open(sys.argv[1])):
+    exec(compile("\\n" * (line - 1) + code, label, "exec"), namespace)
+"""
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if runnable_blocks(p)], ids=_rel)
+def test_runnable_blocks_run(page, tmp_path):
+    blocks = tmp_path / "blocks.json"
+    blocks.write_text(json.dumps([[_rel(page), line, code] for line, code in runnable_blocks(page)]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "MPLBACKEND": "Agg"}
+    run = subprocess.run([sys.executable, "-c", RUNNER, str(blocks)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
+
+
+def test_the_docs_have_runnable_examples():
+    """The pages the issue names carry examples that run (a guard against markers silently dropped)."""
+    for rel in ("README.md", "docs/concepts.md", "docs/tutorial.md", "docs/running.md"):
+        assert runnable_blocks(ROOT / rel), rel
+
+
+def test_benchmark_pages_are_what_the_results_render():
+    assert render_docs.stale() == [], "run python -m benchmarks.render_docs and commit the pages"
+
+
+def test_every_generated_block_is_known_and_filled():
+    generated = render_docs.blocks(render_docs.load_results())
+    for rel in render_docs.BLOCK_PAGES:
+        text = (ROOT / rel).read_text()
+        names = re.findall(r"<!-- BEGIN generated: ([\w-]+) -->", text)
+        assert names, f"{rel} has no generated block"
+        for name in names:
+            assert name in generated and generated[name].strip(), (rel, name)
+            assert re.search(rf"<!-- END generated: {name} -->", text), (rel, name)
+
+
+def test_provenance_says_what_a_file_does_not_record():
+    bare = {"benchmark": "gather"}
+    assert render_docs.device_of("gather-cpu.json", bare) == "not recorded in the file (its name says CPU)"
+    assert render_docs.date_of("gather-cpu.json", bare) == "not recorded"
+    assert render_docs.date_of("seeds-cpu-2026-11-23.json", bare) == "2026-11-23 (from the file name)"
+    assert render_docs.command_of("x.json", {"benchmark": "scale"}) == (
+        "not recorded (written by `python -m benchmarks.scale`)")
+    recorded = {"benchmark": "data_placement", "time": "2026-11-24T01:57:59+00:00", "argv": ["--cases", "synthetic"],
+                "device": {"device_kind": "cpu", "cpu_count": 2, "jax_version": "0.10.2"}}
+    assert render_docs.device_of("x.json", recorded) == "CPU (2 cores), jax 0.10.2"
+    assert render_docs.date_of("x.json", recorded) == "2026-11-24"
+    assert render_docs.command_of("x.json", recorded) == "`python -m benchmarks.data_placement --cases synthetic`"
+    rebuilt = {"benchmark": "gather", "config": {"quick": False, "cohort": 1000, "large": 20000, "out": None,
+                                                 "features": 60}}
+    assert render_docs.command_of("x.json", rebuilt) == (
+        "not recorded; rebuilt from the recorded settings: `python -m benchmarks.gather --cohort 1000 --large 20000`")
+
+
+def test_an_unknown_generated_block_is_an_error():
+    with pytest.raises(KeyError, match="nope"):
+        render_docs.fill_blocks("<!-- BEGIN generated: nope -->\nold\n<!-- END generated: nope -->\n", {})
+
+
+def method_table(path: pathlib.Path) -> set[str]:
+    """The `--method` names in the table that follows the page's methods-table marker."""
+    text = path.read_text().split("<!-- methods-table", 1)[1]
+    rows = []
+    for line in text.splitlines()[1:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return {m.group(1) for row in rows[2:] if (m := re.match(r"\| `([\w-]+)` \|", row))}
+
+
+@pytest.mark.parametrize("rel", ["README.md", "docs/methods.md"])
+def test_the_method_table_names_every_registered_method(rel):
+    assert method_table(ROOT / rel) == set(METHODS)
+
+
+def test_the_readme_is_short_and_keeps_the_quick_start():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]  # CI runs the second command literally
+    assert f"```bash\n{ci}\n```" in text
+    assert "```bash\npython3 -m venv .venv && . .venv/bin/activate && pip install -e . && fedpartial run\n```" in text
+
+
+def test_the_api_reference_documents_the_public_api_only():
+    targets = [m.group(1) for p in (ROOT / "docs" / "api").glob("*.md")
+               for m in re.finditer(r"^::: (\S+)", p.read_text(), re.MULTILINE)]
+    assert sorted(targets) == ["fedpartial", "fedpartial.data", "fedpartial.masks", "fedpartial.methods",
+                               "fedpartial.models"]
+
+
+def module_map() -> list[tuple[str, str]]:
+    """(folder cell, modules cell) of each row of the table that follows docs/layout.md's module-map marker."""
+    text = (ROOT / "docs" / "layout.md").read_text().split("<!-- module-map", 1)[1]
+    rows = []
+    for line in text.splitlines()[1:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return [(cells[0], cells[-1]) for cells in rows[2:]]
+
+
+def test_the_module_map_lists_every_module():
+    rows, missing = module_map(), []
+    source = ROOT / "fedpartial" / "_src"
+    for path in sorted(source.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(source)
+        top = f"`{rel.parts[0]}/`" if len(rel.parts) > 1 else "`./`"
+        modules = next((cell for folder, cell in rows if top in folder), "")
+        if not all(name in modules for name in [*(f"`{p}/`" for p in rel.parts[1:-1]), f"`{path.stem}`"]):
+            missing.append(str(rel))
+    assert missing == []
+
+
+def test_sphinx_roles_in_docstrings_become_code_in_the_api_reference():
+    plain = runpy.run_path(str(ROOT / "docs" / "hooks" / "sphinx_roles.py"))["plain"]
+    assert plain("see :class:`~fedpartial._src.core.types.Method` and :func:`make_method`.") == (
+        "see `Method` and `make_method`.")
+    assert plain(":mod:`fedpartial.masks`") == "`fedpartial.masks`"
