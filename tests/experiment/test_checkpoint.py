@@ -421,3 +421,87 @@ def test_when_no_checkpoint_reads_back_the_run_says_so_and_its_status_is_failed(
     status = checkpoint.read_status(run_dir)
     assert status["status"] == "failed" and "no checkpoint" in status["message"]
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == before  # nothing moved or removed
+
+
+def test_out_of_space_is_recognised_through_orbax_messages_and_chains():
+    assert checkpoint.out_of_space(OSError(28, "No space left on device")) == "no space is left on the device"
+    assert checkpoint.out_of_space(ValueError("Failed to write 5 bytes [os_error_code='122']")) == \
+        "the disk quota is exceeded"
+    try:
+        try:
+            raise OSError(27, "File too large")
+        except OSError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert checkpoint.out_of_space(outer) == "the file-size limit is reached"
+    assert checkpoint.out_of_space(OSError(13, "Permission denied")) is None
+    assert checkpoint.out_of_space(ValueError("bad value")) is None
+
+
+#: ``python -c`` this, then fedpartial's arguments: files may not grow past argv[1] bytes (EFBIG, as a full disk
+#: gives ENOSPC); set in the child itself (preexec_fn would fork the multithreaded test process)
+LIMITED = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+           "limit = int(sys.argv.pop(1)); resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); "
+           "sys.argv[0] = 'fedpartial'; runpy.run_module('fedpartial', run_name='__main__')")
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_sentence_and_the_last_good_one_is_untouched(
+        compiled, baseline, stopped_at_4, tmp_path):
+    base_state, _, base = baseline
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(stopped_at_4, run_dir)
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}  # the cache's own writes would hit the limit
+    done = subprocess.run([sys.executable, "-c", LIMITED, "100000", "run", "--resume", run_dir], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
+    assert "cannot write the checkpoint of round 5" in lines[0] and "the file-size limit is reached" in lines[0]
+    assert "KiB" in lines[0] and "the checkpoint of round 4 is kept" in lines[0] and "--resume" in lines[0]
+    status = checkpoint.read_status(run_dir)
+    assert status["status"] == "failed" and status["message"] in lines[0]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]  # no temporary leftovers
+    # The last good checkpoint is whole: resuming with room finishes the run as if it never stopped.
+    sim = fresh(compiled, tmp_path, "unused")
+    result = run(sim.config, sim=sim, resume=run_dir)
+    assert result["resumed_from_round"] == 4
+    _same_state(sim.state, base_state)
+
+
+def test_results_that_do_not_fit_are_one_sentence_and_status_failed(compiled, tmp_path, monkeypatch):
+    from fedpartial._src.experiment import records
+
+    real = records.MetricsCSV.write
+
+    def full_at_round_3(self, record):
+        if record["round"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, record)
+
+    monkeypatch.setattr(records.MetricsCSV, "write", full_at_round_3)
+    sim = fresh(compiled, tmp_path, "full")
+    with pytest.raises(checkpoint.OutOfSpace) as full:
+        run(sim.config, sim=sim, checkpoint_every=2)
+    run_dir = os.path.join(tmp_path, "full")
+    assert str(full.value).startswith(f"cannot write the results of round 3 in {run_dir}: no space is left")
+    assert "the checkpoint of round 2 is kept" in str(full.value)
+    status = checkpoint.read_status(run_dir)
+    assert status["status"] == "failed" and status["message"] == str(full.value)
+    assert checkpoint.latest_round(run_dir) == 2
+
+
+def test_a_run_folder_that_cannot_start_on_a_full_disk_is_one_sentence_and_leaves_nothing(compiled, tmp_path,
+                                                                                       monkeypatch):
+    real = checkpoint.write_json
+
+    def full(path, value):
+        if path.endswith("environment.json"):
+            raise OSError(28, "No space left on device")
+        return real(path, value)
+
+    monkeypatch.setattr(checkpoint, "write_json", full)
+    sim = fresh(compiled, tmp_path, "start")
+    with pytest.raises(checkpoint.OutOfSpace) as no_room:
+        run(sim.config, sim=sim)
+    assert str(no_room.value).startswith(f"cannot start the run folder {tmp_path / 'start'}: no space is left")
+    assert os.listdir(tmp_path) == []  # the half-made folder is gone

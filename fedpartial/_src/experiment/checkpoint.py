@@ -41,6 +41,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -77,6 +78,55 @@ class RunInterrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
         self.message = message
         self.summary = summary
+
+
+class OutOfSpace(UserError):
+    """A result or checkpoint could not be written: the disk (or quota, or file-size limit) is full."""
+
+
+#: errno values that mean "no room to write": ENOSPC, EDQUOT, EFBIG
+_NO_ROOM = {28: "no space is left on the device", 122: "the disk quota is exceeded",
+            27: "the file-size limit is reached"}
+
+
+def out_of_space(error: BaseException) -> str | None:
+    """Why ``error`` (or an exception it was raised from) is a write that found no room, or None.  Orbax's
+    tensorstore writes report the errno only in their message (``[os_error_code='28']``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _NO_ROOM:
+            return _NO_ROOM[error.errno]
+        for code, reason in _NO_ROOM.items():
+            if f"os_error_code='{code}'" in str(error):
+                return reason
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def human_bytes(nbytes: float) -> str:
+    """``nbytes`` as people read it (``215.7 KiB``)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def free_bytes(path: str) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _remove_partial_writes(run_dir: str, step: int) -> None:
+    """Removes what a failed write of checkpoint ``step`` left: orbax's temporary folders, the per-process one."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(f"{step}.orbax-checkpoint-tmp") or name == f".{step}.tmp":
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 class CheckpointsDamaged(UserError):
@@ -351,16 +401,29 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
     state = sim.checkpoint_state()  # per-client rows kept off the device included
     arrays = _to_arrays(state)
     host = {"progress": dict(sim.progress), "num_leaves": len(arrays), "checksum": checksum(arrays), **(extra or {})}
-    if several_processes():
-        if latest_round(run_dir) != step:
+    kept = latest_round(run_dir)
+    if kept == step:
+        return step  # already saved after this round
+    try:
+        if several_processes():
             _save_local(run_dir, step, arrays, _finite(host))
-        return step
-    with _manager(run_dir) as mgr:
-        if mgr.latest_step() == step:
-            return step  # already saved after this round
-        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
-                                               host=ocp.args.JsonSave(_finite(host))), force=True)
-        mgr.wait_until_finished()
+        else:
+            with _quiet_orbax_errors(), _manager(run_dir) as mgr:
+                mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+                                                       host=ocp.args.JsonSave(_finite(host))), force=True)
+                mgr.wait_until_finished()
+    except Exception as error:
+        reason = out_of_space(error)
+        if reason is None:
+            raise
+        _remove_partial_writes(run_dir, step)
+        need = sum(a.nbytes for a in arrays.values())
+        free = free_bytes(run_dir)
+        room = f"it needs about {human_bytes(need)}" + (f", {human_bytes(free)} are free there" if free else "")
+        then = (f"the checkpoint of round {kept} is kept; make room and continue with: "
+                f"fedpartial run --resume {run_dir}" if kept is not None else "no earlier checkpoint was written")
+        raise OutOfSpace(f"cannot write the checkpoint of round {step} in {os.path.join(run_dir, CHECKPOINTS)}: "
+                         f"{reason} ({room}); {then}.") from None
     return step
 
 
@@ -427,6 +490,19 @@ def _check_identity(run_dir: str, written: dict | None, identity: dict | None) -
 
 
 @contextlib.contextmanager
+def _quiet_orbax_errors():
+    """Orbax logs a failed write's exception from each of its threads (absl ERROR lines with tracebacks) before
+    raising it; the caller turns the raised one into a sentence, so those lines are held back meanwhile."""
+    logger = logging.getLogger("absl")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+@contextlib.contextmanager
 def _quiet_failed_reads():
     """Orbax's reader leaves asyncio callbacks behind when a read fails; they fire later on a closed event loop
     and Python prints each as a traceback.  Those (and only those) are dropped while checkpoints are tried."""
@@ -439,7 +515,8 @@ def _quiet_failed_reads():
 
     sys.unraisablehook = hook
     try:
-        yield
+        with _quiet_orbax_errors():
+            yield
     finally:
         gc.collect()  # the failed reads' leftovers are collected here, under the hook
         sys.unraisablehook = previous

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -103,10 +104,23 @@ class RunWriter:
             # Every value resolved (method options, local epochs, model, train fraction), so the run can be
             # repeated from config.json or config.toml alone; environment.json says what it ran on.
             full = run_record.resolved(config, sim)
-            checkpoint.write_json(os.path.join(self.run_dir, "config.json"), dataclasses.asdict(full))
-            with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-                f.write(run_record.to_toml(full))
-            checkpoint.write_json(os.path.join(self.run_dir, "environment.json"), run_record.environment(config))
+            try:
+                checkpoint.write_json(os.path.join(self.run_dir, "config.json"), dataclasses.asdict(full))
+                with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+                    f.write(run_record.to_toml(full))
+                checkpoint.write_json(os.path.join(self.run_dir, "environment.json"),
+                                      run_record.environment(config))
+            except OSError as error:
+                reason = checkpoint.out_of_space(error)
+                if reason is None:
+                    raise
+                checkpoint.unlock_run_dir(self.run_dir)
+                shutil.rmtree(self.run_dir, ignore_errors=True)  # made just now, by this run: nothing is lost
+                free = checkpoint.free_bytes(config.out_dir)
+                raise checkpoint.OutOfSpace(
+                    f"cannot start the run folder {self.run_dir}: {reason}"
+                    + (f" ({checkpoint.human_bytes(free)} are free there)" if free is not None else "")
+                    + "; make room or choose another --out.") from None
         elif checkpoint_every is not None:
             raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
         self.resumed_from = sim.progress["round"] if resume is not None else None
@@ -136,15 +150,30 @@ class RunWriter:
         self.records.append(record)
         if not self.run_dir:
             return
-        self.log.write(checkpoint.strict_json(record) + "\n")
-        self.log.flush()
-        self.table.write(record)
-        if self.sim.last_decisions is not None:
-            save_decisions(os.path.join(self.run_dir, "decisions", f"round-{record['round']:05d}.npz"),
-                           self.sim.last_decisions)
+        try:
+            self.log.write(checkpoint.strict_json(record) + "\n")
+            self.log.flush()
+            self.table.write(record)
+            if self.sim.last_decisions is not None:
+                save_decisions(os.path.join(self.run_dir, "decisions", f"round-{record['round']:05d}.npz"),
+                               self.sim.last_decisions)
+        except OSError as error:
+            self._no_room(error, f"the results of round {record['round']}")
         if self.checkpoint_every and record["round"] % self.checkpoint_every == 0:
             self.saved = checkpoint.save(self.run_dir, self.sim, extra=self.extra)
-        self.status("running")
+        try:
+            self.status("running")
+        except OSError as error:
+            self._no_room(error, "status.json")
+
+    def _no_room(self, error: OSError, what: str) -> None:
+        """Raises ``error`` again, as one sentence when it is a full disk."""
+        reason = checkpoint.out_of_space(error)
+        if reason is None:
+            raise error
+        kept = (f"the checkpoint of round {self.saved} is kept; make room and continue with: fedpartial run "
+                f"--resume {self.run_dir}" if self.saved is not None else "no checkpoint was written")
+        raise checkpoint.OutOfSpace(f"cannot write {what} in {self.run_dir}: {reason}; {kept}.") from None
 
     def close(self) -> None:
         if self.log:
@@ -159,17 +188,18 @@ class RunWriter:
         sim, run_dir, config = self.sim, self.run_dir, self.sim.config
         done = sim.progress["round"]
         where = f"after round {done} of {config.rounds}"
-        if error is None and signum is not None and done < config.rounds:
-            if run_dir:
+        if error is None and run_dir:
+            try:
                 self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
+            except checkpoint.OutOfSpace as no_room:
+                error = no_room
+        if error is None and signum is not None and done < config.rounds:
             name = signal.Signals(signum).name
             message = (f"stopped by {name} {where}; the checkpoint of round {self.saved}, metrics and summary are "
                        f"kept in {run_dir}; continue with: fedpartial run --resume {run_dir}" if run_dir else
                        f"stopped by {name} {where}; nothing was written (no output directory)")
             state = "interrupted"
         elif error is None:
-            if run_dir:
-                self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
             state, message = "complete", f"{done} rounds"
         else:
             kept = (f"the checkpoint of round {self.saved} is kept" if self.saved is not None
@@ -178,6 +208,8 @@ class RunWriter:
                 state, message = "diverged", f"{str(error).strip().rstrip('.')}; {kept}."
             elif isinstance(error, KeyboardInterrupt):
                 state, message = "interrupted", f"interrupted during round {done + 1}; {kept}"
+            elif isinstance(error, checkpoint.OutOfSpace):
+                state, message = "failed", str(error)
             else:
                 state, message = "failed", f"{type(error).__name__}: {str(error).strip().rstrip('.')}; {kept}."
         try:
@@ -187,9 +219,17 @@ class RunWriter:
                 raise
             summary = {"status": state, "rounds": len(self.records)}
         if run_dir:
-            checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
-            self.status(state, message)
-            checkpoint.unlock_run_dir(run_dir)
+            try:
+                checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
+                self.status(state, message)
+            except OSError as failure:  # written where they can be: a full disk must not hide the run's error
+                reason = checkpoint.out_of_space(failure)
+                if reason is None:
+                    raise
+                if error is None:
+                    error = checkpoint.OutOfSpace(f"cannot write the summary of {run_dir}: {reason}.")
+            finally:
+                checkpoint.unlock_run_dir(run_dir)
         if error is not None:
             raise error
         result = {**summary, "run_dir": run_dir, "records": self.records}
