@@ -505,3 +505,41 @@ def test_a_run_folder_that_cannot_start_on_a_full_disk_is_one_sentence_and_leave
         run(sim.config, sim=sim)
     assert str(no_room.value).startswith(f"cannot start the run folder {tmp_path / 'start'}: no space is left")
     assert os.listdir(tmp_path) == []  # the half-made folder is gone
+
+
+def test_a_second_signal_exits_after_a_short_grace_and_says_what_is_kept(compiled, tmp_path):
+    import io
+
+    exits, stream, exited = [], io.StringIO(), threading.Event()
+    sim = fresh(compiled, tmp_path, "forced")
+    run_dir = os.path.join(tmp_path, "forced")
+
+    def exit_now(code):  # stands in for os._exit: notes the code and the status the process would leave
+        exits.append((code, checkpoint.read_status(run_dir)))
+        exited.set()
+
+    def on_round(record):  # two Ctrl-C after round 2; the 'round' then outlasts the grace
+        if record["round"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert exited.wait(5)
+
+    flag = checkpoint.StopFlag(stream, grace_s=0.2, exit=exit_now)
+    with flag, pytest.raises(checkpoint.RunInterrupted):
+        run(sim.config, sim=sim, on_round=on_round, checkpoint_every=1, stop=flag)
+    [(code, status)] = exits
+    assert code == 130 and status["status"] == "interrupted"
+    assert status["message"].startswith("exited at once by a second signal during round 3; the checkpoint of "
+                                        "round 2 is kept; continue with: fedpartial run --resume")
+    said = stream.getvalue()
+    assert "again to exit at once" in said and "exiting in 0.2 s" in said and "exited without finishing" in said
+
+
+def test_a_second_signal_within_the_grace_of_a_finished_stop_changes_nothing():
+    exits = []
+    flag = checkpoint.StopFlag(open(os.devnull, "w"), grace_s=0.2, exit=exits.append)
+    with flag:
+        flag._handle(signal.SIGINT, None)
+        flag._handle(signal.SIGINT, None)
+    time.sleep(0.4)  # the run stopped (the flag's context ended) within the grace: the timer was cancelled
+    assert exits == [] and flag.signum == signal.SIGINT

@@ -255,30 +255,59 @@ def unlock_run_dir(run_dir: str) -> None:
 # --- signals ---------------------------------------------------------------------------------------------
 
 
+#: seconds a second SIGINT/SIGTERM gives the round in progress before the process exits without it
+FORCE_GRACE_S = 3.0
+
+
 class StopFlag:
     """Context manager: SIGINT and SIGTERM set :attr:`signum` instead of raising, until exit.
 
-    Installed only in the main thread (Python delivers signals there); elsewhere it is
-    an inert flag.  Nested use keeps the outer handlers (``installed`` is False).
+    A second signal forces the exit: if the run has not stopped ``grace_s`` seconds later (a long round,
+    a long compilation), a timer thread runs the ``on_force`` callbacks (e.g. the run folder's status),
+    says what is lost and kept, and ends the process with 128 + signum (``exit``: :func:`os._exit`, as
+    native code may hold the main thread).  Installed only in the main thread (Python delivers signals
+    there); elsewhere it is an inert flag.  Nested use keeps the outer handlers (``installed`` is False).
     """
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, *, grace_s: float = FORCE_GRACE_S, exit=os._exit):
         self.signum: int | None = None
         self.stream = stream if stream is not None else sys.stderr
         self.installed = False
         self._previous = {}
+        self.grace_s, self._exit = grace_s, exit
+        self.on_force: list = []  # callables run before a forced exit, e.g. writing status.json
+        self._timer: threading.Timer | None = None
 
-    def _handle(self, signum, frame):
-        first = self.signum is None
-        if first:
-            self.signum = signum
-        name = signal.Signals(signum).name
+    def _say(self, text: str) -> None:
         try:
-            self.stream.write(f"fedpartial: {name} received; stopping after the current round "
-                              f"{'(already stopping) ' if not first else ''}and writing a checkpoint.\n")
+            self.stream.write(text)
             self.stream.flush()
         except (OSError, ValueError):  # a closed stream must not turn a stop into a crash
             pass
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            self._say(f"fedpartial: {name} received; stopping after the current round and writing a "
+                      f"checkpoint (again to exit at once).\n")
+            return
+        if self._timer is None:
+            self._say(f"fedpartial: {name} received again; exiting in {self.grace_s:g} s unless the round "
+                      "ends first.\n")
+            self._timer = threading.Timer(self.grace_s, self._force, args=(signum,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _force(self, signum: int) -> None:
+        for callback in self.on_force:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 — exiting is what was asked; a failed note must not stop it
+                pass
+        self._say("fedpartial: exited without finishing the round in progress; the newest checkpoint and the "
+                  "metrics of finished rounds are kept.\n")
+        self._exit(128 + signum)
 
     @property
     def stopped(self) -> bool:
@@ -292,6 +321,9 @@ class StopFlag:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._timer is not None:  # the run stopped within the grace: no forced exit
+            self._timer.cancel()
+            self._timer = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

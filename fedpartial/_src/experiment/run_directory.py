@@ -166,6 +166,15 @@ class RunWriter:
         except OSError as error:
             self._no_room(error, "status.json")
 
+    def forced(self) -> None:
+        """A second signal ends the process mid-round: the status says so (called from a timer thread)."""
+        kept = f"the checkpoint of round {self.saved} is kept" if self.saved is not None else "no checkpoint was written"
+        self.status("interrupted", f"exited at once by a second signal during round {self.sim.progress['round'] + 1}"
+                                   f"; {kept}" + (f"; continue with: fedpartial run --resume {self.run_dir}"
+                                                  if self.saved is not None else ""))
+        if self.run_dir:
+            checkpoint.unlock_run_dir(self.run_dir)
+
     def _no_room(self, error: OSError, what: str) -> None:
         """Raises ``error`` again, as one sentence when it is a full disk."""
         reason = checkpoint.out_of_space(error)

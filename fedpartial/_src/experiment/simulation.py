@@ -565,6 +565,7 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
     error = None
     # A caller's flag (the command line's, installed before the simulation was built) is used as it is.
     with contextlib.nullcontext(stop) if stop is not None else checkpoint.StopFlag() as flag:
+        flag.on_force.append(writer.forced)
         try:
             rounds = iter(()) if flag.stopped else sim.rounds()  # a signal while the simulation was built
             for record in rounds:
@@ -576,6 +577,7 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
         except BaseException as e:  # written down as the run's status, then raised again below
             error = e
         finally:
+            flag.on_force.remove(writer.forced)
             writer.close()
         return writer.finish(error, flag.signum, time.perf_counter() - t0)
 
