@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment import checkpoint, disk
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation, load_config, run
@@ -424,8 +424,8 @@ def test_when_no_checkpoint_reads_back_the_run_says_so_and_its_status_is_failed(
 
 
 def test_out_of_space_is_recognised_through_orbax_messages_and_chains():
-    assert checkpoint.out_of_space(OSError(28, "No space left on device")) == "no space is left on the device"
-    assert checkpoint.out_of_space(ValueError("Failed to write 5 bytes [os_error_code='122']")) == \
+    assert disk.out_of_space(OSError(28, "No space left on device")) == "no space is left on the device"
+    assert disk.out_of_space(ValueError("Failed to write 5 bytes [os_error_code='122']")) == \
         "the disk quota is exceeded"
     try:
         try:
@@ -433,9 +433,9 @@ def test_out_of_space_is_recognised_through_orbax_messages_and_chains():
         except OSError as inner:
             raise RuntimeError("wrapped") from inner
     except RuntimeError as outer:
-        assert checkpoint.out_of_space(outer) == "the file-size limit is reached"
-    assert checkpoint.out_of_space(OSError(13, "Permission denied")) is None
-    assert checkpoint.out_of_space(ValueError("bad value")) is None
+        assert disk.out_of_space(outer) == "the file-size limit is reached"
+    assert disk.out_of_space(OSError(13, "Permission denied")) is None
+    assert disk.out_of_space(ValueError("bad value")) is None
 
 
 #: ``python -c`` this, then fedpartial's arguments: files may not grow past argv[1] bytes (EFBIG, as a full disk
@@ -480,7 +480,7 @@ def test_results_that_do_not_fit_are_one_sentence_and_status_failed(compiled, tm
 
     monkeypatch.setattr(records.MetricsCSV, "write", full_at_round_3)
     sim = fresh(compiled, tmp_path, "full")
-    with pytest.raises(checkpoint.OutOfSpace) as full:
+    with pytest.raises(disk.OutOfSpace) as full:
         run(sim.config, sim=sim, checkpoint_every=2)
     run_dir = os.path.join(tmp_path, "full")
     assert str(full.value).startswith(f"cannot write the results of round 3 in {run_dir}: no space is left")
@@ -501,7 +501,7 @@ def test_a_run_folder_that_cannot_start_on_a_full_disk_is_one_sentence_and_leave
 
     monkeypatch.setattr(checkpoint, "write_json", full)
     sim = fresh(compiled, tmp_path, "start")
-    with pytest.raises(checkpoint.OutOfSpace) as no_room:
+    with pytest.raises(disk.OutOfSpace) as no_room:
         run(sim.config, sim=sim)
     assert str(no_room.value).startswith(f"cannot start the run folder {tmp_path / 'start'}: no space is left")
     assert os.listdir(tmp_path) == []  # the half-made folder is gone

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment import checkpoint, disk
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
@@ -111,15 +111,15 @@ class RunWriter:
                 checkpoint.write_json(os.path.join(self.run_dir, "environment.json"),
                                       run_record.environment(config))
             except OSError as error:
-                reason = checkpoint.out_of_space(error)
+                reason = disk.out_of_space(error)
                 if reason is None:
                     raise
                 checkpoint.unlock_run_dir(self.run_dir)
                 shutil.rmtree(self.run_dir, ignore_errors=True)  # made just now, by this run: nothing is lost
-                free = checkpoint.free_bytes(config.out_dir)
-                raise checkpoint.OutOfSpace(
+                free = disk.free_bytes(config.out_dir)
+                raise disk.OutOfSpace(
                     f"cannot start the run folder {self.run_dir}: {reason}"
-                    + (f" ({checkpoint.human_bytes(free)} are free there)" if free is not None else "")
+                    + (f" ({disk.human_bytes(free)} are free there)" if free is not None else "")
                     + "; make room or choose another --out.") from None
         elif checkpoint_every is not None:
             raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
@@ -168,7 +168,8 @@ class RunWriter:
 
     def forced(self) -> None:
         """A second signal ends the process mid-round: the status says so (called from a timer thread)."""
-        kept = f"the checkpoint of round {self.saved} is kept" if self.saved is not None else "no checkpoint was written"
+        kept = (f"the checkpoint of round {self.saved} is kept" if self.saved is not None
+                else "no checkpoint was written")
         self.status("interrupted", f"exited at once by a second signal during round {self.sim.progress['round'] + 1}"
                                    f"; {kept}" + (f"; continue with: fedpartial run --resume {self.run_dir}"
                                                   if self.saved is not None else ""))
@@ -177,12 +178,12 @@ class RunWriter:
 
     def _no_room(self, error: OSError, what: str) -> None:
         """Raises ``error`` again, as one sentence when it is a full disk."""
-        reason = checkpoint.out_of_space(error)
+        reason = disk.out_of_space(error)
         if reason is None:
             raise error
         kept = (f"the checkpoint of round {self.saved} is kept; make room and continue with: fedpartial run "
                 f"--resume {self.run_dir}" if self.saved is not None else "no checkpoint was written")
-        raise checkpoint.OutOfSpace(f"cannot write {what} in {self.run_dir}: {reason}; {kept}.") from None
+        raise disk.OutOfSpace(f"cannot write {what} in {self.run_dir}: {reason}; {kept}.") from None
 
     def close(self) -> None:
         if self.log:
@@ -200,7 +201,7 @@ class RunWriter:
         if error is None and run_dir:
             try:
                 self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
-            except checkpoint.OutOfSpace as no_room:
+            except disk.OutOfSpace as no_room:
                 error = no_room
         if error is None and signum is not None and done < config.rounds:
             name = signal.Signals(signum).name
@@ -217,7 +218,7 @@ class RunWriter:
                 state, message = "diverged", f"{str(error).strip().rstrip('.')}; {kept}."
             elif isinstance(error, KeyboardInterrupt):
                 state, message = "interrupted", f"interrupted during round {done + 1}; {kept}"
-            elif isinstance(error, checkpoint.OutOfSpace):
+            elif isinstance(error, disk.OutOfSpace):
                 state, message = "failed", str(error)
             else:
                 state, message = "failed", f"{type(error).__name__}: {str(error).strip().rstrip('.')}; {kept}."
@@ -232,11 +233,11 @@ class RunWriter:
                 checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
                 self.status(state, message)
             except OSError as failure:  # written where they can be: a full disk must not hide the run's error
-                reason = checkpoint.out_of_space(failure)
+                reason = disk.out_of_space(failure)
                 if reason is None:
                     raise
                 if error is None:
-                    error = checkpoint.OutOfSpace(f"cannot write the summary of {run_dir}: {reason}.")
+                    error = disk.OutOfSpace(f"cannot write the summary of {run_dir}: {reason}.")
             finally:
                 checkpoint.unlock_run_dir(run_dir)
         if error is not None:
