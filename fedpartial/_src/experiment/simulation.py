@@ -32,7 +32,7 @@ from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, layout, population, simulated_time
+from fedpartial._src.experiment import checkpoint, layout, population, privacy, simulated_time
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
@@ -131,7 +131,9 @@ class Simulation:
             if why:
                 self.holdout_note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the "
                                      f"rest out, because {why} (--train-fraction changes it)")
-        self.method = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
+        method = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
+        #: with ``--dp-clip`` the method is in DP-FedAvg and ``accountant`` gives ε each round (else None)
+        self.method, self.accountant = privacy.private(config, method)
 
     def _split_population(self) -> None:
         """The server's set, every client's training and held-out examples, its label counts and local steps."""
@@ -457,9 +459,11 @@ class Simulation:
         if not self.active_clients().any():
             return None
         start = time.perf_counter()
-        ids, valid, round_key, pack_seed = self.sample_cohort(t)
+        draw = None if self.accountant is None else privacy.draw_share(  # (N, K): who may be drawn, how many are
+            self.active_clients(), self.round.groups, self.config.cohort_size, self.round.ctx.cohort_size)
+        ids, valid, key, pack_seed = self.sample_cohort(t)
         cohort = self.cohort(ids, pack_seed, valid)
-        return PreparedRound(t, ids, valid, round_key, cohort, start, time.perf_counter() - start)
+        return PreparedRound(t, ids, valid, key, cohort, start, time.perf_counter() - start, draw)
 
     def finish_round(self, prepared: PreparedRound, metrics: dict, round_time: float | None = None) -> dict:
         """Round ``prepared.round``'s record from the metrics of its round (the state already updated):
@@ -510,6 +514,8 @@ class Simulation:
             self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
         if self.method.active_clients is not None:
             record["active_clients"] = int(self.active_clients().sum())
+        if self.accountant is not None:  # this round composed with every one before it (resumed runs too)
+            record["dp_epsilon"] = privacy.account_round(self.accountant, self.progress, prepared.draw)
         last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
         if (t + 1) % cfg.eval_every == 0 or last:
             result = self.evaluate()
@@ -531,6 +537,7 @@ class PreparedRound(NamedTuple):
     cohort: engine_types.Cohort
     start: float  # time.perf_counter() when preparation began
     host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
+    draw: tuple[int, int] | None = None  # (N, K) of the draw, for a DP run's accountant (privacy.draw_share)
 
 
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
