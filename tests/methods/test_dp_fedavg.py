@@ -133,9 +133,9 @@ def test_adaptive_clipping_follows_the_target_quantile(mlp):
     assert float(state.clip) == pytest.approx(10 * math.exp(-0.1), rel=1e-6)
     # With noise, the count takes at most a tenth of the budget and sum + count cost one Gaussian of z.
     for z, k in ((1.0, 10), (0.5, 1000)):
-        sigma_b = count_noise_std(z, k)
-        assert sigma_b == max(k / 20, z * math.sqrt(10) / 2)
-        assert (sum_noise_multiplier(z, sigma_b) ** -2 + (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(z)
+        sigma_b = float(count_noise_std(z, k))
+        assert sigma_b == pytest.approx(max(k / 20, z * math.sqrt(10) / 2))
+        assert (float(sum_noise_multiplier(z, sigma_b)) ** -2 + (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(z)
 
 
 @pytest.mark.parametrize("name", ["fedldf", "fedspu"])

@@ -53,22 +53,22 @@ from fedpartial._src.methods.base import InitView, LocalStep, Method, MethodCont
 
 
 class DpState(NamedTuple):
-    """The server's DP state: this round's clipping norm, the upload counts summed over rounds, the rounds."""
+    """The server's DP state: this round's clipping norm, the noise multiplier (an array, so that runs at
+    different ``z`` share one compiled round), the upload counts summed over rounds, the rounds."""
 
     clip: jax.Array
+    noise_multiplier: jax.Array
     uploads: Any  # params-shaped float32: Σ over rounds of how many clients uploaded each element
     rounds: jax.Array
 
 
-def count_noise_std(noise_multiplier: float, clients: int) -> float:
-    """Adaptive clipping's ``σ_b``: the noise on the count of clients within the norm (0 without noise)."""
-    return 0.0 if noise_multiplier == 0 else max(clients / 20, noise_multiplier * math.sqrt(10) / 2)
+def count_noise_std(noise_multiplier, clients: int):
+    """Adaptive clipping's ``σ_b`` for ``z > 0``: the noise on the count of clients within the norm."""
+    return jnp.maximum(clients / 20, noise_multiplier * math.sqrt(10) / 2)
 
 
-def sum_noise_multiplier(noise_multiplier: float, count_std: float = 0.0) -> float:
-    """The multiplier ``z_Δ`` of the noise on the sum, so that sum and count together cost ``z``."""
-    if count_std == 0 or noise_multiplier == 0:
-        return noise_multiplier
+def sum_noise_multiplier(noise_multiplier, count_std):
+    """The multiplier ``z_Δ > z`` of the noise on the sum, so that sum and count together cost ``z > 0``."""
     return (noise_multiplier ** -2 - (2 * count_std) ** -2) ** -0.5
 
 
@@ -134,12 +134,15 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
                             "'global' policy uploads running statistics without clipping or noise.")
         state = method.init(ctx, view)
         uploads = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.float32), view.global_vars["params"])
-        dp = DpState(jnp.asarray(clip, jnp.float32), uploads, jnp.zeros((), jnp.int32))
+        dp = DpState(jnp.asarray(clip, jnp.float32), jnp.asarray(z, jnp.float32), uploads, jnp.zeros((), jnp.int32))
         return MethodState(server=(state.server, dp), clients=state.clients)
 
-    def noise_stds(ctx: MethodContext) -> tuple[float, float]:
-        sigma_b = count_noise_std(z, ctx.clients_per_round) if target_quantile is not None else 0.0
-        return sum_noise_multiplier(z, sigma_b), sigma_b
+    def noise_stds(ctx: MethodContext, state: DpState):
+        """``(z_Δ, σ_b)`` for ``z > 0``: the sum's multiplier and (adaptive clipping) the count's noise."""
+        if target_quantile is None:
+            return state.noise_multiplier, 0.0
+        sigma_b = count_noise_std(state.noise_multiplier, ctx.clients_per_round)
+        return sum_noise_multiplier(state.noise_multiplier, sigma_b), sigma_b
 
     def clipped_sums(ctx: MethodContext, view: RoundView):
         """``(Σ_k m Δ̃, Σ_k m)`` over the clients taking part, and ``(Δ, factors, norms)``."""
@@ -164,7 +167,7 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
             return new["params"], received
         (total, count), _ = clipped_sums(ctx, view)
         expected = jax.tree.map(lambda u, c: (u + c) / (state.rounds + 1).astype(jnp.float32), state.uploads, count)
-        std = noise_stds(ctx)[0] * state.clip
+        std = noise_stds(ctx, state)[0] * state.clip
         keys = jax.random.split(view.key, len(jax.tree.leaves(g)))
         noise = jax.tree.unflatten(jax.tree.structure(g), [jax.random.normal(k, a.shape, a.dtype) for k, a in
                                                           zip(keys, jax.tree.leaves(g))])
@@ -183,20 +186,23 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         clip_next = state.clip
         if target_quantile is not None:
             within = jnp.sum((view.cohort.valid & (view.selection.weights > 0) & (flat <= state.clip)))
-            noisy = (within + noise_stds(ctx)[1] * jax.random.normal(jax.random.fold_in(view.key, 0xD9), ())) \
+            count_std = noise_stds(ctx, state)[1] if z else 0.0
+            noisy = (within + count_std * jax.random.normal(jax.random.fold_in(view.key, 0xD9), ())) \
                 / ctx.clients_per_round
             clip_next = state.clip * jnp.exp(-clip_lr * (noisy - target_quantile))
-        dp = DpState(clip_next, jax.tree.map(jnp.add, state.uploads, count), state.rounds + 1)
+        dp = state._replace(clip=clip_next, uploads=jax.tree.map(jnp.add, state.uploads, count),
+                            rounds=state.rounds + 1)
         return MethodState(server=(own.server, dp), clients=own.clients)
 
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
         out = {} if method.metrics is None else dict(method.metrics(ctx, inner(view)))
-        clip_now = view.method_state.server[1].clip
+        state = view.method_state.server[1]
+        clip_now = state.clip
         _, factors, _ = clip_factors(ctx, view, clip_now, per_layer)
         taking_part = view.cohort.valid & (view.selection.weights > 0)
         clipped = jnp.sum(taking_part & jnp.any(factors < 1, axis=-1)) / jnp.maximum(jnp.sum(taking_part), 1)
         return {**out, "dp_clip": clip_now, "dp_clipped_fraction": clipped,
-                "dp_noise_std": noise_stds(ctx)[0] * clip_now if z else jnp.zeros((), jnp.float32)}
+                "dp_noise_std": noise_stds(ctx, state)[0] * clip_now if z else jnp.zeros((), jnp.float32)}
 
     def split(state: MethodState) -> MethodState:
         return MethodState(state.server[0], state.clients)
