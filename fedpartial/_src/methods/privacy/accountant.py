@@ -25,12 +25,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 SAMPLINGS = ("fixed", "poisson")
+
+
+def _dp():
+    """dp-accounting, imported when first used (it takes ~2 s to import, with scipy): ``import fedpartial`` and
+    the command line's refusals stay fast."""
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    return dp_accounting, rdp_privacy_accountant
 
 
 def round_key(population: int, sample: int) -> str:
@@ -59,14 +70,14 @@ class PrivacyAccountant:
         if not 0 < delta < 1:
             raise ValueError(f"δ = {delta!r} must be in (0, 1).")
         self.noise_multiplier, self.delta, self.sampling = float(noise_multiplier), float(delta), sampling
-        self.orders = np.asarray(rdp_lib.DEFAULT_RDP_ORDERS if orders is None else orders, np.float64)
+        self.orders = np.asarray(_dp()[1].DEFAULT_RDP_ORDERS if orders is None else orders, np.float64)
         self._rdp: dict[tuple[int, int], np.ndarray] = {}
 
     def event(self, population: int, sample: int) -> dp_accounting.DpEvent:
         """One round's event: ``sample`` of ``population`` clients, Gaussian noise ``z·C`` on the clipped sum."""
         if not 0 < sample <= population:
             raise ValueError(f"a round samples between 1 and {population} clients, not {sample}.")
-        z = self.noise_multiplier
+        dp_accounting, z = _dp()[0], self.noise_multiplier
         if z == 0:
             return dp_accounting.NonPrivateDpEvent()
         if self.sampling == "poisson":
@@ -74,6 +85,7 @@ class PrivacyAccountant:
         return dp_accounting.SampledWithoutReplacementDpEvent(population, sample, dp_accounting.GaussianDpEvent(z / 2))
 
     def new_accountant(self) -> dp_accounting.rdp.RdpAccountant:
+        dp_accounting = _dp()[0]
         relation = (dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE if self.sampling == "poisson"
                     else dp_accounting.NeighboringRelation.REPLACE_ONE)
         return dp_accounting.rdp.RdpAccountant(list(self.orders), relation)
@@ -99,14 +111,14 @@ class PrivacyAccountant:
         if self.noise_multiplier == 0:
             return math.inf
         total = sum(c * self.rdp(n, k) for (n, k), c in counts.items())
-        return float(rdp_lib.compute_epsilon(self.orders, total, self.delta)[0])
+        return float(_dp()[1].compute_epsilon(self.orders, total, self.delta)[0])
 
 
 def noise_multiplier_for(epsilon: float, delta: float, rounds: int, population: int, sample: int,
                          sampling: str = "fixed", tol: float = 1e-3) -> float:
     """The smallest ``z`` (within ``tol``) whose ``rounds`` rounds of ``sample`` of ``population`` clients
     stay within ``(epsilon, delta)`` (dp-accounting's calibration)."""
-    acc = PrivacyAccountant(1.0, delta, sampling)
+    dp_accounting, acc = _dp()[0], PrivacyAccountant(1.0, delta, sampling)
     make_event = lambda z: dp_accounting.SelfComposedDpEvent(  # noqa: E731
         PrivacyAccountant(z, delta, sampling).event(population, sample), rounds)
     return float(dp_accounting.calibrate_dp_mechanism(acc.new_accountant, make_event, epsilon, delta, tol=tol))
