@@ -116,19 +116,3 @@ def test_a_model_that_does_not_fit_the_labels_is_one_sentence(outputs, labels, m
     with pytest.raises(ConfigError, match=match):
         Simulation(config, _dataset(labels), model=model)
 
-
-def test_a_private_run_reports_epsilon_every_round_and_in_the_summary(tmp_path):
-    """DP-FedAvg from the run's flags: ε of every round at δ = 1/N from the accountant, for K of N without
-    replacement; the summary's ``final_dp_epsilon`` and ``dp_delta``; the rounds kept for a resumed run."""
-    import json
-
-    from fedpartial._src.methods.privacy.accountant import PrivacyAccountant
-
-    config = RunConfig(**{**TINY, "out_dir": str(tmp_path)}, model="mlp", dp_clip=0.5, dp_noise_multiplier=1.5,
-                       dp_clip_per_layer=True)
-    summary = run(config)
-    accountant = PrivacyAccountant(1.5, 1 / 8)
-    assert [r["dp_epsilon"] for r in summary["records"]] == [accountant.epsilon({(8, 3): t}) for t in (1, 2)]
-    assert summary["records"][0]["dp_clip"] == 0.5 and summary["records"][0]["dp_noise_std"] == 0.75
-    written = json.loads((tmp_path / summary["run_dir"] / "summary.json").read_text())
-    assert written["final_dp_epsilon"] == summary["records"][-1]["dp_epsilon"] > 0 and written["dp_delta"] == 1 / 8
