@@ -7,7 +7,9 @@ The public API is this namespace and three curated subpackages:
 
 * ``fedpartial`` — running (:class:`RunConfig`, :class:`Simulation`, :func:`run`), the round
   (:class:`FederatedRound` and its strategies) and everything a method author needs
-  (:class:`Method`, :func:`make_method`, the views and plans, the default pieces);
+  (:class:`Method`, :func:`make_method`, the views and plans, the default pieces) and the combinators
+  around any method (:func:`early_stopping`, :func:`reweight`, :func:`dp_fedavg` with its
+  :class:`PrivacyAccountant`);
 * :mod:`fedpartial.methods` — the built-in methods and their catalog (``METHODS``);
 * :mod:`fedpartial.models` — the model zoo and adapters for any Flax module;
 * :mod:`fedpartial.data` — data sources, partitions and cohort packing;
@@ -49,6 +51,8 @@ from fedpartial._src.experiment.simulation import Simulation, run
 from fedpartial._src.core.population import broadcast_clients, cohort_rows, gather_clients, scatter_clients
 from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained, with_penalty
 from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.privacy.accountant import PrivacyAccountant
+from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.methods.catalog import ENTRY_POINT_GROUP
 from fedpartial._src.methods.registry import MethodSpec, Option
 from fedpartial._src.methods.weighting.feddh import reweight
@@ -69,6 +73,8 @@ __all__ = [
     "VIEW_FIELDS",
     "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "early_stopping", "gather_clients",
     "make_method", "reweight", "scatter_clients", "upload_trained", "with_penalty",
+    # differential privacy: DP-FedAvg around any method, and its accountant
+    "PrivacyAccountant", "dp_fedavg",
     # errors
     "DivergedError", "UserError",
     "__version__",

@@ -24,6 +24,7 @@ from fedpartial._src.core import masks
 from fedpartial._src.core.types import Batch, ServerData, client_sgd
 from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.methods.basic.scaffold import control_variates
 from fedpartial._src.methods.base import Holdout
 from examples import scaffold
@@ -59,6 +60,11 @@ BUILDERS["fedrolex"] = lambda: get_method("fedrolex", tier_mix="5,2,1", widths="
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
 BUILDERS["fedldf+scaffold"] = lambda: control_variates(get_method("fedldf", n=2))  # control variates on partial uploads
+# DP-FedAvg around partial uploads: per-layer clipping, noise over each layer's expected uploaders, adaptive clipping.
+BUILDERS["dp-fedldf"] = lambda: dp_fedavg(get_method("fedldf", n=2), clip=1.0, noise_multiplier=1.0, per_layer=True,
+                                          target_quantile=0.5)
+#: entries that need the 'static' BatchNorm policy (DP-FedAvg refuses running statistics uploaded without noise)
+STATIC_BN = {"dp-fedldf"}
 
 
 def cohorts(rounds=2, steps=3, seed=0):
@@ -95,10 +101,11 @@ SERVER_DATA = ServerData(np.random.default_rng(4).normal(size=(6, 4)).astype(np.
                          np.array([0, 1, 2, 2, 1, 0], np.int32))
 
 
-def build(model, method, strategy, record=False, client_state="device"):
+def build(model, method, strategy, record=False, client_state="device", name=None):
     return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
                           server_optimizer=SERVER, strategy=strategy, rounds=4, record_decisions=record,
-                          label_counts=LABEL_COUNTS, server_data=SERVER_DATA, client_state=client_state)
+                          label_counts=LABEL_COUNTS, server_data=SERVER_DATA, client_state=client_state,
+                          bn_policy="static" if name in STATIC_BN else "global")
 
 
 def run(r, data):
@@ -164,7 +171,7 @@ def assert_matches_reference(got, metrics, ref, ref_metrics, name=None):
 @pytest.mark.parametrize("name", NAMES)
 def test_method_keeps_the_engine_contract(mlp, data, name):
     # Stepwise, recording decisions: the reference.
-    step = build(mlp, BUILDERS[name](), strategies.stepwise(1), record=True)
+    step = build(mlp, BUILDERS[name](), strategies.stepwise(1), record=True, name=name)
     ref, ref_metrics, traces = run(step, data)
     assert traces[0] > 0 and traces[1] == traces[0], "round 2 retraced (stepwise)"
 
@@ -172,7 +179,7 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
     # the same result, no retrace, and bit-identical when run again with the same seed.  (The whole-cohort
     # fused round differs from it only in the engine's chunking, which tests/engine/test_engine.py checks per
     # strategy; test_whole_cohort_fused_round_matches_too runs it for every method under -m slow.)
-    fused = build(mlp, BUILDERS[name](), strategies.fused(2))
+    fused = build(mlp, BUILDERS[name](), strategies.fused(2), name=name)
     padded_data = [padded(c) for c in data]
     got, metrics, traces = run(fused, padded_data)
     assert traces[1] == traces[0], "round 2 retraced (fused)"
@@ -202,7 +209,7 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_whole_cohort_fused_round_matches_too(mlp, data, name):
-    ref, ref_metrics, _ = run(build(mlp, BUILDERS[name](), strategies.stepwise(1)), data)
-    got, metrics, traces = run(build(mlp, BUILDERS[name](), strategies.fused()), data)
+    ref, ref_metrics, _ = run(build(mlp, BUILDERS[name](), strategies.stepwise(1), name=name), data)
+    got, metrics, traces = run(build(mlp, BUILDERS[name](), strategies.fused(), name=name), data)
     assert traces[1] == traces[0], "round 2 retraced (fused)"
     assert_matches_reference(got, metrics, ref, ref_metrics, name)

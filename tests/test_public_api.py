@@ -10,9 +10,10 @@ TOP = [
     "Batch", "Capabilities", "ClientGroup", "ClientOptimizer", "ClientPlan", "Cohort", "CohortInfo", "DivergedError",
     "ENTRY_POINT_GROUP", "FederatedRound", "Holdout", "InitView", "LocalGraph", "LocalStep", "LossAux", "Mask",
     "Method", "MethodContext", "MethodSpec", "MethodState", "Option", "OptimizerSettings", "PersonalModels",
-    "RoundView", "RunConfig", "Selection", "ServerData", "ServerState", "Simulation", "Strategy", "UserError",
+    "PrivacyAccountant", "RoundView", "RunConfig", "Selection", "ServerData", "ServerState", "Simulation", "Strategy",
+    "UserError",
     "VIEW_FIELDS", "__version__", "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "data",
-    "debug", "early_stopping", "fused", "gather_clients", "make_method", "masks", "methods", "models",
+    "debug", "dp_fedavg", "early_stopping", "fused", "gather_clients", "make_method", "masks", "methods", "models",
     "parse_strategy", "reweight", "run", "scatter_clients", "stepwise", "streamed", "upload_trained",
     "with_penalty",
 ]

@@ -10,6 +10,7 @@ import pytest
 
 import fedpartial as fp
 from fedpartial import masks
+from fedpartial._src.core import aggregation
 from fedpartial._src.engine.strategy import fused
 from tests.conftest import make_cohort
 
@@ -35,6 +36,12 @@ def spy(seen: dict, streamable=None):
         record("select", view)
         return fp.upload_trained(ctx, view)
 
+    def aggregate(ctx, view):  # the one formula, as the engine would compute it
+        record("aggregate", view)
+        new, received = aggregation.aggregate(ctx.structure, view.global_vars, view.trained_vars,
+                                              view.selection.upload, view.selection.weights, ("params",))
+        return new["params"], received
+
     def server_correct(ctx, view):
         record("server_correct", view)
         return view.aggregated["params"]
@@ -49,7 +56,7 @@ def spy(seen: dict, streamable=None):
 
     return fp.make_method("spy", plan=plan, summarize=summarize, select=select, update=update, metrics=metrics,
                           server_correct=None if streamable else server_correct,
-                          capabilities=fp.Capabilities(streamable=streamable))
+                          aggregate=None if streamable else aggregate, capabilities=fp.Capabilities(streamable=streamable))
 
 
 @pytest.mark.parametrize("strategy", [fp.fused(), fp.stepwise(2), fp.debug(), fp.streamed(2)], ids=str)
@@ -59,8 +66,8 @@ def test_every_hook_sees_only_the_fields_of_its_phase(mlp, strategy):
     rnd = fp.FederatedRound(mlp, method, num_clients=N, cohort_size=K, client_optimizer=fp.client_sgd(0.1),
                             strategy=strategy)
     rnd(rnd.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2), jax.random.key(1))
-    hooks = {"plan", "summarize", "select", "update", "metrics"} | ({"server_correct"} if method.server_correct
-                                                                   else set())
+    hooks = {"plan", "summarize", "select", "update", "metrics"} | ({"server_correct", "aggregate"}
+                                                                   if method.server_correct else set())
     assert set(seen) == hooks
     for hook, fields in seen.items():
         assert fields <= fp.VIEW_FIELDS[hook], (hook, fields - fp.VIEW_FIELDS[hook])

@@ -96,7 +96,8 @@ def test_missing_unreadable_and_invalid_files(tmp_path, capsys):
 
 def test_to_toml_reads_back_as_the_same_config(tmp_path):
     original = RunConfig(method="fjord", rounds=3, local_steps=4, client_lr=0.125, options={"tiers": (0.5, 1.0)},
-                         alpha=1e-3, run_name='we"ird', target_accuracy=0.5)
+                         alpha=1e-3, run_name='we"ird', target_accuracy=0.5, dp_clip=0.5, dp_noise_multiplier=1.1,
+                         dp_clip_per_layer=True, dp_delta=1e-5, dp_target_quantile=0.5)
     text = run_record.to_toml(original)
     assert "local-epochs" not in text and 'name = "we\\"ird"' in text and "tiers = \"0.5,1.0\"" in text
     assert _config(tmp_path, text) == original

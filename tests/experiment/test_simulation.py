@@ -29,7 +29,7 @@ def test_summary_reports_personal_accuracy_and_state_memory():
     model_bytes = summary["num_params"] * 4
     assert summary["personal_state_bytes"] > 8 * model_bytes  # N models + their sub-model masks
     assert summary["client_train_fraction"] == 0.7
-    assert "rounds_saved" not in summary
+    assert "rounds_saved" not in summary and "final_dp_epsilon" not in summary  # no early stopping, no DP
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -115,3 +115,4 @@ def test_a_model_that_does_not_fit_the_labels_is_one_sentence(outputs, labels, m
     config = RunConfig(dataset="synthetic", num_clients=4, cohort_size=2, rounds=1, local_steps=1, batch_size=4)
     with pytest.raises(ConfigError, match=match):
         Simulation(config, _dataset(labels), model=model)
+

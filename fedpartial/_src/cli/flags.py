@@ -137,6 +137,20 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
     run.add_argument("--train-fraction", type=number, default=None,
                      help="λ: each client's training share, the rest held out "
                           "(default: 0.7 for personalised methods and --es, else 1)")
+    privacy = run.add_argument_group(
+        "differential privacy (DP-FedAvg around the method, docs/privacy.md: each client's update is clipped to "
+        "norm C, Gaussian noise of std z·C is added to their sum, ε at δ is reported every round)")
+    privacy.add_argument("--dp-clip", type=number, default=None, metavar="C",
+                         help="clip each client's update (on what it uploads) to this L2 norm; turns DP on")
+    privacy.add_argument("--dp-noise-multiplier", type=number, default=None, metavar="Z",
+                         help="noise std over the clipping norm (0: clipping only, no privacy)")
+    privacy.add_argument("--dp-clip-per-layer", action="store_true",
+                         help="clip each layer to C/√L (L layers) instead of the whole upload to C")
+    privacy.add_argument("--dp-delta", type=number, default=None,
+                         help="the δ at which ε is reported (default: 1/N, N the population)")
+    privacy.add_argument("--dp-target-quantile", type=number, default=None, metavar="Q",
+                         help="adaptive clipping (Andrew et al. 2021): C follows this quantile of the clients' "
+                              "update norms, starting from --dp-clip")
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk], stream:chunk, "
                      "stream-stepwise:chunk, debug")
@@ -272,4 +286,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
         download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
         target_accuracy=args.target_accuracy, max_samples=args.max_samples,
+        dp_clip=args.dp_clip, dp_noise_multiplier=args.dp_noise_multiplier, dp_clip_per_layer=args.dp_clip_per_layer,
+        dp_delta=args.dp_delta, dp_target_quantile=args.dp_target_quantile,
     )

@@ -194,6 +194,9 @@ def _run_stoppable(args, console: Console, stop) -> int:
             ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),
             ("personal state", mb(summary["personal_state_bytes"]))]
           if "final_personal_accuracy" in summary else []),
+        *([("differential privacy", f"ε = {summary['final_dp_epsilon']:.3g} at δ = {summary['dp_delta']:.3g} "
+                                    f"(clip {config.dp_clip:g}, noise multiplier {config.dp_noise_multiplier:g})")]
+          if "final_dp_epsilon" in summary else []),
         ("upload / download", f"{mb(summary['total_upload_bytes'])} / {mb(summary['total_download_bytes'])}"),
         ("simulated device time", (f"{duration(summary['total_simulated_time_s'])} "
                                    f"({summary['total_client_flops'] / 1e9:,.2f} GFLOPs of local work)")),

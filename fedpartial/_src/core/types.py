@@ -18,6 +18,7 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     transform_grads (one step)  (ctx, grads, LocalStep)    -> grads           e.g. SCAFFOLD's correction
     select        (cohort)      (ctx, RoundView)           -> Selection       upload masks, weights
     ... aggregation (engine) ...
+    aggregate     (cohort)      (ctx, RoundView)           -> (params, received)  optional: replaces it, e.g. DP's noise
     server_correct (cohort)     (ctx, RoundView)           -> params          optional: e.g. FedNova's step
     ... server optimizer (engine) ...
     update        (cohort)      (ctx, RoundView)           -> MethodState
@@ -276,6 +277,7 @@ VIEW_FIELDS: dict[str, frozenset[str]] = {
     "plan": frozenset(_BEFORE_TRAINING),
     "summarize": frozenset(_TRAINED),
     "select": frozenset(_TRAINED + ("summary",)),
+    "aggregate": frozenset(_TRAINED + ("summary", "selection")),
     "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated")),
     "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars")),
     "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars")),
@@ -408,7 +410,11 @@ class Method(NamedTuple):
       the method's server state and the client's learning rate.
     * **cohort, after training**: ``summarize`` (a ``[K, ...]`` per-client statistic read from
       ``trained_vars``, ``start_vars`` and ``global_vars``, set as ``RoundView.summary`` before
-      ``select``; row ``k`` depends on client ``k``'s rows only); ``select``; ``server_correct``
+      ``select``; row ``k`` depends on client ``k``'s rows only); ``select``; ``aggregate`` (replaces
+      the one formula for the ``params`` collection, e.g. DP-FedAvg's clipped, noised sum over a fixed
+      denominator; it returns ``(params, received)``, ``received`` a boolean tree, True where the server
+      optimizer may move an element; other collections, such as BatchNorm statistics, still take the
+      formula; its key is ``fold_in(update's key, 2)``); ``server_correct``
       (the server step when it is not the plain aggregate, e.g. FedNova; it returns new global
       ``params``, which the server optimizer treats as the aggregate; elements nobody uploaded keep
       their global value; its key is ``fold_in(update's key, 1)``); ``update``; ``metrics``.
@@ -435,6 +441,7 @@ class Method(NamedTuple):
     summarize: Callable[[MethodContext, RoundView], Any] | None = None
     transform_grads: Callable[[MethodContext, Any, LocalStep], Any] | None = None
     capabilities: Capabilities = Capabilities()
+    aggregate: Callable[[MethodContext, RoundView], tuple[Any, Any]] | None = None
 
     def with_capabilities(self, **changes) -> "Method":
         """The same method with some capabilities changed (e.g. a wrapper that needs held-out data)."""

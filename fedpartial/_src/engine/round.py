@@ -2,8 +2,8 @@
 
 One generic round runs every method::
 
-    plan → per group: client_start → prepare → local steps → select → aggregate
-         → [server_correct] → server optimizer → update → metrics
+    plan → per group: client_start → prepare → local steps → select → aggregate (the one formula, or the
+         method's own ``aggregate``) → [server_correct] → server optimizer → update → metrics
 
 The round is a pure function (:attr:`FederatedRound.functions`): a user may ``jit`` it,
 ``lax.scan`` it over rounds or ``vmap`` it over seeds.  The execution strategies
@@ -369,8 +369,14 @@ class FederatedRound:
                              client_steps=steps, client_lr=self._client_lr(plan))
         view = self._summarize(view)
         selection = self._select(view, keys)
+        own = self.method.aggregate is not None  # the method replaces the formula for params (e.g. DP's noise)
         aggregated, received = aggregation.aggregate(
-            self.ctx.structure, state.variables, trained, selection.upload, selection.weights, self.communicated)
+            self.ctx.structure, state.variables, trained, selection.upload, selection.weights,
+            tuple(c for c in self.communicated if c != "params") if own else self.communicated)
+        if own:
+            params, received = self.method.aggregate(
+                self.ctx, view._replace(selection=selection, key=jax.random.fold_in(keys.update, 2)))
+            aggregated = {**aggregated, "params": params}
         return self._conclude(state, view, keys, selection, aggregated, received, raw_losses, sent)
 
     def _summarize(self, view: RoundView) -> RoundView:

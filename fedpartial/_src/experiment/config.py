@@ -182,6 +182,13 @@ class RunConfig:
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
 
+    # --- differential privacy: DP-FedAvg around the method (docs/privacy.md); off unless dp_clip is given ---
+    dp_clip: float | None = None  # C: each client's update (on what it uploads) clipped to this L2 norm
+    dp_noise_multiplier: float | None = None  # z: Gaussian noise of std z·C on the sum of clipped updates
+    dp_clip_per_layer: bool = False  # clip each layer to C/√L instead of the whole upload to C
+    dp_delta: float | None = None  # the δ at which ε is reported (None: 1/N)
+    dp_target_quantile: float | None = None  # adaptive clipping: C follows this quantile of the update norms
+
     # --- evaluation and output ---
     eval_every: int = 1
     target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
@@ -243,6 +250,10 @@ class RunConfig:
         _check_finite(self, "train_fraction", lambda v: 0 < v <= 1,
                       "in (0, 1] (each client's train fraction; the rest of its data is held out)")
         _check_finite(self, "target_accuracy", lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_finite(self, "dp_clip", lambda v: v > 0, "> 0")
+        _check_finite(self, "dp_noise_multiplier", lambda v: v >= 0, "≥ 0")
+        _check_finite(self, "dp_delta", lambda v: 0 < v < 1, "in (0, 1)")
+        _check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
         for field in ("num_clients", "rounds", "batch_size", "eval_every"):
             _check_int(self, field, 1)
         ram = memory.host_available()
@@ -304,6 +315,7 @@ class RunConfig:
             bad(f"--server-opt {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
         if self.early_stopping and self.train_fraction is not None and self.train_fraction >= 1:
             bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
+        self._check_privacy(custom_method)
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
@@ -316,7 +328,9 @@ class RunConfig:
             bad(f"--{e}")
         if strategy.kind == "stream" and not custom_method:
             problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
-                       if self.early_stopping else engine_strategy.stream_refusal(self.build_method()))
+                       if self.early_stopping else
+                       "differential privacy (--dp-clip) adds its noise to the whole cohort's sum, so the run cannot "
+                       "be streamed" if self.private else engine_strategy.stream_refusal(self.build_method()))
             if problem:
                 bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
                     "or stepwise:N.")
@@ -341,6 +355,39 @@ class RunConfig:
         _check_output(self.out_dir, self.run_name)
         if check_model:
             self._check_model(custom_method)
+
+    def _check_privacy(self, custom_method: bool) -> None:
+        """The DP flags: both ``--dp-clip`` and ``--dp-noise-multiplier`` or neither, the others only with them, and a
+        method whose server step does not read the updates outside the noised sum."""
+        if self.dp_clip is None and self.dp_noise_multiplier is not None:
+            raise ConfigError("--dp-noise-multiplier needs --dp-clip (the norm each client's update is clipped to, "
+                              "which the noise is scaled by).")
+        if self.dp_clip is not None and self.dp_noise_multiplier is None:
+            raise ConfigError("--dp-clip needs --dp-noise-multiplier (0 clips without noise, which gives no privacy).")
+        if not isinstance(self.dp_clip_per_layer, bool):
+            _refuse("dp_clip_per_layer", self.dp_clip_per_layer, "true or false")
+        for field in ("dp_delta", "dp_target_quantile", "dp_clip_per_layer"):
+            if not self.private and getattr(self, field) not in (None, False):
+                raise ConfigError(f"{_flag(field)} needs --dp-clip and --dp-noise-multiplier (differential privacy "
+                                  "is off without them).")
+        if self.private and not custom_method:
+            try:
+                method = self.build_method()
+            except UserError:
+                return  # the method's own sentence comes from the method checks
+            if method.server_correct is not None:
+                raise ConfigError(f"--method {self.method} cannot run with differential privacy: its server step "
+                                  "reads every client's update outside the clipped, noised sum.")
+
+    @property
+    def private(self) -> bool:
+        """Whether the run is DP-FedAvg (``--dp-clip`` given)."""
+        return self.dp_clip is not None
+
+    @property
+    def privacy_delta(self) -> float:
+        """The δ at which ε is reported: ``--dp-delta``, else ``1/N``."""
+        return self.dp_delta if self.dp_delta is not None else 1.0 / self.num_clients
 
     def _check_devices(self) -> None:
         """``--devices``: a whole number from 1 to this process's device count, with a strategy that splits."""

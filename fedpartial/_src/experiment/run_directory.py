@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, disk
+from fedpartial._src.experiment import checkpoint, disk, privacy
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
@@ -334,4 +334,5 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "personal_state_bytes": sim.personal_state_bytes,
         **personal,
         **stopping,
+        **privacy.summary_fields(config, records),
     }

@@ -32,7 +32,7 @@ from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, layout, population, simulated_time
+from fedpartial._src.experiment import checkpoint, layout, population, privacy, simulated_time
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
@@ -131,7 +131,9 @@ class Simulation:
             if why:
                 self.holdout_note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the "
                                      f"rest out, because {why} (--train-fraction changes it)")
-        self.method = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
+        # with --dp-clip the method is wrapped in DP-FedAvg and ``accountant`` gives ε each round (else None)
+        self.method, self.accountant = privacy.private(
+            config, early_stopping(base, lam=self.train_fraction) if config.early_stopping else base)
 
     def _split_population(self) -> None:
         """The server's set, every client's training and held-out examples, its label counts and local steps."""
@@ -457,9 +459,11 @@ class Simulation:
         if not self.active_clients().any():
             return None
         start = time.perf_counter()
-        ids, valid, round_key, pack_seed = self.sample_cohort(t)
+        draw = self.accountant and privacy.draw_share(  # (N, K) for DP's accountant: who may be drawn, how many
+            self.active_clients(), self.round.groups, self.config.cohort_size, self.round.ctx.cohort_size)
+        ids, valid, key, pack_seed = self.sample_cohort(t)
         cohort = self.cohort(ids, pack_seed, valid)
-        return PreparedRound(t, ids, valid, round_key, cohort, start, time.perf_counter() - start)
+        return PreparedRound(t, ids, valid, key, cohort, start, time.perf_counter() - start, draw)
 
     def finish_round(self, prepared: PreparedRound, metrics: dict, round_time: float | None = None) -> dict:
         """Round ``prepared.round``'s record from the metrics of its round (the state already updated):
@@ -510,11 +514,12 @@ class Simulation:
             self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
         if self.method.active_clients is not None:
             record["active_clients"] = int(self.active_clients().sum())
+        if self.accountant is not None:  # this round composed with every one before it (resumed runs too)
+            record["dp_epsilon"] = privacy.account_round(self.accountant, self.progress, prepared.draw)
         last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
         if (t + 1) % cfg.eval_every == 0 or last:
             result = self.evaluate()
-            record["test_accuracy"] = result["accuracy"]
-            record["test_loss"] = result["loss"]
+            record.update(test_accuracy=result["accuracy"], test_loss=result["loss"])
             if self.holdout is not None:
                 record.update(self.evaluate_personal())
         record["wall_time_s"] = train_time + time.perf_counter() - finished
@@ -531,6 +536,7 @@ class PreparedRound(NamedTuple):
     cohort: engine_types.Cohort
     start: float  # time.perf_counter() when preparation began
     host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
+    draw: tuple[int, int] | None = None  # (N, K) of the draw, for a DP run's accountant (privacy.draw_share)
 
 
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
@@ -541,16 +547,15 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
     ``metrics.jsonl``, ``metrics.csv`` (scalar fields), ``summary.json``, ``status.json``
     and orbax checkpoints (every ``checkpoint_every`` rounds, and always at the end) to a fresh run directory.
 
-    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``, or any of
-    :class:`Simulation`'s ``method``, ``model``, ``client_optimizer``,
-    ``server_optimizer`` to use your own.  ``resume``: an existing run directory whose
-    newest checkpoint is loaded into ``sim`` (build it from :func:`load_config`); the run
-    continues there, ``metrics.jsonl`` truncated to the checkpoint's round.  Returns the
-    summary dict (also holding ``run_dir`` and the per-round records).
+    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``, or any of :class:`Simulation`'s
+    ``method``, ``model``, ``client_optimizer``, ``server_optimizer`` to use your own.  ``resume``: an existing
+    run directory whose newest readable checkpoint is loaded into ``sim`` (build it from :func:`load_config`);
+    the run continues there, ``metrics.jsonl`` truncated to the checkpoint's round.  Returns the summary dict
+    (also holding ``run_dir`` and the per-round records).
 
-    SIGINT/SIGTERM (through ``stop``, or a :class:`~fedpartial._src.experiment.checkpoint.StopFlag`
-    installed here) stop the run after the current round: a checkpoint, ``status.json``
-    (``interrupted``) and the summary are written, then
+    SIGINT/SIGTERM (through ``stop``, or a :class:`~fedpartial._src.experiment.checkpoint.StopFlag` installed
+    here) stop the run after the current round: a checkpoint, ``status.json`` (``interrupted``) and the
+    summary are written, then
     :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` is raised.  A ``DivergedError`` from
     :meth:`Simulation.rounds` leaves status ``diverged`` and the last good checkpoint;
     any other error status ``failed``; both are raised again after the summary is written.

@@ -149,6 +149,7 @@ def make_method(
     adapt_model=None,
     summarize=None,
     capabilities: Capabilities = Capabilities(),
+    aggregate=None,
 ) -> Method:
     """Builds a :class:`Method`; every hook not given is FedAvg's.
 
@@ -157,11 +158,12 @@ def make_method(
     own.  ``groups`` None: the cohort is one group training the whole model.  ``active_clients``
     None: every client may always be sampled.  ``server_correct`` None: the server steps to the
     aggregate.  ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
-    no per-client statistic.  ``capabilities``: what the method needs from a run and which
-    executions it allows (:class:`Capabilities`; by default none of either).
+    no per-client statistic.  ``aggregate`` None: the one formula of SPEC §1.  ``capabilities``: what
+    the method needs from a run and which executions it allows (:class:`Capabilities`; by default none
+    of either).
     """
     return Method(name=name, init=init, plan=plan, client_start=client_start, step_plan=step_plan,
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, server_correct=server_correct,
                   adapt_model=adapt_model, summarize=summarize, transform_grads=transform_grads,
-                  capabilities=capabilities)
+                  capabilities=capabilities, aggregate=aggregate)

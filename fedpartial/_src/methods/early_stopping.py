@@ -116,5 +116,6 @@ def early_stopping(method: Method, lam: float = 0.7) -> Method:
         metrics=metrics if method.metrics is not None else None, personal=personal,
         server_correct=None if method.server_correct is None
         else lambda ctx, view: method.server_correct(ctx, inner(view)),
+        aggregate=None if method.aggregate is None else lambda ctx, view: method.aggregate(ctx, inner(view)),
         active_clients=active_clients,
     ).with_capabilities(needs_holdout=True, streamable=None)  # per-client state: not streamed

@@ -109,7 +109,7 @@ def control_variates(method: Method, name: str | None = None) -> Method:
     return method._replace(
         name=name or f"{method.name}+scaffold", init=init, plan=plan, transform_grads=correct, select=select,
         update=update, metrics=wrap(method.metrics), summarize=wrap(method.summarize),
-        server_correct=wrap(method.server_correct),
+        server_correct=wrap(method.server_correct), aggregate=wrap(method.aggregate),
         client_start=lambda ctx, g, client_state, plan_k: method.client_start(ctx, g, client_state[0], plan_k),
         objective=lambda ctx, params, step: method.objective(ctx, params, inner_step(step)),
         step_plan=method.step_plan,

@@ -155,9 +155,9 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
     """``method`` aggregated with ``weighting``'s weights instead of its own.
 
     Everything else is ``method``'s: plan, local training, upload masks, its server
-    step (``server_correct``, which sees the new weights), personal models, who may be
-    sampled.  The state is ``MethodState(server=(method's,
-    weighting's), clients=(method's, weighting's))``; each piece sees only its own.
+    steps (``aggregate`` and ``server_correct``, which see the new weights), personal models, who
+    may be sampled.  The state is ``MethodState(server=(method's, weighting's), clients=(method's,
+    weighting's))``; each piece sees only its own.
 
     Example::
 
@@ -213,6 +213,7 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
         personal=personal, active_clients=active,
         server_correct=None if method.server_correct is None
         else lambda ctx, view: method.server_correct(ctx, view_of(view, 0)),
+        aggregate=None if method.aggregate is None else lambda ctx, view: method.aggregate(ctx, view_of(view, 0)),
     ).with_capabilities(  # the weighting reads every client's trained model and keeps per-client state
         server_examples_per_class=max(method.capabilities.server_examples_per_class,
                                       weighting.server_examples_per_class),
