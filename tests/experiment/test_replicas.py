@@ -108,6 +108,38 @@ def test_fedldf_mlp_on_synthetic_equals_separate_fused_runs(fedldf):
     assert fedldf["summary"]["seeds"] == [0, 1]
 
 
+def test_a_second_signal_during_replicas_writes_every_replicas_status_before_exiting(tmp_path):
+    """The forced exit (tests/experiment/test_checkpoint.py) with several replicas: each run folder says so."""
+    import io
+    import signal
+    import threading
+
+    from fedpartial._src.experiment import checkpoint
+
+    config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,
+                       cohort_size=3, rounds=2, batch_size=8, local_epochs=1.0, out_dir=str(tmp_path))
+    statuses, exited = [], threading.Event()
+
+    def exit_now(code):  # stands in for os._exit: the statuses the process would leave
+        parent = next(p for p in tmp_path.iterdir() if p.is_dir())
+        statuses.extend((code, checkpoint.read_status(str(d))) for d in sorted(parent.iterdir()) if d.is_dir())
+        exited.set()
+
+    def on_round(t, records):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert exited.wait(5)
+
+    flag = checkpoint.StopFlag(io.StringIO(), grace_s=0.1, exit=exit_now)
+    with flag, pytest.raises(checkpoint.RunInterrupted):
+        replicas.run_seeds(config, [0, 1], on_round=on_round, stop=flag)
+    assert len(statuses) == 2
+    for code, status in statuses:
+        assert code == 130 and status["status"] == "interrupted"
+        assert status["message"].startswith("exited at once by a second signal during round 2")
+    assert flag.on_force == []  # the writers' callbacks are given back
+
+
 def test_run_dirs_and_the_summary_is_mean_and_std(fedldf):
     parent = fedldf["out_dir"]
     assert parent.endswith("fedldf-synthetic-seeds0-1")

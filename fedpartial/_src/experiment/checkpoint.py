@@ -38,7 +38,6 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import json
 import logging
@@ -328,6 +327,7 @@ def _from_arrays(arrays: dict, template, *, put: bool = True):
 def _manager(run_dir: str, *, read_only: bool = False):
     import orbax.checkpoint as ocp  # heavy: imported only when a checkpoint is written or read
 
+    _drop_closed_loop_callbacks()
     options = ocp.CheckpointManagerOptions(max_to_keep=KEEP, enable_async_checkpointing=False, create=not read_only,
                                            cleanup_tmp_directories=not read_only, read_only=read_only)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, CHECKPOINTS)), options=options,
@@ -495,10 +495,21 @@ def _quiet_orbax_errors():
         logger.setLevel(previous)
 
 
-@contextlib.contextmanager
-def _quiet_failed_reads():
-    """Orbax's reader leaves asyncio callbacks behind when a read fails; they fire later on a closed event loop
-    and Python prints each as a traceback.  Those (and only those) are dropped while checkpoints are tried."""
+def _orbax_task_leftovers(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's 'Task exception was never retrieved' about an orbax task: the failure it
+    reports was raised by the orbax call itself and is said in one sentence there."""
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
+
+
+def _drop_closed_loop_callbacks() -> None:
+    """When an orbax read or write fails, its asyncio callbacks still fire, from tensorstore's threads, on an
+    event loop orbax has closed, and Python prints each as a traceback (during the failing call or later).
+    From the first use of orbax on, those (RuntimeError 'Event loop is closed', and only those) are dropped, and
+    so are asyncio's notes of orbax tasks whose exception nobody retrieved (:func:`_orbax_task_leftovers`)."""
+    if getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
+        return
+    logging.getLogger("asyncio").addFilter(_orbax_task_leftovers)  # its failed tasks, collected later
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -506,13 +517,8 @@ def _quiet_failed_reads():
         if not (isinstance(error, RuntimeError) and "Event loop is closed" in str(error)):
             previous(unraisable)
 
+    hook.drops_closed_loop_callbacks = True
     sys.unraisablehook = hook
-    try:
-        with _quiet_orbax_errors():
-            yield
-    finally:
-        gc.collect()  # the failed reads' leftovers are collected here, under the hook
-        sys.unraisablehook = previous
 
 
 def _damage(error: BaseException) -> str:
@@ -552,7 +558,7 @@ def restore(run_dir: str, sim, step: int | None = None, *, identity: dict | None
     damaged: list[tuple[int, str]] = []
     for candidate in reversed(rounds):
         try:
-            with _quiet_failed_reads():
+            with _quiet_orbax_errors():
                 host = _read_host(run_dir, candidate)
                 _check_identity(run_dir, host.get("written_by"), identity)
                 arrays = _read_arrays(run_dir, candidate, template, host)

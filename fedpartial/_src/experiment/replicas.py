@@ -513,6 +513,7 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     flag = stop if stop is not None else checkpoint.StopFlag()
     results = []
     with flag if stop is None else contextlib.nullcontext(flag):
+        flag.on_force.extend(w.forced for w in writers)  # a second signal: each replica's status says so
         try:
             for t in range(config.rounds):
                 if flag.stopped or not any(active):
@@ -529,6 +530,7 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
             errors = [err if err is not None or not a else e for err, a in zip(errors, active)]
         finally:
             for w in writers:
+                flag.on_force.remove(w.forced)
                 w.close()
         wall = time.perf_counter() - t0
         for i, w in enumerate(writers):
