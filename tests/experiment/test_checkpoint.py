@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import checkpoint, disk
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import RunConfig
@@ -277,6 +278,34 @@ def test_resuming_a_completed_run_changes_nothing(tmp_path, capsys):
     assert main(["run", "--resume", str(run_dir)]) == 0
     assert f"{run_dir} is complete (3 rounds): nothing to resume" in capsys.readouterr().out
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()} == before
+
+
+def test_more_rounds_extend_a_completed_run_to_what_a_longer_run_gives_and_fewer_are_refused(
+        compiled, baseline, tmp_path, capsys):
+    """``--resume RUN --rounds N``: a complete 3-round run extended to 5 equals the uninterrupted 5-round run
+    (state and every round's metrics); config.json says 5; fewer rounds than planned change nothing."""
+    sim = fresh(compiled, tmp_path, "short")
+    sim.config = dataclasses.replace(sim.config, rounds=3)
+    run_dir = run(sim.config, sim=sim)["run_dir"]
+    before = {p: open(os.path.join(run_dir, p), "rb").read() for p in ("config.json", "summary.json", "status.json")}
+    with pytest.raises(UserError, match="--rounds 2 cannot shorten .* which plans 3 rounds"):
+        shorter = fresh(compiled, tmp_path, "x")
+        shorter.config = dataclasses.replace(shorter.config, rounds=2)
+        run(shorter.config, sim=shorter, resume=run_dir)
+    assert {p: open(os.path.join(run_dir, p), "rb").read() for p in before} == before
+    assert main(["run", "--resume", run_dir, "--rounds", "3"]) == 0  # as planned: complete, nothing written
+    assert "is complete (3 rounds)" in capsys.readouterr().out
+    assert {p: open(os.path.join(run_dir, p), "rb").read() for p in before} == before
+
+    longer = fresh(compiled, tmp_path, "x")
+    longer.config = dataclasses.replace(longer.config, rounds=ROUNDS)
+    summary = run(longer.config, sim=longer, resume=run_dir)  # the CLI's --rounds 5: load_config, rounds replaced
+    state, progress, result = baseline
+    _same_state(longer.state, state)
+    assert _without_wall_clock(_records(run_dir)) == _without_wall_clock(result["records"])
+    assert load_config(run_dir).rounds == 5 and summary["planned_rounds"] == 5 and summary["resumed_from_round"] == 3
+    assert "rounds = 5" in open(os.path.join(run_dir, "config.toml")).read()
+    assert checkpoint.read_status(run_dir)["status"] == "complete"
 
 
 def test_a_run_folder_in_use_is_refused_and_a_dead_holder_s_lock_is_taken_over(tmp_path, capsys):

@@ -118,7 +118,7 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
                      help="classes per client of the shards partition")
     run.add_argument("--clients", type=whole_number, default=d.num_clients, help="population size N")
     run.add_argument("--cohort", type=whole_number, default=d.cohort_size, help="clients per round K")
-    run.add_argument("--rounds", type=whole_number, default=d.rounds, help="communication rounds")
+    run.add_argument("--rounds", type=whole_number, default=d.rounds, help="communication rounds (with --resume: extend the run to this many, more than it planned)")
     local = run.add_mutually_exclusive_group()
     local.add_argument("--local-steps", type=whole_number, default=None,
                        help="local steps per round (default: none, --local-epochs sets the local work)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -94,7 +95,7 @@ def _join_processes(args) -> None:
 
 
 #: what may be given with --resume: how this session runs, not what the run is (that is its config.json)
-RESUME_FLAGS = ("resume", "checkpoint_every", "quiet", "coordinator", "num_processes", "process_id")
+RESUME_FLAGS = ("resume", "checkpoint_every", "quiet", "coordinator", "num_processes", "process_id", "rounds")
 REPLICA_FLAGS = {"seeds", "lrs", "server_lrs"}
 
 
@@ -110,9 +111,15 @@ def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str], chec
                    key=lambda a: a.dest == "out")  # a flag that changes the run is named before --out
     if extra:
         raise UserError(f"{extra[0].option_strings[0]} cannot be combined with --resume: a resumed run keeps its own "
-                        f"config.json (only --checkpoint-every and --quiet may be given).")
+                        f"config.json (only --checkpoint-every, --quiet and --rounds, to extend it, may be given).")
+    args.extend_to = args.rounds if "rounds" in given else None
     status = checkpoint.read_status(args.resume) if os.path.isdir(args.resume) else None
-    if status is not None and status.get("status") == "complete":
+    planned = None
+    if args.extend_to is not None and status is not None:
+        from fedpartial._src.experiment.run_directory import load_config
+
+        planned = load_config(args.resume).rounds
+    if status is not None and status.get("status") == "complete" and args.extend_to in (None, planned):
         raise RunComplete(f"{args.resume} is complete ({status.get('round')} rounds): nothing to resume, its "
                           f"results are left as they are.")
 
@@ -129,6 +136,8 @@ def _run_stoppable(args, console: Console, stop) -> int:
         return _run_seeds(args, console, stop)
     if args.resume is not None:
         config = simulation.load_config(args.resume)
+        if getattr(args, "extend_to", None) is not None:  # more rounds than planned: the run is extended
+            config = dataclasses.replace(config, rounds=args.extend_to)
     else:
         config = config_from_args(args)
     config.validate(check_model=True)  # every bad value, path and combination before any set-up

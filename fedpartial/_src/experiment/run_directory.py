@@ -80,6 +80,7 @@ class RunWriter:
             self.run_dir = resume
             try:
                 host = checkpoint.restore(resume, sim, identity=_identity(sim))
+                self.extended_from = _extend(resume, config.rounds)
             except BaseException as error:
                 previous = _status_or_none(resume) if isinstance(error, checkpoint.CheckpointsDamaged) else None
                 if previous is not None:
@@ -123,10 +124,13 @@ class RunWriter:
                     + "; make room or choose another --out.") from None
         elif checkpoint_every is not None:
             raise UserError("checkpoints need a run directory; give an output directory (out_dir) or no interval.")
+        if resume is None:
+            self.extended_from = None
         self.resumed_from = sim.progress["round"] if resume is not None else None
         self.saved = checkpoint.latest_round(self.run_dir) if self.run_dir else None
         self.extra = {"checkpoint_every": self.checkpoint_every, "written_by": _identity(sim)}
-        self.status("running", f"resumed from round {self.resumed_from}" if resume is not None else "")
+        self.status("running", "" if resume is None else f"resumed from round {self.resumed_from}" + (
+            f", extended from {self.extended_from} to {config.rounds} rounds" if self.extended_from else ""))
         self.log = self.table = None
         if self.run_dir:  # scalar fields only, written each round (see fedpartial._src.experiment.records.MetricsCSV)
             from fedpartial._src.experiment.records import MetricsCSV
@@ -247,6 +251,37 @@ class RunWriter:
             raise checkpoint.RunInterrupted(signum, message, result)
         return result
 
+
+
+def load_config(run_dir: str) -> RunConfig:
+    """The :class:`RunConfig` a run directory was started with (its ``config.json``)."""
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"{run_dir!r} is not a run directory to resume (its config.json cannot be read).") from None
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def _extend(run_dir: str, rounds: int) -> int | None:
+    """A resumed run given more rounds than it planned (``fedpartial run --resume RUN --rounds N``): its
+    ``config.json`` and ``config.toml`` say the new count; returns the planned count it was extended from
+    (None: the same count).  Fewer rounds than planned is refused: the run's results would not say so."""
+    from fedpartial._src.experiment import records as run_record
+
+    planned = load_config(run_dir)
+    if rounds == planned.rounds:
+        return None
+    if rounds < planned.rounds:
+        raise UserError(f"--rounds {rounds} cannot shorten {run_dir}, which plans {planned.rounds} rounds; give more "
+                        f"rounds to extend it, or none to resume it as planned.")
+    extended = dataclasses.replace(planned, rounds=rounds)
+    checkpoint.write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(extended))
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(run_record.to_toml(extended))
+    return planned.rounds
 
 
 def _truncate_metrics(path: str, upto: int) -> list[dict]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -37,7 +35,7 @@ from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
 from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer
-from fedpartial._src.experiment.run_directory import RunWriter
+from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
 
@@ -585,16 +583,4 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
             flag.on_force.remove(writer.forced)
             writer.close()
         return writer.finish(error, flag.signum, time.perf_counter() - t0)
-
-
-def load_config(run_dir: str) -> RunConfig:
-    """The :class:`RunConfig` a run directory was started with (its ``config.json``)."""
-    path = os.path.join(run_dir, "config.json")
-    try:
-        with open(path) as f:
-            fields = json.load(f)
-    except (OSError, ValueError):
-        raise UserError(f"{run_dir!r} is not a run directory to resume (its config.json cannot be read).") from None
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    return RunConfig(**{k: v for k, v in fields.items() if k in known})
 
