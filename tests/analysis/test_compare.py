@@ -202,3 +202,29 @@ def test_plot_reads_a_run_whose_last_line_a_kill_cut_short(done, tmp_path, capsy
         f.write('{"round": 3, "test_accur')
     assert summaries.load_run(str(run))["records"] == whole
     assert main(["plot", str(run), "--out", str(tmp_path / "p")]) == 0
+
+
+def test_an_interrupted_comparison_resumes_keeps_its_finished_runs_and_writes_the_table_again(done, tmp_path,
+                                                                                            capsys):
+    """``compare --resume DIR``: finished runs are left byte for byte, a run the stop never started is run
+    (to the same records as in the uninterrupted comparison), and the table is the uninterrupted one."""
+    import shutil
+
+    out = tmp_path / "c"
+    shutil.copytree(done, out)
+    shutil.rmtree(out / "fedldf-seed1")  # stopped before its turn
+    for name in ("comparison.csv", "comparison.md"):
+        (out / name).unlink()
+    kept = {p: p.read_bytes() for p in (out / "fedavg-seed0").rglob("*") if p.is_file()}
+    assert main(["compare", "--resume", str(out), "--seeds", "3"]) == 2  # the job's own settings only
+    assert "--seeds cannot be combined with compare --resume" in capsys.readouterr().err
+    assert main(["compare", "--resume", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "1/4 fedavg-seed0: complete, kept" in said and "4/4 fedldf-seed1: complete" in said
+    assert {p: p.read_bytes() for p in kept} == kept
+    wall = ("round_time_s", "wall_time_s", "host_time_s")
+    assert [{k: v for k, v in r.items() if k not in wall} for r in _records(out, "fedldf", 1)] == [
+        {k: v for k, v in r.items() if k not in wall} for r in _records(done, "fedldf", 1)]
+    assert (out / "comparison.csv").read_text() == (done / "comparison.csv").read_text()
+    assert main(["compare", "--resume", str(tmp_path)]) == 2
+    assert "is not a fedpartial compare folder to resume" in capsys.readouterr().err

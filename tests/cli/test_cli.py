@@ -175,7 +175,7 @@ def test_every_flag_shows_its_default():
             if action.option_strings and action.dest != "help":
                 assert "default" in sub._get_formatter()._get_help_string(action), (name, action.option_strings)
     text = commands["run"].format_help()
-    for phrase in ("communication rounds (default: 40)", "client batch size (default: 16)",
+    for phrase in ("communication rounds (with --resume: extend the run to this many, more than it planned) (default: 40)", "client batch size (default: 16)",
                    "(default: 0)", "(default: 2 when --local-steps"):
         assert phrase in " ".join(text.split()), phrase
     # --local-epochs has one default, said once.

@@ -165,6 +165,38 @@ def test_run_dirs_and_the_summary_is_mean_and_std(fedldf):
     assert md[2].startswith("| fedldf | 0,1 | ") and f"{np.mean(acc):.4f} ± {np.std(acc):.4f}" in md[2]
 
 
+def test_interrupted_replicas_resume_folder_by_folder_and_the_summary_is_written_again(fedldf, tmp_path, capsys):
+    """A stop after round 1 of 2, then ``fedpartial run --resume PARENT``: each replica folder continues on its
+    own to the uninterrupted replicas' results, and seeds_summary says every replica is complete."""
+    import signal
+
+    from fedpartial._src.experiment import checkpoint
+
+    config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,
+                       cohort_size=3, rounds=2, batch_size=8, local_epochs=1.0, out_dir=str(tmp_path))
+    flag = checkpoint.StopFlag(open(os.devnull, "w"))
+    with flag, pytest.raises(checkpoint.RunInterrupted):
+        replicas.run_seeds(config, [0, 1], on_round=lambda t, records: os.kill(os.getpid(), signal.SIGINT),
+                           stop=flag)
+    parent = str(next(tmp_path.iterdir()))
+    assert json.load(open(f"{parent}/seeds_summary.json"))["statuses"] == ["interrupted"] * 2
+    assert main(["run", "--resume", parent, "--dataset", "mnist"]) == 2  # the job's own settings only
+    assert "--dataset cannot be combined with --resume" in capsys.readouterr().err
+    assert main(["run", "--resume", parent]) == 0
+    out = capsys.readouterr().out
+    assert "1/2 fedldf-synthetic-seed0: complete" in out and "| fedldf | 0,1 |" in out
+    written = json.load(open(f"{parent}/seeds_summary.json"))
+    assert written["statuses"] == ["complete"] * 2 and written["layout_note"].startswith("2 of 2 replica folders")
+    for resumed, whole in zip([f"{parent}/{d}" for d in written["run_dirs"]], fedldf["run_dirs"]):
+        got = [json.loads(line) for line in open(f"{resumed}/metrics.jsonl")]
+        want = [json.loads(line) for line in open(f"{whole}/metrics.jsonl")]
+        assert [r["round"] for r in got] == [1, 2]
+        for key in ("test_accuracy", "train_loss"):
+            assert got[-1][key] == pytest.approx(want[-1][key], rel=RTOL, abs=ATOL)
+    assert main(["run", "--resume", parent]) == 0  # all complete: only the summary is written again
+    assert "complete, kept" in capsys.readouterr().out
+
+
 def test_the_replica_round_is_traced_once(fedldf):
     """Two rounds ran: the first replica's round function was traced once (under ``auto``'s lax.map on
     CPU, vmap elsewhere), no other ran."""

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment import checkpoint, jobs
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import load_run, method_curves, parse_distinct, table, write_table
@@ -139,12 +140,39 @@ def compare(base: RunConfig, methods: Sequence[str], seeds: Sequence[int], optio
 
     Returns ``{"out_dir", "run_dirs", "rows", "table_files", "figures"}``.
     """
+    configs = plan(base, methods, seeds, options, out_dir)
+    os.makedirs(out_dir, exist_ok=True)  # what the job runs, so that an interrupted one can be continued
+    jobs.write_job(out_dir, "compare", methods=list(methods), seeds=list(seeds),
+                   options={m: dict(options.get(m, {})) for m in methods}, base=dataclasses.asdict(base))
+    run_dirs = run_all(configs, on_run=on_run)
+    return {"out_dir": out_dir, "run_dirs": run_dirs, **_tables(run_dirs, out_dir)}
+
+
+def _tables(run_dirs: Sequence[str], out_dir: str) -> dict:
+    """The comparison table and figures of ``run_dirs``, written to ``out_dir``."""
     from fedpartial._src.analysis import plots as plotting
 
-    configs = plan(base, methods, seeds, options, out_dir)
-    run_dirs = run_all(configs, on_run=on_run)
     runs = [load_run(d) for d in run_dirs]
     rows = table(runs)
     files = write_table(rows, out_dir)
-    figures = plotting.draw(method_curves(runs), out_dir)
-    return {"out_dir": out_dir, "run_dirs": run_dirs, "rows": rows, "table_files": files, "figures": figures}
+    return {"rows": rows, "table_files": files, "figures": plotting.draw(method_curves(runs), out_dir)}
+
+
+def resume(out_dir: str, *, stop=None, on_run: Callable[[int, int, dict], None] | None = None) -> dict:
+    """Continues the comparison in ``out_dir`` (``fedpartial compare --resume``): its complete runs are kept,
+    the ones a stop interrupted are resumed from their checkpoints, the ones it never started are run
+    (:func:`fedpartial._src.experiment.jobs.continue_runs`), then the table and figures are written again
+    from every finished run.  Returns :func:`compare`'s dict with ``results`` (each run's status); a stop
+    signal ends it after the current run and raises ``RunInterrupted`` once the table is written."""
+    job = jobs.job_of(out_dir, "compare")
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    base = dataclasses.replace(RunConfig(**{k: v for k, v in job["base"].items() if k in known}), out_dir=out_dir)
+    configs = plan(base, job["methods"], job["seeds"], job["options"], out_dir)
+    results, stopped = jobs.continue_runs([(os.path.join(out_dir, c.run_name), c) for c in configs],
+                                          stop=stop, on_run=on_run)
+    finished = [r["run_dir"] for r in results if os.path.exists(os.path.join(r["run_dir"], "summary.json"))
+                and (checkpoint.read_status(r["run_dir"]) or {}).get("status") == "complete"]
+    out = {"out_dir": out_dir, "run_dirs": finished, "results": results, **_tables(finished, out_dir)}
+    if stopped:
+        raise jobs.interrupted(stop, out_dir, out)
+    return out

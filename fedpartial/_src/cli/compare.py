@@ -32,6 +32,9 @@ def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentPar
     compare.add_argument("--out", default=None,
                          help="a new or empty directory for the runs, table and figures "
                               "(default: runs/compare-YYYYmmdd-HHMMSS)")
+    compare.add_argument("--resume", default=None, metavar="DIR",
+                         help="continue an interrupted comparison in DIR: finished runs are kept, interrupted ones "
+                              "resumed, missing ones run; then the table and figures are written again")
     # The same action objects in matching groups, as argparse's ``parents`` does (which cannot leave some out).
     exclusive = {}
     for group in run._mutually_exclusive_groups:
@@ -63,6 +66,8 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
     from fedpartial._src.analysis import compare
     from fedpartial._src.experiment import summaries
 
+    if args.resume is not None:
+        return _resume(args, console, argv)
     if getattr(args, "config", None) is not None:  # the file's values where the command line gave none
         from fedpartial._src.cli import config_file
 
@@ -91,3 +96,30 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
     print(summaries.table_markdown(done["rows"]), end="")
     console.print(f"table: {', '.join(done['table_files'])}; figures: {out_dir}")
     return 0
+
+
+def _resume(args, console: Console, argv: list[str] | None) -> int:
+    """``fedpartial compare --resume DIR``: every other flag is the job's own (its job.json), so refused."""
+    import os
+
+    from fedpartial._src.analysis import compare
+    from fedpartial._src.cli import config_file
+    from fedpartial._src.experiment import checkpoint, summaries
+
+    parser, tokens = _compare_flags(argv)
+    given = config_file.given_on_command_line(parser, tokens) - {"resume", "quiet"}
+    if given:
+        flag = next(a.option_strings[0] for a in parser._actions if a.dest == sorted(given)[0])
+        raise UserError(f"{flag} cannot be combined with compare --resume: a resumed comparison keeps the methods, "
+                        f"seeds and settings it started with (its job.json).")
+
+    def on_run(i, total, result):
+        what = ("complete, kept" if not result["resumed"] else result["status"] if "error" not in result
+                else f"{result['status']}: {result['error']}")
+        console.print(f"  {i + 1}/{total} {os.path.basename(result['run_dir'])}: {what}", markup=False)
+
+    with checkpoint.StopFlag() as stop:
+        done = compare.resume(args.resume, stop=stop, on_run=on_run)
+    print(summaries.table_markdown(done["rows"]), end="")
+    console.print(f"table: {', '.join(done['table_files'])}; figures: {args.resume}", markup=False)
+    return 1 if any(r["status"] != "complete" for r in done["results"]) else 0

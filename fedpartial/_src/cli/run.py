@@ -129,9 +129,11 @@ class RunComplete(Exception):
 
 
 def _run_stoppable(args, console: Console, stop) -> int:
-    from fedpartial._src.experiment import simulation
+    from fedpartial._src.experiment import jobs, simulation
 
     _join_processes(args)  # before anything touches a JAX backend
+    if args.resume is not None and jobs.is_job_folder(args.resume):
+        return _resume_replicas(args, console, stop)
     if _replicas_asked(args):
         return _run_seeds(args, console, stop)
     if args.resume is not None:
@@ -222,6 +224,32 @@ def _run_stoppable(args, console: Console, stop) -> int:
     return 0
 
 
+def _resume_replicas(args, console: Console, stop) -> int:
+    """``fedpartial run --resume PARENT`` of ``--seeds``/``--lrs`` replicas: each replica folder that did not
+    complete is resumed on its own, then ``seeds_summary`` is written again from all of them."""
+    from fedpartial._src.experiment import jobs
+
+    if getattr(args, "extend_to", None) is not None:
+        raise UserError(f"--rounds cannot extend the replicas in {args.resume}; extend each replica's run folder "
+                        f"on its own (fedpartial run --resume RUN_DIR --rounds N).")
+
+    def on_run(i, total, result):
+        if not args.quiet:
+            what = ("complete, kept" if not result["resumed"] else result["status"] if "error" not in result
+                    else f"{result['status']}: {result['error']}")
+            console.print(f"  {i + 1}/{total} {os.path.basename(result['run_dir'])}: {what}", markup=False)
+
+    done = jobs.resume_replicas(args.resume, stop=stop, on_run=on_run)
+    failed = [r for r in done["results"] if r["status"] != "complete"]
+    if args.quiet:
+        print(done["out_dir"], flush=True)
+    else:
+        with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
+            print(f.read(), end="")
+        console.print(f"results: {done['out_dir']}", markup=False)
+    return 1 if failed else 0
+
+
 def _replicas_asked(args) -> bool:
     return any(getattr(args, name, None) is not None for name in ("seeds", "lrs", "server_lrs"))
 
@@ -237,8 +265,8 @@ def _run_seeds(args, console: Console, stop) -> int:
     lrs = replicas.parse_lrs(args.lrs) if args.lrs is not None else None
     server_lrs = replicas.parse_lrs(args.server_lrs, "--server-lrs") if args.server_lrs is not None else None
     if args.resume is not None:
-        raise UserError(f"{flag} cannot be combined with --resume; resume each replica's run folder on its own "
-                        "(fedpartial run --resume RUN_DIR).")
+        raise UserError(f"{flag} cannot be combined with --resume; resume the replicas' folder as it is "
+                        "(fedpartial run --resume PARENT) or one replica's run folder (--resume RUN_DIR).")
     if args.seeds is not None and getattr(args, "seed_given", False):
         raise UserError("--seeds cannot be combined with --seed; give every seed in --seeds.")
     if lrs is not None and getattr(args, "lr_given", False):

@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment import checkpoint, jobs
 from fedpartial._src.experiment import summaries
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
@@ -86,9 +86,6 @@ from fedpartial._src.experiment.simulation import Simulation
 
 #: the flags that make a run a set of replicas (named in refusals)
 REPLICA_FLAGS = "--seeds, --lrs or --server-lrs"
-
-#: the columns of ``seeds_summary.md``: fedpartial compare's, and the rounds per second
-COLUMNS = summaries.COLUMNS + (("rounds_per_s", "rounds/s"),)
 
 
 def replica_strategy(strategy: str) -> str:
@@ -435,51 +432,6 @@ class Replicas:
         return records
 
 
-def _summary_rows(run_dirs: Sequence[str], lrs: Sequence[float] | None = None,
-                  server_lrs: Sequence[float] | None = None) -> list[dict]:
-    """``fedpartial compare``'s mean ± std row over the seeds' ``summary.json``, with rounds/s added; with
-    learning rates one row per (server rate, client rate) (``client_lr`` / ``server_lr``, and the rates in
-    ``method`` for the Markdown table)."""
-    runs = [summaries.load_run(d) for d in run_dirs]
-    if lrs is None and server_lrs is None:
-        return summaries.table(runs, COLUMNS)
-    rows = []
-    for server_lr in server_lrs if server_lrs is not None else [None]:
-        for lr in lrs if lrs is not None else [None]:
-            [row] = summaries.table([r for r in runs if (lr is None or r["config"]["client_lr"] == lr) and (
-                server_lr is None or r["config"]["server_lr"] == server_lr)], COLUMNS)
-            label = ("" if lr is None else f" lr {lr!r}") + ("" if server_lr is None else f" server lr {server_lr!r}")
-            rows.append({**row, "method": row["method"] + label,
-                         **({} if lr is None else {"client_lr": lr}),
-                         **({} if server_lr is None else {"server_lr": server_lr})})
-    return rows
-
-
-def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wall: float,
-                  statuses: Sequence[str], replica_axis: str = "vmap", lrs: Sequence[float] | None = None,
-                  server_lrs: Sequence[float] | None = None, data_placement: str | None = None,
-                  note: str | None = None) -> dict:
-    """Writes ``seeds_summary.json`` and ``seeds_summary.md`` in ``parent``; returns the JSON's content.
-
-    Seeds only: the one row's fields at the top level.  With learning rates: ``lrs`` and/or ``server_lrs``
-    and ``rows``, one row per rate or pair of rates (mean ± std over the seeds).  ``data_placement`` (every
-    replica's) and ``layout_note`` (:attr:`Replicas.note`) are written when given."""
-    rows = _summary_rows(run_dirs, lrs, server_lrs)
-    top = rows[0] if lrs is None and server_lrs is None else {
-        **({} if lrs is None else {"lrs": list(lrs)}),
-        **({} if server_lrs is None else {"server_lrs": list(server_lrs)}), "rows": rows}
-    summary = {**top, "seeds": list(dict.fromkeys(seeds)),
-               "run_dirs": [os.path.relpath(d, parent) for d in run_dirs],
-               "statuses": list(statuses), "vmapped": replica_axis == "vmap", "replica_axis": replica_axis,
-               "wall_time_s": wall, "std": "population (ddof=0)",
-               **({} if data_placement is None else {"data_placement": data_placement}),
-               **({} if note is None else {"layout_note": note})}
-    checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
-    with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
-        f.write(summaries.table_markdown(rows, COLUMNS))
-    return summary
-
-
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
               stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None,
               dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
@@ -508,6 +460,10 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     replicas = Replicas(config, seeds, out_dir=parent, dataset_for=dataset_for, replica_axis=replica_axis,
                         lrs=lrs, server_lrs=server_lrs)
     writers = [RunWriter(sim, checkpoint_every=checkpoint_every) for sim in replicas.sims]
+    if parent:  # what the job runs, so that an interrupted one can be continued (fedpartial run --resume PARENT)
+        jobs.write_job(parent, "replicas", seeds=list(dict.fromkeys(replicas.seeds)), lrs=lrs, server_lrs=server_lrs,
+                       run_dirs=[os.path.relpath(w.run_dir, parent) for w in writers],
+                       replica_axis=_axis_name(replicas.replica_axis))
     count = len(writers)
     active, last, errors = [True] * count, [None] * count, [None] * count
     flag = stop if stop is not None else checkpoint.StopFlag()
@@ -542,7 +498,7 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     run_dirs = [w.run_dir for w in writers]
     summary = None
     if parent:
-        summary = write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
+        summary = jobs.write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
                                 [r["status"] for r in results], replica_axis=_axis_name(replicas.replica_axis),
                                 lrs=lrs, server_lrs=server_lrs, data_placement=replicas.sims[0].data_placement,
                                 note=replicas.note)
