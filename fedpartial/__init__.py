@@ -18,47 +18,127 @@ The public API is this namespace and three curated subpackages:
 Everything under ``fedpartial._src`` is private and may change without notice.
 """
 
-from fedpartial._src.core.errors import DivergedError, UserError
-from fedpartial._src.core.masks import Mask
-from fedpartial._src.core.types import (
-    VIEW_FIELDS,
-    Batch,
-    Capabilities,
-    ClientGroup,
-    ClientOptimizer,
-    ClientPlan,
-    CohortInfo,
-    Holdout,
-    InitView,
-    LocalGraph,
-    LocalStep,
-    LossAux,
-    Method,
-    MethodContext,
-    MethodState,
-    OptimizerSettings,
-    PersonalModels,
-    RoundView,
-    Selection,
-    ServerData,
-    client_sgd,
-)
-from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.engine.strategy import Strategy, debug, fused, parse_strategy, stepwise, streamed
-from fedpartial._src.engine.types import Cohort, ServerState
-from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation, run
-from fedpartial._src.core.population import broadcast_clients, cohort_rows, gather_clients, scatter_clients
-from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained, with_penalty
-from fedpartial._src.methods.early_stopping import early_stopping
-from fedpartial._src.methods.privacy.accountant import PrivacyAccountant
-from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
-from fedpartial._src.methods.catalog import ENTRY_POINT_GROUP
-from fedpartial._src.methods.registry import MethodSpec, Option
-from fedpartial._src.methods.weighting.feddh import reweight
+import importlib
+from typing import TYPE_CHECKING
+
 from fedpartial._src.version import __version__
 
-from fedpartial import data, masks, methods, models  # noqa: E402  (the curated subpackages, after the names they use)
+if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference) read them
+    from fedpartial._src.core.errors import DivergedError, UserError
+    from fedpartial._src.core.masks import Mask
+    from fedpartial._src.core.types import (
+        VIEW_FIELDS,
+        Batch,
+        Capabilities,
+        ClientGroup,
+        ClientOptimizer,
+        ClientPlan,
+        CohortInfo,
+        Holdout,
+        InitView,
+        LocalGraph,
+        LocalStep,
+        LossAux,
+        Method,
+        MethodContext,
+        MethodState,
+        OptimizerSettings,
+        PersonalModels,
+        RoundView,
+        Selection,
+        ServerData,
+        client_sgd,
+    )
+    from fedpartial._src.engine.round import FederatedRound
+    from fedpartial._src.engine.strategy import Strategy, debug, fused, parse_strategy, stepwise, streamed
+    from fedpartial._src.engine.types import Cohort, ServerState
+    from fedpartial._src.experiment.config import RunConfig
+    from fedpartial._src.experiment.simulation import Simulation, run
+    from fedpartial._src.core.population import broadcast_clients, cohort_rows, gather_clients, scatter_clients
+    from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained, with_penalty
+    from fedpartial._src.methods.early_stopping import early_stopping
+    from fedpartial._src.methods.privacy.accountant import PrivacyAccountant
+    from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
+    from fedpartial._src.methods.catalog import ENTRY_POINT_GROUP
+    from fedpartial._src.methods.registry import MethodSpec, Option
+    from fedpartial._src.methods.weighting.feddh import reweight
+
+    from fedpartial import data, masks, methods, models
+
+#: each public name -> the private module that defines it.  A name is imported on first use (PEP 562), so
+#: ``import fedpartial`` takes milliseconds and the command line can answer Ctrl-C while JAX loads;
+#: ``tests/test_public_api.py`` checks that this table and the imports above agree.
+_WHERE = {
+    "DivergedError": "fedpartial._src.core.errors",
+    "UserError": "fedpartial._src.core.errors",
+    "Mask": "fedpartial._src.core.masks",
+    "VIEW_FIELDS": "fedpartial._src.core.types",
+    "Batch": "fedpartial._src.core.types",
+    "Capabilities": "fedpartial._src.core.types",
+    "ClientGroup": "fedpartial._src.core.types",
+    "ClientOptimizer": "fedpartial._src.core.types",
+    "ClientPlan": "fedpartial._src.core.types",
+    "CohortInfo": "fedpartial._src.core.types",
+    "Holdout": "fedpartial._src.core.types",
+    "InitView": "fedpartial._src.core.types",
+    "LocalGraph": "fedpartial._src.core.types",
+    "LocalStep": "fedpartial._src.core.types",
+    "LossAux": "fedpartial._src.core.types",
+    "Method": "fedpartial._src.core.types",
+    "MethodContext": "fedpartial._src.core.types",
+    "MethodState": "fedpartial._src.core.types",
+    "OptimizerSettings": "fedpartial._src.core.types",
+    "PersonalModels": "fedpartial._src.core.types",
+    "RoundView": "fedpartial._src.core.types",
+    "Selection": "fedpartial._src.core.types",
+    "ServerData": "fedpartial._src.core.types",
+    "client_sgd": "fedpartial._src.core.types",
+    "FederatedRound": "fedpartial._src.engine.round",
+    "Strategy": "fedpartial._src.engine.strategy",
+    "debug": "fedpartial._src.engine.strategy",
+    "fused": "fedpartial._src.engine.strategy",
+    "parse_strategy": "fedpartial._src.engine.strategy",
+    "stepwise": "fedpartial._src.engine.strategy",
+    "streamed": "fedpartial._src.engine.strategy",
+    "Cohort": "fedpartial._src.engine.types",
+    "ServerState": "fedpartial._src.engine.types",
+    "RunConfig": "fedpartial._src.experiment.config",
+    "Simulation": "fedpartial._src.experiment.simulation",
+    "run": "fedpartial._src.experiment.simulation",
+    "broadcast_clients": "fedpartial._src.core.population",
+    "cohort_rows": "fedpartial._src.core.population",
+    "gather_clients": "fedpartial._src.core.population",
+    "scatter_clients": "fedpartial._src.core.population",
+    "cross_entropy": "fedpartial._src.methods.base",
+    "make_method": "fedpartial._src.methods.base",
+    "upload_trained": "fedpartial._src.methods.base",
+    "with_penalty": "fedpartial._src.methods.base",
+    "early_stopping": "fedpartial._src.methods.early_stopping",
+    "PrivacyAccountant": "fedpartial._src.methods.privacy.accountant",
+    "dp_fedavg": "fedpartial._src.methods.privacy.dp_fedavg",
+    "ENTRY_POINT_GROUP": "fedpartial._src.methods.catalog",
+    "MethodSpec": "fedpartial._src.methods.registry",
+    "Option": "fedpartial._src.methods.registry",
+    "reweight": "fedpartial._src.methods.weighting.feddh",
+}
+
+#: the curated subpackages, imported on first use too
+_SUBPACKAGES = ("data", "masks", "methods", "models")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        value = importlib.import_module(f"fedpartial.{name}")
+    elif name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+    else:
+        raise AttributeError(f"module 'fedpartial' has no attribute {name!r}")
+    globals()[name] = value  # later uses find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 __all__ = [
     # running

@@ -1,7 +1,5 @@
 """``python -m fedpartial`` is the ``fedpartial`` command."""
 
-import sys
+from fedpartial._src.cli.entry import console
 
-from fedpartial._src.cli.main import main
-
-sys.exit(main())
+console()

@@ -53,3 +53,28 @@ def test_every_built_in_method_is_a_public_factory():
         assert spec.build().capabilities is not None
         # each registered method's factory is reachable by its public name (variants share a factory)
         assert any(getattr(methods, f, None) is spec.factory for f in methods.__all__), name
+
+
+def test_the_lazy_table_and_the_static_imports_name_the_same_objects():
+    """``import fedpartial`` imports each name on first use from ``_WHERE``; the ``TYPE_CHECKING`` imports
+    (what the API reference and type checkers read) must say the same, and ``__all__`` must be exactly both."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(fedpartial))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    static = {a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom)
+              for a in n.names if n.module.startswith("fedpartial._src")}
+    assert static == fedpartial._WHERE
+    assert set(fedpartial.__all__) == {*fedpartial._WHERE, *fedpartial._SUBPACKAGES, "__version__"}
+    assert set(fedpartial.__all__) <= set(dir(fedpartial))
+
+
+def test_import_fedpartial_loads_no_jax_until_a_name_is_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, fedpartial; assert 'jax' not in sys.modules; fedpartial.RunConfig; "
+            "assert 'jax' in sys.modules; print(fedpartial.methods.fedavg.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "fedavg", done.stderr

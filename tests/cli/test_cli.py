@@ -212,3 +212,19 @@ def test_auto_streaming_is_shown_and_recorded(monkeypatch, tmp_path, capsys):
     assert summary["strategy"] == "stream-stepwise:1"
     assert summary["strategy_note"].startswith("auto streams the cohort: stepwise:1 would need about")
     assert "stream-stepwise:1 on cpu, data on the host (auto streams the cohort" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("after_s", [0.3, 0.8])
+def test_ctrl_c_while_the_command_line_loads_exits_130_with_one_sentence(after_s):
+    """The console script's guard (fedpartial._src.cli.entry): no import traceback, nothing written."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-m", "fedpartial", "list", "methods"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)  # JAX alone takes longer than this to import
+    child.send_signal(signal.SIGINT)
+    err = child.communicate(timeout=120)[1]
+    assert child.returncode == 130 and err == "fedpartial: interrupted while starting; nothing was written.\n", err
