@@ -497,6 +497,45 @@ def test_a_checkpoint_that_does_not_fit_is_one_sentence_and_the_last_good_one_is
     _same_state(sim.state, base_state)
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (root only; otherwise skipped, saying why)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the file-size-limit test above covers the same path")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_filesystem_is_one_sentence_and_the_last_good_checkpoint_is_untouched(stopped_at_4,
+                                                                                     small_filesystem):
+    """The same as the file-size limit, on a real filesystem that fills up: the run resumes, round 5's record
+    fits, its checkpoint does not."""
+    run_dir = str(small_filesystem / "run")
+    shutil.copytree(stopped_at_4, run_dir)
+    free = os.statvfs(run_dir)
+    with open(small_filesystem / "filler", "wb") as f:  # leave 48 KiB: a record fits, a checkpoint does not
+        f.write(b"\0" * (free.f_bavail * free.f_frsize - 48 * 1024))
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    done = subprocess.run([sys.executable, "-m", "fedpartial", "run", "--resume", run_dir], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
+    assert "cannot write the checkpoint of round 5" in lines[0] and "no space" in lines[0].lower(), lines[0]
+    assert "the checkpoint of round 4 is kept" in lines[0]
+    status = checkpoint.read_status(run_dir)
+    assert status["status"] == "failed" and status["message"] in lines[0]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]  # no temporary leftovers
+
+
 def test_results_that_do_not_fit_are_one_sentence_and_status_failed(compiled, tmp_path, monkeypatch):
     from fedpartial._src.experiment import records
 
