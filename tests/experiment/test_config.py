@@ -166,3 +166,18 @@ def test_a_value_of_the_wrong_type_is_one_sentence(kw, match):
     """From Python, where argparse does not stand guard (were a raw ValueError or TypeError)."""
     with pytest.raises(ConfigError, match=match):
         RunConfig(**kw).validate()
+
+
+def test_synthetic_data_too_large_to_generate_is_refused_before_anything_is_drawn(monkeypatch):
+    """--clients 5000000 on synthetic data used to grow until the kernel killed the process: refused up front,
+    naming the examples, the memory and the fix; a cap that fits is accepted."""
+    from fedpartial._src.core import memory
+
+    monkeypatch.setattr(memory, "host_available", lambda: 24 * 2**30)
+    config = RunConfig(dataset="synthetic", model="mlp", num_clients=5_000_000, cohort_size=100_000)
+    with pytest.raises(ConfigError, match=r"^--dataset synthetic with --clients 5000000 draws about 2,264,\d{3},\d{3} "
+                                          r"examples, which need about 10\d\d\.\d GiB of host memory to generate, but "
+                                          r"24\.0 GiB is available; use fewer --clients or cap each client with "
+                                          r"--max-samples\.$"):
+        config.validate()
+    dataclasses.replace(config, num_clients=50_000, cohort_size=10)._check_synthetic_fits(24 * 2**30)  # ~11 GiB

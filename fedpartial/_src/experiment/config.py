@@ -218,6 +218,21 @@ class RunConfig:
     # from the class body.
     devices: int | None = None
 
+    def _check_synthetic_fits(self, ram: int) -> None:
+        """Synthetic data for ``num_clients`` clients that would not fit in ``ram`` bytes to generate is refused
+        before anything is drawn (it used to grow until the kernel killed the process)."""
+        from fedpartial._src.data import synthetic
+
+        cap = self.max_samples
+        examples = synthetic.expected_examples(self.num_clients, min_samples=50 if cap is None else min(50, cap),
+                                               max_samples=cap)
+        need = examples * synthetic.GENERATION_BYTES_PER_EXAMPLE
+        if need > memory.HEADROOM * ram:
+            raise ConfigError(
+                f"--dataset synthetic with --clients {self.num_clients} draws about {examples:,.0f} examples, which "
+                f"need about {memory.gib(need)} of host memory to generate, but {memory.gib(ram)} is available; "
+                f"use fewer --clients or cap each client with --max-samples.")
+
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
 
@@ -266,6 +281,8 @@ class RunConfig:
             _check_int(self, "local_steps", 1)
         if self.max_samples is not None:
             _check_int(self, "max_samples", 1)
+        if self.dataset == "synthetic" and ram is not None:  # the generator draws every client's data up front
+            self._check_synthetic_fits(ram)
         if self.local_steps is not None and self.local_epochs is not None:
             bad("give only one of --local-steps or --local-epochs.")
         if not _is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
