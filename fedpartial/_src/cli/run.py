@@ -119,6 +119,9 @@ def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str], chec
         from fedpartial._src.experiment.run_directory import load_config
 
         planned = load_config(args.resume).rounds
+        if args.extend_to < planned:  # said before anything is built (RunWriter says the same to Python callers)
+            raise UserError(f"--rounds {args.extend_to} cannot shorten {args.resume}, which plans {planned} rounds; "
+                            f"give more rounds to extend it, or none to resume it as planned.")
     if status is not None and status.get("status") == "complete" and args.extend_to in (None, planned):
         raise RunComplete(f"{args.resume} is complete ({status.get('round')} rounds): nothing to resume, its "
                           f"results are left as they are.")
