@@ -53,7 +53,7 @@ def run_one(args, variant, seed: int, z: float | None) -> dict:
     name, method, private, per_layer = variant
     config = RunConfig(
         method=method, dataset=args.dataset, model="cnn2c1f", partition="iid", num_clients=args.clients,
-        cohort_size=args.cohort, rounds=args.rounds, local_epochs=2.0, batch_size=2, client_lr=0.05, momentum=0.0,
+        cohort_size=args.cohort, rounds=args.rounds, local_epochs=args.local_epochs, batch_size=2, client_lr=0.05, momentum=0.0,
         eval_every=args.eval_every, out_dir=None, seed=seed,
         options={"n": args.n} if method == "fedldf" else {},
         **(dict(dp_clip=args.clip, dp_noise_multiplier=z, dp_clip_per_layer=per_layer) if private else {}))
@@ -125,7 +125,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.privacy", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="digits, N=20, K=10, n=2, 2 rounds, ε 8, without non-private FedLDF (a smoke test)")
+                   help="digits, N=20, K=10, n=2, 2 rounds of 0.25 local epochs, ε 8, without non-private FedLDF (a smoke test)")
     p.add_argument("--dataset", default="mnist5k")
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--seeds", default="0")
@@ -135,11 +135,13 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=20, help="FedLDF: clients uploading each layer")
     p.add_argument("--clip", type=float, default=0.3, help="the clipping norm C")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--local-epochs", type=float, default=2.0)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if args.quick:
         args.dataset, args.rounds, args.clients, args.cohort, args.n, args.eval_every, args.epsilons = (
             "digits", 2, 20, 10, 2, 1, "8")
+        args.local_epochs = 0.25  # a few steps: the smoke test checks the protocol, not what training reaches
     variants = [v for v in VARIANTS if not (args.quick and v[0] == "FedLDF")]
     epsilons = [float(e) for e in args.epsilons.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
