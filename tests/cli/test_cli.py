@@ -212,3 +212,22 @@ def test_auto_streaming_is_shown_and_recorded(monkeypatch, tmp_path, capsys):
     assert summary["strategy"] == "stream-stepwise:1"
     assert summary["strategy_note"].startswith("auto streams the cohort: stepwise:1 would need about")
     assert "stream-stepwise:1 on cpu, data on the host (auto streams the cohort" in capsys.readouterr().out
+
+
+def test_the_personalised_methods_flags_and_listing(capsys, tmp_path):
+    """FedBABU's and Ditto's options are flags of their own (from their options), another method's flag is one
+    sentence, and `fedpartial list methods` names them."""
+    from fedpartial._src.cli.flags import config_from_args
+    from fedpartial._src.cli.main import build_parser
+
+    def options(*args):
+        return config_from_args(build_parser().parse_args(["run", *args])).options
+
+    assert options("--method", "fedbabu", "--head-layers", "2", "--finetune-epochs", "3") == {
+        "head_layers": 2, "finetune_epochs": 3.0}
+    assert options("--method", "ditto", "--lam", "0.5") == {"lam": 0.5}
+    assert main(["run", "--method", "fedavg", "--lam", "0.5", "--out", str(tmp_path)]) == 2
+    assert "--lam is an option of ditto" in capsys.readouterr().err
+    assert main(["list", "methods"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"fedbabu", "ditto"} <= set(names)
