@@ -5,7 +5,8 @@ pulled towards the global one.
 In a round a sampled client ``k``:
 
 1. trains the global model ``w^t`` it received as FedAvg does and uploads it (the server averages with
-   ``n_k`` weights: the global model is FedAvg's, bit for bit);
+   ``n_k`` weights, as fedpartial's FedAvg does where the paper's box averages uniformly: the global model
+   is FedAvg's, bit for bit);
 2. trains its own personal model ``v_k`` on ``f_k(v) + λ/2·‖v − w^t‖²`` and keeps it
    (``MethodState.clients``, ``[N]`` full models, initially ``w^0``).
 

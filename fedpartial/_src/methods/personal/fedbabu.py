@@ -8,9 +8,10 @@ the classifier: the paper's head is the last linear layer).
 
 Evaluation is the paper's personalisation: every client fine-tunes the global model on its own training
 data for ``--finetune-epochs`` epochs (default 5, the paper's τ_f) and is evaluated on its held-out split
-(:attr:`Capabilities.finetune_epochs`, :mod:`fedpartial._src.experiment.finetune`).  We fine-tune the whole
-model (body and head), as the paper's main results do, with the run's client optimizer, learning rate and
-batch size.
+(:attr:`Capabilities.finetune_epochs`, :mod:`fedpartial._src.experiment.finetune`).  The abstract speaks of
+fine-tuning the head; we fine-tune the whole model (body and head), as the paper's evaluation protocol and
+its released code do, with the run's client optimizer, learning rate and batch size (the head alone is not
+offered).
 """
 
 from __future__ import annotations
