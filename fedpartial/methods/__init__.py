@@ -17,6 +17,8 @@ from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial._src.methods.submodel.afd import afd
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
+from fedpartial._src.methods.personal.ditto import ditto
+from fedpartial._src.methods.personal.fedbabu import fedbabu
 from fedpartial._src.methods.personal.fedbn import fedbn
 from fedpartial._src.methods.personal.fedper import fedper
 from fedpartial._src.methods.personal.fedrep import fedrep
@@ -35,7 +37,7 @@ __all__ = [
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
     "embracingfl", "heterofl", "fedrolex",
-    "fedper", "lgfedavg", "fedrep", "fedbn",
+    "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
 ]

@@ -228,3 +228,22 @@ def test_ctrl_c_while_the_command_line_loads_exits_130_with_one_sentence(after_s
     child.send_signal(signal.SIGINT)
     err = child.communicate(timeout=120)[1]
     assert child.returncode == 130 and err == "fedpartial: interrupted while starting; nothing was written.\n", err
+
+
+def test_the_personalised_methods_flags_and_listing(capsys, tmp_path):
+    """FedBABU's and Ditto's options are flags of their own (from their options), another method's flag is one
+    sentence, and `fedpartial list methods` names them."""
+    from fedpartial._src.cli.flags import config_from_args
+    from fedpartial._src.cli.main import build_parser
+
+    def options(*args):
+        return config_from_args(build_parser().parse_args(["run", *args])).options
+
+    assert options("--method", "fedbabu", "--head-layers", "2", "--finetune-epochs", "3") == {
+        "head_layers": 2, "finetune_epochs": 3.0}
+    assert options("--method", "ditto", "--lam", "0.5") == {"lam": 0.5}
+    assert main(["run", "--method", "fedavg", "--lam", "0.5", "--out", str(tmp_path)]) == 2
+    assert "--lam is an option of ditto" in capsys.readouterr().err
+    assert main(["list", "methods"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"fedbabu", "ditto"} <= set(names)

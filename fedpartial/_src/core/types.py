@@ -383,6 +383,10 @@ class Capabilities(NamedTuple):
         (:func:`~fedpartial._src.core.population.cohort_rows`), so a run may keep the ``[N]`` state on
         the host or on disk (``--client-state host|disk``); ``personal`` and ``active_clients`` then
         receive numpy arrays.  False: the state stays on the device.
+      finetune_epochs: personalised by fine-tuning (FedBABU): each client's own model is the global model
+        trained this many epochs on the client's training data (the whole model, cross-entropy, the run's
+        client optimizer and batch size) and then evaluated on its held-out split; the driver does it
+        (:mod:`fedpartial._src.experiment.finetune`) and does not read ``personal``.  0: no fine-tuning.
     """
 
     personalised: bool = False
@@ -392,6 +396,7 @@ class Capabilities(NamedTuple):
     neuron_masks: bool = False
     streamable: str | None = None
     host_client_state: bool = False
+    finetune_epochs: float = 0
 
 
 class Method(NamedTuple):

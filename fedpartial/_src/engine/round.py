@@ -77,6 +77,7 @@ from fedpartial._src.engine import checks, graphs
 from fedpartial._src.engine import sharding as sharding_lib
 from fedpartial._src.engine._rows import all_finite, clean_faults, concat, row_slice, rows_padded
 from fedpartial._src.engine.client import ClientFns, as_client_optimizer, make_client_fns, update_scale
+from fedpartial._src.engine.local_training import run_steps
 from fedpartial._src.engine.metrics import round_metrics
 from fedpartial._src.engine.runners import RUNNERS
 from fedpartial._src.engine.runners.base import count_traces
@@ -426,13 +427,12 @@ class FederatedRound:
         view = self._view(state, cohort, key)
         plan = self._plan(view, keys)
         client_keys = self._client_keys(keys, cohort)
-        num_steps = cohort.data.step_mask.shape[1]
         outs = []
         for fns, (data, plan_g, cstate, ckeys) in zip(
                 self.clients, self._group_slices(cohort.data, plan, view.client_state, client_keys)):
 
             def train_group(shared, args, fns=fns):
-                train_one = functools.partial(self._train_one, shared, fns, num_steps)
+                train_one = functools.partial(self._train_one, shared, fns)
                 if self.strategy.chunk_size is None:
                     return jax.vmap(train_one)(args)
                 return jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size)
@@ -450,19 +450,12 @@ class FederatedRound:
         starts = self._starts(view, plan)  # recomputed, not carried: XLA fuses it into the fault check's select
         return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)
 
-    def _train_one(self, shared, fns: ClientFns, num_steps: int, args):
+    def _train_one(self, shared, fns: ClientFns, args):
         """One client's local training from ``shared`` (the global variables and the method's server state),
         steps in ``lax.scan``: ``(trained, loss, steps)``."""
         global_vars, server_state = shared
         data_k, plan_k, cstate_k, key_k = args
         start = self.method.client_start(self.ctx, global_vars, cstate_k, plan_k)
-        inputs = fns.prepare(start, data_k)
-
-        def body(local, xs):
-            batch, index = xs
-            return fns.step(local, batch, plan_k, global_vars, cstate_k, key_k, index, server_state), None
-
-        local = jax.lax.scan(body, fns.init(start, window=plan_k.window), (inputs, jnp.arange(num_steps)),
-                             unroll=self.strategy.unroll)[0]
-        return fns.final(local, start)
+        return run_steps(fns, start, data_k, plan_k, global_vars, cstate_k, key_k, server_state,
+                         unroll=self.strategy.unroll)
 

@@ -172,8 +172,12 @@ def evaluate_clients(model: Model, personal: PersonalModels, x: np.ndarray, y: n
         losses.append(np.asarray(loss)[done - start:])
         corrects.append(np.asarray(correct)[done - start:])
         done = start + chunk_size
-    loss_sum, correct = np.concatenate(losses), np.concatenate(corrects).astype(np.float64)
-    count = mask.sum(axis=1)
+    return summarize_clients(np.concatenate(losses), np.concatenate(corrects), mask.sum(axis=1))
+
+
+def summarize_clients(loss_sum: np.ndarray, correct: np.ndarray, count: np.ndarray) -> dict:
+    """:func:`evaluate_clients`' result from every client's loss sum, correct count and held-out count ``[N]``."""
+    correct = np.asarray(correct, np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         accuracy = np.where(count > 0, correct / count, np.nan)
         loss = np.where(count > 0, loss_sum / count, np.nan)

@@ -21,7 +21,7 @@ import optax
 
 from fedpartial._src.core import memory
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.types import ClientOptimizer, CohortInfo, Holdout, Method, ServerData
+from fedpartial._src.core.types import ClientOptimizer, CohortInfo, Holdout, Method, PersonalModels, ServerData
 from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, packing, sources
 from fedpartial._src.data.partition import train_holdout_split
@@ -30,7 +30,7 @@ from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, layout, population, privacy, simulated_time
+from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
@@ -416,12 +416,12 @@ class Simulation:
                                         **packing_settings)
 
     def evaluate_personal(self) -> dict:
-        """Every client's own model on its held-out split, and the global model on the same splits."""
+        """Every client's own model (fine-tuned first where the method asks: :mod:`.finetune`) on its held-out
+        split, and the global model on the same splits."""
         x, y, mask = self.holdout
         static = self.config.bn_policy == "static"
-        personal = self.method.personal(self.round.ctx, self.method_state(), self.state.variables)
-        own = evaluate_clients(self.model, personal, x, y, mask, batch_statistics=static)
-        shared = evaluate_clients(self.model, type(personal)(variables=self.state.variables, stacked=False),
+        own = finetune.evaluate_own_models(self, static)
+        shared = evaluate_clients(self.model, PersonalModels(variables=self.state.variables, stacked=False),
                                   x, y, mask, batch_statistics=static)
         return {"personal_accuracy": own["mean"], "personal_accuracy_std": own["std"],
                 "personal_accuracy_min": own["min"], "personal_accuracy_max": own["max"],

@@ -21,6 +21,8 @@ from fedpartial._src.methods.basic import fedprox as _fedprox
 from fedpartial._src.methods.basic import moon as _moon
 from fedpartial._src.methods.basic import scaffold as _scaffold
 from fedpartial._src.methods.layerwise import fedldf as _fedldf
+from fedpartial._src.methods.personal import ditto as _ditto
+from fedpartial._src.methods.personal import fedbabu as _fedbabu
 from fedpartial._src.methods.personal import fedbn as _fedbn
 from fedpartial._src.methods.personal import fedper as _fedper
 from fedpartial._src.methods.personal import fedrep as _fedrep
@@ -41,6 +43,7 @@ METHODS: dict[str, MethodSpec] = {
     spec.name: spec for spec in (
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _afd.SPEC, _fedselect.SPEC,
         _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC,
+        _fedbabu.SPEC, _ditto.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
         _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC,
     )

@@ -85,7 +85,7 @@ class Streamed(Runner):
             trained, losses, steps = jax.vmap(rnd.clients[0].final)(local, starts)
         else:
             train_one = functools.partial(rnd._train_one, (state.variables, state.method_state.server),
-                                          rnd.clients[0], data.step_mask.shape[1])
+                                          rnd.clients[0])
             trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         finite, trained, clean = clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
