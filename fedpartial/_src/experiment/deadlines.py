@@ -78,8 +78,9 @@ def steps_that_fit(times: ClientTimes, deadline: float) -> np.ndarray:
     return np.where(times.finish() <= deadline, n, fit)
 
 
-def done_by(times: ClientTimes, steps: np.ndarray, end_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """``[K]`` the FLOPs and bytes of each client's work (download, ``steps`` steps, upload) done by ``end_s``."""
+def done_by(times: ClientTimes, steps: np.ndarray, end_s: float, uploads=True) -> tuple[np.ndarray, np.ndarray]:
+    """``[K]`` the FLOPs and bytes of each client's work (download, ``steps`` steps, then, where ``uploads``, the
+    upload) done by ``end_s``."""
     d, c, u = times.download_s, times.step_s, times.upload_s
     with np.errstate(divide="ignore", invalid="ignore"):
         down = np.where(d > 0, np.clip(end_s / np.where(d > 0, d, 1), 0, 1), 1.0)
@@ -87,7 +88,7 @@ def done_by(times: ClientTimes, steps: np.ndarray, end_s: float) -> tuple[np.nda
         trained = np.where(end_s < d, 0, np.clip(trained, 0, steps))
         sent = end_s - d - steps * c
         up = np.where(u > 0, np.clip(sent / np.where(u > 0, u, 1), 0, 1), (sent >= 0).astype(np.float64))
-    return trained * times.step_flops, down * times.download_bytes + up * times.upload_bytes
+    return trained * times.step_flops, down * times.download_bytes + np.where(uploads, up, 0) * times.upload_bytes
 
 
 def decide(times: ClientTimes, valid, *, deadline: float = math.inf, policy: str = "drop",
@@ -119,7 +120,8 @@ def decide(times: ClientTimes, valid, *, deadline: float = math.inf, policy: str
     wasted_flops = wasted_bytes = 0.0
     if end is not None:
         lost = valid & ~kept
-        flops, sent = done_by(times, planned, end)  # (partial: a client that fits no step plans none)
+        # (partial: a client for which no step fits trains and uploads nothing after its download)
+        flops, sent = done_by(times, planned, end, uploads=on_time | (policy == "drop"))
         wasted_flops, wasted_bytes = float(flops[lost].sum()), float(sent[lost].sum())
     return Outcome(kept, np.where(kept, planned, 0), end, int(valid.sum()), int(kept.sum()), wasted_flops,
                    wasted_bytes)
