@@ -18,7 +18,7 @@ clock only, so a resumed run draws the same clients):
 
 When no client may be sampled at a round's start the server waits: until the next interval of the trace
 opens (:meth:`Availability.next_start`; none left ends the run), or, for the drawn models, it asks again
-:data:`POLL_S` simulated seconds later (a fresh draw).
+:data:`POLL_S` simulated seconds later (a fresh draw; diurnal: a minute of its period's day, ``PERIOD / 1440``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,10 @@ class Availability:
 
     def next_start(self, clock_s: float, among: np.ndarray) -> float | None:
         """A trace's next interval start after ``clock_s`` of a client in ``among`` (``[N]`` bool); None when
-        there is none (drawn models: ``clock_s + POLL_S``)."""
+        there is none.  Drawn models: when the server asks again, :data:`POLL_S` later (diurnal: a minute of its
+        day, ``PERIOD · 60 / 86,400``)."""
+        if self.kind == "diurnal":  # a minute of the model's day
+            return clock_s + self.params[2] * POLL_S / 86_400
         if self.kind != "trace":
             return clock_s + POLL_S
         t = self.trace
