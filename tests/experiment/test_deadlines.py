@@ -192,3 +192,13 @@ def test_over_selection_samples_more_and_keeps_the_k_fastest():
         assert (record["clients_sampled"], record["clients_finished"], record["clients"]) == (5, 3, 3)
         assert record["simulated_time_s"] == np.sort(finish)[2]  # the round ends when the third reports
         assert record["wasted_flops"] > 0 and record["wasted_bytes"] > 0
+
+
+def test_a_private_run_accounts_the_draw_it_made(tmp_path):
+    """DP's accountant is given ⌈F·K⌉ of the clients online: 5 of the 6 a trace keeps online."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client_id,start_s,end_s\n" + "".join(f"{i},0,1e9\n" for i in range(6)))
+    sim = Simulation(RunConfig(**{**TINY, "rounds": 2}, over_select=1.5, availability=str(trace), dp_clip=1.0,
+                               dp_noise_multiplier=1.0))
+    records = list(sim.rounds())
+    assert sim.progress["dp_rounds"] == {"6:5": 2} and all(r["clients_sampled"] == 5 for r in records)

@@ -401,7 +401,7 @@ class RunConfig:
             _refuse("straggler_policy", self.straggler_policy, "drop or partial")
         if self.straggler_policy == "partial" and self.round_deadline is None and self.deadline_quantile is None:
             raise ConfigError("--straggler-policy partial needs a deadline (--round-deadline or --deadline-quantile).")
-        _check_finite(self, "over_select", lambda v: v >= 1, "≥ 1 (the share of extra clients sampled)")
+        _check_finite(self, "over_select", lambda v: v >= 1, "≥ 1 (⌈F·K⌉ clients are sampled for a cohort of K)")
         if self.sampled_size > self.num_clients:
             _refuse("over_select", self.over_select, f"at most {self.num_clients / self.cohort_size:g}: "
                                                      f"⌈F·K⌉ clients are sampled from --clients {self.num_clients}")
