@@ -14,7 +14,7 @@ the rest not.  The round ends when the ``K``-th kept client reports (over-select
 the deadline when anyone missed it (dropped, or trained fewer steps than planned), else when its slowest
 client reports.  A sampled client that does not report wasted what it did until the round ended: the bytes it
 downloaded (a share of them when the download did not end), the FLOPs of the steps it finished, and the bytes
-it uploaded if it got that far.
+it uploaded if it got that far (under ``partial``, a client for which no step fits stops after its download).
 """
 
 from __future__ import annotations
