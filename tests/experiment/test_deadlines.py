@@ -202,3 +202,16 @@ def test_a_private_run_accounts_the_draw_it_made(tmp_path):
                                dp_noise_multiplier=1.0))
     records = list(sim.rounds())
     assert sim.progress["dp_rounds"] == {"6:5": 2} and all(r["clients_sampled"] == 5 for r in records)
+
+
+def test_replicas_cut_and_draw_as_their_own_runs_would():
+    """--seeds: each replica's deadline and availability decisions are its own run's (the same host halves)."""
+    from fedpartial._src.experiment import replicas
+
+    config = RunConfig(**{**TINY, "rounds": 2}, deadline_quantile=0.5, availability="0.7")
+    together = replicas.run_seeds(config, [0, 1])["results"]
+    keys = ("clients", "clients_sampled", "client_steps", "wasted_bytes", "simulated_clock_s")
+    for seed, result in zip((0, 1), together):
+        alone = list(Simulation(RunConfig(**{**TINY, "rounds": 2, "seed": seed}, deadline_quantile=0.5,
+                                          availability="0.7")).rounds())
+        assert [{k: r[k] for k in keys} for r in result["records"]] == [{k: r[k] for k in keys} for r in alone]
