@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BLOCK_PAGES = ("README.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
-               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md")
+               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md")
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
@@ -36,7 +36,7 @@ SCRIPTS = {
     "gather": "python -m benchmarks.gather", "replica_memory": "python -m benchmarks.replica_memory",
     "fedldf": "python -m benchmarks.fedldf", "fedspu": "python -m benchmarks.fedspu",
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
-    "feddhad": "python -m benchmarks.feddhad",
+    "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
@@ -44,7 +44,7 @@ LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon"
           "fedldf": "FedLDF", "random": "Random", "hdfl": "HDFL", "fedadp": "FedADP", "hermes": "Hermes",
           "fedmp": "FedMP", "fedselect": "FedSelect", "fedspu": "FedSPU", "fedper": "FedPer",
           "lgfedavg": "LG-FedAvg", "fedrep": "FedRep", "embracingfl": "EmbracingFL",
-          "heterofl": "width reduction (HeteroFL)"}
+          "heterofl": "width reduction (HeteroFL)", "fedrolex": "FedRolex"}
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -524,6 +524,27 @@ def feddhad(results) -> list[str]:
 
 # ---- pages -----------------------------------------------------------------------------------------
 
+def deadlines(results) -> list[str]:
+    """Time to accuracy under a deadline, with and without availability (docs/deadlines.md)."""
+    lines = []
+    for name, d in family(results, "deadlines").items():
+        p = d["protocol"]
+        lines += [source(name, d), "",
+                  f"{p['clients']} clients, {p['cohort']} a round, {p['rounds']} rounds of {p['local_epochs']:g} local "
+                  f"epoch on {p['dataset']} (model {p['model']}), seed {p['seed']}; deadline {p['deadline_s']:.3g} s "
+                  f"(the population's median full-model round), policy {p['straggler_policy']}; availability "
+                  f"`{p['availability']}`; target accuracy {p['target_accuracy']:.3f} ({p['target']:g} × the best of "
+                  "FedAvg without a deadline). Time to target: the simulated clock at the first evaluation reaching "
+                  "it.", ""]
+        rows = [[label(r["method"]), r["setting"], num(r["final_accuracy"], 3), num(r["best_accuracy"], 3),
+                 "not reached" if r["time_to_target_s"] is None else num(r["time_to_target_s"], 1, " s"),
+                 num(r["clock_s"], 1, " s"), f"{r['reported']:.0%}", num(r["wasted_gflops"], 2),
+                 num(r["wasted_mb"], 1), num(r["upload_mb"], 1)] for r in d["summary"]]
+        lines += table(["method", "setting", "final accuracy", "best", "time to target", "clock at the end",
+                        "sampled clients that reported", "wasted GFLOPs", "wasted MB", "upload MB"], rows)
+    return lines
+
+
 SECTIONS = (
     ("Execution strategies", "FedAvg rounds/s of every strategy beside a plain per-client Python loop of jitted "
      "steps (what Python FL frameworks do), as the speed-up over that loop. `python -m benchmarks.strategies`.",
@@ -551,6 +572,8 @@ SECTIONS = (
     ("EmbracingFL", "See [the EmbracingFL reproduction](reproductions/embracingfl.md).", embracingfl),
     ("FedDH", "See [the FedDHAD reproduction](reproductions/feddhad.md).", feddh),
     ("FedDHAD", "See [the FedDHAD reproduction](reproductions/feddhad.md).", feddhad),
+    ("Deadlines and availability", "See [Deadlines, stragglers and availability](deadlines.md). "
+     "`python -m benchmarks.deadlines`.", deadlines),
 )
 
 
@@ -597,7 +620,9 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
             "fedspu": "\n".join(fedspu(results)).rstrip(),
             "embracingfl": "\n".join(embracingfl(results)).rstrip(),
             "feddh": "\n".join(feddh(results)).rstrip(),
-            "feddhad": "\n".join(feddhad(results)).rstrip()}
+            "feddhad": "\n".join(feddhad(results)).rstrip(),
+            "deadlines": "\n".join(deadlines(results)).rstrip()
+            or "No result file yet: run `python -m benchmarks.deadlines`."}
 
 
 def fill_blocks(text: str, generated: dict[str, str]) -> str:

@@ -210,6 +210,22 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
     devices.add_argument("--upload-bandwidth", default=d.upload_bandwidth, metavar="DIST", help="bytes/s per client")
     devices.add_argument("--target-accuracy", type=number, default=None,
                          help="report the simulated time (and round) at which test accuracy first reaches this")
+    timed = run.add_argument_group(
+        "deadlines, stragglers and availability (docs/deadlines.md: each client's time is predicted before the round "
+        "from the device model)")
+    deadline = timed.add_mutually_exclusive_group()
+    deadline.add_argument("--round-deadline", type=number, default=None, metavar="SECONDS",
+                          help="a round waits this many simulated seconds for its clients")
+    deadline.add_argument("--deadline-quantile", type=number, default=None, metavar="Q",
+                          help="the deadline is this quantile of the cohort's predicted times, each round")
+    timed.add_argument("--straggler-policy", default=d.straggler_policy,
+                       help="a client past the deadline: drop (its work is lost) or partial (it trains the steps "
+                            "that fit and uploads them)")
+    timed.add_argument("--over-select", type=number, default=d.over_select, metavar="F",
+                       help="sample ceil(F·K) clients and keep the first K to report")
+    timed.add_argument("--availability", default=d.availability,
+                       help="who may be sampled: always, a probability (e.g. 0.7), diurnal[:LOW:HIGH[:PERIOD_S]] "
+                            "or a CSV trace with columns client_id,start_s,end_s")
 
 
 def method_flag_users(specs: Iterable[MethodSpec]) -> dict[str, list]:
@@ -288,4 +304,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         target_accuracy=args.target_accuracy, max_samples=args.max_samples,
         dp_clip=args.dp_clip, dp_noise_multiplier=args.dp_noise_multiplier, dp_clip_per_layer=args.dp_clip_per_layer,
         dp_delta=args.dp_delta, dp_target_quantile=args.dp_target_quantile,
+        round_deadline=args.round_deadline, deadline_quantile=args.deadline_quantile,
+        straggler_policy=args.straggler_policy, over_select=args.over_select, availability=args.availability,
     )

@@ -214,6 +214,11 @@ def _run_stoppable(args, console: Console, stop) -> int:
         ("upload / download", f"{mb(summary['total_upload_bytes'])} / {mb(summary['total_download_bytes'])}"),
         ("simulated device time", (f"{duration(summary['total_simulated_time_s'])} "
                                    f"({summary['total_client_flops'] / 1e9:,.2f} GFLOPs of local work)")),
+        *([("stragglers and availability", f"{summary['total_clients_dropped']:,} sampled clients did not report, "
+                                           f"wasting {summary['total_wasted_flops'] / 1e9:,.2f} GFLOPs and "
+                                           f"{mb(summary['total_wasted_bytes'])}; clock "
+                                           f"{duration(summary['simulated_clock_s'])}")]
+          if config.deadlines or config.availability != "always" else []),
         *([(f"time to {config.target_accuracy:g} test accuracy",
             f"{duration(summary['time_to_target_s'])} (round {summary['round_to_target']})"
             if summary["time_to_target_s"] is not None else f"not reached in {summary['rounds']} rounds")]

@@ -23,6 +23,7 @@ from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, sources
 from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import strategy as engine_strategy
+from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.models import registry
@@ -189,6 +190,13 @@ class RunConfig:
     dp_delta: float | None = None  # the δ at which ε is reported (None: 1/N)
     dp_target_quantile: float | None = None  # adaptive clipping: C follows this quantile of the update norms
 
+    # --- deadlines, stragglers and availability (docs/deadlines.md); off by default ---
+    round_deadline: float | None = None  # seconds of simulated time a round waits for its clients
+    deadline_quantile: float | None = None  # or: the deadline is this quantile of the cohort's predicted times
+    straggler_policy: str = "drop"  # a client past the deadline: 'drop' (lost) or 'partial' (the steps that fit)
+    over_select: float = 1.0  # sample ceil(F·K) clients, keep the first K to report
+    availability: str = "always"  # 'always', a probability, 'diurnal[:LOW:HIGH[:PERIOD_S]]' or a CSV trace
+
     # --- evaluation and output ---
     eval_every: int = 1
     target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
@@ -333,6 +341,7 @@ class RunConfig:
         if self.early_stopping and self.train_fraction is not None and self.train_fraction >= 1:
             bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
         self._check_privacy(custom_method)
+        self._check_rounds_in_time()
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
@@ -346,6 +355,8 @@ class RunConfig:
         if strategy.kind == "stream" and not custom_method:
             problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
                        if self.early_stopping else
+                       "a deadline or over-selection predicts every client's time from the whole cohort's data "
+                       "before the round, so the run cannot be streamed" if self.deadlines else
                        "differential privacy (--dp-clip) adds its noise to the whole cohort's sum, so the run cannot "
                        "be streamed" if self.private else engine_strategy.stream_refusal(self.build_method()))
             if problem:
@@ -395,6 +406,39 @@ class RunConfig:
             if method.server_correct is not None:
                 raise ConfigError(f"--method {self.method} cannot run with differential privacy: its server step "
                                   "reads every client's update outside the clipped, noised sum.")
+
+    def _check_rounds_in_time(self) -> None:
+        """The deadline flags (one of ``--round-deadline`` and ``--deadline-quantile``; ``partial`` only with one),
+        ``--over-select`` (its ⌈F·K⌉ clients within the population) and ``--availability``."""
+        _check_finite(self, "round_deadline", lambda v: v > 0, "> 0 (seconds of simulated time)")
+        _check_finite(self, "deadline_quantile", lambda v: 0 < v <= 1, "in (0, 1]")
+        if self.round_deadline is not None and self.deadline_quantile is not None:
+            raise ConfigError("give only one of --round-deadline or --deadline-quantile.")
+        if self.straggler_policy not in ("drop", "partial"):
+            _refuse("straggler_policy", self.straggler_policy, "drop or partial")
+        if self.straggler_policy == "partial" and self.round_deadline is None and self.deadline_quantile is None:
+            raise ConfigError("--straggler-policy partial needs a deadline (--round-deadline or --deadline-quantile).")
+        _check_finite(self, "over_select", lambda v: v >= 1, "≥ 1 (⌈F·K⌉ clients are sampled for a cohort of K)")
+        if self.sampled_size > self.num_clients:
+            _refuse("over_select", self.over_select, f"at most {self.num_clients / self.cohort_size:g}: "
+                                                     f"⌈F·K⌉ clients are sampled from --clients {self.num_clients}")
+        try:
+            kind, params = availability.parse(self.availability)
+            if kind == "trace":  # bad rows are refused before any data is loaded
+                availability.load_trace(*params)
+        except UserError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def deadlines(self) -> bool:
+        """Whether clients' times are predicted before each round (a deadline or over-selection is set)."""
+        return self.round_deadline is not None or self.deadline_quantile is not None or self.over_select > 1
+
+    @property
+    def sampled_size(self) -> int:
+        """Clients sampled a round: ``⌈F·K⌉`` with ``--over-select F`` (``K`` without)."""
+        over = self.over_select if _is_finite(self.over_select) else 1.0
+        return math.ceil(round(over * self.cohort_size, 9))
 
     @property
     def private(self) -> bool:

@@ -6,6 +6,8 @@ set: the model (shaped for the dataset) and the client and server optimizers.
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import optax
 
 from fedpartial._src.data import sources
@@ -24,6 +26,14 @@ def build_model(name: str, dataset: sources.ArrayDataset) -> Model:
     module = registry.build_model(name, dataset.num_classes, input_shape)
     return from_linen(module, input_shape=input_shape, num_classes=dataset.num_classes,
                       sequential=spec.sequential, name=name)
+
+
+def model_outputs(model: Model, dtype=np.float32) -> int:
+    """How many logits ``model`` gives per example of ``dtype`` (from shapes alone: nothing is computed)."""
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), dtype)
+    logits = jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x)
+    return int(logits.shape[-1])
 
 
 def make_client_optimizer(config: RunConfig) -> ClientOptimizer:

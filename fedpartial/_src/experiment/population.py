@@ -1,5 +1,5 @@
-"""The clients of a run and each round's cohort: the dataset a config names, the server's set, the partition,
-every client's label counts, the cohort draw, and the cohort's data packed on the host.
+"""The clients of a run and each round's cohort: the dataset a config names (its labels checked), the server's
+set, the partition, every client's label counts, the cohort draw, and the cohort's data packed on the host.
 
 Host work only (numpy); :class:`~fedpartial._src.experiment.simulation.Simulation` calls these with its
 settings, and :mod:`fedpartial._src.data.ondevice` gathers the cohort's data on the device instead.
@@ -27,6 +27,16 @@ def load_dataset(config: RunConfig) -> sources.ArrayDataset:
         if config.max_samples is not None:
             options.update(max_samples=config.max_samples, min_samples=min(50, config.max_samples))
     return sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
+
+
+def check_labels(dataset: sources.ArrayDataset) -> None:
+    """Every label of ``dataset`` is a class it declares (``0 … num_classes − 1``): else one sentence."""
+    for split, y in (("training", dataset.y_train), ("test", dataset.y_test)):
+        y = np.asarray(y)
+        if y.size and (y.min() < 0 or y.max() >= dataset.num_classes):
+            bad = int(y.min()) if y.min() < 0 else int(y.max())
+            raise ConfigError(f"{dataset.name}'s {split} labels include {bad}, but it declares {dataset.num_classes} "
+                              f"classes (labels 0 to {dataset.num_classes - 1}); fix the labels or num_classes.")
 
 
 def server_examples(y: np.ndarray, per_class: int, seed: int) -> np.ndarray:

@@ -357,8 +357,14 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
         "total_client_steps": sum(r["client_steps"] for r in records),
         "total_client_flops": sum(r["client_flops"] for r in records),
         "total_simulated_time_s": records[-1]["cumulative_simulated_time_s"] if records else 0.0,
+        "simulated_clock_s": records[-1].get("simulated_clock_s", 0.0) if records else 0.0,
+        "total_clients_dropped": sum(r.get("clients_dropped", 0) for r in records),
+        "total_wasted_flops": sum(r.get("wasted_flops", 0) for r in records),
+        "total_wasted_bytes": sum(r.get("wasted_bytes", 0) for r in records),
         "target_accuracy": target,
-        "time_to_target_s": reached["cumulative_simulated_time_s"] if reached else None,
+        # the clock (simulated time plus waits for availability; the same without --availability)
+        "time_to_target_s": reached.get("simulated_clock_s", reached["cumulative_simulated_time_s"]) if reached
+        else None,
         "round_to_target": reached["round"] if reached else None,
         "train_time_s": train_time,
         "rounds_per_s": len(records) / train_time if train_time else math.nan,

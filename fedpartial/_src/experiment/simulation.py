@@ -30,32 +30,14 @@ from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time
+from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time, timing
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
-from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer
+from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer, model_outputs
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
-
-
-def check_labels(dataset) -> None:
-    """Every label of ``dataset`` is a class it declares (``0 … num_classes − 1``): else one sentence."""
-    for split, y in (("training", dataset.y_train), ("test", dataset.y_test)):
-        y = np.asarray(y)
-        if y.size and (y.min() < 0 or y.max() >= dataset.num_classes):
-            bad = int(y.min()) if y.min() < 0 else int(y.max())
-            raise ConfigError(f"{dataset.name}'s {split} labels include {bad}, but it declares {dataset.num_classes} "
-                              f"classes (labels 0 to {dataset.num_classes - 1}); fix the labels or num_classes.")
-
-
-def model_outputs(model: Model, dtype=np.float32) -> int:
-    """How many logits ``model`` gives per example of ``dtype`` (from shapes alone: nothing is computed)."""
-    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
-    x = jax.ShapeDtypeStruct((1, *model.input_shape), dtype)
-    logits = jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x)
-    return int(logits.shape[-1])
 
 
 class Simulation:
@@ -92,10 +74,10 @@ class Simulation:
         self._model_devices()
         self._init_method_state()
         self.last_decisions = None
-        #: host-side totals :meth:`rounds` carries between rounds (rounds done, traffic, simulated time);
-        #: with ``state`` it is everything a checkpoint restores (:mod:`fedpartial._src.experiment.checkpoint`)
+        #: host-side totals :meth:`rounds` carries between rounds (rounds done, traffic, simulated time and the
+        #: clock availability reads); with ``state`` everything a checkpoint restores (:mod:`.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
-                         "cumulative_simulated_time_s": 0.0}
+                         "cumulative_simulated_time_s": 0.0, "simulated_clock_s": 0.0}
 
     @staticmethod
     def _checked_config(config: RunConfig, method: Method | None, data_placement: str | None) -> RunConfig:
@@ -111,7 +93,7 @@ class Simulation:
     def _load_dataset(self, dataset: sources.ArrayDataset | None) -> None:
         """The training and test data: the caller's ``dataset``, else the one the config names."""
         self.dataset = dataset if dataset is not None else population.load_dataset(self.config)
-        check_labels(self.dataset)  # before the partition counts them
+        population.check_labels(self.dataset)  # before the partition counts them
 
     def _choose_method(self, method: Method | None) -> None:
         """The method (the caller's or the config's, early stopping around it) and each client's train fraction."""
@@ -201,12 +183,12 @@ class Simulation:
         ``strategy`` (default: the config's for this model and these devices)."""
         config = self.config
         num_devices = 1 if self.mesh is None else self.mesh.size
-        # The cohort split over devices is padded to a multiple of their number with padding clients.
-        padded_size = sharding.padded_size(config.cohort_size, num_devices)
+        # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
+        padded_size = sharding.padded_size(config.sampled_size, num_devices)
         return engine.FederatedRound(
             self.model, self.method,
             num_clients=config.num_clients, cohort_size=padded_size,
-            padding=padded_size - config.cohort_size,
+            padding=padded_size - config.sampled_size,
             client_optimizer=self._client_optimizer, server_optimizer=self._server_optimizer,
             bn_policy=config.bn_policy, strategy=strategy or config.run_strategy(num_devices, self.model),
             rounds=config.rounds,
@@ -238,12 +220,14 @@ class Simulation:
             self.drop_device_data()  # a streamed cohort is packed on the host a chunk at a time
         self.strategy_note = "; ".join(n for n in notes if n) or None
         layout.check_memory(self.memory, self.round, self.method, client_state=self.client_state,
-                            cohort_size=self.config.cohort_size, model=self.model, room=self._device_room)
+                            cohort_size=self.config.sampled_size, model=self.model, room=self._device_room)
 
     def _model_devices(self) -> None:
-        """The simulated devices (compute speeds and bandwidths) and the FLOPs of their local work."""
+        """The simulated devices (compute speeds and bandwidths), the FLOPs of their local work, and the clock that
+        decides who is available and who reports in time (:mod:`fedpartial._src.experiment.timing`)."""
         self.devices = self.config.device_model()  # [N] compute speeds and bandwidths (simulated time)
         self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
+        self.clock = timing.RoundClock(self.config, self.round, self.costs, self.devices)
 
     def _init_method_state(self) -> None:
         """The run's keys and the method's initial state; per-client rows off the device are filled in chunks."""
@@ -280,13 +264,17 @@ class Simulation:
         # arrays must be global: every process restored the same values from its own copy)
         self.state = jax.device_put(state, None if self.mesh is None else sharding.replicated(self.mesh))
 
+    def _with_rows(self, ids: np.ndarray) -> engine_types.ServerState:
+        """The state the round takes for the cohort ``ids`` (per-client rows off the device brought in)."""
+        if self.client_store is None:
+            return self.state
+        # one copy to the device: the stepwise strategy hands the state to several jitted pieces
+        return engine_types.with_clients(self.state, jax.device_put(self.client_store.rows(ids)))
+
     def run_round(self, prepared: PreparedRound):
         """Runs the prepared round on the state (per-client rows off the device travel in and back); returns
         its metrics."""
-        state = self.state
-        if self.client_store is not None:
-            # one copy to the device: the stepwise strategy hands the state to several jitted pieces
-            state = engine_types.with_clients(state, jax.device_put(self.client_store.rows(prepared.ids)))
+        state = self._with_rows(prepared.ids)
         state, metrics = self.round(state, layout.placed(prepared.cohort, self.mesh, self.round.ctx.cohort_size),
                                     prepared.key)
         if self.client_store is not None:
@@ -388,12 +376,14 @@ class Simulation:
             return np.ones(self.config.num_clients, bool)
         return np.asarray(self.method.active_clients(self.round.ctx, self.method_state()))
 
-    def sample_cohort(self, t: int) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
+    def sample_cohort(self, t: int, may: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
         """Round ``t``'s client ids, which are real, the round key and packing seed — all from the run's key
         (:func:`~fedpartial._src.experiment.population.sample_cohort`: stratified by the method's client groups,
-        inactive members filling a group's slots as not valid, padding clients last)."""
-        return population.sample_cohort(self.rounds_key, t, self.active_clients(), self.round.groups,
-                                        num_clients=self.config.num_clients, cohort_size=self.config.cohort_size,
+        members that ``may`` not join (default: the inactive ones) filling a group's slots as not valid,
+        padding clients last)."""
+        may = self.active_clients() if may is None else may
+        return population.sample_cohort(self.rounds_key, t, may, self.round.groups,
+                                        num_clients=self.config.num_clients, cohort_size=self.config.sampled_size,
                                         padded_size=self.round.ctx.cohort_size)
 
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine_types.Cohort:
@@ -452,16 +442,22 @@ class Simulation:
             yield self.finish_round(prepared, self.run_round(prepared))
 
     def prepare_round(self, t: int) -> PreparedRound | None:
-        """Round ``t``'s cohort and key (the host work before the round); None when early stopping has
-        stopped every client."""
-        if not self.active_clients().any():
+        """Round ``t``'s cohort and key (the host work before the round), drawn from the clients available at the
+        clock and cut by the deadline (:mod:`fedpartial._src.experiment.timing`); None when early stopping has
+        stopped every client or an availability trace has nobody left."""
+        active = self.active_clients()
+        joined = self.clock.join(t, active, self.progress) if active.any() else None
+        if joined is None:
             return None
+        may, wait = joined
         start = time.perf_counter()
         draw = self.accountant and privacy.draw_share(  # (N, K) for DP's accountant: who may be drawn, how many
-            self.active_clients(), self.round.groups, self.config.cohort_size, self.round.ctx.cohort_size)
-        ids, valid, key, pack_seed = self.sample_cohort(t)
-        cohort = self.cohort(ids, pack_seed, valid)
-        return PreparedRound(t, ids, valid, key, cohort, start, time.perf_counter() - start, draw)
+            may, self.round.groups, self.config.sampled_size, self.round.ctx.cohort_size)
+        ids, valid, key, pack_seed = self.sample_cohort(t, may)
+        cohort, timed = self.clock.cut(self._with_rows(ids) if self.clock.on else None,
+                                       self.cohort(ids, pack_seed, valid), key, wait)
+        return PreparedRound(t, ids, np.asarray(cohort.info.valid), key, cohort, start, time.perf_counter() - start,
+                             draw, timed)
 
     def finish_round(self, prepared: PreparedRound, metrics: dict, round_time: float | None = None) -> dict:
         """Round ``prepared.round``'s record from the metrics of its round (the state already updated):
@@ -486,6 +482,7 @@ class Simulation:
         self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
         self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
         flops, simulated = simulated_time.client_work(self.costs, self.devices, cohort, ids, valid, metrics)
+        simulated, clock = self.clock.finish(prepared.timing or timing.Timing(), self.progress, valid, simulated)
         self.progress["cumulative_simulated_time_s"] += simulated
         self.progress["round"] = t + 1
         record = {
@@ -503,6 +500,7 @@ class Simulation:
             "client_flops": round(float(np.sum(flops[valid]))),
             "simulated_time_s": simulated,
             "cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
+            **clock,  # clients sampled, finished and dropped, wasted FLOPs and bytes, the clock
         }
         # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
         for name, value in metrics.items():
@@ -535,6 +533,7 @@ class PreparedRound(NamedTuple):
     start: float  # time.perf_counter() when preparation began
     host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
     draw: tuple[int, int] | None = None  # (N, K) of the draw, for a DP run's accountant (privacy.draw_share)
+    timing: timing.Timing | None = None  # the wait for availability and the deadline's decisions
 
 
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,

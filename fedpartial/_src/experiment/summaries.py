@@ -144,12 +144,17 @@ def _evaluated(run: dict) -> dict[int, dict]:
     return {r["round"]: r for r in run["records"] if r.get("test_accuracy") is not None}
 
 
+def _clock(record: dict) -> float:
+    """The simulated clock at the end of a round (runs before it existed: their simulated time, the same)."""
+    return float(record.get("simulated_clock_s", record["cumulative_simulated_time_s"]))
+
+
 def run_curve(run: dict, label: str) -> dict:
-    """One run's accuracy at its evaluated rounds against round, upload bytes and simulated time."""
+    """One run's accuracy at its evaluated rounds against round, upload bytes and the simulated clock."""
     points = sorted(_evaluated(run).items())
     column = lambda key: np.array([float(r[key]) for _, r in points], np.float64)  # noqa: E731
     return {"label": label, "round": np.array([t for t, _ in points], np.float64),
-            "bytes": column("cumulative_upload_bytes"), "time": column("cumulative_simulated_time_s"),
+            "bytes": column("cumulative_upload_bytes"), "time": np.array([_clock(r) for _, r in points], np.float64),
             "accuracy": column("test_accuracy"), "std": None}
 
 
@@ -160,7 +165,8 @@ def mean_curve(runs: Sequence[dict], label: str) -> dict:
     stack = lambda key: np.array([[float(e[t][key]) for t in rounds] for e in evaluated], np.float64)  # noqa: E731
     acc = stack("test_accuracy")
     return {"label": label, "round": np.array(rounds, np.float64),
-            "bytes": stack("cumulative_upload_bytes").mean(0), "time": stack("cumulative_simulated_time_s").mean(0),
+            "bytes": stack("cumulative_upload_bytes").mean(0),
+            "time": np.array([[_clock(e[t]) for t in rounds] for e in evaluated], np.float64).mean(0),
             "accuracy": acc.mean(0), "std": acc.std(0)}
 
 
