@@ -18,6 +18,11 @@ from the input side, EmbracingFL's from the output side (ResNet20: 7 and 4, exit
 **Exits** sit after the moderate and weak depths, besides the model's own classifier (a tier with no
 clients keeps its exit, untrained unless a deeper tier trains it); the method's ``adapt_model`` adds
 them, so the model a run names must be staged.
+
+**InclusiveFL's momentum distillation** (:func:`transfer_pairs`, :func:`transfer_apply`,
+:func:`transfer_next`): which deeper parameters feed each parameter of a shallower tier's top stage, and
+the server step that mixes their last update into that tier's own (see
+:mod:`fedpartial._src.methods.tiered.inclusivefl`).
 """
 
 from __future__ import annotations
@@ -185,3 +190,39 @@ def tier_update(view: RoundView, rows: np.ndarray, paths) -> tuple[jax.Array, di
     sums = {p: jnp.tensordot(w, (leaf(params, p) - leaf(glob, p)[None]).astype(jnp.float32), axes=(0, 0))
             for p in paths}
     return jnp.sum(w), sums
+
+
+def transfer_init(tiers: Tiers, params: dict) -> tuple:
+    """The transfer's server state: per pair of :func:`transfer_pairs`, ``M`` for each parameter of the shallower
+    tier's top stage (zeros), and whether it exists yet (``[pairs]`` bool)."""
+    momentum = tuple({"/".join(p): jnp.zeros(leaf(params, p).shape, jnp.float32) for p in sources}
+                     for _, _, sources in transfer_pairs(tiers))
+    return momentum, jnp.zeros((len(momentum),), bool)
+
+
+def transfer_apply(tiers: Tiers, view: RoundView, beta: float) -> dict:
+    """The aggregate's params with each shallower tier ``t``'s update of its top stage replaced by
+    ``(1 − β)·Δ_t + β·M_t``: moved by ``β·(W_t·M_t − Σ_{k∈t} w_k Δ_k) / W`` (``W``: the weight of every holder)."""
+    (momentum, seen), params = view.method_state.server, view.aggregated["params"]
+    row_depth = np.asarray(tiers.depths)[tiers.row_tier]
+    for i, (t, _, sources) in enumerate(transfer_pairs(tiers)):
+        holders, _ = tier_update(view, row_depth >= tiers.depths[t], ())
+        weight, sums = tier_update(view, tiers.row_tier == t, sources)
+        for p in sources:
+            shift = beta * (weight * momentum[i]["/".join(p)] - sums[p]) / jnp.maximum(holders, 1e-30)
+            old = leaf(params, p)
+            params = with_leaf(params, p, old + jnp.where(seen[i], shift, 0.0).astype(old.dtype))
+    return params
+
+
+def transfer_next(tiers: Tiers, view: RoundView) -> tuple:
+    """The next round's ``M``: per pair ``(t, u)``, tier ``u``'s mean update of the parameters matched to each of
+    ``t``'s top-stage parameters, averaged over them (kept from before when ``u`` uploaded nothing)."""
+    momentum, seen = view.method_state.server
+    new, now = [], []
+    for i, (_, u, sources) in enumerate(transfer_pairs(tiers)):
+        weight, sums = tier_update(view, tiers.row_tier == u, {q for qs in sources.values() for q in qs})
+        new.append({"/".join(p): jnp.where(weight > 0, sum(sums[q] for q in qs) / (len(qs) * weight),
+                                            momentum[i]["/".join(p)]) for p, qs in sources.items()})
+        now.append(seen[i] | (weight > 0))
+    return tuple(new), jnp.stack(now) if now else seen

@@ -30,16 +30,13 @@ Choices (we could not check the paper's equation itself; its form here follows a
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
-
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import masked_cross_entropy
 from fedpartial._src.core.types import InitView, LocalStep, LossAux, MethodContext, MethodState, RoundView
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.methods.registry import MethodSpec, Option
-from fedpartial._src.methods.tiered.depth import (DEPTHS_OPTION, Tiers, depth_hooks, leaf, tier_update,
-                                                  transfer_pairs, with_leaf)
+from fedpartial._src.methods.tiered.depth import (DEPTHS_OPTION, Tiers, depth_hooks, transfer_apply, transfer_init,
+                                                  transfer_next)
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION
 
 
@@ -52,10 +49,7 @@ def inclusivefl(tier_mix=None, capacity_case: int | None = None, depths=None, be
         return Tiers(ctx, tier_mix, capacity_case, depths, "inclusivefl")
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
-        g = view.global_vars["params"]
-        momentum = tuple({"/".join(p): jnp.zeros(leaf(g, p).shape, jnp.float32) for p in sources}
-                         for _, _, sources in transfer_pairs(tiers(ctx)))
-        return MethodState(server=(momentum, jnp.zeros((len(momentum),), bool)))
+        return MethodState(server=transfer_init(tiers(ctx), view.global_vars["params"]))
 
     def objective(ctx: MethodContext, params, step: LocalStep):
         logits, stats = step.forward(params, step.batch.x)  # its own exit is the deepest it holds
@@ -63,26 +57,10 @@ def inclusivefl(tier_mix=None, capacity_case: int | None = None, depths=None, be
         return loss, LossAux(loss=loss, batch_stats=stats)
 
     def server_correct(ctx: MethodContext, view: RoundView):
-        t_, (momentum, seen), params = tiers(ctx), view.method_state.server, view.aggregated["params"]
-        row_depth = np.asarray(t_.depths)[t_.row_tier]
-        for i, (t, _, sources) in enumerate(transfer_pairs(t_)):
-            holders, _ = tier_update(view, row_depth >= t_.depths[t], ())
-            weight, sums = tier_update(view, t_.row_tier == t, sources)
-            for p in sources:
-                shift = beta * (weight * momentum[i]["/".join(p)] - sums[p]) / jnp.maximum(holders, 1e-30)
-                old = leaf(params, p)
-                params = with_leaf(params, p, old + jnp.where(seen[i], shift, 0.0).astype(old.dtype))
-        return params
+        return transfer_apply(tiers(ctx), view, beta)
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        t_, (momentum, seen) = tiers(ctx), view.method_state.server
-        new, now = [], []
-        for i, (_, u, sources) in enumerate(transfer_pairs(t_)):
-            weight, sums = tier_update(view, t_.row_tier == u, {q for qs in sources.values() for q in qs})
-            new.append({"/".join(p): jnp.where(weight > 0, sum(sums[q] for q in qs) / (len(qs) * weight),
-                                                momentum[i]["/".join(p)]) for p, qs in sources.items()})
-            now.append(seen[i] | (weight > 0))
-        return view.method_state._replace(server=(tuple(new), jnp.stack(now) if now else seen))
+        return view.method_state._replace(server=transfer_next(tiers(ctx), view))
 
     hooks = depth_hooks("inclusivefl", tier_mix, capacity_case, depths, own_exit_only=True, output="last")
     return make_method("inclusivefl", init=init, objective=objective, server_correct=server_correct, update=update,
