@@ -126,6 +126,9 @@ def test_a_run_records_every_exit_in_its_metrics_and_summary(tmp_path, capsys):
     assert config_from_args(args).options == {"beta": 0.3, "capacity_case": 8}
     assert main(["run", "--method", "inclusivefl", "--md-beta", "2"]) == 2
     assert "--md-beta" in capsys.readouterr().err
+    assert main(["list", "methods"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert {"depthfl", "inclusivefl"} <= listed
     argv = ["run", "--method", "depthfl", "--dataset", "digits", "--model", "mlp", "--clients", "6", "--cohort", "3",
             "--rounds", "1", "--local-steps", "1", "--batch-size", "8", "--tier-mix", "3,0,3", "--out", str(tmp_path)]
     assert main(argv) == 0
