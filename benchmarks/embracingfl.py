@@ -1,12 +1,15 @@
 """Reproduction of EmbracingFL's comparisons (paper Tables 2–7 and §4.5) on data that runs offline.
 
-Three experiments, each EmbracingFL against width reduction (HeteroFL, static
-version) at the paper's capacities, from the same seeds, partitions and cohorts:
+Three experiments, each EmbracingFL (an output-side suffix per tier) against width reduction
+(HeteroFL, static version; FedRolex's rolling windows) and depth reduction (DepthFL, InclusiveFL:
+an input-side prefix per tier, with exits) at the paper's capacities, from the same seeds,
+partitions and cohorts:
 
 * **scaling** (Table 2): 16 strong clients + 0/16/32/64/112 weak ones, full
   participation — does adding weak clients help, and by how much each method?
 * **cases** (Tables 3–6): the ten 128-client mixes of strong/moderate/weak
-  clients, scaled to ``--clients`` (case 1 is all strong, i.e. FedAvg);
+  clients, scaled to ``--clients`` (case 1 is all strong, i.e. FedAvg for every method but DepthFL,
+  whose strong clients train every exit, so it has a case-1 run of its own);
 * **bn** (§4.5): global vs static BatchNorm for both methods on a BN model.
 
 Plus **costs** per tier: XLA's FLOPs and peak memory of the compiled local step
@@ -16,7 +19,8 @@ three models at their paper shapes (no data needed).
 Usage::
 
     python -m benchmarks.embracingfl [--quick] [--experiments scaling,cases,bn,costs]
-        [--datasets mnist5k,synthetic,synthetic_text] [--rounds R] [--clients N] [--out DIR]
+        [--datasets mnist5k,synthetic,synthetic_text] [--methods embracingfl,heterofl,...] [--rounds R]
+        [--clients N] [--out DIR]
 
 Writes ``<out>/embracingfl-<device>.json`` (every round of every run), a plot and
 prints the tables: final and best accuracy, rounds to reach ``--target`` × the
@@ -42,8 +46,13 @@ from fedpartial._src.methods.tiered.tiers import CAPACITY_CASES, resolve_mix
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 
-METHODS = ("embracingfl", "heterofl")
-LABELS = {"embracingfl": "EmbracingFL", "heterofl": "Width red."}
+METHODS = ("embracingfl", "heterofl", "fedrolex", "depthfl", "inclusivefl")
+LABELS = {"embracingfl": "EmbracingFL", "heterofl": "Width red.", "fedrolex": "FedRolex", "depthfl": "DepthFL",
+          "inclusivefl": "InclusiveFL"}
+#: width reduction needs a zoo model with a width-reduced version (not the BiLSTM)
+WIDTH_METHODS = ("heterofl", "fedrolex")
+#: methods whose all-strong run is not FedAvg's (EmbracingFL's case-1 run stands for the others)
+OWN_ALL_STRONG = ("depthfl",)
 WEAK_COUNTS = (0, 16, 32, 64, 112)
 
 # dataset -> (model, batch, client lr, momentum, partition, alpha, bn model)
@@ -107,6 +116,9 @@ def run_one(dataset: str, method: str, options: dict, args, *, bn_policy: str = 
     )
     start = time.perf_counter()
     model = small_bilstm(data) if name == "bilstm" and args.text_model == "small" else None
+    adapt = config.build_method().adapt_model
+    if model is not None and adapt is not None:  # a model handed to the simulation is used as it is
+        model = adapt(model)  # (DepthFL, InclusiveFL: the exits after the tiers' depths)
     sim = Simulation(config, data, model=model)
     records = list(sim.rounds())
     return {"dataset": dataset, "method": method, "options": {k: list(v) if isinstance(v, tuple) else v
@@ -127,16 +139,23 @@ def summary(run: dict, target: float | None) -> dict:
             "rounds_to_target": int(rounds[hit[0]]) if hit.size else None}
 
 
-def methods_for(dataset: str) -> tuple[str, ...]:
-    """Width reduction needs a zoo model with a width-reduced version (not the BiLSTM)."""
-    return METHODS[:1] if SETUPS[dataset][0] == "bilstm" else METHODS
+def methods_for(dataset: str, args, all_strong: bool = False) -> tuple[str, ...]:
+    """The chosen methods this dataset's model can run (width reduction: not the BiLSTM); with ``all_strong``
+    EmbracingFL's run (FedAvg) and those whose all-strong run differs from it."""
+    chosen = [m for m in args.methods if not (m in WIDTH_METHODS and SETUPS[dataset][0] == "bilstm")]
+    return tuple(m for m in chosen if m == METHODS[0] or m in OWN_ALL_STRONG) if all_strong else tuple(chosen)
+
+
+def stands_for(method: str) -> str:
+    """The method whose all-strong run stands for ``method``'s: its own (DepthFL) or EmbracingFL's (FedAvg)."""
+    return method if method in OWN_ALL_STRONG else METHODS[0]
 
 
 def scaling(dataset: str, args, log) -> list[dict]:
     runs = []
     strong = 16 // args.scale
     for weak in (w // args.scale for w in WEAK_COUNTS):
-        for method in methods_for(dataset) if weak else METHODS[:1]:  # the strong clients alone: both are FedAvg
+        for method in methods_for(dataset, args, all_strong=not weak):  # strong clients alone: mostly FedAvg
             total = strong + max(WEAK_COUNTS) // args.scale
             run = run_one(dataset, method, {"tier_mix": (strong, 0, weak)}, args, total=total)
             run["experiment"], run["strong"], run["weak"] = "scaling", strong, weak
@@ -148,7 +167,7 @@ def scaling(dataset: str, args, log) -> list[dict]:
 def cases(dataset: str, args, log) -> list[dict]:
     runs = []
     for case in args.cases:
-        for method in methods_for(dataset) if case != 1 else METHODS[:1]:  # case 1 (all strong) is FedAvg
+        for method in methods_for(dataset, args, all_strong=case == 1):  # case 1 (all strong): mostly FedAvg
             run = run_one(dataset, method, {"capacity_case": case}, args, total=args.clients)
             run["experiment"], run["case"] = "cases", case
             run["mix"] = list(resolve_mix(args.clients, capacity_case=case).counts)
@@ -159,7 +178,7 @@ def cases(dataset: str, args, log) -> list[dict]:
 
 def bn(dataset: str, args, log) -> list[dict]:
     runs = []
-    for method in methods_for(dataset):
+    for method in methods_for(dataset, args):
         for policy in ("global", "static"):
             run = run_one(dataset, method, {"capacity_case": args.bn_case}, args, bn_policy=policy,
                           total=args.clients)
@@ -169,14 +188,14 @@ def bn(dataset: str, args, log) -> list[dict]:
     return runs
 
 
-def tier_costs(repeats: int = 20) -> list[dict]:
+def tier_costs(methods=METHODS, repeats: int = 20) -> list[dict]:
     """Per model and tier: XLA FLOPs, peak temp memory and time of one compiled local step (batch 32)."""
     from fedpartial._src.analysis import capacity
 
     rows = []
     for name in ("femnist_cnn", "resnet20", "bilstm"):
         model = capacity.reference_model(name)
-        for method in METHODS:
+        for method in methods:
             try:
                 rows.extend(_method_tier_costs(model, method, repeats))
             except Exception as e:  # noqa: BLE001 — a method that cannot run this model is reported, not fatal
@@ -196,10 +215,12 @@ def _method_tier_costs(model, method: str, repeats: int) -> list[dict]:
     from fedpartial._src.methods.catalog import get_method
 
     n, steps, batch = 3, 10, 32
-    r = FederatedRound(model, get_method(method, tier_mix=(1, 1, 1)), num_clients=n, cohort_size=n,
-                       client_optimizer=optax.sgd(0.01, momentum=0.9))
+    built = get_method(method, tier_mix=(1, 1, 1))
+    tokens = model.name == "bilstm"
+    model = built.adapt_model(model) if built.adapt_model is not None else model  # DepthFL's exits
+    r = FederatedRound(model, built, num_clients=n, cohort_size=n, client_optimizer=optax.sgd(0.01, momentum=0.9))
     state = r.init(jax.random.key(0))
-    x = np.ones((n, steps, batch, *model.input_shape), np.int32 if model.name == "bilstm" else np.float32)
+    x = np.ones((n, steps, batch, *model.input_shape), np.int32 if tokens else np.float32)
     cohort = Cohort(Batch(x, np.zeros((n, steps, batch), np.int32), np.ones((n, steps, batch), bool),
                           np.ones((n, steps), bool)),
                     CohortInfo(np.arange(n, dtype=np.int32), np.full(n, steps * batch, np.float32),
@@ -233,11 +254,11 @@ def tables(runs: list[dict], costs: list[dict], target: float) -> tuple[str, lis
     lines, rows = [], []
     for dataset in sorted({r["dataset"] for r in runs}):
         mine = [r for r in runs if r["dataset"] == dataset]
-        strong = [r for r in mine if r.get("case") == 1 or r.get("weak") == 0]
+        strong = [r for r in mine if (r.get("case") == 1 or r.get("weak") == 0) and r["method"] == METHODS[0]]
         reference = max(summary(r, None)["best_accuracy"] for r in strong) if strong else None
         goal = target * reference if reference is not None else None
         lines.append(f"\n{dataset} ({mine[0]['model']}); target = {target:g} × all-strong best"
-                     + (f" = {goal:.4f}" if goal is not None else ""))
+                     + (f" = {goal:.4f}" if goal is not None else "") + " (all strong, EmbracingFL is FedAvg)")
         lines.append(f"{'experiment':<10} {'setting':<24} {'method':<12} {'final':>7} {'best':>7} {'rounds→tgt':>10}")
         for r in mine:
             s = summary(r, goal)
@@ -272,23 +293,25 @@ def plot(runs: list[dict], path: str) -> None:
     fig, axes = plt.subplots(2, len(datasets), figsize=(5 * len(datasets), 7), squeeze=False)
     for col, dataset in enumerate(datasets):
         ax = axes[0][col]
-        for method in METHODS:
+        shown = [m for m in METHODS if any(r["method"] == m and r["dataset"] == dataset for r in runs)]
+        for method in shown:
             pts = sorted((r["weak"], summary(r, None)["best_accuracy"]) for r in runs
                          if r["dataset"] == dataset and r["experiment"] == "scaling"
-                         and (r["method"] == method or r["weak"] == 0))
+                         and (r["method"] == method if r["weak"] else r["method"] == stands_for(method)))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=LABELS[method])
         ax.set(title=f"{dataset}: strong + weak clients", xlabel="weak clients", ylabel="best test accuracy")
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         ax = axes[1][col]
-        for i, method in enumerate(METHODS):
+        width = 0.8 / max(len(shown), 1)
+        for i, method in enumerate(shown):
             pts = sorted((r["case"], summary(r, None)["best_accuracy"]) for r in runs
                          if r["dataset"] == dataset and r["experiment"] == "cases"
-                         and (r["method"] == method or r["case"] == 1))
+                         and (r["method"] == method if r["case"] != 1 else r["method"] == stands_for(method)))
             if pts:
                 xs, ys = zip(*pts)
-                ax.bar(np.array(xs) + (i - 0.5) * 0.4, ys, width=0.4, label=LABELS[method])
+                ax.bar(np.array(xs) + (i - (len(shown) - 1) / 2) * width, ys, width=width, label=LABELS[method])
         ax.set(title=f"{dataset}: capacity cases", xlabel="case", ylabel="best test accuracy")
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
@@ -305,6 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke test: synthetic, 2 cases, 3 rounds, 16 clients")
     p.add_argument("--experiments", default="scaling,cases,bn,costs")
     p.add_argument("--datasets", default="mnist5k,synthetic,synthetic_text")
+    p.add_argument("--methods", default=",".join(METHODS), help="methods compared (EmbracingFL's all-strong run "
+                   "is the FedAvg reference and always runs)")
     p.add_argument("--bn-dataset", default="digits", help="dataset of the BN experiment (a BN model: resnet20)")
     p.add_argument("--cases", default=",".join(map(str, CAPACITY_CASES)))
     p.add_argument("--bn-case", type=int, default=10)
@@ -325,6 +350,10 @@ def main(argv=None) -> int:
         args.datasets, args.rounds, args.clients, args.cases, args.eval_every = "synthetic", 3, 16, "1,10", 1
         args.experiments, args.bn_dataset, args.steps = "cases,bn", "synthetic", 2
     args.cases = [int(c) for c in args.cases.split(",")]
+    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    if unknown:
+        p.error(f"method {unknown[0]!r} is not compared here; choose from {', '.join(METHODS)}")
+    args.methods = [m for m in METHODS if m == METHODS[0] or m in args.methods.split(",")]
     experiments = args.experiments.split(",")
     os.makedirs(args.out, exist_ok=True)
     runs, notes, t0 = [], [], time.perf_counter()
@@ -347,7 +376,7 @@ def main(argv=None) -> int:
             except DataError as e:  # a tfds dataset not prepared here
                 notes.append(f"{dataset}: skipped ({e})")
                 print(notes[-1], file=sys.stderr)
-    costs = tier_costs() if "costs" in experiments else []
+    costs = tier_costs(args.methods) if "costs" in experiments else []
     text, rows = tables(runs, costs, args.target)
     print(text)
     slug = device_slug() + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
@@ -355,6 +384,7 @@ def main(argv=None) -> int:
         "benchmark": "embracingfl",
         "device": {"platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
                    "jax_version": jax.__version__},
+        "argv": list(sys.argv[1:] if argv is None else argv), "date": time.strftime("%Y-%m-%d"),
         "protocol": {k: v for k, v in vars(args).items()}, "notes": notes, "summary": rows, "costs": costs,
         "runs": runs, "total_time_s": time.perf_counter() - t0,
     }

@@ -44,7 +44,8 @@ LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon"
           "fedldf": "FedLDF", "random": "Random", "hdfl": "HDFL", "fedadp": "FedADP", "hermes": "Hermes",
           "fedmp": "FedMP", "fedselect": "FedSelect", "fedspu": "FedSPU", "fedper": "FedPer",
           "lgfedavg": "LG-FedAvg", "fedrep": "FedRep", "embracingfl": "EmbracingFL",
-          "heterofl": "width reduction (HeteroFL)", "fedrolex": "FedRolex"}
+          "heterofl": "width reduction (HeteroFL)", "fedrolex": "FedRolex", "depthfl": "DepthFL",
+          "inclusivefl": "InclusiveFL"}
 
 
 # ---- reading ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice, sources
 from fedpartial._src.engine.types import Cohort
 from fedpartial._src.methods.base import Batch, CohortInfo
-from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models.zoo import narrow_units
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -75,6 +75,25 @@ class TinyCNN(nn.Module):
 def mlp():
     return from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp",
                       width=lambda ratio, scaler: TinyMLP(ratio, scaler))
+
+
+class TinyBlock(nn.Module):
+    """Dense → BatchNorm → ReLU: one stage of :func:`staged_mlp`."""
+
+    units: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(self.units, name="fc")(x.reshape((x.shape[0], -1)))
+        return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn")(x))
+
+
+@pytest.fixture(scope="session")
+def staged_mlp():
+    """Stages b1, b2, b3 (Dense 5 → BatchNorm → ReLU) and a Dense head: depth tiers hold prefixes of it (default
+    depths: moderate 2, weak 1), and b2, b3 have the same shapes (InclusiveFL's transfer between stages)."""
+    return from_stages([TinyBlock(5), TinyBlock(5), TinyBlock(5), nn.Dense(3)], input_shape=(4,), num_classes=3,
+                       names=("b1", "b2", "b3", "head"), name="staged_mlp")
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,11 @@ BUILDERS["feddhad"] = lambda: get_method("feddhad", rate=0.5, measure_every=1, p
 # Width tiers (ids 0-4 strong, 5-6 moderate, 7 weak: one of each in these cohorts): FedRolex's windows roll
 # over the narrow clients' units (its first round's are HeteroFL's), so the entry covers the narrow graphs too.
 BUILDERS["fedrolex"] = lambda: get_method("fedrolex", tier_mix="5,2,1", widths="0.5,0.25")
+# Depth tiers (same ids): each tier holds a prefix of a staged model and the exits after it (the methods'
+# adapt_model adds them), so these entries run on conftest's staged_mlp with exits instead of the one-stage MLP.
+BUILDERS["depthfl"] = lambda: get_method("depthfl", tier_mix="5,2,1")
+BUILDERS["inclusivefl"] = lambda: get_method("inclusivefl", tier_mix="5,2,1")
+ON_STAGED = {"depthfl", "inclusivefl"}
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
 BUILDERS["fedldf+scaffold"] = lambda: control_variates(get_method("fedldf", n=2))  # control variates on partial uploads
@@ -168,8 +173,14 @@ def assert_matches_reference(got, metrics, ref, ref_metrics, name=None):
         np.testing.assert_allclose(m["train_loss"], r["train_loss"], rtol=1e-5)
 
 
+def model_for(name, method, mlp, staged_mlp):
+    """The model an entry trains: the one-stage MLP, or for a depth-tiered method the staged one with its exits."""
+    return method.adapt_model(staged_mlp) if name in ON_STAGED else mlp
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_method_keeps_the_engine_contract(mlp, data, name):
+def test_method_keeps_the_engine_contract(mlp, staged_mlp, data, name):
+    mlp = model_for(name, BUILDERS[name](), mlp, staged_mlp)
     # Stepwise, recording decisions: the reference.
     step = build(mlp, BUILDERS[name](), strategies.stepwise(1), record=True, name=name)
     ref, ref_metrics, traces = run(step, data)
@@ -208,7 +219,8 @@ def test_method_keeps_the_engine_contract(mlp, data, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_whole_cohort_fused_round_matches_too(mlp, data, name):
+def test_whole_cohort_fused_round_matches_too(mlp, staged_mlp, data, name):
+    mlp = model_for(name, BUILDERS[name](), mlp, staged_mlp)
     ref, ref_metrics, _ = run(build(mlp, BUILDERS[name](), strategies.stepwise(1), name=name), data)
     got, metrics, traces = run(build(mlp, BUILDERS[name](), strategies.fused(), name=name), data)
     assert traces[1] == traces[0], "round 2 retraced (fused)"

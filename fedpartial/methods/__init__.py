@@ -26,9 +26,11 @@ from fedpartial._src.methods.personal.lgfedavg import lgfedavg
 from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.submodel.fedselect import fedselect
 from fedpartial._src.methods.submodel.fedspu import fedspu
+from fedpartial._src.methods.tiered.depthfl import depthfl
 from fedpartial._src.methods.tiered.embracingfl import embracingfl
 from fedpartial._src.methods.tiered.fedrolex import fedrolex
 from fedpartial._src.methods.tiered.heterofl import heterofl
+from fedpartial._src.methods.tiered.inclusivefl import inclusivefl
 from fedpartial._src.methods.weighting.feddh import feddh, feddhe, fedjs
 
 __all__ = [
@@ -36,7 +38,7 @@ __all__ = [
     "fedavg", "fedprox", "fednova", "feddyn", "moon", "scaffold", "control_variates",
     "fedldf", "random_layers", "hdfl", "fedadp",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
-    "embracingfl", "heterofl", "fedrolex",
+    "embracingfl", "heterofl", "fedrolex", "depthfl", "inclusivefl",
     "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",

@@ -1,6 +1,8 @@
 """Model zoo (Flax linen) and adapters turning any Flax module into an engine :class:`Model`."""
 
 from fedpartial._src.models.adapter import Model, from_linen, from_nnx, from_stages
+from fedpartial._src.models.exits import MultiExitModel, with_exits
 from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
 
-__all__ = ["MODELS", "Model", "ModelSpec", "build_model", "from_linen", "from_nnx", "from_stages"]
+__all__ = ["MODELS", "Model", "ModelSpec", "MultiExitModel", "build_model", "from_linen", "from_nnx", "from_stages",
+           "with_exits"]

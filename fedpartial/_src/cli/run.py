@@ -203,6 +203,10 @@ def _run_stoppable(args, console: Console, stop) -> int:
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
         ("best test accuracy", f"{summary['best_test_accuracy']:.4f}"),
         ("final test loss", f"{summary['final_test_loss']:.4f}"),
+        *([("exits, shallow → deep",
+            " / ".join(f"{v:.4f}" for k, v in summary.items() if k.startswith("final_test_accuracy_exit"))
+            + f"; ensemble {summary['final_test_accuracy_ensemble']:.4f}")]
+          if "final_test_accuracy_ensemble" in summary else []),
         *([("personal accuracy (mean ± std over clients)",
              f"{summary['final_personal_accuracy']:.4f} ± {summary['final_personal_accuracy_std']:.4f}"),
             ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),

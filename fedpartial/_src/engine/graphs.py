@@ -5,6 +5,8 @@ the default (the whole model, nothing cut).  :func:`suffix` is EmbracingFL's wea
 client: stages ``[0, cut)`` are frozen and run *once per round* over the client's
 whole local data (``prepare``), and every local step runs, differentiates and
 updates only stages ``[cut, end)`` — its compiled step contains no prefix at all.
+:func:`exits_prefix` is the opposite cut, DepthFL's: a client of depth ``d`` holds and
+trains stages ``[0, d)`` and the exits after them, nothing deeper.
 
 Any graph whose ``extract`` is a pytree selection or slice (e.g. HeteroFL's
 leading channels) fits the same slot: the engine expands masks in full-model
@@ -75,6 +77,19 @@ def suffix(model: Model, cut: int) -> LocalGraph:
         return model.apply_stages(variables, x, start=cut, train=train, example_mask=example_mask)
 
     return LocalGraph(extract=extract, insert=merge_subtree, apply=apply, prepare=prepare)
+
+
+def exits_prefix(model: Model, stop: int) -> LocalGraph:
+    """A depth tier's graph: stages ``[0, stop)`` and the exits after them (a
+    :class:`~fedpartial._src.models.exits.MultiExitModel`); its forward pass returns every held
+    exit's logits, ``[E', B, C]``, shallow to deep.  Nothing past ``stop`` is in the compiled step."""
+    if not 1 <= stop <= model.num_stages or not model.exits_within(stop):
+        raise ValueError(f"stages [0, {stop}) of {model.name} are not a prefix holding an exit.")
+
+    def apply(variables, x, train, example_mask=None):
+        return model.exit_logits(variables, x, stop=stop, train=train, example_mask=example_mask)
+
+    return LocalGraph(extract=lambda tree: model.stage_variables(tree, 0, stop), insert=merge_subtree, apply=apply)
 
 
 def map_inputs(graph: LocalGraph, fn: Callable[[jax.Array], jax.Array]) -> LocalGraph:

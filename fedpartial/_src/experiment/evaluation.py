@@ -14,17 +14,26 @@ import numpy as np
 from fedpartial._src.core import memory
 from fedpartial._src.core.losses import masked_cross_entropy, model_loss
 from fedpartial._src.methods.base import PersonalModels
+from fedpartial._src.models import exits
 from fedpartial._src.models.adapter import Model
+from fedpartial._src.models.exits import MultiExitModel
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _eval_batch(model: Model, variables, x, y_mask, batch_statistics: bool):
     y, mask = y_mask
     # 'static' BatchNorm: normalise with statistics of the evaluation batch itself.
-    logits, _ = model.apply(variables, x, batch_statistics, mask if batch_statistics else None)
+    stats_mask = mask if batch_statistics else None
+    if isinstance(model, MultiExitModel):  # every exit, their ensemble and the model's output, from one pass
+        every, _ = model.exit_logits(variables, x, train=batch_statistics, example_mask=stats_mask)
+        logits = exits.combine(every, model.output)
+        extra = jnp.stack([*every, exits.combine(every, "mean")])  # [E + 1, B, C]
+    else:
+        logits, _ = model.apply(variables, x, batch_statistics, stats_mask)
+        extra = jnp.zeros((0, *logits.shape), logits.dtype)
     correct = jnp.sum((jnp.argmax(logits, -1) == y) & mask)
     loss = masked_cross_entropy(logits, y, mask) * jnp.sum(mask)
-    return correct, loss
+    return correct, loss, jnp.sum((jnp.argmax(extra, -1) == y[None]) & mask[None], axis=-1)
 
 
 def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, batch_size: int = 512,
@@ -34,12 +43,16 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
     The last batch is padded to ``batch_size`` with masked examples, so the whole
     set compiles once.  ``batch_statistics=True`` evaluates BatchNorm with the
     statistics of each evaluation batch (the 'static' policy, as HeteroFL's sBN).
+    A model with exits (:class:`~fedpartial._src.models.exits.MultiExitModel`) also gives
+    ``exit_accuracy``, every exit's accuracy (shallow to deep), and ``ensemble_accuracy``, that
+    of the mean of their logits; ``accuracy`` is its ``apply``'s output (:func:`record_fields`).
     """
     n = len(y)
     if n == 0:
         return {"accuracy": float("nan"), "loss": float("nan")}
     batch_size = min(batch_size, n)
     correct = loss = 0.0
+    extra = 0.0
     for start in range(0, n, batch_size):
         xb, yb = x[start:start + batch_size], y[start:start + batch_size]
         mask = np.ones(batch_size, bool)
@@ -48,10 +61,25 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
             mask[len(yb):] = False
             xb = np.concatenate([xb, np.zeros((pad, *xb.shape[1:]), xb.dtype)])
             yb = np.concatenate([yb, np.zeros((pad,), yb.dtype)])
-        c, l = _eval_batch(model, variables, xb, (yb, mask), batch_statistics)
+        c, l, e = _eval_batch(model, variables, xb, (yb, mask), batch_statistics)
         correct += float(c)
         loss += float(l)
-    return {"accuracy": correct / n, "loss": loss / n}
+        extra = extra + np.asarray(e, np.float64)  # [E + 1] correct per exit and the ensemble ([0] without exits)
+    out = {"accuracy": correct / n, "loss": loss / n}
+    if np.size(extra):
+        out.update(exit_accuracy=[float(a) for a in extra[:-1] / n], ensemble_accuracy=float(extra[-1] / n))
+    return out
+
+
+def record_fields(result: dict) -> dict:
+    """A metrics record's fields from :func:`evaluate`'s ``result``: ``test_accuracy``, ``test_loss`` and, for a
+    model with exits, ``test_accuracy_exit1`` … (shallow to deep) and ``test_accuracy_ensemble``."""
+    record = {"test_accuracy": result["accuracy"], "test_loss": result["loss"]}
+    for i, accuracy in enumerate(result.get("exit_accuracy", ()), 1):
+        record[f"test_accuracy_exit{i}"] = accuracy
+    if "ensemble_accuracy" in result:
+        record["test_accuracy_ensemble"] = result["ensemble_accuracy"]
+    return record
 
 
 def pad_holdouts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time, timing
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
-from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
+from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
 from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer, model_outputs
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.early_stopping import early_stopping
@@ -514,8 +514,7 @@ class Simulation:
             record["dp_epsilon"] = privacy.account_round(self.accountant, self.progress, prepared.draw)
         last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
         if (t + 1) % cfg.eval_every == 0 or last:
-            result = self.evaluate()
-            record.update(test_accuracy=result["accuracy"], test_loss=result["loss"])
+            record.update(record_fields(self.evaluate()))  # with every exit's accuracy, for a model with exits
             if self.holdout is not None:
                 record.update(self.evaluate_personal())
         record["wall_time_s"] = train_time + time.perf_counter() - finished

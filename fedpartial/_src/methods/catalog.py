@@ -33,17 +33,19 @@ from fedpartial._src.methods.submodel import dropout as _dropout
 from fedpartial._src.methods.submodel import feddst as _feddst
 from fedpartial._src.methods.submodel import fedselect as _fedselect
 from fedpartial._src.methods.submodel import fedspu as _fedspu
+from fedpartial._src.methods.tiered import depthfl as _depthfl
 from fedpartial._src.methods.tiered import embracingfl as _embracingfl
 from fedpartial._src.methods.tiered import fedrolex as _fedrolex
 from fedpartial._src.methods.tiered import heterofl as _heterofl
+from fedpartial._src.methods.tiered import inclusivefl as _inclusivefl
 from fedpartial._src.methods.weighting import feddh as _feddh
 
 #: name -> MethodSpec, in the order ``fedpartial list methods`` lists them
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec for spec in (
         _fedavg.SPEC, _fedprox.SPEC, *_fedldf.SPECS, _fedspu.SPEC, *_dropout.SPECS, _afd.SPEC, _fedselect.SPEC,
-        _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC,
-        _fedbabu.SPEC, _ditto.SPEC,
+        _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _depthfl.SPEC, _inclusivefl.SPEC,
+        _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC, _fedbabu.SPEC, _ditto.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
         _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC,
     )

@@ -54,10 +54,10 @@ def check_case(case) -> str | None:
 
 
 TIER_MIX_OPTION = Option("tier_mix", parse_counts, None,
-                         "EmbracingFL / HeteroFL: strong,moderate,weak client counts summing to --clients "
-                         "(default: every client strong)", flag="--tier-mix")
+                         "capacity tiers (EmbracingFL, HeteroFL, FedRolex, DepthFL, InclusiveFL): strong,moderate,"
+                         "weak client counts summing to --clients (default: every client strong)", flag="--tier-mix")
 CAPACITY_CASE_OPTION = Option("capacity_case", int, None,
-                              "EmbracingFL / HeteroFL: the paper's client mix 1..10 (Table 2), scaled to --clients",
+                              "capacity tiers: EmbracingFL's client mix 1..10 (its Table 2), scaled to --clients",
                               check=check_case, flag="--capacity-case")
 
 
