@@ -283,7 +283,7 @@ def test_cli_seeds_writes_the_parent_folder(tmp_path, capsys):
     parent = capsys.readouterr().out.strip()
     assert parent == str(tmp_path / "fedavg-synthetic-seeds5_7")
     assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds5_7").iterdir()) == [
-        "fedavg-synthetic-seed5", "fedavg-synthetic-seed7", "seeds_summary.json", "seeds_summary.md"]
+        "fedavg-synthetic-seed5", "fedavg-synthetic-seed7", "job.json", "seeds_summary.json", "seeds_summary.md"]
 
 
 def test_learning_rates_as_replicas_equal_separate_runs_at_each_rate(tmp_path):
@@ -365,7 +365,7 @@ def test_cli_server_lrs_with_lrs_writes_a_folder_per_pair(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(parent)
     assert sorted(p.name for p in parent.iterdir()) == sorted(
         [f"fedavg-synthetic-seed3-lr{lr}-slr{slr}" for lr in ("0.1", "0.01") for slr in ("0.5", "1.0")]
-        + ["seeds_summary.json", "seeds_summary.md"])
+        + ["job.json", "seeds_summary.json", "seeds_summary.md"])
     saved = json.load(open(parent / "fedavg-synthetic-seed3-lr0.01-slr0.5" / "config.json"))
     assert (saved["server_optimizer"], saved["server_lr"], saved["client_lr"]) == ("adam", 0.5, 0.01)
 
@@ -381,7 +381,8 @@ def test_cli_lrs_without_seeds_uses_the_seed(tmp_path, capsys):
     layout = out.index("replica axis map, data on the host")  # CPU's auto, nothing moved (no note)
     assert out[layout - 4].startswith("| method | seeds |") and out[layout + 1].startswith("results:")  # 2 rows
     assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01").iterdir()) == [
-        "fedavg-synthetic-seed3-lr0.01", "fedavg-synthetic-seed3-lr0.1", "seeds_summary.json", "seeds_summary.md"]
+        "fedavg-synthetic-seed3-lr0.01", "fedavg-synthetic-seed3-lr0.1", "job.json", "seeds_summary.json",
+        "seeds_summary.md"]
 
 
 MIB = 2**20
