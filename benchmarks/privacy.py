@@ -125,7 +125,8 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.privacy", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="digits, N=20, K=10, n=2, 2 rounds of 0.25 local epochs, ε 8, without non-private FedLDF (a smoke test)")
+                   help="digits, N=20, K=10, n=2, 2 rounds of 0.25 local epochs, ε 8, without non-private FedLDF "
+                        "(a smoke test)")
     p.add_argument("--dataset", default="mnist5k")
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--seeds", default="0")
