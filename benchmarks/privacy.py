@@ -53,7 +53,8 @@ def run_one(args, variant, seed: int, z: float | None) -> dict:
     name, method, private, per_layer = variant
     config = RunConfig(
         method=method, dataset=args.dataset, model="cnn2c1f", partition="iid", num_clients=args.clients,
-        cohort_size=args.cohort, rounds=args.rounds, local_epochs=args.local_epochs, batch_size=2, client_lr=0.05, momentum=0.0,
+        cohort_size=args.cohort, rounds=args.rounds, local_epochs=args.local_epochs, batch_size=2, client_lr=0.05,
+        momentum=0.0,
         eval_every=args.eval_every, out_dir=None, seed=seed,
         options={"n": args.n} if method == "fedldf" else {},
         **(dict(dp_clip=args.clip, dp_noise_multiplier=z, dp_clip_per_layer=per_layer) if private else {}))
