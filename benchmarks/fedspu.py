@@ -64,13 +64,14 @@ from fedpartial._src.experiment.simulation import Simulation, run
 #: Hermes, FedMP, FedSelect, FedSPU) with FedDrop, which the paper does not tabulate, first.
 #: The personalised partial-model methods (personal layers) come after them: not the paper's, run when named
 #: (``benchmarks/personalised.py`` names them), compared with FedSPU apart from the dropout baselines.
-METHODS = ("feddrop", "prunefl", "fjord", "hermes", "fedmp", "fedselect", "fedspu", "fedper", "lgfedavg", "fedrep")
+METHODS = ("feddrop", "prunefl", "fjord", "hermes", "fedmp", "fedselect", "fedspu", "fedper", "lgfedavg", "fedrep",
+           "fedbabu", "ditto")
 PAPER_METHODS = METHODS[:7]
 BASELINES = METHODS[:6]
 PERSONALISED = METHODS[7:]
 LABELS = {"feddrop": "FedDrop", "prunefl": "PruneFL", "fjord": "FjORD", "hermes": "Hermes", "fedmp": "FedMP",
           "fedselect": "FedSelect", "fedspu": "FedSPU", "fedper": "FedPer", "lgfedavg": "LG-FedAvg",
-          "fedrep": "FedRep"}
+          "fedrep": "FedRep", "fedbabu": "FedBABU", "ditto": "Ditto"}
 ALPHAS = (0.1, 0.5, 1.0)
 LOCAL_EPOCHS = 5
 PAPER_GAIN = {False: 4.45, True: 5.11}  # mean over datasets of FedSPU − best baseline (Tables 1, 2)

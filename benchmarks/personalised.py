@@ -1,4 +1,4 @@
-"""FedSPU next to the personalised partial-model methods — FedPer, LG-FedAvg, FedRep — and two dropout
+"""FedSPU next to the personalised partial-model methods — FedPer, LG-FedAvg, FedRep, FedBABU, Ditto — and two dropout
 baselines, all evaluated alike: each client's own model on its held-out split (FedSPU's protocol,
 :mod:`benchmarks.fedspu`, whose tables and JSON this writes).
 
@@ -6,7 +6,7 @@ Usage::
 
     python -m benchmarks.personalised [any benchmarks.fedspu option, e.g. --datasets digits --rounds 50]
 
-Defaults added to the FedSPU benchmark's: ``--methods fjord,hermes,fedspu,fedper,lgfedavg,fedrep``, ``--es
+Defaults added to the FedSPU benchmark's: ``--methods fjord,hermes,fedspu,fedper,lgfedavg,fedrep,fedbabu,ditto``, ``--es
 none`` and the tag ``<device>-personalised``; an option given on the command line wins.
 """
 
@@ -16,7 +16,7 @@ import sys
 
 from benchmarks import device_slug, fedspu
 
-DEFAULTS = {"--methods": "fjord,hermes,fedspu,fedper,lgfedavg,fedrep", "--es": "none"}
+DEFAULTS = {"--methods": "fjord,hermes,fedspu,fedper,lgfedavg,fedrep,fedbabu,ditto", "--es": "none"}
 
 
 def arguments(argv: list[str]) -> list[str]:

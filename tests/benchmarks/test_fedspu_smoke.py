@@ -43,6 +43,6 @@ def test_fedspu_benchmark_quick(tmp_path):
 def test_the_personalised_benchmark_adds_its_defaults_and_keeps_given_options(monkeypatch):
     monkeypatch.setattr(personalised, "device_slug", lambda: "dev")
     args = personalised.arguments(["--datasets", "digits", "--es=both"])
-    assert args == ["--datasets", "digits", "--es=both", "--methods", "fjord,hermes,fedspu,fedper,lgfedavg,fedrep",
-                    "--tag", "dev-personalised"]
+    assert args == ["--datasets", "digits", "--es=both", "--methods",
+                    "fjord,hermes,fedspu,fedper,lgfedavg,fedrep,fedbabu,ditto", "--tag", "dev-personalised"]
     assert all(m in fedspu.METHODS for m in personalised.DEFAULTS["--methods"].split(","))
