@@ -20,6 +20,17 @@ ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per
                   "dropout_neurons", "nonfinite_clients", "diverged")
 
 
+def planned_download(structure, plan, global_vars: dict, communicated: tuple[str, ...], num_clients: int):
+    """What each of the cohort's ``num_clients`` clients receives under ``plan`` — its download mask
+    (everything when the plan gives none) — and ``[K, L]`` the bytes of it per layer (the plan's own
+    payload's, when it gives one).  The round's traffic metrics and a deadline's predicted download
+    (:mod:`fedpartial._src.experiment.timing`) both count it here."""
+    received = plan.download if plan.download is not None else masks_lib.full(structure, (num_clients,))
+    if plan.download_bytes_per_layer is not None:  # a payload that is not the masked elements
+        return received, plan.download_bytes_per_layer.astype(jnp.int32)
+    return received, masks_lib.count_bytes_per_layer(structure, received, global_vars, communicated)
+
+
 def round_metrics(ctx: MethodContext, method: Method, communicated: tuple[str, ...], record_decisions: bool,
                   view: RoundView, selection, losses, steps, sent=None) -> dict:
     """The engine's metrics of a round (and the method's own, from its ``metrics`` hook).  ``communicated``:
@@ -30,11 +41,7 @@ def round_metrics(ctx: MethodContext, method: Method, communicated: tuple[str, .
     k = view.cohort.valid.shape[0]
     valid = view.cohort.valid
     sent = valid if sent is None else sent
-    download_mask = view.plan.download if view.plan.download is not None else masks_lib.full(structure, (k,))
-    if view.plan.download_bytes_per_layer is not None:  # a payload that is not the masked elements
-        down = view.plan.download_bytes_per_layer.astype(jnp.int32)
-    else:
-        down = masks_lib.count_bytes_per_layer(structure, download_mask, g, communicated)
+    _, down = planned_download(structure, view.plan, g, communicated, k)
     if selection.upload_bytes_per_layer is not None:
         up = selection.upload_bytes_per_layer.astype(jnp.int32)
     else:

@@ -27,6 +27,7 @@ import numpy as np
 
 from fedpartial._src.core import masks
 from fedpartial._src.costs import devices
+from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.experiment import deadlines
 from fedpartial._src.experiment.availability import Availability
@@ -51,11 +52,7 @@ def planned_traffic(round, state, cohort, key):
     structure, communicated = round.model.structure, round.communicated
     plan = round.preview(state, cohort, key).plan
     k = cohort.info.valid.shape[0]
-    received = plan.download if plan.download is not None else masks.full(structure, (k,))
-    if plan.download_bytes_per_layer is not None:
-        down = plan.download_bytes_per_layer.astype(jnp.int32)
-    else:
-        down = masks.count_bytes_per_layer(structure, received, state.variables, communicated)
+    received, down = engine_metrics.planned_download(structure, plan, state.variables, communicated, k)
     trained = received
     if plan.train is not None and jax.tree.structure(plan.train) == jax.tree.structure(received):
         trained = masks.intersect(plan.train, received)
