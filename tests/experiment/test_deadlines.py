@@ -144,7 +144,7 @@ def test_a_deadline_cuts_steps_inside_the_compiled_round(timed):
     counts the steps each did by the deadline as wasted."""
     n = TINY["num_clients"]
     slow = devices.DeviceProfiles(np.array([1e6, 2e6, 4e6] * 3)[:n], np.full(n, 1e15), np.full(n, 1e15))
-    traces = reset(timed).round.trace_count
+    traces = None
     for policy in ("partial", "drop"):
         sim = reset(timed, policy=policy)
         sim.devices = sim.clock.profiles = slow
@@ -163,7 +163,9 @@ def test_a_deadline_cuts_steps_inside_the_compiled_round(timed):
             assert record["clients"] == record["client_steps"] == 0 and record["clients_dropped"] == 3
             assert record["wasted_flops"] == round(float((fit * predicted.step_flops).sum()))
         assert record["clients_finished"] + record["clients_dropped"] == record["clients_sampled"] == 3
-    assert sim.round.trace_count == traces  # values in the cohort, not shapes: nothing recompiles
+        # values in the cohort, not shapes: the second cut round compiles nothing (run alone, the first compiles)
+        traces = sim.round.trace_count if traces is None else traces
+        assert sim.round.trace_count == traces > 0
 
 
 def test_without_a_cut_the_timed_round_trains_as_before(timed):
