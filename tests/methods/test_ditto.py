@@ -10,6 +10,8 @@ import pytest
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import client_sgd
+from fedpartial._src.costs.devices import CostModel
+from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.methods.catalog import get_method
@@ -80,6 +82,16 @@ def test_the_uploaded_global_model_is_fedavgs_bit_for_bit():
             state, _ = r(state, c, jax.random.key(t))
         results.append(jax.device_get(state.variables))
     chex.assert_trees_all_equal(*results)
+
+
+def test_the_device_model_counts_both_trainings():
+    """A client trains the global model and then its personal one on the same batches: its FLOPs of local work,
+    and with them its simulated time, are twice FedAvg's (``Capabilities.local_passes``)."""
+    cohort, steps = engine_types.data_spec(cohorts()[0]), np.array([3.0, 2.0])
+    fedavg, ditto = (CostModel(build(get_method(name)), compiled=False).client_flops(cohort, steps)
+                     for name in ("fedavg", "ditto"))
+    assert get_method("ditto").capabilities.local_passes == 2 and fedavg[0] > 0
+    np.testing.assert_array_equal(ditto, 2 * fedavg)
 
 
 def test_options_and_the_optimizer_it_needs():

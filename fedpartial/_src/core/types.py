@@ -387,6 +387,9 @@ class Capabilities(NamedTuple):
         trained this many epochs on the client's training data (the whole model, cross-entropy, the run's
         client optimizer and batch size) and then evaluated on its held-out split; the driver does it
         (:mod:`fedpartial._src.experiment.finetune`) and does not read ``personal``.  0: no fine-tuning.
+      local_passes: how many models a client trains over its local steps in a round, on the same batches
+        (Ditto: 2, the global model and then its personal one); the device model counts each client's FLOPs of
+        local work, and so its simulated time, this many times.
     """
 
     personalised: bool = False
@@ -397,6 +400,7 @@ class Capabilities(NamedTuple):
     streamable: str | None = None
     host_client_state: bool = False
     finetune_epochs: float = 0
+    local_passes: int = 1
 
 
 class Method(NamedTuple):

@@ -281,7 +281,8 @@ class CostModel:
 
     def client_flops(self, cohort, steps, dropout: Mask | None = None) -> np.ndarray:
         """``[K]`` float64 FLOPs each client spent this round: real steps × (step + preparation
-        of one batch), scaled to the kept units for a sub-model client."""
+        of one batch), scaled to the kept units for a sub-model client, times the method's
+        ``Capabilities.local_passes`` (the models each client trains on those batches)."""
         steps = np.asarray(steps, np.float64)
         out = np.zeros_like(steps)
         for cost, group, offset in zip(self.group_costs(cohort), self.fr.groups, self.fr.offsets):
@@ -297,4 +298,4 @@ class CostModel:
                 prepare = submodel_flops(prepare, self._layers, cost.prepare_layers, shares, cost.batch_size,
                                          backward=False)
             out[rows] = steps[rows] * (step + prepare)
-        return out
+        return out * self.fr.method.capabilities.local_passes

@@ -51,6 +51,7 @@ def full_model_times(round: engine.FederatedRound, costs: devices.CostModel, pro
     ``cohort``: any cohort of the round's shapes; ``sizes``: ``[N]`` every client's training examples."""
     group_costs = costs.group_costs(cohort)
     per_step = max(c.step_flops + c.prepare_flops for c in group_costs)  # a sub-model's count is full-width
+    per_step *= round.method.capabilities.local_passes
     steps = np.array([packing.steps_for_client(int(n), batch_size, local_steps=local_steps,
                                                local_epochs=local_epochs) if n else 0 for n in sizes])
     shapes = jax.eval_shape(round.pure_init, jax.random.key(0)).variables

@@ -15,8 +15,9 @@ this engine: the personal model takes as many local steps as the global one, on 
 run's client optimizer at the client's own rate (the paper's code runs the same local epochs; its SGD has
 no momentum); ``--lam`` defaults to 0.1, a value from the grid the paper tunes λ over per dataset.  The
 second training runs in ``update`` with the engine's local training over the cohort
-(:func:`fedpartial._src.engine.local_training.train_models`); it is local work the simulated device time and
-``client_flops`` do not count.
+(:func:`fedpartial._src.engine.local_training.train_models`); ``Capabilities.local_passes=2`` has the device
+model count it in ``client_flops`` and the simulated time (the same steps and FLOPs as the global model's;
+the proximal term's few FLOPs are not counted).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def ditto(lam: float = 0.1) -> Method:
         return PersonalModels(variables=state.clients)
 
     return make_method("ditto", init=init, update=update, personal=personal,
-                       capabilities=Capabilities(personalised=True, host_client_state=True))
+                       capabilities=Capabilities(personalised=True, host_client_state=True, local_passes=2))
 
 
 SPEC = MethodSpec("ditto", ditto, "FedAvg, plus a personal model per client trained with λ/2·‖v − w_global‖².",
