@@ -34,7 +34,8 @@ ATOL = 2e-6
 
 def _env(devices: int) -> dict:
     flags = f"--xla_force_host_platform_device_count={devices} {XLA_TEST_FLAGS}"
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+    # tiny programs, compiled without XLA's optimisations like the rest of tests/engine (tests/conftest.py)
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
