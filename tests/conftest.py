@@ -41,27 +41,6 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-# The tests of these folders and files train hand-sized cohorts of tiny models: their time is compiling, and
-# XLA without its optimisations (``jax_disable_most_optimizations``: LLVM -O0, no expensive passes) compiles
-# them ~30% faster, running them no slower (measured on 2 cores: these tests 1,273 s -> 916 s of test time).
-# A test marked ``xla_optimised`` keeps the optimisations: one comparing two differently built programs bit
-# for bit (which then differ in the last bit), or one that runs long enough for -O0 to cost more than it saves.
-UNOPTIMISED = ("tests/methods/", "tests/engine/", "tests/core/", "tests/test_contract.py", "tests/test_extension.py")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def _compile_effort(request):
-    where = request.node.path.resolve().relative_to(ROOT).as_posix()
-    if not where.startswith(UNOPTIMISED) or request.node.get_closest_marker("xla_optimised"):
-        yield
-        return
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
-
 
 class TinyMLP(nn.Module):
     """Dense(6) → BN → ReLU → Dense(5) → ReLU → Dense(3): three layers, one BatchNorm.

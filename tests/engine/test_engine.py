@@ -289,7 +289,6 @@ def _lr_round(mlp, strategy, lr, cohorts, scale=None):
     return state.variables, m
 
 
-@pytest.mark.xla_optimised  # bit for bit between two programs (tests/conftest.py)
 @pytest.mark.parametrize("strategy", [fused(), stepwise(1), streamed(2),
                                       streamed(1, stepwise=True)], ids=str)
 def test_cohort_lr_scale_equals_the_optimizer_at_that_rate_bit_for_bit(mlp, unequal_cohorts, strategy):
@@ -302,7 +301,6 @@ def test_cohort_lr_scale_equals_the_optimizer_at_that_rate_bit_for_bit(mlp, uneq
     assert float(got_m["train_loss"]) == float(want_m["train_loss"])
 
 
-@pytest.mark.xla_optimised  # bit for bit between two programs (tests/conftest.py)
 def test_cohort_lr_scale_is_per_client(mlp, unequal_cohorts):
     """Rates 0.01..0.5 in one cohort: client k, alone in it (the others padding), trains as at its rate."""
     rates, one = [0.01, 0.05, 0.2, 0.5], unequal_cohorts[:1]

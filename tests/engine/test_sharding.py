@@ -34,8 +34,7 @@ ATOL = 2e-6
 
 def _env(devices: int) -> dict:
     flags = f"--xla_force_host_platform_device_count={devices} {XLA_TEST_FLAGS}"
-    # tiny programs, compiled without XLA's optimisations like the rest of tests/engine (tests/conftest.py)
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 

@@ -150,7 +150,6 @@ def test_run_ends_early_when_every_client_has_stopped():
     assert summary["rounds"] == 0 and summary["rounds_saved"] == 5 and summary["stopped_clients"] == N
 
 
-@pytest.mark.xla_optimised  # a real run: at -O0 it takes 35 s instead of 6 (tests/conftest.py)
 def test_a_real_run_stops_clients_and_saves_rounds():
     """Noisy one-step rounds: every client's mixed loss rises at some point; the run ends early."""
     config = _config(rounds=60, client_lr=0.5, eval_every=5)

@@ -62,7 +62,6 @@ def test_the_windowed_graph_holds_exactly_the_mask(which):
         chex.assert_trees_all_equal(graph.insert(variables, graph.extract(variables, window), window), variables)
 
 
-@pytest.mark.xla_optimised  # bit for bit between two programs (tests/conftest.py)
 def test_engine_matches_a_plain_python_reference_over_three_rounds():
     """Strong, moderate (1/2) and weak (1/4) clients of a Dense(6) → Dense(5) MLP: at round t each narrow
     client trains units t, t+1, … of each hidden layer (mod 6 and mod 5); every element averaged over its

@@ -97,7 +97,6 @@ def test_engine_matches_plain_python_scaffold(mlp, strategy):
     assert any(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(state.method_state.server[1]))
 
 
-@pytest.mark.xla_optimised  # bit for bit between two programs (tests/conftest.py)
 def test_first_round_is_fedavgs_and_control_variates_count_as_traffic(mlp):
     """c = c_i = 0 at the start: the corrected gradient is the gradient, so round 1 equals FedAvg bit for bit;
     c goes down and c_i⁺ − c_i comes up with the model: every client moves its parameters' bytes once more
