@@ -123,6 +123,13 @@ def test_missing_csv_is_one_sentence(tmp_path):
         devices.load_profiles(tmp_path / "nope.csv", 3)
 
 
+def test_a_binary_file_is_one_sentence(tmp_path):
+    path = tmp_path / "devices.csv"
+    path.write_bytes(b"\xff\xfe\x00compute\x81\n")
+    with pytest.raises(UserError, match=f"device profiles file {path} is not a CSV text file"):
+        devices.load_profiles(path, 3)
+
+
 # ------------------------------------------------------------------ simulation
 
 

@@ -151,6 +151,30 @@ def save_profiles(path: str | os.PathLike, profiles: DeviceProfiles) -> None:
             writer.writerow([repr(float(v)) for v in row])
 
 
+def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: str) -> list[list[str]]:
+    """Every data row's stripped text in ``columns`` (in that order) of the CSV at ``path``, whose header may
+    hold them in any order among others.  ``what`` names the file in errors (e.g. "device profiles file").
+
+    Raises:
+      UserError: one sentence naming the file: it cannot be read, is not CSV text, or lacks a column.
+    """
+    name = os.fspath(path)
+    try:
+        with open(name, newline="") as f:
+            reader = csv.DictReader(f)
+            header = [h.strip() for h in (reader.fieldnames or [])]
+            missing = [c for c in columns if c not in header]
+            if missing:
+                raise UserError(f"{what} {name} has no column {missing[0]!r}; it needs the columns "
+                                f"{', '.join(columns)}.")
+            reader.fieldnames = header
+            return [[(row.get(c) or "").strip() for c in columns] for row in reader]
+    except OSError as e:
+        raise UserError(f"{what} {name} cannot be read ({e.strerror or e}).") from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{what} {name} is not a CSV text file ({e}).") from None
+
+
 def load_profiles(path: str | os.PathLike, num_clients: int) -> DeviceProfiles:
     """Device profiles from a CSV with the columns :data:`PROFILE_COLUMNS` (any order, extra ones ignored).
 
@@ -163,31 +187,19 @@ def load_profiles(path: str | os.PathLike, num_clients: int) -> DeviceProfiles:
         row and column; rows count from 1 after the header) is not a positive finite number.
     """
     name = os.fspath(path)
-    try:
-        with open(name, newline="") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in (reader.fieldnames or [])]
-            missing = [c for c in PROFILE_COLUMNS if c not in header]
-            if missing:
-                raise UserError(f"device profiles file {name} has no column {missing[0]!r}; it needs the columns "
-                                f"{', '.join(PROFILE_COLUMNS)}.")
-            reader.fieldnames = header
-            rows = []
-            for i, row in enumerate(reader, start=1):
-                values = []
-                for column in PROFILE_COLUMNS:
-                    text = (row.get(column) or "").strip()
-                    try:
-                        value = float(text)
-                    except ValueError:
-                        value = math.nan
-                    if not _positive_finite(value):
-                        raise UserError(f"device profiles file {name}: row {i} has {column} = {text!r}, which must "
-                                        "be a positive finite number.")
-                    values.append(value)
-                rows.append(values)
-    except OSError as e:
-        raise UserError(f"device profiles file {name} cannot be read ({e.strerror or e}).") from None
+    rows = []
+    for i, texts in enumerate(read_csv_columns(name, PROFILE_COLUMNS, "device profiles file"), start=1):
+        values = []
+        for column, text in zip(PROFILE_COLUMNS, texts):
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not _positive_finite(value):
+                raise UserError(f"device profiles file {name}: row {i} has {column} = {text!r}, which must "
+                                "be a positive finite number.")
+            values.append(value)
+        rows.append(values)
     if not rows:
         raise UserError(f"device profiles file {name} has a header but no rows; give at least one device.")
     table = np.asarray(rows, np.float64)[np.arange(num_clients) % len(rows)]

@@ -23,7 +23,6 @@ opens (:meth:`Availability.next_start`; none left ends the run), or, for the dra
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from typing import NamedTuple
@@ -31,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.costs import devices
 
 #: simulated seconds the server waits before it draws availability again when nobody was available
 POLL_S = 60.0
@@ -97,32 +97,17 @@ def load_trace(path: str) -> Trace:
         finite numbers with ``0 ≤ start_s < end_s``.
     """
     clients, starts, ends = [], [], []
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in (reader.fieldnames or [])]
-            missing = [c for c in TRACE_COLUMNS if c not in header]
-            if missing:
-                raise UserError(f"availability trace {path} has no column {missing[0]!r}; it needs the columns "
-                                f"{', '.join(TRACE_COLUMNS)}.")
-            reader.fieldnames = header
-            for i, row in enumerate(reader, start=1):
-                texts = [(row.get(c) or "").strip() for c in TRACE_COLUMNS]
-                client, start, end = (_number(t) for t in texts)
-                if client is None or not math.isfinite(client) or client < 0 or client != int(client):
-                    raise UserError(f"availability trace {path}: row {i} has client_id = {texts[0]!r}, which must "
-                                    "be a whole number ≥ 0.")
-                if start is None or end is None or not (math.isfinite(start) and math.isfinite(end)) \
-                        or not 0 <= start < end:
-                    raise UserError(f"availability trace {path}: row {i} has start_s = {texts[1]!r} and end_s = "
-                                    f"{texts[2]!r}, which must be finite numbers with 0 ≤ start_s < end_s.")
-                clients.append(int(client))
-                starts.append(start)
-                ends.append(end)
-    except OSError as e:
-        raise UserError(f"availability trace {path} cannot be read ({e.strerror or e}).") from None
-    except (UnicodeDecodeError, csv.Error) as e:
-        raise UserError(f"availability trace {path} is not a CSV text file ({e}).") from None
+    for i, texts in enumerate(devices.read_csv_columns(path, TRACE_COLUMNS, "availability trace"), start=1):
+        client, start, end = (_number(t) for t in texts)
+        if client is None or not math.isfinite(client) or client < 0 or client != int(client):
+            raise UserError(f"availability trace {path}: row {i} has client_id = {texts[0]!r}, which must "
+                            "be a whole number ≥ 0.")
+        if start is None or end is None or not (math.isfinite(start) and math.isfinite(end)) or not 0 <= start < end:
+            raise UserError(f"availability trace {path}: row {i} has start_s = {texts[1]!r} and end_s = "
+                            f"{texts[2]!r}, which must be finite numbers with 0 ≤ start_s < end_s.")
+        clients.append(int(client))
+        starts.append(start)
+        ends.append(end)
     if not clients:
         raise UserError(f"availability trace {path} has no rows; give at least one interval.")
     return Trace(np.asarray(clients, np.int64), np.asarray(starts, np.float64), np.asarray(ends, np.float64))
