@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU figures of the scale issue, as steps small enough for one call of a lent GPU machine (10 minutes a
-# command, about 30 minutes a session): run `bash benchmarks/gpu_plan.sh list`, then the steps in order,
-# e.g. `bash benchmarks/gpu_plan.sh check cnn1000`.  Each step writes its JSON (and PNG) into $OUT when set
+# The GPU figures, as steps small enough for one call of a lent GPU machine (10 minutes a command, 15 minutes
+# of device time a task, its start included): `bash benchmarks/gpu_plan.sh essentials` runs the most telling
+# steps in order, each capped by `timeout` at its LIMIT, within 9 minutes on an H100; a step that fails or is
+# cut off does not stop the next.  `list` names every step; the others run by name, most telling first, e.g.
+# `bash benchmarks/gpu_plan.sh fedldf models`.  Each step writes its JSON (and PNG) into $OUT when set
 # (the device tool's folder that comes back), else into benchmarks/results, named with "gpu" and the step;
-# `fedpartial bench` rewrites its JSON after every cell, so a step cut off at its limit keeps what it measured.
-# Nothing is installed: the fedpartial tree is put on PYTHONPATH and the machine's own JAX is used.
-# `--dry-run` prints each step's command instead of running it (tests/benchmarks/test_gpu_plan.py checks
-# that every command is valid for the current CLI).  The step sizes are guesses: no GPU has run them yet.
+# `fedpartial bench` rewrites its JSON after each cell's warm-up and timing, so a step cut off at its limit
+# keeps what it measured.  Nothing is installed: the fedpartial tree is put on PYTHONPATH and the machine's
+# own JAX is used.  `--dry-run` prints each step's limit and command instead of running it
+# (tests/benchmarks/test_gpu_plan.py checks that every command is valid for the current CLI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,48 +17,73 @@ DIR=${OUT:-benchmarks/results}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 BENCH="$PY -m fedpartial bench --preset full --rounds 3"
 
-declare -A WHAT CMD
-STEPS=(check cnn1000 vgg9 models cohort10k seeds placement replicas tests)
+declare -A WHAT CMD LIMIT
+ESSENTIALS=(check cnn1000 vgg9 seeds cohort10k)
+STEPS=("${ESSENTIALS[@]}" fedldf models placement replicas tests)
 WHAT[check]="versions and devices seen by JAX (seconds)"
 CMD[check]="$PY -c 'import jax, flax, optax, fedpartial; print(jax.__version__, flax.__version__, optax.__version__, fedpartial.__version__, jax.devices())'"
-WHAT[cnn1000]="target: a 1,000-client CNN cohort at least 20x the plain loop (the loop runs 100 clients and is scaled)"
-CMD[cnn1000]="$BENCH --models cnn2c1f --cohorts 1000 --methods fedavg,fedldf --strategies auto,fused:100 --out $DIR/throughput-gpu-cnn1000.json"
-WHAT[vgg9]="target: VGG-9 at least 30% of the measured matmul FLOP/s; FedLDF's overhead"
-CMD[vgg9]="$BENCH --models vgg9 --cohorts 10,100 --methods fedavg,fedldf --strategies auto --out $DIR/throughput-gpu-vgg9.json"
+LIMIT[check]=60
+WHAT[cnn1000]="target: a 1,000-client CNN cohort (fused, fused:100) at least 20x the plain loop (the loop runs 100 clients and is scaled)"
+CMD[cnn1000]="$BENCH --models cnn2c1f --cohorts 1000 --methods fedavg --strategies fused,fused:100 --out $DIR/throughput-gpu-cnn1000.json"
+LIMIT[cnn1000]=150
+WHAT[vgg9]="target: VGG-9 at K = 100 at least 30% of the measured matmul FLOP/s"
+CMD[vgg9]="$BENCH --models vgg9 --cohorts 100 --methods fedavg --strategies fused --out $DIR/throughput-gpu-vgg9.json"
+LIMIT[vgg9]=110
+WHAT[seeds]="target: 4 seeds vmapped at least 0.8*4x faster than one after another (MLP on synthetic, CNN on digits)"
+CMD[seeds]="$PY -m benchmarks.seeds --repeats 1 --out $DIR/seeds-gpu.json"
+LIMIT[seeds]=110
+WHAT[cohort10k]="the largest cohort: MLP at K = 10,000, whole cohort and streamed in chunks of 1,000"
+CMD[cohort10k]="$BENCH --models mlp --cohorts 10000 --methods fedavg --strategies fused,stream:1000 --out $DIR/throughput-gpu-cohort10k.json"
+LIMIT[cohort10k]=100
+WHAT[fedldf]="FedLDF's round time over FedAvg's: VGG-9 and the CNN at K = 100"
+CMD[fedldf]="$BENCH --models vgg9,cnn2c1f --cohorts 100 --methods fedavg,fedldf --strategies fused --out $DIR/throughput-gpu-fedldf.json"
+LIMIT[fedldf]=300
 WHAT[models]="ratios to the plain loop for MLP, LeNet5, ResNet20 at K = 10 ... 1,000, FedAvg/FedLDF/FedSPU"
 CMD[models]="$BENCH --models mlp,lenet5,resnet20 --cohorts 10,100,1000 --methods fedavg,fedldf,fedspu --strategies auto,fused:100 --out $DIR/throughput-gpu-models.json"
-WHAT[cohort10k]="the largest cohort: MLP at K = 10,000, whole cohort and streamed in chunks of 1,000"
-CMD[cohort10k]="$BENCH --models mlp --cohorts 10000 --methods fedavg,fedldf --strategies auto,stream:1000 --out $DIR/throughput-gpu-cohort10k.json"
-WHAT[seeds]="the seeds speed-up: 4 seeds vmapped vs one after another (MLP on synthetic, CNN on digits)"
-CMD[seeds]="$PY -m benchmarks.seeds --out $DIR/seeds-gpu.json"
+LIMIT[models]=580
 WHAT[placement]="end-to-end rounds/s with data on the device vs packed on the host, per-round time split"
 CMD[placement]="$PY -m benchmarks.data_placement --out $DIR/data-placement-gpu.json"
+LIMIT[placement]=300
 WHAT[replicas]="the --seeds memory check: FedSPU, 4 seeds, device peak against the estimate per replica axis"
 CMD[replicas]="$PY -m benchmarks.replica_memory --out $DIR/replica-memory-gpu.json"
+LIMIT[replicas]=300
 WHAT[tests]="the default test suite on the GPU (4 workers sharing it, no preallocation; tests needing a package the machine lacks, e.g. mlxtend, fail), log next to the JSON"
 CMD[tests]="XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -q --durations=20 2>&1 | tee $DIR/tests-gpu.log"
+LIMIT[tests]=580
 
 dry=0
 if [[ ${1:-} == --dry-run ]]; then dry=1; shift; fi
 if [[ $# -eq 0 || $1 == list ]]; then
-  for s in "${STEPS[@]}"; do printf '%-10s %s\n' "$s" "${WHAT[$s]}"; done
+  for s in "${STEPS[@]}"; do printf '%-10s %4ss  %s\n' "$s" "${LIMIT[$s]}" "${WHAT[$s]}"; done
+  total=0; for s in "${ESSENTIALS[@]}"; do total=$(( total + LIMIT[$s] )); done
+  printf '%-10s %4ss  %s\n' essentials "$total" \
+    "the steps ${ESSENTIALS[*]}, in that order"
   exit 0
 fi
 [[ $1 == all ]] && set -- "${STEPS[@]}"
+[[ $1 == essentials ]] && set -- "${ESSENTIALS[@]}"
 for s in "$@"; do
   if [[ -z ${CMD[$s]+x} ]]; then
-    echo "gpu_plan.sh: step '$s' is unknown; choose from: ${STEPS[*]} (or list, all)." >&2
+    echo "gpu_plan.sh: step '$s' is unknown; choose from: ${STEPS[*]} (or list, essentials, all)." >&2
     exit 2
   fi
 done
 (( dry )) || mkdir -p "$DIR"
+failed=()
 for s in "$@"; do
   if (( dry )); then
-    printf '%s\t%s\n' "$s" "${CMD[$s]}"
+    printf '%s\t%s\t%s\n' "$s" "${LIMIT[$s]}" "${CMD[$s]}"
   else
-    echo "== $s: ${WHAT[$s]}"
+    echo "== $s (at most ${LIMIT[$s]} s): ${WHAT[$s]}"
     start=$(date +%s)
-    bash -o pipefail -c "${CMD[$s]}"
-    echo "== $s took $(( $(date +%s) - start )) s"
+    status=0
+    timeout --signal=TERM --kill-after=10 "${LIMIT[$s]}" bash -o pipefail -c "${CMD[$s]}" || status=$?
+    (( status == 124 )) && echo "== $s was cut off at its limit of ${LIMIT[$s]} s (its JSON keeps what it measured)"
+    (( status != 0 )) && failed+=("$s")
+    echo "== $s took $(( $(date +%s) - start )) s, exit status $status"
   fi
 done
+if (( ${#failed[@]} )); then
+  echo "gpu_plan.sh: these steps failed or were cut off: ${failed[*]}" >&2
+  exit 1
+fi

@@ -15,22 +15,48 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_plan.sh"
 
 
-def plan(*args, out=None) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", **({"OUT": str(out)} if out else {})}
+def plan(*args, out=None, python=None) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", **({"OUT": str(out)} if out else {}), **({"PYTHON": python} if python else {})}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60)
 
 
-def steps(out) -> dict[str, list[str]]:
-    done = plan("--dry-run", "all", out=out)
+ESSENTIALS = ["check", "cnn1000", "vgg9", "seeds", "cohort10k"]
+
+
+def steps(out, which="all") -> dict[str, list[str]]:
+    return {name: argv for name, (_, argv) in limited_steps(out, which).items()}
+
+
+def limited_steps(out, which="all") -> dict[str, tuple[int, list[str]]]:
+    done = plan("--dry-run", which, out=out)
     assert done.returncode == 0, done.stderr
-    return {name: shlex.split(command) for name, command in (line.split("\t") for line in done.stdout.splitlines())}
+    rows = (line.split("\t") for line in done.stdout.splitlines())
+    return {name: (int(limit), shlex.split(command)) for name, limit, command in rows}
 
 
-def test_list_names_every_step_with_its_purpose():
-    listed = [line.split(None, 1) for line in plan("list").stdout.splitlines()]
-    assert [name for name, _ in listed] == ["check", "cnn1000", "vgg9", "models", "cohort10k", "seeds", "placement",
-                                            "replicas", "tests"]
-    assert all(what.strip() for _, what in listed)
+def test_list_names_every_step_with_its_limit_and_purpose():
+    listed = [line.split(None, 2) for line in plan("list").stdout.splitlines()]
+    assert [name for name, _, _ in listed] == [*ESSENTIALS, "fedldf", "models", "placement", "replicas", "tests",
+                                               "essentials"]
+    assert all(what.strip() and limit.endswith("s") for _, limit, what in listed)
+
+
+def test_the_essentials_fit_one_call_of_a_lent_machine(tmp_path):
+    """The essentials: the most telling steps in order, each capped, together at most 9 minutes (a call may
+    run 10, and the lent machine gives 15 minutes of device time a task, its start included)."""
+    essentials = limited_steps(tmp_path, "essentials")
+    assert list(essentials) == ESSENTIALS
+    assert all(limit <= 600 for limit, _ in limited_steps(tmp_path).values())
+    assert sum(limit for limit, _ in essentials.values()) <= 9 * 60
+    listed = dict((line.split(None, 2)[0], line.split(None, 2)[1]) for line in plan("list").stdout.splitlines())
+    assert listed["essentials"] == f"{sum(limit for limit, _ in essentials.values())}s"
+
+
+def test_a_failing_step_does_not_stop_the_next_and_the_plan_says_which_failed(tmp_path):
+    done = plan("essentials", out=tmp_path, python="false")  # every step's python fails at once
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("== ") and " took " in line] \
+        == ESSENTIALS
+    assert done.returncode == 1 and f"failed or were cut off: {' '.join(ESSENTIALS)}" in done.stderr
 
 
 def test_an_unknown_step_is_one_sentence_and_runs_nothing(tmp_path):
@@ -42,16 +68,19 @@ def test_an_unknown_step_is_one_sentence_and_runs_nothing(tmp_path):
 def test_every_bench_step_parses_and_writes_into_out(tmp_path):
     commands = steps(tmp_path)
     bench_steps = [name for name, argv in commands.items() if argv[1:4] == ["-m", "fedpartial", "bench"]]
-    assert set(bench_steps) == {"cnn1000", "vgg9", "models", "cohort10k"}
+    assert set(bench_steps) == {"cnn1000", "vgg9", "cohort10k", "fedldf", "models"}
     for name in bench_steps:
         args = cli.build_parser().parse_args(commands[name][3:])
         settings = bench.settings_from_args(args)  # every model, method and strategy is known
         assert pathlib.Path(args.out).parent == tmp_path and "gpu" in args.out
         assert settings.rounds == 3
     targets = {name: bench.settings_from_args(cli.build_parser().parse_args(commands[name][3:]))
-               for name in ("cnn1000", "vgg9")}
+               for name in ("cnn1000", "vgg9", "cohort10k")}
     assert targets["cnn1000"].models == ("cnn2c1f",) and targets["cnn1000"].cohorts == (1000,)
-    assert targets["vgg9"].models == ("vgg9",)
+    assert set(targets["cnn1000"].strategies) == {"fused", "fused:100"}
+    assert targets["vgg9"].models == ("vgg9",) and targets["vgg9"].cohorts == (100,)
+    assert targets["cohort10k"].cohorts == (10000,) and set(targets["cohort10k"].strategies) == {"fused",
+                                                                                                "stream:1000"}
 
 
 @pytest.mark.parametrize("name", ["seeds", "placement", "replicas"])

@@ -1,5 +1,6 @@
 """Smoke test of ``fedpartial bench``: the smoke preset end to end, the JSON's fields, skips and flag errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -87,6 +88,29 @@ def test_a_cell_too_big_for_memory_is_skipped_with_its_estimate(monkeypatch):
     record = bench.run_cell("mlp", 4, bench.PRESETS["smoke"], {})
     assert record["estimated_bytes"] > 1000 and not record["runners"]
     assert record["skipped"].startswith("estimated ") and "available" in record["skipped"]
+
+
+def test_a_strategy_too_big_is_skipped_while_its_chunks_run_and_progress_is_reported(monkeypatch):
+    """The whole cohort at once does not fit but chunks of 2 do: the cell runs the chunks (and the plain
+    loop), records why the whole cohort was left out, skips the phase times (run on the whole cohort)
+    yet counts the round's FLOPs; the record so far is handed out after the warm-ups and the timing."""
+    settings = dataclasses.replace(bench.PRESETS["smoke"], methods=("fedavg",), strategies=("fused", "fused:2"))
+    monkeypatch.setattr(bench, "available_bytes", lambda: 1000)
+    sizes = bench.run_cell("mlp", 4, settings, {})  # nothing fits: only the estimates
+    whole, n = sizes["estimated_bytes"], sizes["num_params"]
+    chunked = whole - 4 * n * 3 * (4 - 2)  # estimate_bytes: 3 copies per client trained at once
+    monkeypatch.setattr(bench, "available_bytes", lambda: int((whole + chunked) / 2 / bench.MEMORY_SHARE))
+    seen = []
+    record = bench.run_cell("mlp", 4, settings, {}, progress=seen.append)
+    runners = {e["strategy"]: e for e in record["runners"]}
+    assert runners["fused"]["skipped"].startswith("estimated ") and "available" in runners["fused"]["skipped"]
+    assert runners["fused:2"]["rounds_per_s"] > 0 and runners["fused:2"]["correct"]
+    assert runners["plain_loop"]["rounds_per_s"] > 0
+    phases = record["phases"]["fedavg"]
+    assert "whole cohort" in phases["skipped"] and phases["round_flops"] > 0 and "local_training_s" not in phases
+    assert runners["fused:2"]["achieved_flops_per_s"] > 0
+    assert [s["partial"] for s in seen] == ["warm-up done", "timed rounds done"]
+    assert "warmup_s" in seen[0]["runners"][1] and "round_s" in seen[1]["runners"][1]
 
 
 def test_preset_skips_match_model_cohort_and_strategy():

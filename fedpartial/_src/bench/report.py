@@ -78,7 +78,7 @@ def table(record: dict) -> str:
     for method, phases in record["phases"].items():
         parts = [f"{name[:-2]} {phases[name] * 1e3:.1f} ms" for name in
                  ("local_training_s", "selection_s", "aggregation_s", "evaluation_s") if name in phases]
-        lines.append(f"phases {method}: " + (", ".join(parts) or phases.get("error", "")))
+        lines.append(f"phases {method}: " + (", ".join(parts) or phases.get("error") or phases.get("skipped", "")))
     return "\n".join(lines)
 
 

@@ -294,6 +294,16 @@ def measure_phases(rnd: FederatedRound, state: ServerState, cohort: Cohort, key:
     }
 
 
+def _trace_count(runner: "Runner") -> int | None:
+    """The runner's round's traces so far (None: the plain loop, or a JAX whose trace cache cannot be read)."""
+    if runner.round is None:
+        return None
+    try:
+        return runner.round.trace_count
+    except Exception:  # noqa: BLE001 - a private JAX API changed: the check is left out, not the run
+        return None
+
+
 class Runner:
     """One thing timed in a cell: ``step()`` runs one round on its own state."""
 
@@ -325,8 +335,11 @@ def _engine_runner(model, method_name: str, strategy_text: str, cohort, k: int, 
     return runner
 
 
-def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> dict:
-    """Every method and strategy of one model and cohort size, next to the plain loop."""
+def run_cell(model_name: str, k: int, settings: Settings, test_data: dict,
+             progress: Callable[[dict], None] | None = None) -> dict:
+    """Every method and strategy of one model and cohort size, next to the plain loop.  ``progress`` is
+    called with the record so far after the warm-ups and after the timed rounds (the suite rewrites its
+    JSON then, so a run cut off inside a long cell keeps what it measured)."""
     shape = settings.input_shape(model_name)
     module = registry.build_model(model_name, NUM_CLASSES, shape)
     model = from_linen(module, input_shape=shape, num_classes=NUM_CLASSES,
@@ -337,16 +350,27 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
               "input_shape": list(shape), "runners": [], "phases": {}}
     s, b = settings.local_steps, settings.batch_size
     packed_bytes = k * s * b * (int(np.prod(shape)) * 4 + 4 + 1) + k * s
-    chunks = [parse_strategy(t, model=model).chunk_size for t in settings.strategies]
-    estimate = estimate_bytes(num_params, k, packed_bytes, None if None in chunks else max(chunks))
-    record["estimated_bytes"] = estimate
+    def estimate(text: str | None) -> int:  # a strategy's memory (None: the whole cohort at once)
+        chunk = None if text is None else parse_strategy(text, model=model).chunk_size
+        return estimate_bytes(num_params, k, packed_bytes, chunk)
+
+    available = available_bytes()
+
+    def too_big(text: str | None) -> str | None:  # why a strategy does not fit, or None
+        need = estimate(text)
+        if available is None or need <= MEMORY_SHARE * available:
+            return None
+        return (f"estimated {need / 2**30:.1f} GiB exceeds {MEMORY_SHARE:.0%} of the "
+                f"{available / 2**30:.1f} GiB available")
+
+    # the cell's estimate: its largest strategy; the cell runs when at least its smallest fits
+    record["estimated_bytes"] = max(estimate(t) for t in settings.strategies)
     if skipped_by(settings, model_name, k):
         record["skipped"] = "left out by the preset (too slow for it on this platform)"
         return record
-    available = available_bytes()
-    if available is not None and estimate > MEMORY_SHARE * available:
-        record["skipped"] = (f"estimated {estimate / 2**30:.1f} GiB exceeds {MEMORY_SHARE:.0%} of the "
-                             f"{available / 2**30:.1f} GiB available")
+    smallest = min(settings.strategies, key=estimate)
+    if too_big(smallest):
+        record["skipped"] = too_big(smallest)
         return record
     packed = make_data(k, batch_size=b, local_steps=s, input_shape=shape, seed=SEED)
     cohort = cohort_from_packed(packed, np.arange(k))
@@ -369,6 +393,9 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
         resolved = {}
         for text in settings.strategies:
             if skipped_by(settings, model_name, k, text):
+                continue
+            if too_big(text):  # e.g. the whole cohort at once, where its chunks fit
+                not_run.append({"method": method_name, "strategy": text, "skipped": too_big(text)})
                 continue
             try:
                 runner = _engine_runner(model, method_name, text, cohort, k, settings, key)
@@ -408,21 +435,26 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
             reference[runner.method] = params
             runner.entry["reference"] = True
         log(f"  {runner.name:<28} warm-up {warmup:.2f}s")
+    if progress is not None:
+        progress({**record, "runners": [r.entry for r in runners] + not_run, "partial": "warm-up done"})
 
     # timed rounds, runners taking turns
     live = [r for r in runners if "error" not in r.entry]
-    traces = [r.round and r.round.trace_count for r in live]
+    traces = [_trace_count(r) for r in live]
     for _ in range(settings.rounds):
         for runner in live:
             runner.times.append(timed(runner.step)[1])
     for runner, before in zip(live, traces):
-        if runner.round is not None:
-            runner.entry["retraced_while_timing"] = runner.round.trace_count != before
+        if runner.round is not None and before is not None:
+            runner.entry["retraced_while_timing"] = _trace_count(runner) != before
         seconds = float(np.median(runner.times)) * k / runner.num_clients  # median: robust to a busy moment
         runner.entry.update(round_times_s=runner.times, round_s=seconds, rounds_per_s=1.0 / seconds,
                             client_steps_per_s=k * s / seconds)
 
-    # phases and FLOPs, per method (on a fused round's inputs)
+    if progress is not None:
+        progress({**record, "runners": [r.entry for r in runners] + not_run, "partial": "timed rounds done"})
+
+    # phases and FLOPs, per method (on a fused round's inputs: only where the whole cohort fits)
     for method_name in dict.fromkeys(r.method for r in runners[1:]):
         rnd = FederatedRound(model, get_method(method_name), num_clients=k, cohort_size=k,
                              client_optimizer=client_optimizer(settings.lr, settings.momentum),
@@ -430,7 +462,10 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict) -> di
         state, phase_key = rnd.init(key), jax.random.key(SEED + 2)
         phases = {}
         try:
-            phases = measure_phases(rnd, state, cohort, phase_key, test_data[shape], repeats=1)
+            if too_big(None):  # the phases are timed on the whole cohort at once; XLA's count needs no run
+                phases["skipped"] = f"phase times: the whole cohort at once, {too_big(None)}"
+            else:
+                phases = measure_phases(rnd, state, cohort, phase_key, test_data[shape], repeats=1)
             phases["round_flops"] = flops.xla_costs(rnd.pure_round, state, cohort, phase_key,
                                                     compiled=False).flops
         except Exception as e:  # noqa: BLE001
@@ -521,7 +556,13 @@ def run(settings: Settings, out: str | None = None, preset: str = "custom") -> t
     for model_name in settings.models:
         for k in settings.cohorts:
             log(f"{model_name} K={k}")
-            results.append(run_cell(model_name, k, settings, test_data))
+            results.append({})
+
+            def progress(partial: dict) -> None:
+                results[-1] = partial
+                write_json(out, report(False))
+
+            results[-1] = run_cell(model_name, k, settings, test_data, progress)
             print(table(results[-1]) + "\n", flush=True)
             write_json(out, report(False))
     final = report(True)
