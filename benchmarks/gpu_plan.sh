@@ -19,7 +19,7 @@ BENCH="$PY -m fedpartial bench --preset full --rounds 3"
 
 declare -A WHAT CMD LIMIT
 ESSENTIALS=(check cnn1000 vgg9 seeds cohort10k)
-STEPS=("${ESSENTIALS[@]}" fedldf models placement replicas tests)
+STEPS=("${ESSENTIALS[@]}" probe seeds100 fedldf models placement replicas tests)
 WHAT[check]="versions and devices seen by JAX (seconds)"
 CMD[check]="$PY -c 'import jax, flax, optax, fedpartial; print(jax.__version__, flax.__version__, optax.__version__, fedpartial.__version__, jax.devices())'"
 LIMIT[check]=60
@@ -35,6 +35,13 @@ LIMIT[seeds]=110
 WHAT[cohort10k]="the largest cohort: MLP at K = 10,000, whole cohort and streamed in chunks of 1,000"
 CMD[cohort10k]="$BENCH --models mlp --cohorts 10000 --methods fedavg --strategies fused,stream:1000 --out $DIR/throughput-gpu-cohort10k.json"
 LIMIT[cohort10k]=100
+WHAT[probe]="where a cohort's conv step goes: one step of K clients plain, vmapped (grouped convs), lax.map, shared weights"
+CMD[probe]="$PY -m benchmarks.conv_probe --models cnn2c1f --cohorts 100,1000 --out $DIR/conv-probe-gpu-cnn.json \
+&& $PY -m benchmarks.conv_probe --models vgg9 --cohorts 100 --out $DIR/conv-probe-gpu-vgg9.json"
+LIMIT[probe]=150
+WHAT[seeds100]="the seeds speed-up where the cohort is larger: 4 seeds, N = 100, K = 50"
+CMD[seeds100]="$PY -m benchmarks.seeds --clients 100 --cohort 50 --repeats 1 --out $DIR/seeds-gpu-k50.json"
+LIMIT[seeds100]=150
 WHAT[fedldf]="FedLDF's round time over FedAvg's: VGG-9 and the CNN at K = 100"
 CMD[fedldf]="$BENCH --models vgg9,cnn2c1f --cohorts 100 --methods fedavg,fedldf --strategies fused --out $DIR/throughput-gpu-fedldf.json"
 LIMIT[fedldf]=300

@@ -4,6 +4,7 @@ Usage::
 
     python -m benchmarks.seeds [--quick] [--out PATH] [--models mlp,cnn2c1f] [--seeds 0,1,2,3]
         [--lrs 0.01,0.1] [--server-lrs 0.3,1.0 --server-opt adam] [--rounds R] [--repeats N]
+        [--clients N] [--cohort K]
 
 With ``--lrs`` the replicas are every client learning rate with every seed (``fedpartial run --seeds
 ... --lrs ...``) and the sequential variants run each (seed, rate) in turn; ``--server-lrs`` likewise
@@ -136,6 +137,8 @@ def parse_args(argv):
     p.add_argument("--server-opt", default="sgd", choices=SERVER_OPTIMIZERS,
                    help="server optimizer (default sgd)")
     p.add_argument("--rounds", type=int)
+    p.add_argument("--clients", type=int, help="population N (default 20)")
+    p.add_argument("--cohort", type=int, help="clients per round K (default 10)")
     p.add_argument("--repeats", type=int)
     return p.parse_args(argv)
 
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
     if args.server_lrs:
         cfg["server_lrs"] = tuple(replicas.parse_lrs(args.server_lrs, "--server-lrs"))
     cfg["server_opt"] = args.server_opt
-    for name in ("rounds", "repeats"):
+    for name in ("rounds", "repeats", "clients", "cohort"):
         if getattr(args, name):
             cfg[name] = getattr(args, name)
     device = device_info()

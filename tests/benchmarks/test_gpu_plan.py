@@ -36,7 +36,7 @@ def limited_steps(out, which="all") -> dict[str, tuple[int, list[str]]]:
 
 def test_list_names_every_step_with_its_limit_and_purpose():
     listed = [line.split(None, 2) for line in plan("list").stdout.splitlines()]
-    assert [name for name, _, _ in listed] == [*ESSENTIALS, "fedldf", "models", "placement", "replicas", "tests",
+    assert [name for name, _, _ in listed] == [*ESSENTIALS, "probe", "seeds100", "fedldf", "models", "placement", "replicas", "tests",
                                                "essentials"]
     assert all(what.strip() and limit.endswith("s") for _, limit, what in listed)
 
@@ -83,7 +83,7 @@ def test_every_bench_step_parses_and_writes_into_out(tmp_path):
                                                                                                 "stream:1000"}
 
 
-@pytest.mark.parametrize("name", ["seeds", "placement", "replicas"])
+@pytest.mark.parametrize("name", ["seeds", "probe", "seeds100", "placement", "replicas"])
 def test_every_benchmark_module_step_names_flags_its_module_takes(tmp_path, name):
     argv = steps(tmp_path)[name]
     module = argv[argv.index("-m") + 1]
