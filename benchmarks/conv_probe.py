@@ -109,7 +109,8 @@ def main(argv=None) -> int:
                 side = args.input_size
                 shape = (side, side, INPUT_SHAPES.get(model_name, DEFAULT_INPUT)[-1])
             results.append(probe(model_name, k, args.batch_size, args.repeats, peak, shape))
-            write_json(out, {"benchmark": "conv_probe", "device": device, "config": vars(args), "results": results})
+            write_json(out, {"benchmark": "conv_probe", "device": device, "config": vars(args),
+                             "argv": list(sys.argv[1:] if argv is None else argv), "results": results})
     log(f"wrote {out}")
     return 0
 

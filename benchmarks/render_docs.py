@@ -37,6 +37,7 @@ SCRIPTS = {
     "fedldf": "python -m benchmarks.fedldf", "fedspu": "python -m benchmarks.fedspu",
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
+    "conv_probe": "python -m benchmarks.conv_probe",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
@@ -252,6 +253,56 @@ def throughput(results) -> list[str]:
                   f"rounds; matmul reference {num(matmul and matmul / 1e9, 0)} GFLOP/s.", ""]
         lines += table(["model", "K", "method", "strategy", "s/round", "vs plain loop", "round / FedAvg's",
                         "GFLOP/s", "peak memory"], rows)
+    return lines
+
+
+def gpu_scale(results) -> list[str]:
+    """The GPU throughput files in one table: per runner rounds/s, its ratio to the plain loop of the same run,
+    the full model's training FLOP/s against the run's matmul, and the peak memory against the estimate."""
+    rows, names = [], []
+    for name, d in family(results, "throughput").items():
+        if d["device"].get("platform") != "gpu":
+            continue
+        names.append(f"`{name}`")
+        matmul = d["device"].get("matmul_flops_per_s")
+        for cell in d["results"]:
+            for r in cell.get("runners", []):
+                where = [cell["model"], f"{cell['cohort_size']:,}", r["strategy"]]
+                if r.get("skipped") or r.get("error"):
+                    rows.append(where + [f"not run: {r.get('skipped') or r.get('error')}"] + ["—"] * 4)
+                    continue
+                work = r.get("full_model_flops_per_s")
+                rows.append(where + [num(r.get("rounds_per_s"), 3), num(r.get("ratio_to_plain"), 2, "×"),
+                                     "—" if work is None else f"{work / 1e12:.1f}",
+                                     "—" if work is None or not matmul else f"{work / matmul:.1%}",
+                                     f"{gib(r.get('peak_memory_bytes'))} / {gib(cell.get('estimated_bytes'))}"])
+    if not rows:
+        return []
+    first = next(d for d in family(results, "throughput").values() if d["device"].get("platform") == "gpu")
+    cfg = first["config"]
+    return [f"*Sources:* {', '.join(names)} · device: {first['device']['device_kind']}, jax "
+            f"{first['device']['jax_version']} · command: `bash benchmarks/gpu_plan.sh essentials`", "",
+            f"FedAvg, {cfg['local_steps']} local steps of {cfg['batch_size']} random examples, every client in the "
+            f"cohort; the plain loop runs {cfg['plain_clients']} clients and is scaled to K. TFLOP/s: the full model's "
+            "training kernels (analytic; XLA's GPU count misses cuDNN convolutions); % of the float32 matmul at "
+            "default precision (TF32) timed in the same run. Peak memory against the suite's estimate (which "
+            "leaves out activations).", ""] + table(
+        ["model", "K", "strategy", "rounds/s", "vs plain loop", "TFLOP/s", "of matmul", "peak / estimate"], rows)
+
+
+def conv_probe(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "conv_probe").items():
+        rows = []
+        for r in d["results"]:
+            grouped = r.get("vmapped_grouped_convolutions", {})
+            for variant, v in r["variants"].items():
+                rows.append([r["model"], f"{r['cohort_size']:,}", variant, num(v["seconds"] * 1e3, 1),
+                             f"{v['flops_per_s'] / 1e12:.2f}", f"{v['share_of_matmul']:.1%}",
+                             num(v.get("speedup_over_plain"), 1, "×"),
+                             str(sum(grouped.values())) if variant == "vmapped" else ""])
+        lines += [source(name, d), ""] + table(["model", "K", "one step of the cohort", "ms", "TFLOP/s", "of matmul",
+                                                "vs plain", "grouped convs"], rows)
     return lines
 
 
@@ -555,6 +606,11 @@ SECTIONS = (
     ("Throughput suite", "Every method and strategy next to the plain loop, in one process, taking turns round by "
      "round (medians). Memory is the GPU's peak in use or the CPU process's max RSS so far. `fedpartial bench`.",
      throughput),
+    ("GPU scale", "The GPU plan's essentials: the 1,000-client CNN, VGG-9, the 10,000-client MLP.", gpu_scale),
+    ("Where a conv step goes", "One local step of the whole cohort four ways: the plain loop's step K times, "
+     "vmapped over the clients' own weights (the fused round's step: XLA makes its convs grouped), in "
+     "`lax.map`, and one model's step on all K·B examples (the same FLOPs as ordinary convs). "
+     "`python -m benchmarks.conv_probe`.", conv_probe),
     ("Seeds and learning rates as replicas", "`--seeds` / `--lrs` / `--server-lrs` replicas in one jitted round "
      "against the same runs one after another. `python -m benchmarks.seeds`.", seeds),
     ("Data placement", "Host packing against gathering on the device, medians per round. "
@@ -617,6 +673,7 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
     gpu = {n: d for n, d in family(results, "strategies").items() if "-gpu-" in n}
     headline = strategies(gpu) if gpu else ["No GPU measurement of the strategies yet."]
     return {"readme-headline": "\n".join(headline).rstrip(),
+            "readme-gpu-scale": "\n".join(gpu_scale(results)).rstrip() or "No GPU measurement of large cohorts yet.",
             "fedldf": "\n".join(fedldf(results)).rstrip(),
             "fedspu": "\n".join(fedspu(results)).rstrip(),
             "embracingfl": "\n".join(embracingfl(results)).rstrip(),

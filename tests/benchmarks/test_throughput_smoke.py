@@ -50,6 +50,8 @@ def test_every_runner_is_measured_next_to_the_plain_loop(report):
         assert e["rounds_per_s"] > 0 and e["warmup_s"] > 0, where
         assert e["client_steps_per_s"] == pytest.approx(k * steps * e["rounds_per_s"]), where
         assert e["ratio_to_plain"] > 0 and e["peak_memory_bytes"] > 0, where
+        work = record["phases"]["fedavg"]["full_model_training_flops"]
+        assert e["full_model_flops_per_s"] == pytest.approx(work * e["rounds_per_s"]), where
         if strategy == "plain_loop":
             continue
         assert not e["retraced_while_timing"], where
@@ -79,8 +81,24 @@ def test_phases_and_flops_per_method(report):
         for name in ("local_training_s", "selection_s", "aggregation_s", "evaluation_s"):
             assert phases[name] > 0, (method, name)
         assert phases["round_flops"] > 0 and phases["evaluation_examples"] == bench.PRESETS["smoke"].eval_examples
+        settings = bench.PRESETS["smoke"]  # K clients x S steps x B examples x the model's kernel FLOPs
+        assert phases["full_model_training_flops"] == pytest.approx(
+            record["cohort_size"] * settings.local_steps * settings.batch_size * bench_model_flops(record))
     # FedLDF does FedAvg's work and more: its divergences and top-n are counted too
     assert record["phases"]["fedldf"]["round_flops"] > record["phases"]["fedavg"]["round_flops"]
+
+
+def bench_model_flops(record) -> float:
+    """One example's training step of the record's model, kernels only: 2 (first layer) or 3 forward FLOPs
+    per layer, from the layer costs."""
+    from fedpartial._src.costs import flops
+    from fedpartial._src.models import registry
+    from fedpartial._src.models.adapter import from_linen
+    shape = tuple(record["input_shape"])
+    model = from_linen(registry.build_model(record["model"], bench.NUM_CLASSES, shape), input_shape=shape,
+                       num_classes=bench.NUM_CLASSES, name=record["model"])
+    forward = flops.layer_forward_flops(model)
+    return float(2 * forward[0] + 3 * forward[1:].sum())
 
 
 def test_a_cell_too_big_for_memory_is_skipped_with_its_estimate(monkeypatch):

@@ -16,7 +16,8 @@ from fedpartial._src.bench.kit import slug
 def derive(record: dict) -> dict:
     """Adds the figures computed from a cell's measurements (in place; returns the record).
 
-    Per runner: ``ratio_to_plain``, ``achieved_flops_per_s`` and, for a method other than FedAvg,
+    Per runner: ``ratio_to_plain``, ``achieved_flops_per_s`` (XLA's count), ``full_model_flops_per_s``
+    (the analytic full-model training count, FedAvg's work: on a GPU XLA counts no cuDNN conv) and, for a method other than FedAvg,
     ``round_time_over_fedavg`` (its round time over FedAvg's with the same resolved strategy, both
     measured in turns) and ``phase_overhead_over_fedavg``: ``1 + (Δ selection + Δ aggregation) /
     FedAvg's round time``, where Δ is the method's phase time minus FedAvg's (the separately jitted
@@ -33,6 +34,10 @@ def derive(record: dict) -> dict:
         flops = phases.get(e["method"], {}).get("round_flops")
         if flops and e.get("rounds_per_s") and e["strategy"] != "plain_loop":
             e["achieved_flops_per_s"] = flops * e["rounds_per_s"]
+        work = next((p["full_model_training_flops"] for p in phases.values() if "full_model_training_flops" in p),
+                    None)
+        if work and e.get("rounds_per_s"):
+            e["full_model_flops_per_s"] = work * e["rounds_per_s"]
         base = fedavg.get(e.get("resolved_strategy"))
         if e["method"] == "fedavg" or not base or not e.get("round_s"):
             continue

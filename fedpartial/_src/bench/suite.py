@@ -23,7 +23,9 @@ slow there), selection (the method's
 the server optimizer), evaluation (the global model on ``eval_examples`` test examples).
 ``round_flops`` is XLA's count for the whole fused round; ``achieved_flops_per_s`` is
 that times rounds/s, next to ``device.matmul_flops_per_s``, a large float32 matmul
-timed in the same run.
+timed in the same run.  On a GPU XLA counts no cuDNN convolution, so every runner (the plain loop
+too) also gets ``full_model_flops_per_s``: the analytic kernel FLOPs of K clients training the full
+model S steps (``full_model_training_flops``, FedAvg's work) times rounds/s.
 
 A preset may leave out cells or strategies too slow for it (``Settings.skip``, recorded
 as skipped).  Memory: before a cell is built its size is estimated (:func:`estimate_bytes`) and a
@@ -470,6 +472,9 @@ def run_cell(model_name: str, k: int, settings: Settings, test_data: dict,
                                                     compiled=False).flops
         except Exception as e:  # noqa: BLE001
             phases["error"] = f"{type(e).__name__}: {e}"
+        # XLA's count on a GPU misses cuDNN convolutions and a loop's repeats: the analytic kernel count of the
+        # full model's training is the work a FedAvg round does however it runs
+        phases["full_model_training_flops"] = flops.training_flops(model, batch_size=b) * k * s
         record["phases"][method_name] = phases
 
     record["runners"] = [r.entry for r in runners] + not_run
