@@ -17,28 +17,30 @@ DIR=${OUT:-benchmarks/results}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 BENCH="$PY -m fedpartial bench --preset full --rounds 3"
 
+# Limits: about 1.5x each step's time on the first H100 run (2026-11-27: check 5 s, cnn1000 67 s, vgg9 93 s,
+# seeds 93 s, cohort10k 71 s, seeds100 99 s; probe was cut off at 150 s inside its last case).
 declare -A WHAT CMD LIMIT
 ESSENTIALS=(check cnn1000 vgg9 seeds cohort10k)
 STEPS=("${ESSENTIALS[@]}" probe seeds100 fedldf models placement replicas tests)
 WHAT[check]="versions and devices seen by JAX (seconds)"
 CMD[check]="$PY -c 'import jax, flax, optax, fedpartial; print(jax.__version__, flax.__version__, optax.__version__, fedpartial.__version__, jax.devices())'"
-LIMIT[check]=60
+LIMIT[check]=30
 WHAT[cnn1000]="target: a 1,000-client CNN cohort (fused, fused:100) at least 20x the plain loop (the loop runs 100 clients and is scaled)"
 CMD[cnn1000]="$BENCH --models cnn2c1f --cohorts 1000 --methods fedavg --strategies fused,fused:100 --out $DIR/throughput-gpu-cnn1000.json"
-LIMIT[cnn1000]=150
+LIMIT[cnn1000]=110
 WHAT[vgg9]="target: VGG-9 at K = 100 at least 30% of the measured matmul FLOP/s"
 CMD[vgg9]="$BENCH --models vgg9 --cohorts 100 --methods fedavg --strategies fused --out $DIR/throughput-gpu-vgg9.json"
-LIMIT[vgg9]=110
+LIMIT[vgg9]=140
 WHAT[seeds]="target: 4 seeds vmapped at least 0.8*4x faster than one after another (MLP on synthetic, CNN on digits)"
 CMD[seeds]="$PY -m benchmarks.seeds --repeats 1 --out $DIR/seeds-gpu.json"
-LIMIT[seeds]=110
+LIMIT[seeds]=140
 WHAT[cohort10k]="the largest cohort: MLP at K = 10,000, whole cohort and streamed in chunks of 1,000"
 CMD[cohort10k]="$BENCH --models mlp --cohorts 10000 --methods fedavg --strategies fused,stream:1000 --out $DIR/throughput-gpu-cohort10k.json"
-LIMIT[cohort10k]=100
+LIMIT[cohort10k]=110
 WHAT[probe]="where a cohort's conv step goes: one step of K clients plain, vmapped (grouped convs), lax.map, shared weights"
 CMD[probe]="$PY -m benchmarks.conv_probe --models cnn2c1f --cohorts 100,1000 --out $DIR/conv-probe-gpu-cnn.json \
 && $PY -m benchmarks.conv_probe --models vgg9 --cohorts 100 --out $DIR/conv-probe-gpu-vgg9.json"
-LIMIT[probe]=150
+LIMIT[probe]=220
 WHAT[seeds100]="the seeds speed-up where the cohort is larger: 4 seeds, N = 100, K = 50"
 CMD[seeds100]="$PY -m benchmarks.seeds --clients 100 --cohort 50 --repeats 1 --out $DIR/seeds-gpu-k50.json"
 LIMIT[seeds100]=150
