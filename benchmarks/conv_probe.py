@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     device = device_info()
     device.update(matmul_flops_per_s(device["platform"]))
     peak = device["matmul_flops_per_s"]
-    out = args.out or os.path.join("benchmarks", "results", f"conv-probe-{slug(device['backend'] + '-' + device['device_kind'])}-"
-                                                            f"{datetime.date.today():%Y%m%d}.json")
+    name = slug(device["backend"] + "-" + device["device_kind"])
+    out = args.out or os.path.join("benchmarks", "results", f"conv-probe-{name}-{datetime.date.today():%Y%m%d}.json")
     results = []
     for model_name in name_list(args.models):
         for k in int_list(args.cohorts):

@@ -17,7 +17,8 @@ def derive(record: dict) -> dict:
     """Adds the figures computed from a cell's measurements (in place; returns the record).
 
     Per runner: ``ratio_to_plain``, ``achieved_flops_per_s`` (XLA's count), ``full_model_flops_per_s``
-    (the analytic full-model training count, FedAvg's work: on a GPU XLA counts no cuDNN conv) and, for a method other than FedAvg,
+    (the analytic full-model training count, FedAvg's work: on a GPU XLA counts no cuDNN conv) and, for a
+    method other than FedAvg,
     ``round_time_over_fedavg`` (its round time over FedAvg's with the same resolved strategy, both
     measured in turns) and ``phase_overhead_over_fedavg``: ``1 + (Δ selection + Δ aggregation) /
     FedAvg's round time``, where Δ is the method's phase time minus FedAvg's (the separately jitted
