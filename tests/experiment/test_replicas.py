@@ -204,6 +204,13 @@ def test_the_replica_round_is_traced_once(fedldf):
     assert fedldf["summary"]["replica_axis"] == replicas.parse_replica_axis("auto", jax.devices()[0].platform)[0]
 
 
+def test_the_device_model_counts_the_step_once_for_every_replica(fedldf):
+    """The replicas' rounds are built alike, so the device model's step FLOPs are compiled and counted once (the
+    first replica's) and read by the others, whose simulated times still equal their separate runs (above)."""
+    sims = fedldf["simulations"]
+    assert [sim.costs.compilations for sim in sims] == [1, 0]  # [1, 1] when each replica counted its own
+
+
 @pytest.mark.parametrize("axis", ["vmap", "map", "map:2"])
 def test_every_replica_axis_gives_each_replica_its_own_result(axis):
     """3 replicas of a small pure function of a state (``map:2``: a batch of 2, then the remainder) equal a

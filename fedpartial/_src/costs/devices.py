@@ -265,6 +265,12 @@ class CostModel:
         return treedef, tuple((np.shape(a), np.dtype(a.dtype).str if not jax.dtypes.issubdtype(
             a.dtype, jax.dtypes.extended) else str(a.dtype)) for a in leaves)
 
+    def share_counts(self, other: "CostModel") -> None:
+        """Read (and add to) ``other``'s counts from now on: for rounds built alike (the replicas of one
+        run: seeds and rates differ, the model, method and shapes do not), so the step is compiled and
+        counted once for all of them instead of once each."""
+        self._cache = other._cache
+
     def group_costs(self, cohort, state=None) -> tuple[GroupCost, ...]:
         """:func:`step_costs` for this cohort's shapes, compiled on the first call per shape."""
         sig = self._signature(cohort)

@@ -377,6 +377,8 @@ class Replicas:
                 raise ConfigError(f"--seeds: seed {seed}'s server state differs in shape from seed {self.seeds[0]}'s "
                                   f"(e.g. a data-dependent model or method state), so they cannot run as one "
                                   f"simulation; run the seeds separately (fedpartial compare).")
+        for sim in self.sims[1:]:  # the same model, method and shapes: the device model's counts are shared
+            sim.costs.share_counts(first.costs)
         round_fn = first.round.functions.round
         impl = jax.random.key_impl(first.rounds_key)
 
