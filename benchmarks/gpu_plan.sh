@@ -28,8 +28,8 @@ LIMIT[check]=30
 WHAT[cnn1000]="target: a 1,000-client CNN cohort (fused, fused:100) at least 20x the plain loop (the loop runs 100 clients and is scaled)"
 CMD[cnn1000]="$BENCH --models cnn2c1f --cohorts 1000 --methods fedavg --strategies fused,fused:100 --out $DIR/throughput-gpu-cnn1000.json"
 LIMIT[cnn1000]=110
-WHAT[vgg9]="target: VGG-9 at K = 100 at least 30% of the measured matmul FLOP/s"
-CMD[vgg9]="$BENCH --models vgg9 --cohorts 100 --methods fedavg --strategies fused --out $DIR/throughput-gpu-vgg9.json"
+WHAT[vgg9]="target: VGG-9 at K = 100 at least 30% of the measured matmul FLOP/s (lr 0.01: at 0.05 it diverges on random data, and the check against the plain loop means nothing)"
+CMD[vgg9]="$BENCH --models vgg9 --cohorts 100 --methods fedavg --strategies fused --lr 0.01 --out $DIR/throughput-gpu-vgg9.json"
 LIMIT[vgg9]=140
 WHAT[seeds]="target: 4 seeds vmapped at least 0.8*4x faster than one after another (MLP on synthetic, CNN on digits)"
 CMD[seeds]="$PY -m benchmarks.seeds --repeats 1 --out $DIR/seeds-gpu.json"
@@ -45,7 +45,7 @@ WHAT[seeds100]="the seeds speed-up where the cohort is larger: 4 seeds, N = 100,
 CMD[seeds100]="$PY -m benchmarks.seeds --clients 100 --cohort 50 --repeats 1 --out $DIR/seeds-gpu-k50.json"
 LIMIT[seeds100]=150
 WHAT[fedldf]="FedLDF's round time over FedAvg's: VGG-9 and the CNN at K = 100"
-CMD[fedldf]="$BENCH --models vgg9,cnn2c1f --cohorts 100 --methods fedavg,fedldf --strategies fused --out $DIR/throughput-gpu-fedldf.json"
+CMD[fedldf]="$BENCH --models vgg9,cnn2c1f --cohorts 100 --methods fedavg,fedldf --strategies fused --lr 0.01 --out $DIR/throughput-gpu-fedldf.json"
 LIMIT[fedldf]=300
 WHAT[models]="ratios to the plain loop for MLP, LeNet5, ResNet20 at K = 10 ... 1,000, FedAvg/FedLDF/FedSPU"
 CMD[models]="$BENCH --models mlp,lenet5,resnet20 --cohorts 10,100,1000 --methods fedavg,fedldf,fedspu --strategies auto,fused:100 --out $DIR/throughput-gpu-models.json"

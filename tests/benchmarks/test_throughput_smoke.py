@@ -146,11 +146,20 @@ def test_preset_skips_match_model_cohort_and_strategy():
     (["--cohorts", "4,x"], "--cohorts"),
     (["--rounds", "0"], "--rounds"),
     (["--preset", "huge"], "--preset"),
+    (["--lr", "0"], "--lr"),
+    (["--momentum", "1"], "--momentum"),
 ])
 def test_bad_flags_are_one_sentence_naming_the_flag(flags, flag, capsys):
     assert cli.main(["bench", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fedpartial: error: ") and flag in err and len(err.splitlines()) == 1
+
+
+def test_the_learning_rate_and_momentum_flags_reach_the_settings():
+    args = cli.build_parser().parse_args(["bench", "--lr", "0.01", "--momentum", "0.5"])
+    settings = bench.settings_from_args(args)
+    assert (settings.lr, settings.momentum) == (0.01, 0.5)
+    assert bench.settings_from_args(cli.build_parser().parse_args(["bench"])).lr == bench.PRESETS["quick"].lr
 
 
 def test_an_existing_out_is_refused_and_left_alone(tmp_path, capsys):

@@ -192,6 +192,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             if value < 1:
                 raise UserError(f"--{field.replace('_', '-')} {value} must be a positive whole number.")
             changes[field] = value
+    lr, momentum = getattr(args, "lr", None), getattr(args, "momentum", None)
+    if lr is not None:
+        if not lr > 0:
+            raise UserError(f"--lr {lr} must be a positive learning rate.")
+        changes["lr"] = lr
+    if momentum is not None:
+        if not 0 <= momentum < 1:
+            raise UserError(f"--momentum {momentum} must be in [0, 1).")
+        changes["momentum"] = momentum
     settings = dataclasses.replace(settings, **changes)
     for model in settings.models:
         if model not in registry.MODELS:
@@ -509,6 +518,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per runner")
     parser.add_argument("--local-steps", type=int, default=None, help="local steps S per client")
     parser.add_argument("--batch-size", type=int, default=None, help="examples per local step B")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="client learning rate (default 0.05; VGG-9 diverges on the random data above about 0.02)")
+    parser.add_argument("--momentum", type=float, default=None, help="client SGD momentum (default 0.9)")
     parser.add_argument("--out", default=None, help="JSON path; the PNG goes next to it "
                                                      "(default benchmarks/results/throughput-<device>-<date>.json)")
 
