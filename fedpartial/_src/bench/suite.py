@@ -23,9 +23,8 @@ slow there), selection (the method's
 the server optimizer), evaluation (the global model on ``eval_examples`` test examples).
 ``round_flops`` is XLA's count for the whole fused round; ``achieved_flops_per_s`` is
 that times rounds/s, next to ``device.matmul_flops_per_s``, a large float32 matmul
-timed in the same run.  On a GPU XLA counts no cuDNN convolution, so every runner (the plain loop
-too) also gets ``full_model_flops_per_s``: the analytic kernel FLOPs of K clients training the full
-model S steps (``full_model_training_flops``, FedAvg's work) times rounds/s.
+timed in the same run.  XLA counts no cuDNN conv on a GPU, so each runner (the plain loop too) also gets
+``full_model_flops_per_s``: K clients' S full-model steps, analytic (``full_model_training_flops``), × rounds/s.
 
 A preset may leave out cells or strategies too slow for it (``Settings.skip``, recorded
 as skipped).  Memory: before a cell is built its size is estimated (:func:`estimate_bytes`) and a
@@ -192,15 +191,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             if value < 1:
                 raise UserError(f"--{field.replace('_', '-')} {value} must be a positive whole number.")
             changes[field] = value
-    lr, momentum = getattr(args, "lr", None), getattr(args, "momentum", None)
-    if lr is not None:
-        if not lr > 0:
-            raise UserError(f"--lr {lr} must be a positive learning rate.")
-        changes["lr"] = lr
-    if momentum is not None:
-        if not 0 <= momentum < 1:
-            raise UserError(f"--momentum {momentum} must be in [0, 1).")
-        changes["momentum"] = momentum
+    for field, allowed, ok in (("lr", "a positive learning rate", lambda v: v > 0),
+                               ("momentum", "in [0, 1)", lambda v: 0 <= v < 1)):
+        if (value := getattr(args, field, None)) is not None and not ok(value):
+            raise UserError(f"--{field} {value} must be {allowed}.")
+        changes.update({} if value is None else {field: value})
     settings = dataclasses.replace(settings, **changes)
     for model in settings.models:
         if model not in registry.MODELS:
@@ -230,7 +225,6 @@ def skipped_by(settings: Settings, model: str, k: int, strategy: str | None = No
                 (len(parts) == 2 or (strategy is not None and parts[2] == strategy)):
             return True
     return False
-
 
 
 def local_training(rnd: FederatedRound, global_vars: dict, inputs: tuple[LocalInputs, ...]):
