@@ -3,12 +3,13 @@
 import os
 import pathlib
 import shlex
-import time
 
 import pytest
 
 from fedpartial._src.cli.main import main
+from fedpartial._src.experiment import population
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.models import registry
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "validation.md"
 
@@ -34,19 +35,22 @@ def test_the_table_covers_every_kind_of_input():
 
 
 @pytest.mark.parametrize("args, message", ROWS)
-def test_each_row_is_refused_in_one_sentence(tmp_path, capsys, args, message):
+def test_each_row_is_refused_in_one_sentence(tmp_path, capsys, monkeypatch, args, message):
+    # refused from names and numbers alone: loading the data or building a model would fail the test
+    # (what an earlier version timed, and a busy machine made flaky)
+    def forbidden(*_, **__):
+        raise AssertionError("a refused run must not load data or build a model")
+    monkeypatch.setattr(population, "load_dataset", forbidden)
+    monkeypatch.setattr(registry, "build_model", forbidden)
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
     argv = shlex.split(args.replace("{file}", str(afile)))
     out = tmp_path / "out"
     if "--out" not in argv:
         argv = ["--out", str(out)] + argv
-    t0 = time.perf_counter()
     assert main(["run"] + argv) == 2
-    elapsed = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert err == f"fedpartial: error: {message.replace('{file}', str(afile))}\n"
-    assert elapsed < 1.5, elapsed  # refused from names and numbers: no data, no model
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing created
     assert afile.read_text() == "not a directory"
 
