@@ -138,3 +138,48 @@ def test_unwired_neuron_mask_keeps_whole_input_columns(cnn):
     counts = masks.count_elements(cnn.structure, free, variables["params"])
     assert int(counts[0]) == sum(int(np.sum(e)) for e in jax.tree.leaves(m))
     assert int(counts[0]) > int(masks.count_elements(cnn.structure, wired, variables["params"])[0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_bytes_per_layer_equal_the_expanded_masks_bytes_with_norms_and_unwired_inputs(mlp, data):
+    """Per layer, every kind of leaf (kernels fed by a layer, biases, BatchNorm parameters and statistics under
+    their own norm bit, inputs unwired): the counted bytes are the expanded mask's on-elements × 4."""
+    variables = mlp.init_variables(jax.random.key(0))
+    structure, k = mlp.structure, 3
+    bools = lambda *shape: np.array(data.draw(st.lists(st.booleans(), min_size=int(np.prod(shape)),  # noqa: E731
+                                                       max_size=int(np.prod(shape))))).reshape(shape)
+    mask = masks.Mask(jnp.asarray(bools(k, 3)), tuple(jnp.asarray(bools(k, u)) for u in structure.units),
+                      norms=jnp.asarray(bools(k, 3)))
+    if data.draw(st.booleans()):
+        mask = masks.unwired(structure, mask)
+    per_layer = np.asarray(masks.count_bytes_per_layer(structure, mask, variables, ("params", "batch_stats")))
+    for i in range(k):
+        one = jax.tree.map(lambda a: a[i], mask)
+        expanded = masks.expand_variables(structure, one, variables)
+        want = np.zeros(3, np.int64)
+        for c in ("params", "batch_stats"):
+            for (path, e) in jax.tree_util.tree_leaves_with_path(expanded[c]):
+                role = structure.role(c, tuple(p.key for p in path))
+                want[role.layer] += 4 * int(np.sum(e))
+        np.testing.assert_array_equal(per_layer[i], want)
+    np.testing.assert_array_equal(per_layer.sum(-1), masks.count_bytes(structure, mask, variables,
+                                                                       ("params", "batch_stats")))
+
+
+@pytest.mark.parametrize("fixture", ["mlp", "cnn", "staged_mlp"])
+def test_the_whole_models_bytes_per_layer_are_its_leaves_bytes(fixture, request):
+    """The host-side count a round uses for a whole-model download equals the full mask counted in the round
+    and each layer's leaves' bytes."""
+    model = request.getfixturevalue(fixture)
+    variables = model.init_variables(jax.random.key(0))
+    structure = model.structure
+    host = masks.whole_model_bytes_per_layer(structure, variables, ("params", "batch_stats"))
+    counted = masks.count_bytes_per_layer(structure, masks.full(structure, (2,)), variables, ("params", "batch_stats"))
+    np.testing.assert_array_equal(np.broadcast_to(host, (2, structure.num_layers)), counted)
+    nbytes = np.zeros(structure.num_layers, np.int64)
+    for c in ("params", "batch_stats"):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(variables.get(c, {})):
+            nbytes[structure.role(c, tuple(p.key for p in path)).layer] += leaf.nbytes
+    np.testing.assert_array_equal(host, nbytes)
+    assert isinstance(host, np.ndarray) and host.dtype == np.int32

@@ -261,13 +261,18 @@ def test_synthetic_validation(kwargs, match):
 
 @pytest.mark.parametrize("cap", [None, 120])
 def test_synthetic_expected_examples_is_what_the_generator_draws(cap):
-    """The up-front count (RunConfig refuses a population too large to generate with it) is within 5% of what
-    4 × 3,000 clients really draw, with and without a --max-samples cap (one draw of 3,000 varies by ±15%
-    uncapped: the sizes' lognormal has sigma 2)."""
-    from fedpartial._src.data.synthetic import expected_examples
+    """The up-front count (RunConfig refuses a population too large to generate with it) is within 1% of the
+    mean over 1,000 draws of 3,000 clients' sizes, with and without a --max-samples cap (one draw of 3,000 varies
+    by ±15% uncapped: the sizes' lognormal has sigma 2); and those sizes are what the generator really draws."""
+    from fedpartial._src.data.synthetic import client_sizes, expected_examples
 
-    drawn = 0
-    for seed in range(4):
-        d = make_synthetic(1.0, 1.0, 3000, seed=seed, min_samples=50, max_samples=cap)
-        drawn += len(d.y_train) + len(d.y_test)
-    assert expected_examples(12000, min_samples=50, max_samples=cap) == pytest.approx(drawn, rel=0.05)
+    def sizes(seed, n):  # the generator's shared stream: the seed's first spawned child (whatever n)
+        return client_sizes(np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0]), n,
+                            min_samples=50, max_samples=cap)
+
+    mean = np.mean([sizes(seed, 3000).sum() for seed in range(1000)])
+    assert expected_examples(3000, min_samples=50, max_samples=cap) == pytest.approx(mean, rel=0.01)
+    d = make_synthetic(1.0, 1.0, 40, seed=7, min_samples=50, max_samples=cap)
+    assert len(d.y_train) + len(d.y_test) == sizes(7, 40).sum()
+    np.testing.assert_array_equal([len(p) + len(q) for p, q in zip(d.natural_partition, d.natural_test_partition)],
+                                  sizes(7, 40))

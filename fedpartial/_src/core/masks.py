@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.structure import ModelStructure, leaf_paths
@@ -196,25 +197,53 @@ def submodel_scale(structure: ModelStructure, submodel: Mask, params: Any,
     return input_scale(structure, scales, params)
 
 
-def _leaf_count(structure: ModelStructure, collection: str, path, shape, mask: Mask) -> jax.Array:
-    role = structure.role(collection, path)
-    on = mask.layers[..., role.layer]
-    if role.norm and mask.norms is not None:
-        on = on & mask.norms[..., role.layer]
-    on = on.astype(jnp.int32)
-    n_out = jnp.sum(mask.neurons[role.layer], axis=-1, dtype=jnp.int32)
-    if not role.has_input_axis:
-        return on * n_out * math.prod(shape[:-1])
-    spec = structure.layers[role.layer]
-    if spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0):
-        n_in = shape[-2]
-    elif spec.feeds_from is None:  # explicitly wired
-        feeding = mask.inputs[role.layer]
-        n_in = (spec.fan_in // feeding.shape[-1]) * jnp.sum(feeding, axis=-1, dtype=jnp.int32)
-    else:
-        feeding = mask.neurons[spec.feeds_from] if mask.inputs is None else mask.inputs[role.layer]
-        n_in = spec.input_tile * jnp.sum(feeding, axis=-1, dtype=jnp.int32)
-    return on * n_out * n_in * math.prod(shape[:-2])
+def _layer_counts(structure: ModelStructure, mask: Mask, leaves) -> list[jax.Array]:
+    """Per layer, ``[...]`` int32: the on-elements of ``leaves`` (``(collection, path, shape, weight)``, each
+    element counting ``weight``) under ``mask``, exactly and without expanding.
+
+    A leaf's count is ``on · n_out · n_in · (its other axes)``, where only ``on`` (its layer, and its
+    normaliser's bit), ``n_out`` (its layer's on units) and ``n_in`` (the on units feeding the layer) depend
+    on the mask.  So the leaves are grouped by layer and by which of those factors they take, their static
+    sizes summed, and each factor is computed once per layer: a handful of operations per layer, not per
+    leaf, in every round's traffic metrics."""
+    groups: dict[tuple[int, bool, bool], int] = {}
+    for collection, path, shape, weight in leaves:
+        role = structure.role(collection, path)
+        spec = structure.layers[role.layer]
+        wired = role.has_input_axis and not (
+            spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0))
+        static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
+        key = (role.layer, bool(role.norm and mask.norms is not None), wired)
+        groups[key] = groups.get(key, 0) + static
+    xp = np if isinstance(mask.layers, np.ndarray) else jnp  # a mask known on the host: counted there
+    batch = mask.layers.shape[:-1]
+    per_layer = [xp.zeros(batch, xp.int32) for _ in range(structure.num_layers)]
+    n_out: dict[int, jax.Array] = {}
+    n_in: dict[int, jax.Array] = {}
+    for (layer, norm, wired), static in sorted(groups.items()):
+        on = mask.layers[..., layer]
+        if norm:
+            on = on & mask.norms[..., layer]
+        if layer not in n_out:
+            n_out[layer] = xp.sum(mask.neurons[layer], axis=-1, dtype=xp.int32)
+        count = on.astype(xp.int32) * n_out[layer]
+        if wired:
+            if layer not in n_in:
+                spec = structure.layers[layer]
+                if spec.feeds_from is None:  # explicitly wired
+                    feeding = mask.inputs[layer]
+                    n_in[layer] = (spec.fan_in // feeding.shape[-1]) * xp.sum(feeding, axis=-1, dtype=xp.int32)
+                else:
+                    feeding = mask.neurons[spec.feeds_from] if mask.inputs is None else mask.inputs[layer]
+                    n_in[layer] = spec.input_tile * xp.sum(feeding, axis=-1, dtype=xp.int32)
+            count = count * n_in[layer]
+        per_layer[layer] = per_layer[layer] + count * static
+    return per_layer
+
+
+def _leaves(tree: Any, collection: str, itemsize: bool = False):
+    return [(collection, path, jnp.shape(leaf), jnp.dtype(leaf.dtype).itemsize if itemsize else 1)
+            for path, leaf in leaf_paths(tree)]
 
 
 def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> jax.Array:
@@ -222,20 +251,21 @@ def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection:
 
     ``tree`` holds one model (no client axis); the mask may carry leading axes.
     """
-    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
-    for path, leaf in leaf_paths(tree):
-        total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask)
-    return total
+    return sum(_layer_counts(structure, mask, _leaves(tree, collection)))
 
 
 def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collections: Sequence[str]) -> jax.Array:
     """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes)."""
-    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
-    for collection in collections:
-        for path, leaf in leaf_paths(variables.get(collection, {})):
-            itemsize = jnp.dtype(leaf.dtype).itemsize
-            total = total + _leaf_count(structure, collection, path, jnp.shape(leaf), mask) * itemsize
-    return total
+    return sum(_layer_counts(structure, mask, [leaf for c in collections
+                                               for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]))
+
+
+def whole_model_bytes_per_layer(structure: ModelStructure, variables: dict, collections: Sequence[str]) -> np.ndarray:
+    """``[L]`` int32 on the host: :func:`count_bytes_per_layer` of the full mask (what a client downloading
+    the whole model receives), known before anything runs, so a round adds no operations for it."""
+    whole = Mask(layers=np.ones(structure.num_layers, bool), neurons=tuple(np.ones(u, bool) for u in structure.units))
+    return np.stack(_layer_counts(structure, whole, [leaf for c in collections
+                                                     for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]))
 
 
 def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict,
@@ -246,14 +276,9 @@ def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict
     need not (128 clients × 26 MB overflows it), so totals are summed on the host
     in int64 (:func:`fedpartial._src.engine.round.traffic_totals`).
     """
-    per_layer = [jnp.zeros(mask.layers.shape[:-1], jnp.int32) for _ in range(structure.num_layers)]
-    for collection in collections:
-        for path, leaf in leaf_paths(variables.get(collection, {})):
-            layer = structure.role(collection, path).layer
-            itemsize = jnp.dtype(leaf.dtype).itemsize
-            per_layer[layer] = per_layer[layer] + _leaf_count(structure, collection, path, jnp.shape(leaf),
-                                                              mask) * itemsize
-    return jnp.stack(per_layer, axis=-1)
+    return jnp.stack(_layer_counts(structure, mask, [leaf for c in collections
+                                                     for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]),
+                     axis=-1)
 
 
 def keep_count(fraction: float, units: int) -> int:

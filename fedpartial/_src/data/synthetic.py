@@ -41,7 +41,8 @@ import numpy as np
 
 from fedpartial._src.data.arrays import ArrayDataset, DataError
 
-__all__ = ["make_synthetic", "expected_examples", "NUM_FEATURES", "NUM_CLASSES", "GENERATION_BYTES_PER_EXAMPLE"]
+__all__ = ["make_synthetic", "client_sizes", "expected_examples", "NUM_FEATURES", "NUM_CLASSES",
+           "GENERATION_BYTES_PER_EXAMPLE"]
 
 NUM_FEATURES = 60
 NUM_CLASSES = 10
@@ -67,6 +68,16 @@ def expected_examples(num_clients: int, *, min_samples: int = 50, max_samples: i
     return num_clients * (min_samples + max(mean - 0.5, 0.0))  # floor takes half an example on average
 
 
+def client_sizes(rng: np.random.Generator, num_clients: int, *, min_samples: int = 50,
+                 max_samples: int | None = None) -> np.ndarray:
+    """``[num_clients]`` int64 client sizes (both splits) drawn from ``rng``: the first draw of
+    :func:`make_synthetic`'s shared stream, so a seed's sizes can be had without generating its data."""
+    sizes = min_samples + np.floor(rng.lognormal(mean=_SIZE_LOG_MEAN, sigma=_SIZE_LOG_SIGMA, size=num_clients))
+    if max_samples is not None:
+        sizes = np.minimum(sizes, max_samples)
+    return sizes.astype(np.int64)
+
+
 def make_synthetic(
     alpha: float,
     beta: float,
@@ -84,10 +95,7 @@ def make_synthetic(
     shared_seq, *client_seqs = seq.spawn(num_clients + 1)
     shared = np.random.default_rng(shared_seq)
 
-    sizes = min_samples + np.floor(shared.lognormal(mean=4.0, sigma=2.0, size=num_clients))
-    if max_samples is not None:
-        sizes = np.minimum(sizes, max_samples)
-    sizes = sizes.astype(np.int64)
+    sizes = client_sizes(shared, num_clients, min_samples=min_samples, max_samples=max_samples)
     if iid:
         w_shared = shared.normal(0.0, 1.0, size=(NUM_CLASSES, NUM_FEATURES))
         b_shared = shared.normal(0.0, 1.0, size=NUM_CLASSES)

@@ -28,6 +28,9 @@ def planned_download(structure, plan, global_vars: dict, communicated: tuple[str
     received = plan.download if plan.download is not None else masks_lib.full(structure, (num_clients,))
     if plan.download_bytes_per_layer is not None:  # a payload that is not the masked elements
         return received, plan.download_bytes_per_layer.astype(jnp.int32)
+    if plan.download is None:  # the whole model: its bytes per layer are known before anything runs
+        whole = masks_lib.whole_model_bytes_per_layer(structure, global_vars, communicated)
+        return received, jnp.broadcast_to(whole, (num_clients, whole.shape[-1]))
     return received, masks_lib.count_bytes_per_layer(structure, received, global_vars, communicated)
 
 

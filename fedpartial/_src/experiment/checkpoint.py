@@ -83,10 +83,20 @@ class RunInterrupted(KeyboardInterrupt):
 def _remove_partial_writes(run_dir: str, step: int) -> None:
     """Removes what a failed write of checkpoint ``step`` left: orbax's temporary folders, the per-process one."""
     root = os.path.join(run_dir, CHECKPOINTS)
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith(f"{step}.orbax-checkpoint-tmp") or name == f".{step}.tmp":
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def partial() -> list[str]:
+        names = os.listdir(root) if os.path.isdir(root) else []
+        return [n for n in names if n.startswith(f"{step}.orbax-checkpoint-tmp") or n == f".{step}.tmp"]
+
+    # A write cut short by a full disk can still be landing files from orbax's writer threads after the error
+    # reached us (seen once on a loaded machine: the folder outlived one rmtree), so remove until none is left.
+    for _ in range(50):
+        left = partial()
+        if not left:
+            return
+        for name in left:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        time.sleep(0.1)
 
 
 class CheckpointsDamaged(UserError):
