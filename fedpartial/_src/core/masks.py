@@ -197,7 +197,7 @@ def submodel_scale(structure: ModelStructure, submodel: Mask, params: Any,
     return input_scale(structure, scales, params)
 
 
-def _layer_counts(structure: ModelStructure, mask: Mask, leaves) -> list[jax.Array]:
+def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp) -> list[jax.Array]:
     """Per layer, ``[...]`` int32: the on-elements of ``leaves`` (``(collection, path, shape, weight)``, each
     element counting ``weight``) under ``mask``, exactly and without expanding.
 
@@ -205,7 +205,7 @@ def _layer_counts(structure: ModelStructure, mask: Mask, leaves) -> list[jax.Arr
     normaliser's bit), ``n_out`` (its layer's on units) and ``n_in`` (the on units feeding the layer) depend
     on the mask.  So the leaves are grouped by layer and by which of those factors they take, their static
     sizes summed, and each factor is computed once per layer: a handful of operations per layer, not per
-    leaf, in every round's traffic metrics."""
+    leaf, in every round's traffic metrics.  ``xp=np`` counts a host mask on the host."""
     groups: dict[tuple[int, bool, bool], int] = {}
     for collection, path, shape, weight in leaves:
         role = structure.role(collection, path)
@@ -215,7 +215,6 @@ def _layer_counts(structure: ModelStructure, mask: Mask, leaves) -> list[jax.Arr
         static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
         key = (role.layer, bool(role.norm and mask.norms is not None), wired)
         groups[key] = groups.get(key, 0) + static
-    xp = np if isinstance(mask.layers, np.ndarray) else jnp  # a mask known on the host: counted there
     batch = mask.layers.shape[:-1]
     per_layer = [xp.zeros(batch, xp.int32) for _ in range(structure.num_layers)]
     n_out: dict[int, jax.Array] = {}
@@ -246,6 +245,11 @@ def _leaves(tree: Any, collection: str, itemsize: bool = False):
             for path, leaf in leaf_paths(tree)]
 
 
+def _byte_leaves(variables: dict, collections: Sequence[str]):
+    """:func:`_leaves` of the named collections, each element weighing its dtype's bytes."""
+    return [leaf for c in collections for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]
+
+
 def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> jax.Array:
     """Exact number of on-elements of ``tree`` under ``mask``, per leading index, without expanding.
 
@@ -256,16 +260,14 @@ def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection:
 
 def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collections: Sequence[str]) -> jax.Array:
     """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes)."""
-    return sum(_layer_counts(structure, mask, [leaf for c in collections
-                                               for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]))
+    return sum(_layer_counts(structure, mask, _byte_leaves(variables, collections)))
 
 
 def whole_model_bytes_per_layer(structure: ModelStructure, variables: dict, collections: Sequence[str]) -> np.ndarray:
     """``[L]`` int32 on the host: :func:`count_bytes_per_layer` of the full mask (what a client downloading
     the whole model receives), known before anything runs, so a round adds no operations for it."""
     whole = Mask(layers=np.ones(structure.num_layers, bool), neurons=tuple(np.ones(u, bool) for u in structure.units))
-    return np.stack(_layer_counts(structure, whole, [leaf for c in collections
-                                                     for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]))
+    return np.stack(_layer_counts(structure, whole, _byte_leaves(variables, collections), xp=np)).astype(np.int32)
 
 
 def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict,
@@ -276,9 +278,7 @@ def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict
     need not (128 clients × 26 MB overflows it), so totals are summed on the host
     in int64 (:func:`fedpartial._src.engine.round.traffic_totals`).
     """
-    return jnp.stack(_layer_counts(structure, mask, [leaf for c in collections
-                                                     for leaf in _leaves(variables.get(c, {}), c, itemsize=True)]),
-                     axis=-1)
+    return jnp.stack(_layer_counts(structure, mask, _byte_leaves(variables, collections)), axis=-1)
 
 
 def keep_count(fraction: float, units: int) -> int:
