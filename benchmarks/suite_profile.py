@@ -28,7 +28,6 @@ import collections
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -216,9 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         raise SystemExit(f"{args.folder} is not a folder: give the one {ENV} named for the pytest run.")
-    summary = summarize(read(args.folder), args.top)
-    summary["machine"] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    from fedpartial._src.bench.kit import device_info
+
+    summary = {"benchmark": "suite_profile", "date": time.strftime("%Y-%m-%d"),
+               "command": f"{ENV}=DIR python -m pytest -p benchmarks.suite_profile; "
+                          "python -m benchmarks.suite_profile DIR",
+               "device": {**device_info(), "processor": platform.processor() or platform.machine()},
+               **summarize(read(args.folder), args.top)}
     print_summary(summary, args.top)
     out = args.out or Path(__file__).resolve().parent / "results" / "suite-profile-cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
