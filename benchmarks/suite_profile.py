@@ -11,7 +11,7 @@ Two parts:
       FEDPARTIAL_SUITE_PROFILE=/tmp/prof python -m pytest -p benchmarks.suite_profile
 
 * a summary of such a folder, printed and written as JSON (default
-  ``benchmarks/results/suite-profile-<device>.json``) ::
+  ``benchmarks/results/suite-profile-<platform>-<N>cores.json``) ::
 
       python -m benchmarks.suite_profile /tmp/prof [--out PATH] [--top 25]
 
@@ -210,7 +210,8 @@ def print_summary(summary: dict, top: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help=f"the folder {ENV} named for the pytest run")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/suite-profile-<device>.json)")
+    parser.add_argument("--out", type=Path,
+                        help="JSON path (default benchmarks/results/suite-profile-<platform>-<N>cores.json)")
     parser.add_argument("--top", type=int, default=25, help="rows per table (default 25)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
@@ -223,7 +224,9 @@ def main(argv: list[str] | None = None) -> None:
                "device": {**device_info(), "processor": platform.processor() or platform.machine()},
                **summarize(read(args.folder), args.top)}
     print_summary(summary, args.top)
-    out = args.out or Path(__file__).resolve().parent / "results" / "suite-profile-cpu.json"
+    device = summary["device"]
+    out = args.out or (Path(__file__).resolve().parent / "results"
+                       / f"suite-profile-{device['platform']}-{device['cpu_count']}cores.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\nwrote {out}")

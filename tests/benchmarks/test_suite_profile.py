@@ -59,3 +59,31 @@ def test_an_empty_folder_is_one_sentence(tmp_path):
         suite_profile.main([str(tmp_path)])
     with pytest.raises(SystemExit, match="is not a folder"):
         suite_profile.main([str(tmp_path / "missing")])
+
+
+def test_the_plugin_writes_one_record_per_test_and_the_summary_names_its_file(tmp_path, monkeypatch):
+    """The pytest hooks as pytest calls them where a test runs: configure, one test's protocol, unconfigure;
+    then the command-line summary of the folder, written where ``--out`` says."""
+    monkeypatch.setenv(suite_profile.ENV, str(tmp_path / "prof"))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    item = type("Item", (), {"nodeid": "tests/x.py::test_y"})()
+    x = jnp.arange(5.0)
+    suite_profile.pytest_configure(None)
+    try:
+        protocol = suite_profile.pytest_runtest_protocol(item, None)
+        next(protocol)  # the test runs here
+        jax.jit(lambda x: jnp.tanh(x) + 2.0)(x).block_until_ready()
+        with pytest.raises(StopIteration):
+            next(protocol)
+    finally:
+        suite_profile.pytest_unconfigure(None)
+    assert suite_profile._recorder is None
+    (record,) = [json.loads(line) for line in (tmp_path / "prof" / "gw7.jsonl").read_text().splitlines()]
+    assert record["test"] == "tests/x.py::test_y" and record["wall"] > 0
+    assert [e[1] for e in record["events"] if e[0] == "program"] == ["jit__lambda"]
+    out = tmp_path / "summary.json"
+    suite_profile.main([str(tmp_path / "prof"), "--out", str(out)])
+    summary = json.loads(out.read_text())
+    assert summary["benchmark"] == "suite_profile" and summary["device"]["platform"] == "cpu"
+    assert summary["tests"] == 1 and list(summary["files"]) == ["tests/x.py"]
+    assert summary["programs"]["requests"] == 1
