@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from fedpartial._src.core import masks
 from fedpartial._src.engine.client import make_client_fns
+from fedpartial._src.core.types import client_sgd
 from fedpartial._src.methods.base import Batch, ClientPlan, MethodContext, make_method
 from tests.conftest import make_cohort
 
@@ -103,3 +105,83 @@ def test_padded_steps_and_examples_change_nothing(mlp):
     assert int(steps_a) == int(steps_b) == 2
     chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+
+
+# ---- frozen means frozen: value and optimizer state, for every client optimizer the CLI offers ----------------
+
+# fc1's bias feeds a BatchNorm, so its gradient is rounding noise, which Adam's default eps (1e-8) would turn into
+# steps of ±lr whose signs differ between float32 and float64; a larger eps keeps the comparison meaningful.
+ADAM_EPS = 1e-3
+FC1_A = np.array([1, 1, 0, 1, 0, 1], bool)  # fc1 units trained in even steps (the others in odd steps)
+
+
+def changing_mask(ctx, plan, key, step):
+    """Even steps: fc1's units FC1_A and the head; odd steps: fc1's other units and fc2 (a mask that changes
+    between local steps, element by element, as FedRep's and FedAD's per-step plans do)."""
+    even = step % 2 == 0
+    fc1 = jnp.where(even, jnp.asarray(FC1_A), ~jnp.asarray(FC1_A))
+    layers = jnp.stack([jnp.array(True), ~even, even])
+    return plan._replace(train=masks.Mask(layers, (fc1, jnp.ones(5, bool), jnp.ones(3, bool))))
+
+
+def reference_masked_training(model, variables, data, optimizer, steps):
+    """One client's steps as a plain loop over numpy arrays: each element keeps its own optimizer state, and an
+    element not trained in a step is skipped — its value and its state stay as they were (PyTorch's SGD and
+    Adam skip a parameter with no gradient)."""
+    lr, momentum, wd, adam = optimizer
+    f64 = lambda tree: jax.tree.map(lambda a: np.array(a, np.float64), tree)  # noqa: E731
+    params, stats = f64(variables["params"]), variables["batch_stats"]
+    first, second = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
+    for s in range(steps):
+        ctx = MethodContext(model, 4, 4)
+        plan = changing_mask(ctx, ClientPlan(), None, jnp.asarray(s))
+        trained = jax.tree.map(np.asarray, masks.expand(model.structure, masks.protect_output(plan.train),
+                                                        variables["params"]))
+        x, y = data.x[s], data.y[s]
+
+        def loss(p):
+            logits, new = model.apply({"params": p, "batch_stats": stats}, x, True)
+            return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(y)), y]), new
+
+        (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(jax.tree.map(np.float32, params))
+        grads = f64(grads)
+
+        def update(p, g, m1, m2, on):
+            g = g + wd * p
+            if adam:  # optax.adam's count is the client's steps (state shared by every element)
+                b1, b2, eps = 0.9, 0.999, ADAM_EPS
+                n1, n2 = b1 * m1 + (1 - b1) * g, b2 * m2 + (1 - b2) * g * g
+                step = (n1 / (1 - b1 ** (s + 1))) / (np.sqrt(n2 / (1 - b2 ** (s + 1))) + eps)
+            else:
+                n1, n2 = momentum * m1 + g, m2
+                step = n1
+            return (np.where(on, p - lr * step, p), np.where(on, n1, m1), np.where(on, n2, m2))
+
+        out = jax.tree.map(update, params, grads, first, second, trained)
+        params, first, second = (jax.tree.map(lambda t, i=i: t[i], out, is_leaf=lambda t: isinstance(t, tuple))
+                                 for i in range(3))
+    return params
+
+
+@pytest.mark.parametrize("optimizer", [(0.1, 0.0, 0.0, False), (0.1, 0.9, 0.0, False), (0.1, 0.0, 0.05, False),
+                                       (0.1, 0.9, 0.05, False), (0.05, 0.0, 0.05, True)],
+                         ids=["sgd", "momentum", "weight-decay", "momentum+weight-decay", "adam+weight-decay"])
+def test_frozen_elements_keep_their_optimizer_state(mlp, optimizer):
+    """A mask that changes every step, under each client optimizer the command line offers (and Adam through the
+    API): the engine equals a loop in which a frozen element's value and state do not move."""
+    lr, momentum, wd, adam = optimizer
+    if adam:
+        opt = optax.chain(optax.add_decayed_weights(wd), optax.adam(lr, eps=ADAM_EPS))
+    else:
+        opt = client_sgd(lr, momentum=momentum, weight_decay=wd)
+    v = mlp.init_variables(jax.random.key(5))
+    steps = 4
+    data = one_client(make_cohort((4,), steps=steps, seed=3))
+    fns = make_client_fns(MethodContext(mlp, 4, 4), make_method("t", step_plan=changing_mask), opt)
+    local = fns.init(v)
+    for s in range(steps):
+        local = jax.jit(fns.step)(local, jax.tree.map(lambda a: a[s], data), ClientPlan(), v, (),
+                                  jax.random.key(0), s)
+    got = fns.final(local, v)[0]["params"]
+    want = reference_masked_training(mlp, v, data, optimizer, steps)
+    chex.assert_trees_all_close(jax.device_get(got), want, rtol=2e-5, atol=2e-6)

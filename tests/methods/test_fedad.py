@@ -19,7 +19,8 @@ from fedpartial._src.engine.types import hook_keys
 from fedpartial._src.methods.adaptive import hessian
 from fedpartial._src.methods.adaptive import importance
 from fedpartial._src.core import masks
-from fedpartial._src.core.types import InitView, MethodContext, RoundView
+from fedpartial._src.core.types import InitView, MethodContext, RoundView, client_sgd
+from fedpartial._src.engine.client import make_client_fns, trainable_mask
 from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.basic.fedavg import fedavg
@@ -265,6 +266,40 @@ def test_step_masks_differ_between_steps_and_repeat_from_the_seed(mlp):
     chex.assert_trees_all_equal(jax.device_get(a.variables), jax.device_get(b.variables))
     assert all(np.all(n) for n in m["decisions"]["plan"].dropout.neurons)
     np.testing.assert_allclose(m["dropout_keep_probability"][0], 0.5)
+
+
+def momentum_of(opt_state):
+    """The momentum buffer (optax's ``TraceState.trace``) in a client optimizer's state."""
+    found = [s.trace for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+             if isinstance(s, optax.TraceState)]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_units_dropped_in_a_step_keep_their_value_and_momentum(mlp):
+    """FedAD's per-step masks under momentum and weight decay: a unit dropped in a step keeps its parameters and
+    its momentum buffer bit for bit in that step (no decay reaches it); the units kept move."""
+    method = fedad(resample="step")
+    ctx = MethodContext(model=mlp, num_clients=N, cohort_size=K)
+    r = build(mlp, method)
+    state = with_rates(r.init(KEY), np.full(N, 0.5))
+    plan = jax.tree.map(lambda a: a[0], r.preview(state, cohort(), KEY).plan)
+    fns = make_client_fns(ctx, method, client_sgd(0.1, momentum=0.9, weight_decay=0.05))
+    data, client_key = jax.tree.map(lambda a: a[0], cohort().data), jax.random.key(11)
+    local = fns.init(state.variables)
+    step = jax.jit(fns.step)
+    for s in range(2):
+        before = local
+        local = step(local, jax.tree.map(lambda a: a[s], data), plan, state.variables, (), client_key, s)
+        step_plan = method.step_plan(ctx, plan, jax.random.split(jax.random.fold_in(client_key, s))[0], s)
+        trained = masks.expand(ctx.structure, trainable_mask(ctx, step_plan), state.variables["params"])
+        for name in ("params", "trace"):
+            old, new = ((x.variables["params"] if name == "params" else momentum_of(x.opt_state))
+                        for x in (before, local))
+            for o, n, t in zip(jax.tree.leaves(old), jax.tree.leaves(new), jax.tree.leaves(trained)):
+                t = np.broadcast_to(np.asarray(t), o.shape)
+                np.testing.assert_array_equal(np.asarray(n)[~t], np.asarray(o)[~t])
+                assert t.any() and not np.array_equal(np.asarray(n)[t], np.asarray(o)[t])
 
 
 # ---- the Hessian criterion --------------------------------------------------------------------------

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import client_sgd
 from fedpartial._src.engine.metrics import traffic_totals
+from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import stepwise
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
@@ -27,11 +29,12 @@ def cohorts():
                         client_ids=ids) for t, ids in enumerate(IDS)]
 
 
-def reference(global_params, data, personal_layers, body_fraction=None):
+def reference(global_params, data, personal_layers, body_fraction=None, weight_decay=0.0):
     """The method as a textbook writes it, one client at a time: start from the global shared layers and the
-    client's own personal ones, train everything with momentum SGD, average the shared layers (n_k weights).
-    ``body_fraction`` (FedRep): the first round((1 - f)·steps) real steps train the personal layers only, the
-    rest the shared ones only."""
+    client's own personal ones, train everything with momentum SGD (L2 ``weight_decay`` added to the gradient),
+    average the shared layers (n_k weights).  ``body_fraction`` (FedRep): the first round((1 - f)·steps) real
+    steps train the personal layers only, the rest the shared ones only; a frozen layer is skipped, as PyTorch's
+    SGD skips a parameter with no gradient: neither its value nor its momentum moves."""
     g = jax.tree.map(lambda a: np.array(a, np.float64), global_params)
     own = {i: jax.tree.map(np.copy, g) for i in range(N)}
     for c in data:
@@ -47,9 +50,9 @@ def reference(global_params, data, personal_layers, body_fraction=None):
                     set(personal_layers) if s < head_steps else set(LAYERS) - set(personal_layers))
                 grads = _narrow_grad(jax.tree.map(lambda a: a.astype(np.float32), p), d.x[k, s], d.y[k, s],
                                      d.example_mask[k, s].astype(np.float32), 1.0)
-                grads = {name: jax.tree.map(lambda a, on=name in trains: np.asarray(a) * on, grads[name])
-                         for name in LAYERS}  # a frozen layer: no gradient, and it does not move
-                velocity = jax.tree.map(lambda v, dg: MOMENTUM * v + dg, velocity, grads)
+                velocity = {name: jax.tree.map(lambda v, dg, a: MOMENTUM * v + dg + weight_decay * a, velocity[name],
+                                               grads[name], p[name]) if name in trains else velocity[name]
+                            for name in LAYERS}
                 p = {name: jax.tree.map(lambda a, v: a - LR * v, p[name], velocity[name]) if name in trains
                      else p[name] for name in LAYERS}
             own[i] = p
@@ -62,16 +65,21 @@ def reference(global_params, data, personal_layers, body_fraction=None):
     return g, own
 
 
-@pytest.mark.parametrize("name, personal, options", [
-    ("fedper", ("head",), {}), ("lgfedavg", ("fc1", "fc2"), {}),
-    ("fedrep", ("head",), {"body_fraction": 0.5}),  # 3 real steps: 2 head, 1 body; 2 real steps: 1 and 1
+@pytest.mark.parametrize("name, personal, options, weight_decay", [
+    ("fedper", ("head",), {}, 0.0), ("lgfedavg", ("fc1", "fc2"), {}, 0.0),
+    ("fedrep", ("head",), {"body_fraction": 0.5}, 0.0),  # 3 real steps: 2 head, 1 body; 2 real steps: 1 and 1
+    # Weight decay with momentum: the body frozen in the head steps must not carry their decay into its momentum
+    # when the body steps unfreeze it (FedRep's Algorithm 1 takes plain steps on the body alone).
+    ("fedrep", ("head",), {"body_fraction": 0.5}, 0.05),
 ])
-def test_engine_matches_a_plain_python_reference(name, personal, options):
+def test_engine_matches_a_plain_python_reference(name, personal, options, weight_decay):
     model = adapt(SMALL, (4,))
-    r = build(model, get_method(name, **options), n=N, k=2, strategy=stepwise(1))
+    r = FederatedRound(model, get_method(name, **options), num_clients=N, cohort_size=2,
+                       client_optimizer=client_sgd(LR, momentum=MOMENTUM, weight_decay=weight_decay),
+                       strategy=stepwise(1))
     state = start(r)
     expected, own = reference(jax.device_get(state.variables["params"]), cohorts(), personal,
-                              options.get("body_fraction"))
+                              options.get("body_fraction"), weight_decay)
     for t, c in enumerate(cohorts()):
         state, m = r(state, c, jax.random.key(t))
     chex.assert_trees_all_close(jax.device_get(state.variables["params"]), expected, rtol=2e-5, atol=2e-6)

@@ -5,9 +5,15 @@ or loops it over the group.  Masks arrive structured and are expanded here, per
 step, to parameter shape in the full model's coordinates and then cut to the
 group's graph (:class:`fedpartial._src.core.types.LocalGraph`); they are never stored expanded.
 
-Frozen elements (train mask off, or a dropped neuron's parameters) get a zero
-gradient before the optimizer *and* keep their old value after it, so they stay
-bit-identical even under momentum and weight decay.  Elements outside the
+**Frozen means frozen.**  An element a client does not train in a step (train mask
+off, or a dropped neuron's parameters) gets a zero gradient before the optimizer and
+keeps its old value *and its optimizer state* after it: its momentum buffer, Adam
+moments or any other per-element optax state are those of the step before, so weight
+decay never reaches a frozen element's momentum and a mask that changes between steps
+(FedRep's head phase, then its body phase) resumes each element's state where it was
+left, as PyTorch's SGD skips parameters that have no gradient.  State shared by all
+elements (Adam's step count) counts the client's steps.  An optimizer whose state
+cannot be frozen element by element (factored statistics) is refused in one sentence.  Elements outside the
 group's graph are not in the local state at all and come back from the start
 model.  A padded step (``step_mask`` False) returns the state unchanged; padded
 examples carry no loss, no gradient and no BatchNorm statistics.
@@ -33,6 +39,7 @@ import optax
 
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks as masks_lib
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import (
     Batch,
     ClientOptimizer,
@@ -93,6 +100,31 @@ def update_scale(base_lr: float | None, lr_scale: jax.Array | None) -> jax.Array
         return None if lr_scale is None else jnp.asarray(lr_scale, jnp.float32)
     lr = jnp.asarray(base_lr, jnp.float32)
     return lr if lr_scale is None else lr * jnp.asarray(lr_scale, jnp.float32)
+
+
+def keep_frozen_state(new: Any, old: Any, trained: Any) -> Any:
+    """``new`` optimizer state with ``old``'s values where ``trained`` (a params-shaped boolean tree) is False.
+
+    Every part of the state laid out like the parameters (SGD's trace, Adam's ``mu`` and ``nu``, any optax
+    state of that shape) is masked element-wise; scalars and other state (step counts) are ``new``'s.
+    """
+    layout = jax.tree.structure(trained)
+
+    def like_params(node) -> bool:
+        return node is not None and jax.tree.structure(node) == layout
+
+    def keep(n, o):
+        if not like_params(n):
+            return n
+        for a, m in zip(jax.tree.leaves(n), jax.tree.leaves(trained)):
+            if jnp.shape(a) != jnp.shape(m):
+                raise UserError("the client optimizer keeps state that is not laid out like the parameters "
+                                f"(a leaf of shape {jnp.shape(a)} for parameters of shape {jnp.shape(m)}), so a "
+                                "frozen element's state cannot be kept; use an optimizer with per-element state "
+                                "(SGD, momentum, Adam).")
+        return jax.tree.map(jnp.where, trained, n, o)
+
+    return jax.tree.map(keep, new, old, is_leaf=like_params)
 
 
 def make_client_fns(
@@ -167,6 +199,8 @@ def make_client_fns(
             elem = extract_params(masks_lib.expand(ctx.structure, train_mask, template), local.window)
             grads = jax.tree.map(lambda g, m: jnp.where(m, g, jnp.zeros_like(g)), grads, elem)
         updates, opt_state = direction.update(grads, local.opt_state, params)
+        if train_mask is not None:
+            opt_state = keep_frozen_state(opt_state, local.opt_state, elem)
         if rate is not None:  # the one place a client's rate multiplies its updates
             updates = jax.tree.map(lambda u: u * rate.astype(u.dtype), updates)
         new_params = optax.apply_updates(params, updates)
