@@ -30,7 +30,6 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.base import (
     InitView,
-    LocalStep,
     Method,
     MethodContext,
     MethodState,
@@ -38,6 +37,7 @@ from fedpartial._src.methods.base import (
     cohort_rows,
     scatter_clients,
 )
+from fedpartial._src.methods.wrappers import Wrapper, wrap
 
 
 class StopState(NamedTuple):
@@ -68,54 +68,25 @@ def early_stopping(method: Method, lam: float = 0.7) -> Method:
     if not 0 <= lam <= 1:
         raise UserError(f"early stopping: λ = {lam!r} must be in [0, 1].")
 
-    def inner_state(state: MethodState) -> MethodState:
-        return MethodState(server=state.server, clients=state.clients[0])
-
-    def inner(view: RoundView) -> RoundView:
-        return view._replace(method_state=inner_state(view.method_state), client_state=view.client_state[0])
-
     def init(ctx: MethodContext, view: InitView) -> MethodState:
-        state = method.init(ctx, view)
         n = ctx.num_clients
-        stop = StopState(last_loss=jnp.full((n,), jnp.inf, jnp.float32), stopped=jnp.zeros((n,), bool),
-                         stop_round=jnp.full((n,), -1, jnp.int32))
-        return MethodState(server=state.server, clients=(state.clients, stop))
+        return MethodState(clients=StopState(last_loss=jnp.full((n,), jnp.inf, jnp.float32),
+                                             stopped=jnp.zeros((n,), bool), stop_round=jnp.full((n,), -1, jnp.int32)))
 
-    def client_start(ctx, global_vars, client_state, plan_k):
-        return method.client_start(ctx, global_vars, client_state[0], plan_k)
-
-    def objective(ctx, params, step: LocalStep):
-        return method.objective(ctx, params, step._replace(client_state=step.client_state[0]))
-
-    def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        new_inner = method.update(ctx, inner(view))
+    def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
         mixed = lam * view.client_loss + (1.0 - lam) * holdout_losses(ctx, view)
-        before = view.client_state[1]
+        before = view.client_state
         stops = mixed > before.last_loss
         rows = StopState(last_loss=mixed, stopped=before.stopped | stops,
                          stop_round=jnp.where(stops & ~before.stopped, view.round, before.stop_round))
-        stop = scatter_clients(view.method_state.clients[1], cohort_rows(view), rows, view.cohort.valid)
-        return MethodState(server=new_inner.server, clients=(new_inner.clients, stop))
+        return view.method_state._replace(
+            clients=scatter_clients(view.method_state.clients, cohort_rows(view), rows, view.cohort.valid))
 
-    def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        return {} if method.metrics is None else method.metrics(ctx, inner(view))
+    def active_clients(ctx: MethodContext, state: MethodState, inner_active) -> jax.Array:
+        active = ~state.clients.stopped
+        return active if inner_active is None else active & inner_active
 
-    def personal(ctx, state: MethodState, global_vars: dict):
-        return method.personal(ctx, inner_state(state), global_vars)
-
-    def active_clients(ctx, state: MethodState) -> jax.Array:
-        active = ~state.clients[1].stopped
-        if method.active_clients is not None:
-            active = active & method.active_clients(ctx, inner_state(state))
-        return active
-
-    return method._replace(
-        name=f"{method.name}+es", init=init, plan=lambda ctx, view: method.plan(ctx, inner(view)),
-        client_start=client_start, objective=objective,
-        select=lambda ctx, view: method.select(ctx, inner(view)), update=update,
-        metrics=metrics if method.metrics is not None else None, personal=personal,
-        server_correct=None if method.server_correct is None
-        else lambda ctx, view: method.server_correct(ctx, inner(view)),
-        aggregate=None if method.aggregate is None else lambda ctx, view: method.aggregate(ctx, inner(view)),
-        active_clients=active_clients,
-    ).with_capabilities(needs_holdout=True, streamable=None)  # per-client state: not streamed
+    return wrap(method, Wrapper(
+        lambda name: f"{name}+es", init=init, hooks={"update": update, "active_clients": active_clients},
+        # per-client state: not streamed
+        capabilities=lambda caps: caps._replace(needs_holdout=True, streamable=None), label="early stopping"))

@@ -23,17 +23,20 @@ import jax.numpy as jnp
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import (
+    ClientPlan,
     InitView,
     LocalStep,
     Method,
     MethodContext,
     MethodState,
     RoundView,
+    Selection,
     cohort_rows,
     scatter_clients,
 )
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.registry import MethodSpec
+from fedpartial._src.methods.wrappers import Wrapper, wrap
 
 
 def _per_client(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -49,47 +52,29 @@ def _param_bytes(ctx: MethodContext, mask, variables: dict, k: int) -> jax.Array
 
 def control_variates(method: Method, name: str | None = None) -> Method:
     """``method`` with SCAFFOLD's control variates (option II) on the elements its clients upload."""
-    if method.groups is not None:
-        raise UserError(f"control variates need every client to train the whole model; {method.name} trains "
-                        "per-group graphs.")
-
-    def split(state: MethodState) -> MethodState:
-        return MethodState(server=state.server[0], clients=state.clients[0])
-
-    def inner(view: RoundView) -> RoundView:
-        return view._replace(method_state=split(view.method_state), client_state=view.client_state[0])
-
-    def inner_step(step: LocalStep) -> LocalStep:
-        return step._replace(client_state=step.client_state[0], server_state=step.server_state[0])
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
-        state = method.init(ctx, view)
         c = jax.tree.map(jnp.zeros_like, view.global_vars["params"])
-        rows = jax.tree.map(lambda a: jnp.zeros((ctx.num_clients, *a.shape), a.dtype), c)
-        return MethodState(server=(state.server, c), clients=(state.clients, rows))
+        return MethodState(server=c, clients=jax.tree.map(lambda a: jnp.zeros((ctx.num_clients, *a.shape), a.dtype), c))
 
-    def plan(ctx, view):  # c travels down on what the client receives
-        p = method.plan(ctx, inner(view))
+    def plan(ctx: MethodContext, view: RoundView, p: ClientPlan) -> ClientPlan:  # c travels down on what it receives
         k = view.cohort.valid.shape[0]
         extra = 0 if p.extra_download_bytes is None else p.extra_download_bytes
         return p._replace(extra_download_bytes=extra + _param_bytes(ctx, p.download, view.global_vars, k))
 
-    def correct(ctx, grads, step: LocalStep):  # g − c_i + c
-        if method.transform_grads is not None:
-            grads = method.transform_grads(ctx, grads, inner_step(step))
-        return jax.tree.map(lambda g, c_i, c: g - c_i + c, grads, step.client_state[1], step.server_state[1])
+    def correct(ctx: MethodContext, grads, step: LocalStep, inner_grads):  # g − c_i + c, after the inner transform
+        grads = grads if inner_grads is None else inner_grads
+        return jax.tree.map(lambda g, c_i, c: g - c_i + c, grads, step.client_state, step.server_state)
 
-    def select(ctx, view):  # c_i⁺ − c_i travels up on what the client uploads
-        s = method.select(ctx, inner(view))
+    def select(ctx: MethodContext, view: RoundView, s: Selection) -> Selection:  # c_i⁺ − c_i travels up
         return s._replace(extra_upload_bytes=s.extra_upload_bytes + _param_bytes(ctx, s.upload, view.global_vars,
                                                                                    s.weights.shape[0]))
 
-    def update(ctx: MethodContext, view: RoundView) -> MethodState:
+    def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
         if view.client_lr is None:
             raise UserError("scaffold needs the clients' learning rate: build the round with "
                             "client_optimizer=fedpartial.client_sgd(...).")
-        new_inner = method.update(ctx, inner(view))
-        c, c_rows = view.method_state.server[1], view.client_state[1]
+        c, c_rows = view.method_state.server, view.client_state
         k_lr = jnp.maximum(view.client_steps, 1) * view.client_lr  # K_i · η_i
         uploaded = jax.vmap(lambda m: masks.expand(ctx.structure, m, view.global_vars["params"]))(view.selection.upload)
         valid = view.cohort.valid & (view.selection.weights > 0)
@@ -100,23 +85,16 @@ def control_variates(method: Method, name: str | None = None) -> Method:
 
         rows = jax.tree.map(new_row, c_rows, c, view.global_vars["params"], view.trained_vars["params"], uploaded)
         c_new = jax.tree.map(lambda c, new, old: c + jnp.sum(new - old, axis=0) / ctx.num_clients, c, rows, c_rows)
-        clients = scatter_clients(view.method_state.clients[1], cohort_rows(view), rows, view.cohort.valid)
-        return MethodState(server=(new_inner.server, c_new), clients=(new_inner.clients, clients))
+        return MethodState(server=c_new, clients=scatter_clients(view.method_state.clients, cohort_rows(view), rows,
+                                                                 view.cohort.valid))
 
-    def wrap(hook):
-        return None if hook is None else (lambda ctx, view: hook(ctx, inner(view)))
+    return wrap(method, Wrapper(
+        lambda inner: name or f"{inner}+scaffold", init=init, label="control variates",
+        hooks={"plan": plan, "transform_grads": correct, "select": select, "update": update},
+        capabilities=lambda caps: caps._replace(host_client_state=True, streamable=None),
+        refuses={"groups": "control variates need every client to train the whole model, and it trains per-group "
+                           "graphs"}))
 
-    return method._replace(
-        name=name or f"{method.name}+scaffold", init=init, plan=plan, transform_grads=correct, select=select,
-        update=update, metrics=wrap(method.metrics), summarize=wrap(method.summarize),
-        server_correct=wrap(method.server_correct), aggregate=wrap(method.aggregate),
-        client_start=lambda ctx, g, client_state, plan_k: method.client_start(ctx, g, client_state[0], plan_k),
-        objective=lambda ctx, params, step: method.objective(ctx, params, inner_step(step)),
-        step_plan=method.step_plan,
-        personal=lambda ctx, state, g: method.personal(ctx, split(state), g),
-        active_clients=None if method.active_clients is None
-        else (lambda ctx, state: method.active_clients(ctx, split(state))),
-    ).with_capabilities(host_client_state=True, streamable=None)
 
 
 def scaffold() -> Method:

@@ -49,7 +49,8 @@ import jax.numpy as jnp
 from fedpartial._src.core import aggregation, masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.structure import leaf_paths
-from fedpartial._src.methods.base import InitView, LocalStep, Method, MethodContext, MethodState, RoundView
+from fedpartial._src.methods.base import InitView, Method, MethodContext, MethodState, RoundView
+from fedpartial._src.methods.wrappers import Wrapper, wrap
 
 
 class DpState(NamedTuple):
@@ -118,24 +119,14 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         raise UserError(f"DP-FedAvg: the clipping norm {clip!r} must be > 0, and finite when there is noise.")
     if target_quantile is not None and not (0 < target_quantile < 1 and math.isfinite(clip)):
         raise UserError(f"DP-FedAvg: the target quantile {target_quantile!r} must be in (0, 1), with a finite clip.")
-    if method.server_correct is not None:
-        raise UserError(f"DP-FedAvg cannot wrap {method.name}: its server step reads every client's update "
-                        "outside the clipped, noised sum.")
-
-    def inner(view: RoundView) -> RoundView:
-        return view._replace(method_state=MethodState(view.method_state.server[0], view.method_state.clients))
-
-    def inner_step(step: LocalStep) -> LocalStep:
-        return step._replace(server_state=step.server_state[0])
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         if view.global_vars.get("batch_stats") and not ctx.batch_statistics:
             raise UserError("differential privacy needs the 'static' BatchNorm policy (--bn-policy static): the "
                             "'global' policy uploads running statistics without clipping or noise.")
-        state = method.init(ctx, view)
         uploads = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.float32), view.global_vars["params"])
-        dp = DpState(jnp.asarray(clip, jnp.float32), jnp.asarray(z, jnp.float32), uploads, jnp.zeros((), jnp.int32))
-        return MethodState(server=(state.server, dp), clients=state.clients)
+        return MethodState(server=DpState(jnp.asarray(clip, jnp.float32), jnp.asarray(z, jnp.float32), uploads,
+                                          jnp.zeros((), jnp.int32)))
 
     def noise_stds(ctx: MethodContext, state: DpState):
         """``(z_Δ, σ_b)`` for ``z > 0``: the sum's multiplier and (adaptive clipping) the count's noise."""
@@ -146,7 +137,7 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
 
     def clipped_sums(ctx: MethodContext, view: RoundView):
         """``(Σ_k m Δ̃, Σ_k m)`` over the clients taking part, and ``(Δ, factors, norms)``."""
-        state, sel, g = view.method_state.server[1], view.selection, view.global_vars["params"]
+        state, sel, g = view.method_state.server, view.selection, view.global_vars["params"]
         delta, factors, flat = clip_factors(ctx, view, state.clip, per_layer)
         clipped = jax.tree.map(lambda d, at: d * _per_client(factors[:, at], d), delta,
                                jax.tree.unflatten(jax.tree.structure(g), _layers(ctx, g)))
@@ -154,8 +145,8 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         expand = lambda k: masks.expand(ctx.structure, jax.tree.map(lambda a: a[k], sel.upload), g)  # noqa: E731
         return aggregation.weighted_sums(clipped, taking_part, client_masks=expand), (delta, factors, flat)
 
-    def aggregate(ctx: MethodContext, view: RoundView):
-        g, state = view.global_vars["params"], view.method_state.server[1]
+    def aggregate(ctx: MethodContext, view: RoundView, inner_result: None):
+        g, state = view.global_vars["params"], view.method_state.server
         if z == 0:  # no privacy: the engine's formula over the clipped models (within the norm: bit for bit)
             delta, factors, _ = clip_factors(ctx, view, state.clip, per_layer)
             layers = jax.tree.unflatten(jax.tree.structure(g), _layers(ctx, g))
@@ -176,9 +167,8 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
                            g, total, noise, expected)
         return new, jax.tree.map(lambda d: d > 0, expected)
 
-    def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        own = method.update(ctx, inner(view))
-        state = view.method_state.server[1]
+    def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
+        state = view.method_state.server
         if z == 0:  # the denominator is not used: no counts to keep
             count, flat = jax.tree.map(jnp.zeros_like, state.uploads), clip_factors(ctx, view, state.clip, per_layer)[2]
         else:
@@ -192,30 +182,20 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
             clip_next = state.clip * jnp.exp(-clip_lr * (noisy - target_quantile))
         dp = state._replace(clip=clip_next, uploads=jax.tree.map(jnp.add, state.uploads, count),
                             rounds=state.rounds + 1)
-        return MethodState(server=(own.server, dp), clients=own.clients)
+        return MethodState(server=dp)
 
-    def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        out = {} if method.metrics is None else dict(method.metrics(ctx, inner(view)))
-        state = view.method_state.server[1]
+    def metrics(ctx: MethodContext, view: RoundView, inner: dict | None) -> dict:
+        state = view.method_state.server
         clip_now = state.clip
         _, factors, _ = clip_factors(ctx, view, clip_now, per_layer)
         taking_part = view.cohort.valid & (view.selection.weights > 0)
         clipped = jnp.sum(taking_part & jnp.any(factors < 1, axis=-1)) / jnp.maximum(jnp.sum(taking_part), 1)
-        return {**out, "dp_clip": clip_now, "dp_clipped_fraction": clipped,
+        return {**(inner or {}), "dp_clip": clip_now, "dp_clipped_fraction": clipped,
                 "dp_noise_std": noise_stds(ctx, state)[0] * clip_now if z else jnp.zeros((), jnp.float32)}
 
-    def split(state: MethodState) -> MethodState:
-        return MethodState(state.server[0], state.clients)
-
-    return method._replace(
-        name=f"dp-{method.name}", init=init, aggregate=aggregate, update=update, metrics=metrics,
-        plan=lambda ctx, view: method.plan(ctx, inner(view)),
-        select=lambda ctx, view: method.select(ctx, inner(view)),
-        summarize=None if method.summarize is None else lambda ctx, view: method.summarize(ctx, inner(view)),
-        objective=lambda ctx, params, step: method.objective(ctx, params, inner_step(step)),
-        transform_grads=None if method.transform_grads is None
-        else lambda ctx, grads, step: method.transform_grads(ctx, grads, inner_step(step)),
-        personal=lambda ctx, state, g: method.personal(ctx, split(state), g),
-        active_clients=None if method.active_clients is None
-        else lambda ctx, state: method.active_clients(ctx, split(state)),
-    ).with_capabilities(streamable=None)
+    return wrap(method, Wrapper(
+        lambda inner: f"dp-{inner}", init=init, hooks={"aggregate": aggregate, "update": update, "metrics": metrics},
+        capabilities=lambda caps: caps._replace(streamable=None), label="DP-FedAvg",
+        refuses={"server_correct": "its server step reads every client's update outside the clipped, noised sum",
+                 "aggregate": "it aggregates its own way, and DP-FedAvg replaces the aggregation by the clipped, "
+                              "noised sum"}))

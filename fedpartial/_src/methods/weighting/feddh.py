@@ -110,16 +110,17 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.base import (
     InitView,
-    LocalStep,
     Method,
     MethodContext,
     MethodState,
     RoundView,
+    Selection,
     ServerData,
     scatter_clients,
 )
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.registry import MethodSpec, Option, at_least, positive_int
+from fedpartial._src.methods.wrappers import Wrapper, wrap
 
 #: smallest non-IID degree a client can have (see the module docstring)
 MIN_DEGREE = 1e-3
@@ -156,7 +157,8 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
 
     Everything else is ``method``'s: plan, local training, upload masks, its server
     steps (``aggregate`` and ``server_correct``, which see the new weights), personal models, who
-    may be sampled.  The state is ``MethodState(server=(method's, weighting's), clients=(method's,
+    may be sampled.  A :class:`~fedpartial._src.methods.wrappers.Wrapper` adding to ``select``, ``update``
+    and ``metrics``: the state is ``MethodState(server=(method's, weighting's), clients=(method's,
     weighting's))``; each piece sees only its own.
 
     Example::
@@ -167,57 +169,22 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
         method = reweight(fedldf(n=4), feddh_weighting())   # name 'fedldf+feddh'
     """
 
-    def part(state: MethodState, i: int) -> MethodState:
-        return MethodState(server=state.server[i], clients=state.clients[i])
+    def select(ctx: MethodContext, view: RoundView, own: Selection) -> Selection:
+        return own._replace(weights=weighting.weights(ctx, view._replace(selection=own)))
 
-    def view_of(view: RoundView, i: int) -> RoundView:
-        return view._replace(method_state=part(view.method_state, i), client_state=view.client_state[i])
+    def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
+        return weighting.update(ctx, view)
 
-    def init(ctx: MethodContext, view: InitView) -> MethodState:
-        a, b = method.init(ctx, view), weighting.init(ctx, view)
-        return MethodState(server=(a.server, b.server), clients=(a.clients, b.clients))
+    def metrics(ctx: MethodContext, view: RoundView, inner: dict | None) -> dict:
+        return {**(inner or {}), **weighting.metrics(ctx, view)}
 
-    def client_start(ctx, global_vars, client_state, plan):
-        return method.client_start(ctx, global_vars, client_state[0], plan)
-
-    def objective(ctx, params, step: LocalStep):
-        return method.objective(ctx, params, step._replace(client_state=step.client_state[0]))
-
-    def select(ctx: MethodContext, view: RoundView):
-        own = method.select(ctx, view_of(view, 0))
-        return own._replace(weights=weighting.weights(ctx, view_of(view, 1)._replace(selection=own)))
-
-    def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        a, b = method.update(ctx, view_of(view, 0)), weighting.update(ctx, view_of(view, 1))
-        return MethodState(server=(a.server, b.server), clients=(a.clients, b.clients))
-
-    def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        out = {} if method.metrics is None else dict(method.metrics(ctx, view_of(view, 0)))
-        if weighting.metrics is not None:
-            out.update(weighting.metrics(ctx, view_of(view, 1)))
-        return out
-
-    def personal(ctx, state: MethodState, global_vars: dict):
-        return method.personal(ctx, part(state, 0), global_vars)
-
-    active = None
-    if method.active_clients is not None:
-        def active(ctx, state: MethodState):
-            return method.active_clients(ctx, part(state, 0))
-
-    return method._replace(
-        name=name or f"{method.name}+{weighting.name}", init=init,
-        plan=lambda ctx, view: method.plan(ctx, view_of(view, 0)),
-        client_start=client_start, objective=objective, select=select, update=update,
-        metrics=metrics if (method.metrics or weighting.metrics) else None,
-        personal=personal, active_clients=active,
-        server_correct=None if method.server_correct is None
-        else lambda ctx, view: method.server_correct(ctx, view_of(view, 0)),
-        aggregate=None if method.aggregate is None else lambda ctx, view: method.aggregate(ctx, view_of(view, 0)),
-    ).with_capabilities(  # the weighting reads every client's trained model and keeps per-client state
-        server_examples_per_class=max(method.capabilities.server_examples_per_class,
-                                      weighting.server_examples_per_class),
-        streamable=None)
+    hooks = {"select": select, "update": update, **({"metrics": metrics} if weighting.metrics else {})}
+    return wrap(method, Wrapper(
+        lambda inner: name or f"{inner}+{weighting.name}", init=weighting.init, hooks=hooks, label=weighting.name,
+        # the weighting reads every client's trained model and keeps per-client state
+        capabilities=lambda caps: caps._replace(
+            server_examples_per_class=max(caps.server_examples_per_class, weighting.server_examples_per_class),
+            streamable=None)))
 
 
 # ---- label distributions and the non-IID degree ----------------------------------------------
