@@ -9,7 +9,7 @@ The public API is this namespace and three curated subpackages:
   (:class:`FederatedRound` and its strategies) and everything a method author needs
   (:class:`Method`, :func:`make_method`, the views and plans, the default pieces) and the combinators
   around any method (:func:`early_stopping`, :func:`reweight`, :func:`dp_fedavg` with its
-  :class:`PrivacyAccountant`);
+  :class:`PrivacyAccountant`), all built by one rule (:class:`Wrapper`, :func:`wrap`);
 * :mod:`fedpartial.methods` — the built-in methods and their catalog (``METHODS``);
 * :mod:`fedpartial.models` — the model zoo and adapters for any Flax module;
 * :mod:`fedpartial.data` — data sources, partitions and cohort packing;
@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference
     from fedpartial._src.methods.catalog import ENTRY_POINT_GROUP
     from fedpartial._src.methods.registry import MethodSpec, Option
     from fedpartial._src.methods.weighting.feddh import reweight
+    from fedpartial._src.methods.wrappers import Wrapper, wrap
 
     from fedpartial import data, masks, methods, models
 
@@ -120,6 +121,8 @@ _WHERE = {
     "MethodSpec": "fedpartial._src.methods.registry",
     "Option": "fedpartial._src.methods.registry",
     "reweight": "fedpartial._src.methods.weighting.feddh",
+    "Wrapper": "fedpartial._src.methods.wrappers",
+    "wrap": "fedpartial._src.methods.wrappers",
 }
 
 #: the curated subpackages, imported on first use too
@@ -153,6 +156,8 @@ __all__ = [
     "VIEW_FIELDS",
     "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "early_stopping", "gather_clients",
     "make_method", "reweight", "scatter_clients", "upload_trained", "with_penalty",
+    # a method around any method: one composition rule (early_stopping, reweight and dp_fedavg use it)
+    "Wrapper", "wrap",
     # differential privacy: DP-FedAvg around any method, and its accountant
     "PrivacyAccountant", "dp_fedavg",
     # errors

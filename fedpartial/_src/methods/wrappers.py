@@ -33,6 +33,8 @@ Example — count each client's rounds, around any method::
         return Wrapper(lambda name: f"{name}+count", init=init, hooks={"update": update})
 
     method = wrap(fedldf(n=4), counting())   # 'fedldf+count'
+
+The guide's section "Writing a wrapper" (docs/methods.md) says the same for users.
 """
 
 from __future__ import annotations
