@@ -26,6 +26,7 @@ from fedpartial._src.methods.layerwise.fedldf import fedldf
 from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import TinyMLP, make_cohort
 
@@ -126,7 +127,7 @@ def refusals(model) -> dict:
     catch("engine_too_many", lambda: FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
                                                     client_optimizer=OPT, strategy=fused(), devices=5))
     base = RunConfig(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, out_dir=None)
-    catch("config_too_many", lambda: dataclasses.replace(base, devices=5).validate())
+    catch("config_too_many", lambda: preflight(dataclasses.replace(base, devices=5)))
     catch("config_stepwise", lambda: dataclasses.replace(base, devices=4, strategy="stepwise").validate())
     catch("config_zero", lambda: dataclasses.replace(base, devices=0).validate())
     return out

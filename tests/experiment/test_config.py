@@ -10,6 +10,7 @@ import pytest
 from fedpartial._src.cli import config_file
 from fedpartial._src.cli.main import build_parser, config_from_args, main
 from fedpartial._src.experiment import records as run_record
+from fedpartial._src.experiment.preflight import check_synthetic_fits, preflight
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 
 SMALL = ["--rounds", "2", "--clients", "6", "--cohort", "3", "--local-steps", "2", "--batch-size", "8",
@@ -179,5 +180,6 @@ def test_synthetic_data_too_large_to_generate_is_refused_before_anything_is_draw
                                           r"examples, which need about 10\d\d\.\d GiB of host memory to generate, but "
                                           r"24\.0 GiB is available; use fewer --clients or cap each client with "
                                           r"--max-samples\.$"):
-        config.validate()
-    dataclasses.replace(config, num_clients=50_000, cohort_size=10)._check_synthetic_fits(24 * 2**30)  # ~11 GiB
+        config.validate()  # the settings are fine: whether they fit this machine is the preflight's question
+        preflight(config)
+    check_synthetic_fits(dataclasses.replace(config, num_clients=50_000, cohort_size=10), 24 * 2**30)  # ~11 GiB

@@ -9,6 +9,7 @@ import pytest
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment import population
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.models import registry
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "validation.md"
@@ -73,8 +74,8 @@ def test_unwritable_out_directory(tmp_path, capsys):
 
 def test_a_good_out_directory_is_left_as_it_was(tmp_path):
     """The writability probe leaves nothing behind, in an existing directory or above a missing one."""
-    RunConfig(out_dir=str(tmp_path)).validate()
-    RunConfig(out_dir=str(tmp_path / "new" / "deeper"), run_name="ok").validate()
+    preflight(RunConfig(out_dir=str(tmp_path)))
+    preflight(RunConfig(out_dir=str(tmp_path / "new" / "deeper"), run_name="ok"))
     assert list(tmp_path.iterdir()) == []
 
 

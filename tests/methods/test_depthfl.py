@@ -238,9 +238,9 @@ def test_bad_depths_and_models_are_refused_in_one_sentence(chain, mlp):
         depthfl().adapt_model(mlp)
     with pytest.raises(UserError, match="has none; build it with fedpartial.models.with_exits"):
         FederatedRound(chain, depthfl(), num_clients=3, cohort_size=3, client_optimizer=optax.sgd(1))
-    with pytest.raises(UserError, match="distillation weight"):
+    with pytest.raises(UserError, match="--kd-weight = -1.0"):  # a direct call: the option's check too
         depthfl(distill=-1.0)
-    with pytest.raises(UserError, match="β = 2"):
+    with pytest.raises(UserError, match="--md-beta = 2"):
         inclusivefl(beta=2)
 
 

@@ -35,6 +35,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import checkpoint, jobs
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.summaries import load_run, method_curves, parse_distinct, table, write_table
 
 _MAX_SEED = 2**32 - 1
@@ -74,8 +75,9 @@ def parse_options(pairs: Sequence[str], methods: Sequence[str]) -> dict[str, dic
     """``["fedldf:n=2"]`` → ``{"fedavg": {}, "fedldf": {"n": 2}}``: each method's options by name."""
     options: dict[str, dict] = {name: {} for name in methods}
     for pair in pairs:
-        method, sep, rest = pair.partition(":")
-        name, eq, text = rest.partition("=")
+        # METHOD is everything before the last ':' ahead of the '=', so it may itself be package.module:factory
+        head, eq, text = pair.partition("=")
+        method, sep, name = head.rpartition(":")
         method, name = method.strip(), name.strip().replace("-", "_")
         if not sep or not eq or not method or not name:
             raise UserError(f"--option {pair!r} is not allowed: it must be METHOD:NAME=VALUE, e.g. fedldf:n=2.")
@@ -112,11 +114,14 @@ def fresh_out_dir(out_dir: str | None) -> str:
 def plan(base: RunConfig, methods: Sequence[str], seeds: Sequence[int], options: dict[str, dict],
          out_dir: str) -> list[RunConfig]:
     """One validated configuration per (method, seed), methods outer; raises before anything is run."""
-    configs = [dataclasses.replace(base, method=m, options=dict(options.get(m, {})), seed=s, out_dir=out_dir,
-                                   run_name=f"{m}-seed{s}")
+    configs = [dataclasses.replace(base, method=m, options=dict(options.get(m, {})), seed=s, out_dir=out_dir)
                for m in methods for s in seeds]
+    # each run's folder by the method's own name (an import string's colon has no place in a folder name)
+    configs = [dataclasses.replace(c, run_name=f"{c.method_name}-seed{c.seed}") for c in configs]
     for config in configs:
         config.validate(check_model=True)
+    for config in configs[:1]:  # every run shares the population, devices and --out
+        preflight(config)
     return configs
 
 

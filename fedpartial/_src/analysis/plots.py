@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment.config import check_writable_dir
+from fedpartial._src.experiment.preflight import check_writable_dir
 from fedpartial._src.experiment.summaries import load_run, run_curve
 
 #: file stem -> (curve key of the x axis, x label)

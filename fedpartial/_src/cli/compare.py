@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 
 from fedpartial._src.cli.display import duration, mb
-from fedpartial._src.cli.flags import Formatter, config_from_args
+from fedpartial._src.cli.flags import Formatter, config_from_args, refuse_flag_clashes
 from fedpartial._src.core.errors import UserError
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
@@ -28,7 +28,9 @@ def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentPar
                          help="methods, comma-separated, e.g. fedavg,fedldf,fedspu (required, here or in --config)")
     compare.add_argument("--seeds", default="0", help="seeds, comma-separated, e.g. 0,1,2")
     compare.add_argument("--option", action="append", default=[], metavar="METHOD:NAME=VALUE",
-                         help="a method's option, e.g. fedldf:n=2 (repeat for more; others keep their defaults)")
+                         help="a method's option, e.g. fedldf:n=2 (repeat for more; others keep their defaults); "
+                              "METHOD is everything before the last ':' ahead of the '=', so a method of your own "
+                              "is addressed as it is named, e.g. my_package.module:factory:k=2")
     compare.add_argument("--out", default=None,
                          help="a new or empty directory for the runs, table and figures "
                               "(default: runs/compare-YYYYmmdd-HHMMSS)")
@@ -76,6 +78,7 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
         raise UserError("--methods is required (e.g. --methods fedavg,fedldf), on the command line or as methods = "
                         "\"…\" in a --config file.")
     methods = compare.parse_methods(args.methods)
+    refuse_flag_clashes(methods)
     seeds = compare.parse_seeds(args.seeds)
     options = compare.parse_options(args.option, methods)
     out_dir = compare.fresh_out_dir(args.out)

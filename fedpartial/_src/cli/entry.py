@@ -37,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def importable_working_directory(path: list[str], here: str) -> list[str]:
+    """``path`` (``sys.path``) with the working directory ``here`` on it, as ``python -m fedpartial`` has it, so
+    that ``--method my_module:factory`` finds ``my_module.py`` where the command is run.  It goes last: unlike
+    ``python -m``, an installed package is never shadowed by a folder of the same name."""
+    return path if here in path or "" in path else [*path, here]
+
+
 def console() -> None:
     """The console script: exits with the command's status."""
+    sys.path[:] = importable_working_directory(sys.path, os.getcwd())
     sys.exit(main())

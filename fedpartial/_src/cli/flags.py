@@ -10,6 +10,7 @@ A flag's ``type`` function says in its ``toml_kind`` attribute what the flag tak
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ from fedpartial._src.experiment.config import DEFAULT_LOCAL_EPOCHS, RunConfig
 import dataclasses
 
 from fedpartial._src.methods.catalog import METHODS, all_methods, find_method
-from fedpartial._src.methods.registry import MethodSpec, boolean
+from fedpartial._src.methods.registry import MethodSpec, boolean, ratios
 
 
 def whole_number(text: str) -> int:
@@ -229,12 +230,53 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
 
 
 def method_flag_users(specs: Iterable[MethodSpec]) -> dict[str, list]:
-    """Every method option's flag -> [(method name, Option), ...] (methods may share a flag)."""
+    """Every method option's flag -> [(method name, Option), ...] (methods may share a flag).  A plug-in's
+    option that :func:`flag_clash` refuses has no flag: the built-in one keeps its own type."""
+    specs = list(specs)
     flags: dict[str, list] = {}
     for spec in specs:
         for opt in spec.options:
-            flags.setdefault(opt.cli_flag, []).append((spec.name, opt))
+            if spec.name in METHODS or _clash(spec.name, opt) is None:
+                flags.setdefault(opt.cli_flag, []).append((spec.name, opt))
     return flags
+
+
+@functools.cache
+def _run_flag_strings() -> frozenset[str]:
+    """The flags of ``fedpartial run`` that are not method options (``--seed``, ``--rounds``, ...)."""
+    parser = argparse.ArgumentParser(add_help=True)
+    add_run_flags(parser, specs=())
+    return frozenset(s for action in parser._actions for s in action.option_strings)
+
+
+def _kind(opt) -> str:
+    return {float: "a number", int: "a whole number", str: "text", boolean: "a switch",
+            ratios: "comma-separated numbers"}.get(
+        opt.type, getattr(opt.type, "__name__", "a value"))
+
+
+def _clash(method: str, opt) -> str | None:
+    """Why ``opt`` of the plug-in ``method`` cannot have its flag: the flag is one of ``run``'s own, or a
+    built-in method's option of another type (else parsed as the built-in's, it would fail later)."""
+    flag = opt.cli_flag
+    if flag in _run_flag_strings():
+        return (f"option {opt.name!r} of method {method!r} would take the flag {flag}, which is fedpartial run's own; "
+                f"give the option another flag (Option(..., flag=...)) or its argument another name.")
+    owners = [(name, o) for name, spec in METHODS.items() for o in spec.options if o.cli_flag == flag]
+    if owners and owners[0][1].type is not opt.type:
+        names = ", ".join(name for name, _ in owners)
+        return (f"option {opt.name!r} of method {method!r} ({_kind(opt)}) would take the flag {flag}, which the "
+                f"built-in {names} own{'s' if len(owners) == 1 else ''} for {_kind(owners[0][1])}; give the option "
+                f"another flag (Option(..., flag=...)) or its argument another name.")
+    return None
+
+
+def flag_clash(spec: MethodSpec) -> str | None:
+    """The sentence refusing a plug-in method (not a built-in one) one of whose options would take a flag
+    that a built-in method owns for another type, or that ``run`` owns; None when every option has its flag."""
+    if spec.name in METHODS:
+        return None
+    return next((why for opt in spec.options if (why := _clash(spec.name, opt))), None)
 
 
 def _option_type(opt):
@@ -283,8 +325,17 @@ def method_options(args: argparse.Namespace, specs: Iterable[MethodSpec] | None 
     return options
 
 
+def refuse_flag_clashes(names: Iterable[str]) -> None:
+    """A plug-in method among ``names`` whose option would take a built-in flag of another type is refused in
+    one sentence naming both owners (before anything runs)."""
+    for spec in method_specs(names):
+        if spec.name in names and (why := flag_clash(spec)):
+            raise UserError(why)
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The :class:`RunConfig` of parsed ``run`` (or ``compare``) flags."""
+    refuse_flag_clashes([args.method])
     local_steps, local_epochs = args.local_steps, args.local_epochs
     options = method_options(args)
     return RunConfig(

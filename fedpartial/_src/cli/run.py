@@ -133,6 +133,7 @@ class RunComplete(Exception):
 
 def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial._src.experiment import jobs, simulation
+    from fedpartial._src.experiment.preflight import preflight
 
     _join_processes(args)  # before anything touches a JAX backend
     if args.resume is not None and jobs.is_job_folder(args.resume):
@@ -146,6 +147,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     else:
         config = config_from_args(args)
     config.validate(check_model=True)  # every bad value, path and combination before any set-up
+    preflight(config)  # then whether this machine holds it: memory, devices, --out
     t0 = time.perf_counter()
     sim = simulation.Simulation(config)  # data and model errors surface before the progress bar
     if sim.holdout_note and not args.quiet:  # a default that changes what is trained on is said, not silent
@@ -271,6 +273,7 @@ def _run_seeds(args, console: Console, stop) -> int:
     (:mod:`fedpartial._src.experiment.replicas`)."""
     from fedpartial._src.analysis import compare
     from fedpartial._src.experiment import replicas
+    from fedpartial._src.experiment.preflight import preflight
 
     flag = "--seeds" if args.seeds is not None else "--lrs" if args.lrs is not None else "--server-lrs"
     seeds = compare.parse_seeds(args.seeds) if args.seeds is not None else [args.seed]
@@ -288,6 +291,7 @@ def _run_seeds(args, console: Console, stop) -> int:
                         "--server-lrs.")
     config = config_from_args(args)
     config.validate(check_model=True)
+    preflight(config)
     replicas.replica_strategy(config.strategy)
     every = max(1, math.ceil(config.rounds / 50))
 

@@ -10,13 +10,11 @@ import dataclasses
 from collections.abc import Mapping
 import math
 import os
-import tempfile
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from fedpartial._src.core import memory
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
@@ -26,6 +24,7 @@ from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.methods.catalog import find_method
+from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
 
 #: Model used when ``model='auto'``.
@@ -36,9 +35,6 @@ DEFAULT_MODELS = {
 }
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DEFAULT_LOCAL_EPOCHS = 2.0
-#: the least host memory one client of the population takes (its device profile, ids, sample counts, data
-#: index): a population that cannot fit even that is refused before anything is drawn
-MIN_BYTES_PER_CLIENT = 64
 #: a run folder's name: file systems allow 255 bytes; a taken name gets a suffix such as "-1"
 MAX_RUN_NAME_BYTES = 240
 #: each client's training share when the method needs held-out data and none is given
@@ -71,13 +67,7 @@ def _flag(field: str) -> str:
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
-def _shown(value) -> str:
-    """A value as people type it: 3, 0.05, nan, inf, 'text'."""
-    if isinstance(value, float):
-        return f"{value:g}" if value.is_integer() and abs(value) < 1e15 else repr(value)
-    if isinstance(value, (tuple, list)):
-        return ",".join(_shown(v) for v in value)
-    return repr(value) if isinstance(value, str) else str(value)
+_shown = shown  # a value as people type it
 
 
 def _refuse(field: str, value, allowed: str):
@@ -107,8 +97,7 @@ def _check_finite(config, field: str, ok: Callable[[float], bool], allowed: str)
 
 
 def _check_output(out_dir: str | None, run_name: str | None) -> None:
-    """The run folder can be made under ``out_dir``; nothing is left behind (an empty probe folder is made in
-    the nearest existing ancestor and removed at once)."""
+    """``out_dir`` and ``run_name`` name a folder (whether it can be made is the preflight's question)."""
     if out_dir is None:
         return
     if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
@@ -120,27 +109,6 @@ def _check_output(out_dir: str | None, run_name: str | None) -> None:
     if run_name is not None and len(run_name.encode()) > MAX_RUN_NAME_BYTES:
         _refuse("run_name", run_name, f"a folder name of at most {MAX_RUN_NAME_BYTES} bytes (file systems allow "
                                       f"255, and a taken name gets a suffix)")
-    check_writable_dir(out_dir, "--out", "a directory to write run folders in")
-
-
-def check_writable_dir(path: str, flag: str, what: str) -> None:
-    """``path`` is a directory that exists or can be made, and may be written: else one sentence naming ``flag``
-    and ``what`` it must be.  Nothing is left behind (an empty probe folder is made in the nearest existing
-    ancestor and removed at once)."""
-    full = os.path.abspath(os.fspath(path))
-    probe = full
-    while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        where = "is a file" if probe == full else f"cannot be made: {probe} is a file"
-        raise ConfigError(f"{flag} {path!r} {where}; it must be {what}.")
-    where = "is not writable" if probe == full else f"cannot be made: {probe} is not writable"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.")
-    try:  # os.access says yes to root even where the kernel refuses (/proc, /sys): try an empty folder
-        os.rmdir(tempfile.mkdtemp(prefix=".fedpartial-probe-", dir=probe))
-    except OSError:
-        raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.") from None
 
 
 @dataclasses.dataclass
@@ -226,26 +194,12 @@ class RunConfig:
     # from the class body.
     devices: int | None = None
 
-    def _check_synthetic_fits(self, ram: int) -> None:
-        """Synthetic data for ``num_clients`` clients that would not fit in ``ram`` bytes to generate is refused
-        before anything is drawn (it used to grow until the kernel killed the process)."""
-        from fedpartial._src.data import synthetic
-
-        cap = self.max_samples
-        examples = synthetic.expected_examples(self.num_clients, min_samples=50 if cap is None else min(50, cap),
-                                               max_samples=cap)
-        need = examples * synthetic.GENERATION_BYTES_PER_EXAMPLE
-        if need > memory.HEADROOM * ram:
-            raise ConfigError(
-                f"--dataset synthetic with --clients {self.num_clients} draws about {examples:,.0f} examples, which "
-                f"need about {memory.gib(need)} of host memory to generate, but {memory.gib(ram)} is available; "
-                f"use fewer --clients or cap each client with --max-samples.")
-
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
 
         Numbers are checked finite first (NaN and ±inf never pass), then their ranges, then names, output
-        paths and combinations.  Nothing is created or loaded.
+        paths and combinations.  Nothing is created or loaded, and the machine is not asked: whether the run
+        fits its memory, devices and disk is :func:`fedpartial._src.experiment.preflight.preflight`'s question.
 
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
@@ -279,18 +233,10 @@ class RunConfig:
         _check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
         for field in ("num_clients", "rounds", "batch_size", "eval_every"):
             _check_int(self, field, 1)
-        ram = memory.host_available()
-        need = self.num_clients * MIN_BYTES_PER_CLIENT
-        if ram is not None and need > ram:  # before validation itself draws the population's device profiles
-            bad(f"--clients {self.num_clients} needs at least {memory.gib(need)} of host memory for the "
-                f"population's per-client records alone ({MIN_BYTES_PER_CLIENT} bytes a client), more than this "
-                f"machine has available.")
         if self.local_steps is not None:
             _check_int(self, "local_steps", 1)
         if self.max_samples is not None:
             _check_int(self, "max_samples", 1)
-        if self.dataset == "synthetic" and ram is not None:  # the generator draws every client's data up front
-            self._check_synthetic_fits(ram)
         if self.local_steps is not None and self.local_epochs is not None:
             bad("give only one of --local-steps or --local-epochs.")
         if not _is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
@@ -303,21 +249,8 @@ class RunConfig:
                 spec = find_method(self.method)  # built in, installed (entry point) or package.module:factory
             except UserError as e:
                 bad(f"--{e}")
-            for name, value in dict(self.options).items():
-                try:
-                    opt = spec.option(name)
-                except UserError as e:  # an unknown name: one sentence listing the method's options
-                    bad(str(e))
-                many = isinstance(value, (tuple, list))
-                if any(isinstance(v, (float, np.floating)) and not math.isfinite(v) for v in (value if many else
-                                                                                             (value,))):
-                    bad(f"{opt.cli_flag} {_shown(value)} is not allowed: "
-                        f"it must be {'finite numbers' if many else 'a finite number'}.")
-                problem = opt.check(value) if opt.check else None
-                if problem:
-                    bad(f"{opt.cli_flag} {_shown(value)} is not allowed for {spec.name}: it {problem}.")
-            try:
-                spec.check(dict(self.options))
+            try:  # the options' own checks (Option.problem), said as the command line says them
+                spec.check(dict(self.options), typed=True)
             except UserError as e:
                 bad(str(e))
             tiers = dict(self.options).get("tiers")
@@ -373,11 +306,12 @@ class RunConfig:
                 "packed on the host a chunk at a time; use --data-placement host or auto.")
         if self.devices is not None:
             self._check_devices()
-        try:
-            if self.device_profiles is None:  # name the flag; the profiles CSV is read by device_model below
+        try:  # nothing the population's size is drawn: a huge --clients is the preflight's to refuse
+            if self.device_profiles is None:
                 for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
                     devices.parse_distribution(getattr(self, field), _flag(field))
-            self.device_model()
+            else:
+                devices.load_profiles(self.device_profiles, 1)
         except UserError as e:
             bad(str(e))
         _check_output(self.out_dir, self.run_name)
@@ -451,12 +385,9 @@ class RunConfig:
         return self.dp_delta if self.dp_delta is not None else 1.0 / self.num_clients
 
     def _check_devices(self) -> None:
-        """``--devices``: a whole number from 1 to this process's device count, with a strategy that splits."""
+        """``--devices``: a whole number ≥ 1 (at most the local device count: the preflight's), with a strategy
+        that splits."""
         _check_int(self, "devices", 1)
-        available = jax.local_device_count()
-        if self.devices > available:
-            _refuse("devices", self.devices, f"between 1 and {available}, the number of local "
-                                             f"{jax.default_backend()} devices")
         kind = engine_strategy.parse_strategy(self.strategy).kind
         if self.devices > 1 and self.strategy != "auto" and kind != "fused":
             raise ConfigError(f"--devices {self.devices} needs the fused strategy (--strategy fused or fused:N); "
@@ -515,13 +446,19 @@ class RunConfig:
 
     @property
     def method_name(self) -> str:
-        """The method's own name, for run folders: ``package.module:factory`` gives the name its spec declares."""
+        """The method's own name, for run folders and summaries: ``package.module:SPEC`` gives the name its spec
+        declares, ``package.module:factory`` the name of the Method it builds; never the import string (a colon
+        has no place in a folder name)."""
         if ":" not in self.method:
             return self.method
         try:
-            return find_method(self.method).name
-        except UserError:
-            return self.method
+            name = find_method(self.method).name
+            if ":" in name:  # a plain factory is named by its import string until it is built
+                name = self.build_method().name
+        except (UserError, TypeError):
+            name = self.method
+        # the attribute's name when the Method's is unusable as a folder name
+        return name if name and ":" not in name and "/" not in name else self.method.rpartition(":")[2]
 
     def build_method(self) -> Method:
         """The registered method with this configuration's options (before early stopping), and this run's

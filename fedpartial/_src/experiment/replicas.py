@@ -80,6 +80,7 @@ from fedpartial._src.engine import types as engine_types
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer
 from fedpartial._src.experiment.run_directory import RunWriter, unique_run_dir
 from fedpartial._src.experiment.simulation import Simulation
@@ -179,6 +180,7 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
         for r in replica_settings(seeds, lrs, server_lrs)]
     for c in configs:
         c.validate()
+    preflight(configs[0])  # the replicas share the population, devices and --out
     return configs
 
 

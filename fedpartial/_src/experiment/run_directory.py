@@ -337,7 +337,7 @@ def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: flo
                     "stopped_clients": int(config.num_clients - sim.active_clients().sum())}
     return {
         "status": status,
-        "method": config.method,
+        "method": config.method_name,
         "dataset": sim.dataset.name,
         "model": sim.model.name,
         "num_params": sim.num_params,

@@ -33,6 +33,7 @@ from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time, timing
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
+from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
 from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer, model_outputs
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
@@ -85,6 +86,7 @@ class Simulation:
         if method is not None:
             config = dataclasses.replace(config, method=method.name, options={})
         config.validate(custom_method=method is not None)
+        preflight(config)  # then whether this machine can hold it
         if data_placement not in (None, "host", "device"):
             raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
                               f"--data-placement {config.data_placement}).")

@@ -84,6 +84,13 @@ def _number(value) -> float:
     return math.nan if value is None else float(value)  # strict JSON writes NaN as null
 
 
+def _label(run: dict, method: str) -> str:
+    """A method as tables and figures show it: the name its summary gives (``my_method``, not the import string
+    ``package.module:factory`` its config.json keeps to run it again)."""
+    label = (run.get("summary") or {}).get("method")
+    return label if isinstance(label, str) and label else method
+
+
 def table(runs: Sequence[dict], columns: Sequence[tuple[str, str]] = COLUMNS) -> list[dict]:
     """One row per method (in first-seen order): ``method``, ``seeds`` and ``<key>_mean`` / ``<key>_std``
     for every key of ``columns`` (default :data:`COLUMNS`), over the method's runs (their ``summary.json``)."""
@@ -94,7 +101,7 @@ def table(runs: Sequence[dict], columns: Sequence[tuple[str, str]] = COLUMNS) ->
         by_method.setdefault(run["config"]["method"], []).append(run)
     rows = []
     for method, group in by_method.items():
-        row = {"method": method, "seeds": ",".join(str(r["config"]["seed"]) for r in group)}
+        row = {"method": _label(group[0], method), "seeds": ",".join(str(r["config"]["seed"]) for r in group)}
         for key, _ in columns:
             values = np.array([_number(r["summary"][key]) for r in group], np.float64)
             row[f"{key}_mean"], row[f"{key}_std"] = float(np.mean(values)), float(np.std(values))
@@ -174,5 +181,5 @@ def method_curves(runs: Sequence[dict]) -> list[dict]:
     by_method: dict[str, list[dict]] = {}
     for run in runs:
         by_method.setdefault(run["config"]["method"], []).append(run)
-    return [mean_curve(group, f"{method} (mean ± std of {len(group)} seed{'s' * (len(group) > 1)})")
+    return [mean_curve(group, f"{_label(group[0], method)} (mean ± std of {len(group)} seed{'s' * (len(group) > 1)})")
             for method, group in by_method.items()]

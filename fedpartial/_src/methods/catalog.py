@@ -5,6 +5,7 @@ theirs through the entry-point group :data:`ENTRY_POINT_GROUP`, and any method c
 checked options.
 """
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -74,9 +75,14 @@ def _options_of(factory: Callable) -> tuple[Option, ...]:
 
 
 def as_spec(obj: Any, name: str) -> MethodSpec:
-    """``obj`` (a MethodSpec, or a factory returning a Method) as a MethodSpec; ``name`` names it in messages."""
+    """``obj`` (a MethodSpec, or a factory returning a Method) as a MethodSpec; ``name`` names it in messages.
+
+    A plug-in MethodSpec's factory arguments that its options do not describe (nor its ``run_settings``)
+    become options as a plain factory's do, so each has a flag as the built-in methods' options have."""
     if isinstance(obj, MethodSpec):
-        return obj
+        taken = {o.name for o in obj.options} | set(obj.run_settings)
+        extra = tuple(o for o in _options_of(obj.factory) if o.name not in taken)
+        return dataclasses.replace(obj, options=obj.options + extra) if extra else obj
     if callable(obj):
         summary = (inspect.getdoc(obj) or f"{name} (a method from another package)").splitlines()[0]
         return MethodSpec(name, obj, summary, options=_options_of(obj))

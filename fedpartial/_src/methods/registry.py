@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Callable
 
@@ -41,18 +42,87 @@ def _number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def at_least(low: float) -> Check:
-    return lambda v: None if _number(v) and v >= low else f"must be a number ≥ {low}"
+def shown(value) -> str:
+    """A value as people type it on the command line: 3, 0.05, nan, inf, 'text', 0.2,0.4."""
+    if isinstance(value, float):
+        return f"{value:g}" if value.is_integer() and abs(value) < 1e15 else repr(value)
+    if isinstance(value, (tuple, list)):
+        return ",".join(shown(v) for v in value)
+    return repr(value) if isinstance(value, str) else str(value)
 
 
-def in_unit_interval(v) -> str | None:
-    """(0, 1]."""
-    return None if _number(v) and 0 < v <= 1 else "must be a number in (0, 1]"
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A declarative check: a number (a whole one with ``integer``) from ``low`` to ``high``, either end open
+    or unbounded (None).  It is a :data:`Check`: called with a value it returns None or what is allowed."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    allowed: str = ""  # the phrase said when a value is refused (default: built from the bounds)
+
+    def __call__(self, value) -> str | None:
+        kind_ok = (isinstance(value, numbers.Integral) and not isinstance(value, bool)) if self.integer \
+            else _number(value)
+        inside = kind_ok and (self.low is None or (value > self.low if self.low_open else value >= self.low)) \
+            and (self.high is None or (value < self.high if self.high_open else value <= self.high))
+        return None if inside else self.allowed or self.describe()
+
+    def describe(self) -> str:
+        what = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            return (f"must be {what} in {'(' if self.low_open else '['}{self.low:g}, "
+                    f"{self.high:g}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"must be {what} {'>' if self.low_open else '≥'} {self.low}"
+        if self.high is not None:
+            return f"must be {what} {'<' if self.high_open else '≤'} {self.high}"
+        return f"must be {what}"
 
 
-def positive_int(v) -> str | None:
-    return None if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 \
-        else "must be a positive integer"
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """A declarative check: the value is one of ``choices`` (also an :class:`Option`'s ``choices=``)."""
+
+    choices: tuple
+
+    def __call__(self, value) -> str | None:
+        return None if value in self.choices else f"must be one of {', '.join(map(str, self.choices))}"
+
+
+def at_least(low: float, allowed: str = "") -> Range:
+    """A number ≥ ``low``."""
+    return Range(low, allowed=allowed)
+
+
+def above(low: float, allowed: str = "") -> Range:
+    """A number > ``low``."""
+    return Range(low, low_open=True, allowed=allowed)
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False, allowed: str = "") -> Range:
+    """A number from ``low`` to ``high``; ``low_open`` / ``high_open`` leave an end out."""
+    return Range(low, high, low_open, high_open, allowed=allowed)
+
+
+def whole_number(low: int = 0, allowed: str = "") -> Range:
+    """An integer ≥ ``low``."""
+    return Range(low, integer=True, allowed=allowed or f"must be an integer ≥ {low}")
+
+
+def one_of(*choices) -> OneOf:
+    return OneOf(tuple(choices))
+
+
+#: [0, 1]: a probability or a mixing weight
+probability = between(0, 1)
+#: (0, 1]: a fraction of something that must keep at least a part
+in_unit_interval = between(0, 1, low_open=True)
+#: [0, 1): a rate of dropping, pruning or momentum (all would leave nothing)
+rate = between(0, 1, high_open=True)
+positive_int = Range(1, integer=True, allowed="must be a positive integer")
 
 
 def boolean(text: str | bool) -> bool:
@@ -73,8 +143,15 @@ def is_boolean(v) -> str | None:
 
 
 def ratios_in_unit_interval(v) -> str | None:
-    return None if len(v) and all(_number(p) and 0 < p <= 1 for p in v) \
+    return None if isinstance(v, (tuple, list)) and len(v) and all(_number(p) and 0 < p <= 1 for p in v) \
         else "must be keep ratios in (0, 1], e.g. 0.2,0.4,0.6,0.8,1.0"
+
+
+def _not_finite(value) -> bool:
+    """A NaN or ±inf anywhere in ``value`` (a number or a sequence of them): every comparison with NaN is
+    False, so a range check alone would let it through."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(_number(v) and not math.isfinite(v) for v in values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +164,15 @@ class Option:
         the option a switch (``--name`` / ``--no-name``, no value).
       default: the factory's default.
       help: one line for ``--help``.
-      check: validates a value (see :data:`Check`); None: anything the type parses.
+      check: validates a value (see :data:`Check`): a declarative :class:`Range` (:func:`at_least`,
+        :func:`between`, :data:`probability`, :data:`positive_int`, ...), :func:`one_of`, or any function
+        of your own; None: anything the type parses.
       flag: the command-line flag (default ``--name`` with ``_`` → ``-``); methods
         that share a flag (e.g. ``--tiers``) must agree on its type and default.
+      choices: the values allowed, when they are few (said in ``--help``; checked as :func:`one_of`).
+
+    :meth:`problem` is the one place an option's value is judged: NaN and ±inf are never allowed, a
+    ``None`` default stays allowed (the option left unset), then ``choices`` and ``check`` decide.
     """
 
     name: str
@@ -98,10 +181,42 @@ class Option:
     help: str
     check: Check | None = None
     flag: str | None = None
+    choices: tuple | None = None
 
     @property
     def cli_flag(self) -> str:
         return self.flag or "--" + self.name.replace("_", "-")
+
+    def problem(self, value) -> str | None:
+        """None when ``value`` is allowed, else the phrase saying what is (``must be ...``)."""
+        if value is None and self.default is None:
+            return None
+        if _not_finite(value):
+            return "must be finite numbers" if isinstance(value, (tuple, list)) else "must be a finite number"
+        if self.choices is not None and (found := OneOf(tuple(self.choices))(value)):
+            return found
+        return self.check(value) if self.check else None
+
+    def refusal(self, value, method: str, *, typed: bool = False) -> str | None:
+        """The one sentence refusing ``value`` for ``method`` (None when allowed); ``typed``: as the command
+        line says it, the flag followed by the value as typed."""
+        problem = self.problem(value)
+        if problem is None:
+            return None
+        if typed:  # a NaN is wrong for any method: the sentence does not name one
+            scope = "" if _not_finite(value) else f" for {method}"
+            return f"{self.cli_flag} {shown(value)} is not allowed{scope}: it {problem}."
+        return f"{method}: {self.cli_flag} = {value!r} {problem}."
+
+
+def check_values(method: str, options: tuple[Option, ...], **values) -> None:
+    """Raises :class:`UserError` for the first of ``values`` its option refuses: a factory called directly (not
+    through :meth:`MethodSpec.build`) checks its arguments with the options that describe them."""
+    by_name = {o.name: o for o in options}
+    for name, value in values.items():
+        refusal = by_name[name].refusal(value, method)
+        if refusal:
+            raise UserError(refusal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,14 +244,15 @@ class MethodSpec:
         known = ", ".join(o.name for o in self.options) or "none"
         raise UserError(f"method {self.name!r} has no option {name!r} (its options: {known}).")
 
-    def check(self, options: dict) -> dict:
-        """Every option of this method, given values checked and the others at their defaults."""
+    def check(self, options: dict, *, typed: bool = False) -> dict:
+        """Every option of this method, given values checked (:meth:`Option.problem`) and the others at their
+        defaults; ``typed``: a refusal names the flag and value as the command line does."""
         out = {}
         for name, value in options.items():
             opt = self.option(name)
-            problem = opt.check(value) if opt.check else None
-            if problem:
-                raise UserError(f"{self.name}: {opt.cli_flag} = {value!r} {problem}.")
+            refusal = opt.refusal(value, self.name, typed=typed)
+            if refusal:
+                raise UserError(refusal)
             out[name] = value
         return {**{o.name: o.default for o in self.options}, **out}
 

@@ -84,7 +84,7 @@ from fedpartial._src.methods.base import (
     make_method,
 )
 from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weighting, reweight
-from fedpartial._src.methods.registry import MethodSpec, Option, positive_int
+from fedpartial._src.methods.registry import MethodSpec, Option, between, check_values, positive_int, whole_number
 
 RESAMPLE_MODES = ("round", "step")
 TARGET_READINGS = ("time-matched", "literal")
@@ -178,10 +178,8 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
       lanczos_steps: Lanczos iterations of the Hessian criterion.
       target: ``'time-matched'`` or ``'literal'``, the reading of the device targets ``d*_k``.
     """
-    if resample not in RESAMPLE_MODES:
-        raise ValueError(f"fedad: resample {resample!r} is unknown; use one of {RESAMPLE_MODES}.")
-    if target not in TARGET_READINGS:
-        raise ValueError(f"fedad: target {target!r} is unknown; use one of {TARGET_READINGS}.")
+    check_values("fedad", OPTIONS, rate=rate, measure_every=measure_every, patience=patience, max_rate=max_rate,
+                 resample=resample, importance_batches=importance_batches, lanczos_steps=lanczos_steps, target=target)
     per_step = resample == "step"
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
@@ -299,48 +297,26 @@ def feddhad(rate: float | None = None, measure_every: int = 2, patience: int = 4
                     feddh_weighting(lr_upsilon, decay_upsilon, lr_b, decay_b), name="feddhad")
 
 
-def _rate(v) -> str | None:
-    if v is None:
-        return None
-    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 else \
-        "must be a number in [0, 1) (or unset for the Hessian criterion)"
-
-
-def _max_rate(v) -> str | None:
-    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 else \
-        "must be a number in (0, 1)"
-
-
-def _non_negative_int(v) -> str | None:
-    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be an integer ≥ 0"
-
-
-def _resample(v) -> str | None:
-    return None if v in RESAMPLE_MODES else f"must be one of {', '.join(RESAMPLE_MODES)}"
-
-
-def _target(v) -> str | None:
-    return None if v in TARGET_READINGS else f"must be one of {', '.join(TARGET_READINGS)}"
-
-
 OPTIONS = (
     Option("rate", float, None, "FedAD: fixed global dropout rate d_avg in [0, 1) (default: the Hessian "
-           "eigen-gap criterion)", _rate, flag="--ad-rate"),
+           "eigen-gap criterion)",
+           between(0, 1, high_open=True, allowed="must be a number in [0, 1) (or unset for the Hessian criterion)"),
+           flag="--ad-rate"),
     Option("measure_every", int, 2, "FedAD: rounds h between importance measurements", positive_int,
            flag="--ad-measure-every"),
     Option("patience", int, 4, "FedAD: rounds C without a decrease of the importance variation before the "
-           "rates are recomputed (0: at every measurement)", _non_negative_int, flag="--ad-patience"),
-    Option("max_rate", float, 0.5, "FedAD: largest per-unit dropout rate, in (0, 1)", _max_rate,
-           flag="--ad-max-rate"),
+           "rates are recomputed (0: at every measurement)", whole_number(0), flag="--ad-patience"),
+    Option("max_rate", float, 0.5, "FedAD: largest per-unit dropout rate, in (0, 1)",
+           between(0, 1, low_open=True, high_open=True), flag="--ad-max-rate"),
     Option("resample", str, "round", "FedAD: draw each client's sub-model once per round (the paper) or "
-           "a fresh mask every local step", _resample, flag="--ad-resample"),
+           "a fresh mask every local step", flag="--ad-resample", choices=RESAMPLE_MODES),
     Option("importance_batches", int, 2, "FedAD: local batches per client on which HRank is measured",
            positive_int, flag="--ad-importance-batches"),
     Option("lanczos_steps", int, 16, "FedAD: Lanczos iterations of the Hessian criterion", positive_int,
            flag="--ad-lanczos-steps"),
     Option("target", str, "time-matched", "FedAD: reading of each device's target dropout: time-matched "
            "(slow devices drop until their time matches the reference device's) or literal (Algorithm 2 "
-           "as printed: faster devices drop more)", _target, flag="--ad-target"),
+           "as printed: faster devices drop more)", flag="--ad-target", choices=TARGET_READINGS),
 )
 
 SPECS = (

@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import (
     Capabilities,
     ClientPlan,
@@ -62,7 +61,7 @@ from fedpartial._src.methods.base import (
     upload_trained,
     with_penalty,
 )
-from fedpartial._src.methods.registry import MethodSpec, Option, at_least
+from fedpartial._src.methods.registry import MethodSpec, Option, at_least, check_values
 
 
 class DynServer(NamedTuple):
@@ -83,8 +82,7 @@ def _per_client(a: jax.Array, leaf: jax.Array) -> jax.Array:
 
 def feddyn(alpha: float = 0.01) -> Method:
     """FedDyn with regularisation strength ``alpha`` (α = 0: FedAvg with uniform weights)."""
-    if not alpha >= 0:
-        raise UserError(f"FedDyn α = {alpha!r} must be a number ≥ 0.")
+    check_values("feddyn", SPEC.options, alpha=alpha)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         params = view.global_vars["params"]

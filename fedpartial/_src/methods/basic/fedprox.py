@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import Capabilities, Method, make_method, with_penalty
-from fedpartial._src.methods.registry import MethodSpec, Option, at_least
+from fedpartial._src.methods.registry import MethodSpec, Option, at_least, check_values
 
 
 def proximal_term(mu: float):
@@ -23,6 +23,7 @@ def proximal_term(mu: float):
 
 def fedprox(mu: float = 0.01) -> Method:
     """FedProx with proximal coefficient ``mu``."""
+    check_values("fedprox", SPEC.options, mu=mu)
     return make_method("fedprox", objective=with_penalty(proximal_term(mu)), capabilities=Capabilities(streamable="per_client"))
 
 

@@ -50,7 +50,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import masked_cross_entropy
 from fedpartial._src.methods.base import (
     Capabilities,
@@ -66,7 +65,7 @@ from fedpartial._src.methods.base import (
     make_method,
     scatter_clients,
 )
-from fedpartial._src.methods.registry import MethodSpec, Option, at_least, positive_int
+from fedpartial._src.methods.registry import MethodSpec, Option, above, at_least, check_values, positive_int
 from fedpartial._src.models import heads
 
 COSINE_EPS = 1e-8
@@ -95,10 +94,7 @@ def contrastive_loss(z: jax.Array, z_glob: jax.Array, z_prev: jax.Array, tempera
 
 def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -> Method:
     """MOON with contrastive weight ``mu``, temperature ``temperature`` and a ``projection_dim``-wide head."""
-    if not mu >= 0:
-        raise UserError(f"MOON μ = {mu!r} must be a number ≥ 0.")
-    if not temperature > 0:
-        raise UserError(f"MOON temperature τ = {temperature!r} must be a number > 0.")
+    check_values("moon", SPEC.options, mu=mu, temperature=temperature, projection_dim=projection_dim)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         return MethodState(clients=PreviousModel(variables=broadcast_clients(view.global_vars, ctx.num_clients),
@@ -136,14 +132,10 @@ def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -
                        capabilities=Capabilities(host_client_state=True))
 
 
-def _positive(v) -> str | None:
-    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else "must be a number > 0"
-
-
 SPEC = MethodSpec("moon", moon, "FedAvg plus a contrastive term: toward the global model, away from the previous one.",
                   options=(Option("mu", float, 1.0, "MOON: weight μ of the contrastive term", at_least(0.0),
                                   flag="--moon-mu"),
                            Option("temperature", float, 0.5, "MOON: temperature τ of the contrastive term",
-                                  _positive, flag="--moon-tau"),
+                                  above(0, "must be a number > 0"), flag="--moon-tau"),
                            Option("projection_dim", int, 256, "MOON: width of the projection head",
                                   positive_int, flag="--moon-dim")))

@@ -46,7 +46,6 @@ optimizer (SGD(1) for the paper) applies to the aggregate as for every method.
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax.numpy as jnp
 
@@ -67,6 +66,7 @@ from fedpartial._src.methods.base import (
 from fedpartial._src.methods.registry import (
     MethodSpec,
     Option,
+    check_values,
     in_unit_interval,
     positive_int,
 )
@@ -78,8 +78,7 @@ INDEX_BYTES = 4
 
 def _check_n(name: str, n: int):
     """Validates ``n`` now (type, ≥ 1) and against the cohort size when the round is built."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise UserError(f"{name}: n must be a positive integer number of clients, got {n!r}.")
+    check_values(name, (N_OPTION,), n=n)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         del view

@@ -32,13 +32,12 @@ from fedpartial._src.methods.base import (Capabilities, ClientPlan, InitView, Me
                                           PersonalModels, RoundView, cohort_rows, make_method, scatter_clients,
                                           with_penalty)
 from fedpartial._src.methods.basic.fedprox import proximal_term
-from fedpartial._src.methods.registry import MethodSpec, Option, at_least
+from fedpartial._src.methods.registry import MethodSpec, Option, at_least, check_values
 
 
 def ditto(lam: float = 0.1) -> Method:
     """Ditto: FedAvg's global model, and a personal model per client trained with ``λ/2·‖v − w^t‖²``."""
-    if lam < 0:
-        raise UserError(f"ditto: --lam {lam} must be ≥ 0.")
+    check_values("ditto", SPEC.options, lam=lam)
     personal_step = make_method("ditto-personal", objective=with_penalty(proximal_term(lam)))
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:

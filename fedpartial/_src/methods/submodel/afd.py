@@ -58,14 +58,12 @@ Everything is a pure jittable function of arrays and keys; the score map is
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedpartial._src.core import masks
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods import selection
 from fedpartial._src.methods.base import (
     InitView,
@@ -79,7 +77,7 @@ from fedpartial._src.methods.base import (
     scatter_clients,
 )
 from fedpartial._src.methods.submodel.dropout import submodel_method
-from fedpartial._src.methods.registry import MethodSpec, Option
+from fedpartial._src.methods.registry import MethodSpec, Option, check_values, rate
 from fedpartial._src.methods.submodel.common import active_fraction
 
 DEFAULT_RATE = 0.25
@@ -176,10 +174,7 @@ def afd(dropout_rate: float = DEFAULT_RATE, variant: str = "single") -> Method:
       dropout_rate: fraction of every hidden layer's units dropped, in [0, 1).
       variant: ``'single'`` (one score map at the server) or ``'multi'`` (one per client).
     """
-    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real) or not 0 <= dropout_rate < 1:
-        raise UserError(f"afd: dropout rate {dropout_rate!r} must be a number in [0, 1).")
-    if variant not in VARIANTS:
-        raise UserError(f"afd: variant {variant!r} is unknown; use 'single' or 'multi'.")
+    check_values("afd", SPEC.options, dropout_rate=dropout_rate, variant=variant)
     multi = variant == "multi"
     base = submodel_method("afd", _choose(multi), tiers=(1.0 - float(dropout_rate),), chosen_by="server")
 
@@ -217,17 +212,11 @@ def afd(dropout_rate: float = DEFAULT_RATE, variant: str = "single") -> Method:
                          personal=global_is_personal).with_capabilities(personalised=False)
 
 
-def _rate_check(v) -> str | None:
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 <= v < 1
-    return None if ok else "must be a number in [0, 1)"
-
-
 SPEC = MethodSpec(
     "afd", afd, "Adaptive Federated Dropout: sub-models drawn from an activation score map rewarded when the "
     "training loss falls.",
     options=(Option("dropout_rate", float, DEFAULT_RATE, "AFD: fraction of every hidden layer's units dropped",
-                    _rate_check, flag="--afd-rate"),
+                    rate, flag="--afd-rate"),
              Option("variant", str, "single", "AFD: 'single' (one score map at the server) or 'multi' (one per "
-                    "client)", lambda v: None if v in VARIANTS else "must be 'single' or 'multi'",
-                    flag="--afd-variant")),
+                    "client)", flag="--afd-variant", choices=VARIANTS)),
 )

@@ -74,7 +74,7 @@ from fedpartial._src.methods.base import (
     scatter_clients,
 )
 from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, WIDTHS_OPTION, tier_ratios
-from fedpartial._src.methods.registry import MethodSpec, Option, boolean, is_boolean
+from fedpartial._src.methods.registry import MethodSpec, Option, boolean, check_values, is_boolean
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION, resolve_mix
 
 #: bytes of FjORD's per-layer width (one int32)
@@ -198,8 +198,7 @@ def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS, dense_only: bool = 
     every convolution keeps all its filters — FedDHAD's FedDrop baseline (``--dense-only --tiers 0.5``);
     the index bytes then name the dense layers' units only.  The classifier always keeps all outputs.
     """
-    if not isinstance(dense_only, bool):
-        raise UserError(f"feddrop: dense_only {dense_only!r} must be True or False.")
+    check_values("feddrop", (DENSE_ONLY_OPTION,), dense_only=dense_only)
     if dense_only:
         return submodel_method("feddrop", _dense_only(_random), tiers=tiers, chosen_by="server",
                                index_cost=_dense_index_bytes)

@@ -84,7 +84,6 @@ Decisions (where the paper and its code, bibikar/feddst, leave room):
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -107,7 +106,7 @@ from fedpartial._src.methods.base import (
     make_method,
     upload_trained,
 )
-from fedpartial._src.methods.registry import MethodSpec, Option, in_unit_interval, positive_int
+from fedpartial._src.methods.registry import MethodSpec, Option, check_values, in_unit_interval, positive_int, rate
 from fedpartial._src.models.adapter import Model
 from fedpartial._src.core.structure import leaf_paths
 
@@ -257,12 +256,6 @@ def masked(params: Any, mask: Any) -> Any:
     return jax.tree.map(lambda p, m: jnp.where(m, p, jnp.zeros_like(p)), params, mask)
 
 
-def _sparsity(v) -> str | None:
-    """[0, 1)."""
-    return None if isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 <= v < 1 \
-        else "must be a number in [0, 1)"
-
-
 # ---- the method ---------------------------------------------------------------------------
 
 
@@ -270,14 +263,8 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
            min_votes: int = 1) -> Method:
     """FedDST at kernel ``sparsity`` s, adjusting masks every ``adjust_every`` rounds by an annealed
     ``adjust_fraction`` α; an element needs ``min_votes`` clients to stay in the global mask."""
-    if _sparsity(sparsity):
-        raise UserError(f"FedDST sparsity = {sparsity!r} must be a number in [0, 1).")
-    if positive_int(adjust_every):
-        raise UserError(f"FedDST adjust_every = {adjust_every!r} must be a positive whole number of rounds.")
-    if in_unit_interval(adjust_fraction):
-        raise UserError(f"FedDST adjust_fraction = {adjust_fraction!r} must be a number in (0, 1].")
-    if positive_int(min_votes):
-        raise UserError(f"FedDST min_votes = {min_votes!r} must be a positive whole number of clients.")
+    check_values("feddst", SPEC.options, sparsity=sparsity, adjust_every=adjust_every,
+                 adjust_fraction=adjust_fraction, min_votes=min_votes)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         if min_votes > ctx.clients_per_round:
@@ -417,7 +404,7 @@ SPEC = MethodSpec(
     "feddst", feddst,
     "Dynamic sparse training: ERK element masks, clients prune/regrow, server votes and re-prunes.",
     options=(
-        Option("sparsity", float, 0.8, "FedDST: fraction of kernel weights pruned (ERK per layer)", _sparsity),
+        Option("sparsity", float, 0.8, "FedDST: fraction of kernel weights pruned (ERK per layer)", rate),
         Option("adjust_every", int, 10, "FedDST: rounds between mask adjustments R_adj", positive_int),
         Option("adjust_fraction", float, 0.05, "FedDST: fraction α of active weights moved (cosine-annealed)",
                in_unit_interval),

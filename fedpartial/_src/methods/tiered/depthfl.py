@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import exit_cross_entropies, mutual_distillation
 from fedpartial._src.core.types import LocalStep, LossAux, MethodContext
 from fedpartial._src.methods.base import make_method
-from fedpartial._src.methods.registry import MethodSpec, Option, at_least
+from fedpartial._src.methods.registry import MethodSpec, Option, above, at_least, check_values
 from fedpartial._src.methods.tiered.depth import DEPTHS_OPTION, depth_hooks
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION
 
@@ -42,9 +41,7 @@ from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_
 def depthfl(tier_mix=None, capacity_case: int | None = None, depths=None, distill: float = 1.0,
             temperature: float = 1.0):
     """DepthFL with the given tier mix (default: all strong), depths and distillation weight and temperature."""
-    if not distill >= 0 or not temperature > 0:
-        raise UserError(f"DepthFL's distillation weight {distill!r} must be ≥ 0 and its temperature "
-                        f"{temperature!r} > 0.")
+    check_values("depthfl", SPEC.options, distill=distill, temperature=temperature)
 
     def objective(ctx: MethodContext, params, step: LocalStep):
         logits, stats = step.forward(params, step.batch.x)  # [exits held, B, C]
@@ -66,6 +63,6 @@ SPEC = MethodSpec(
              Option("distill", float, 1.0, "DepthFL: weight λ of the mutual self-distillation (0: none)",
                     at_least(0.0), flag="--kd-weight"),
              Option("temperature", float, 1.0, "DepthFL: temperature T of the self-distillation",
-                    lambda v: None if isinstance(v, (int, float)) and v > 0 else "must be a number > 0",
+                    above(0, "must be a number > 0"),
                     flag="--kd-temperature")),
 )

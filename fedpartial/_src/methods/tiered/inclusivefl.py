@@ -30,11 +30,10 @@ Choices (we could not check the paper's equation itself; its form here follows a
 
 from __future__ import annotations
 
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import masked_cross_entropy
 from fedpartial._src.core.types import InitView, LocalStep, LossAux, MethodContext, MethodState, RoundView
 from fedpartial._src.methods.base import make_method
-from fedpartial._src.methods.registry import MethodSpec, Option
+from fedpartial._src.methods.registry import MethodSpec, Option, check_values, probability
 from fedpartial._src.methods.tiered.depth import (DEPTHS_OPTION, Tiers, depth_hooks, transfer_apply, transfer_init,
                                                   transfer_next)
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION
@@ -42,8 +41,7 @@ from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_
 
 def inclusivefl(tier_mix=None, capacity_case: int | None = None, depths=None, beta: float = 0.2):
     """InclusiveFL with the given tier mix (default: all strong), depths and momentum distillation weight β."""
-    if not 0 <= beta <= 1:
-        raise UserError(f"InclusiveFL's momentum distillation β = {beta!r} must be in [0, 1].")
+    check_values("inclusivefl", SPEC.options, beta=beta)
 
     def tiers(ctx: MethodContext) -> Tiers:
         return Tiers(ctx, tier_mix, capacity_case, depths, "inclusivefl")
@@ -73,6 +71,6 @@ SPEC = MethodSpec(
     "stages' updates are distilled into a shallower tier's top stage.",
     options=(TIER_MIX_OPTION, CAPACITY_CASE_OPTION, DEPTHS_OPTION,
              Option("beta", float, 0.2, "InclusiveFL: weight β of the momentum distillation, in [0, 1]",
-                    lambda v: None if isinstance(v, (int, float)) and 0 <= v <= 1 else "must be a number in [0, 1]",
+                    probability,
                     flag="--md-beta")),
 )

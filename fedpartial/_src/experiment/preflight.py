@@ -1,0 +1,78 @@
+"""The preflight: whether a valid :class:`~fedpartial._src.experiment.config.RunConfig` fits this machine —
+its host memory, its devices and its disk — asked after :meth:`RunConfig.validate` has judged every field and
+before anything is loaded, drawn or built.
+
+``validate`` looks at the settings alone, so a config file or a comparison checked on one machine means the
+same on another; the preflight's answer depends on where the run starts.  Each refusal is one sentence
+(:class:`~fedpartial._src.experiment.config.ConfigError`) naming the flag.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+
+from fedpartial._src.core import memory
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+
+#: the least host memory one client of the population takes (its device profile, ids, sample counts, data
+#: index): a population that cannot fit even that is refused before anything is drawn
+MIN_BYTES_PER_CLIENT = 64
+
+
+def preflight(config: RunConfig) -> None:
+    """Refuses, in one sentence, a run this machine cannot hold: a population or synthetic data beyond its host
+    memory, more ``--devices`` than it has, an ``--out`` it cannot write.  ``config`` must be validated first."""
+    ram = memory.host_available()
+    need = config.num_clients * MIN_BYTES_PER_CLIENT
+    if ram is not None and need > ram:
+        raise ConfigError(f"--clients {config.num_clients} needs at least {memory.gib(need)} of host memory for the "
+                          f"population's per-client records alone ({MIN_BYTES_PER_CLIENT} bytes a client), more "
+                          f"than this machine has available.")
+    if config.dataset == "synthetic" and ram is not None:  # the generator draws every client's data up front
+        check_synthetic_fits(config, ram)
+    if config.devices is not None:
+        available = jax.local_device_count()
+        if config.devices > available:
+            raise ConfigError(f"--devices {config.devices} is not allowed: it must be between 1 and {available}, the "
+                              f"number of local {jax.default_backend()} devices.")
+    if config.out_dir is not None:
+        check_writable_dir(config.out_dir, "--out", "a directory to write run folders in")
+
+
+def check_synthetic_fits(config: RunConfig, ram: int) -> None:
+    """Synthetic data for ``num_clients`` clients that would not fit in ``ram`` bytes to generate is refused
+    before anything is drawn (it used to grow until the kernel killed the process)."""
+    from fedpartial._src.data import synthetic
+
+    cap = config.max_samples
+    examples = synthetic.expected_examples(config.num_clients, min_samples=50 if cap is None else min(50, cap),
+                                           max_samples=cap)
+    need = examples * synthetic.GENERATION_BYTES_PER_EXAMPLE
+    if need > memory.HEADROOM * ram:
+        raise ConfigError(
+            f"--dataset synthetic with --clients {config.num_clients} draws about {examples:,.0f} examples, which "
+            f"need about {memory.gib(need)} of host memory to generate, but {memory.gib(ram)} is available; "
+            f"use fewer --clients or cap each client with --max-samples.")
+
+
+def check_writable_dir(path: str, flag: str, what: str) -> None:
+    """``path`` is a directory that exists or can be made, and may be written: else one sentence naming ``flag``
+    and ``what`` it must be.  Nothing is left behind (an empty probe folder is made in the nearest existing
+    ancestor and removed at once)."""
+    full = os.path.abspath(os.fspath(path))
+    probe = full
+    while not os.path.lexists(probe):  # the nearest existing ancestor decides whether the folder can be made
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == full else f"cannot be made: {probe} is a file"
+        raise ConfigError(f"{flag} {path!r} {where}; it must be {what}.")
+    where = "is not writable" if probe == full else f"cannot be made: {probe} is not writable"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.")
+    try:  # os.access says yes to root even where the kernel refuses (/proc, /sys): try an empty folder
+        os.rmdir(tempfile.mkdtemp(prefix=".fedpartial-probe-", dir=probe))
+    except OSError:
+        raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.") from None
