@@ -32,7 +32,9 @@ from tests.conftest import make_cohort
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, K = 8, 3
-OPT = client_sgd(0.1, momentum=0.9)  # optax's SGD bit for bit, and the rate readable (SCAFFOLD reads it)
+# optax's SGD bit for bit, and the rate readable (SCAFFOLD reads it); momentum with weight decay, so that a frozen
+# element's optimizer state is exercised by every method whose masks change
+OPT = client_sgd(0.1, momentum=0.9, weight_decay=0.01)
 SERVER = optax.sgd(1.0, momentum=0.5)  # stateful (stale momentum would move what nobody uploaded); Adam would
 # turn float-noise pseudo-gradients into full steps and make strategy comparisons meaningless
 KEY = jax.random.key(0)

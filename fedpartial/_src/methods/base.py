@@ -160,8 +160,11 @@ def make_method(
     aggregate.  ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
     no per-client statistic.  ``aggregate`` None: the one formula of SPEC §1.  ``capabilities``: what
     the method needs from a run and which executions it allows (:class:`Capabilities`; by default none
-    of either).
+    of either, except that a method with no state of its own (``init`` left out) has ``host_client_state``,
+    so that a wrapper's per-client state may leave the device around it).
     """
+    if init is no_state:  # no per-client state: nothing is read from the population, so it may live anywhere
+        capabilities = capabilities._replace(host_client_state=True)
     return Method(name=name, init=init, plan=plan, client_start=client_start, step_plan=step_plan,
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, server_correct=server_correct,

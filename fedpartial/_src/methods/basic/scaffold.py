@@ -91,7 +91,8 @@ def control_variates(method: Method, name: str | None = None) -> Method:
     return wrap(method, Wrapper(
         lambda inner: name or f"{inner}+scaffold", init=init, label="control variates",
         hooks={"plan": plan, "transform_grads": correct, "select": select, "update": update},
-        capabilities=lambda caps: caps._replace(host_client_state=True, streamable=None),
+        # its own rows are read and written as the cohort's only: the state may leave the device if the inner's may
+        capabilities=lambda caps: caps._replace(streamable=None),
         refuses={"groups": "control variates need every client to train the whole model, and it trains per-group "
                            "graphs"}))
 

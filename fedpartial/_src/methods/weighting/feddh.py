@@ -181,10 +181,10 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
     hooks = {"select": select, "update": update, **({"metrics": metrics} if weighting.metrics else {})}
     return wrap(method, Wrapper(
         lambda inner: name or f"{inner}+{weighting.name}", init=weighting.init, hooks=hooks, label=weighting.name,
-        # the weighting reads every client's trained model and keeps per-client state
+        # the weighting reads every client's trained model and, in its update, every client's label distribution
         capabilities=lambda caps: caps._replace(
             server_examples_per_class=max(caps.server_examples_per_class, weighting.server_examples_per_class),
-            streamable=None)))
+            streamable=None, host_client_state=False)))
 
 
 # ---- label distributions and the non-IID degree ----------------------------------------------

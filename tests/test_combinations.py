@@ -1,0 +1,118 @@
+"""The combinations a user can type, as a covering design: every method with every wrapper it allows, stacked
+(``--dp-clip`` around FedDH's reweighting around ``--es`` around SCAFFOLD's control variates), under a client
+optimizer with momentum and weight decay, a strategy that rotates over the methods, and a checkpoint between its
+two rounds.  Each combination keeps the engine's contract — no retrace, a resumed run equals the uninterrupted
+one bit for bit, clients outside the cohort keep their state, the fused round equals the stepwise one — or is
+refused in one sentence when it is built.  The bare methods keep the whole contract in test_contract.py.
+"""
+
+import re
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import client_sgd
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.experiment.checkpoint import _from_arrays, _to_arrays
+from fedpartial._src.methods.basic.scaffold import control_variates
+from fedpartial._src.methods.catalog import METHODS
+from fedpartial._src.methods.early_stopping import early_stopping
+from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
+from fedpartial._src.methods.weighting.feddh import feddh_weighting, reweight
+from tests.experiment.test_client_state import run_host
+from tests.test_contract import (BUILDERS, KEY, LABEL_COUNTS, SERVER_DATA, K, N, assert_close_to_scale, cohorts,
+                                 model_for)
+
+OPT = client_sgd(0.1, momentum=0.9, weight_decay=0.01)
+SERVER = optax.sgd(1.0, momentum=0.5)
+#: innermost first, as the command line stacks them (a method, its control variates, --es, a reweighting, DP)
+WRAPPERS = (
+    ("control_variates", control_variates),
+    ("early_stopping", early_stopping),
+    ("reweight", lambda m: reweight(m, feddh_weighting())),
+    ("dp_fedavg", lambda m: dp_fedavg(m, clip=1.0, noise_multiplier=0.5, per_layer=True)),
+)
+#: each method's strategy, in turn: every strategy meets every wrapper (each method carries them all); the
+#: stepwise leg, which compiles a second round to compare with, comes once in seven (every bare method is
+#: compared stepwise against fused in test_contract.py)
+ROTATION = ("fused:2", "host", "fused", "stepwise:1", "fused:2", "host", "fused")
+
+
+def stacked(name, leave_out=()):
+    """The method with every wrapper it allows around it (but ``leave_out``), and the sentence of each it refuses."""
+    method, refused = BUILDERS[name](), {}
+    for wrapper, apply in WRAPPERS:
+        if wrapper in leave_out:
+            continue
+        try:
+            method = apply(method)
+        except UserError as e:
+            refused[wrapper] = str(e)
+    return method, refused
+
+
+def build(model, method, strategy):
+    host = strategy == "host"
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT,
+                          server_optimizer=SERVER, rounds=4, label_counts=LABEL_COUNTS, server_data=SERVER_DATA,
+                          strategy=strategies.parse_strategy("fused:2" if host else strategy),
+                          client_state="host" if host else "device", bn_policy="static")
+
+
+def checkpointed(state):
+    """The state as a checkpoint holds it (flat arrays), and a function reading it back onto the device (the
+    round donates its input state, so the arrays are copied to the host first)."""
+    host = jax.device_get(state)
+    arrays = _to_arrays(host)
+    return lambda: _from_arrays(arrays, host)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return cohorts()
+
+
+CASES = [(name, ROTATION[i % len(ROTATION)]) for i, name in enumerate(METHODS)]
+
+
+@pytest.mark.parametrize("name, strategy", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_every_method_with_every_wrapper_it_allows(mlp, staged_mlp, data, name, strategy):
+    method, refused = stacked(name)
+    for wrapper, sentence in refused.items():  # one sentence naming the method, no traceback
+        assert "\n" not in sentence and sentence.endswith(".") and BUILDERS[name]().name in sentence, sentence
+    assert len(refused) < len(WRAPPERS), f"{name} takes no wrapper"
+    model = model_for(name, method, mlp, staged_mlp)
+    if strategy == "host":
+        # FedDH's weighting reads every client's label distribution: with it the state stays on the device,
+        # refused in one sentence; the other wrappers read their rows as the cohort's only
+        with pytest.raises(UserError, match=re.escape(f"method {method.name} reads every client's state")):
+            build(model, method, "host")
+        method = stacked(name, leave_out=("reweight",))[0]
+        if not method.capabilities.host_client_state:
+            with pytest.raises(UserError, match=re.escape(f"method {method.name} reads every client's state")):
+                build(model, method, "host")
+            strategy = "fused:2"
+    r = build(model, method, "fused:2" if strategy == "host" else strategy)
+    first, _ = r(r.init(KEY), data[0], jax.random.fold_in(KEY, 0))
+    traces, restore = r.trace_count, checkpointed(first)
+    before = jax.device_get(first.method_state.clients)
+    second = jax.device_get(r(first, data[1], jax.random.fold_in(KEY, 1))[0])
+    assert r.trace_count == traces, "round 2 retraced"
+    resumed, _ = r(restore(), data[1], jax.random.fold_in(KEY, 1))
+    chex.assert_trees_all_equal(jax.device_get(resumed), second)
+    outside = np.setdiff1d(np.arange(N), np.asarray(data[1].info.client_ids))
+    rows = lambda tree: jax.tree.map(lambda a: np.asarray(a)[outside], tree)  # noqa: E731
+    chex.assert_trees_all_equal(rows(second.method_state.clients), rows(before))
+    if strategy == "stepwise:1":  # the fused round equals the stepwise one
+        fused = build(model, stacked(name)[0], "fused:2")
+        got = fused(fused(fused.init(KEY), data[0], jax.random.fold_in(KEY, 0))[0], data[1],
+                    jax.random.fold_in(KEY, 1))[0]
+        assert_close_to_scale(jax.device_get(got.variables), second.variables)
+    if strategy == "host":  # the per-client state kept in a host store: the same run, bit for bit
+        got, _ = run_host(build(model, stacked(name, leave_out=("reweight",))[0], "host"), data)
+        chex.assert_trees_all_equal(got, second)
