@@ -12,7 +12,7 @@ from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import Method, MethodState, client_sgd
 from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.engine.strategy import fused, stepwise
+from fedpartial._src.engine.strategy import fused, stepwise, streamed
 from fedpartial._src.methods import base
 from fedpartial._src.methods.basic.fednova import fednova
 from fedpartial._src.methods.basic.scaffold import control_variates
@@ -137,6 +137,15 @@ def test_wrappers_refuse_what_they_declare_in_one_sentence():
                   noise_multiplier=0.0)
     with pytest.raises(UserError, match="a wrapper cannot add to bogus"):
         Wrapper(lambda name: name, hooks={"bogus": lambda *a: None})
+
+
+def test_a_wrapped_method_refuses_the_streamed_strategy_in_one_sentence(mlp):
+    """Every wrapper keeps per-client or whole-cohort state, so the streamed strategy is refused when built."""
+    streamable = base.make_method("fedavg", capabilities=base.Capabilities(streamable="per_client"))
+    with pytest.raises(UserError, match=r"^method fedavg\+es needs the whole cohort at once, so it cannot be "
+                                        r"streamed; use the fused, stepwise or debug strategy\.$"):
+        FederatedRound(mlp, early_stopping(streamable), num_clients=N, cohort_size=K,
+                       client_optimizer=client_sgd(0.1), strategy=streamed(1))
 
 
 def test_wrapping_changes_only_what_the_wrapper_declares():
