@@ -367,9 +367,9 @@ def test_errors_are_one_sentence(mlp):
         build(mlp, fedjs(), 6, 3, counts=np.ones((6, 2))).init(KEY)
     with pytest.raises(UserError, match="server set"):
         build(mlp, feddhe(), 6, 3).init(KEY)
-    with pytest.raises(UserError, match="must be < 0"):
+    with pytest.raises(UserError, match=r"^feddhe: --dhe-beta = 0.5 must be a number < 0\.$"):
         feddhe(beta=0.5)
-    with pytest.raises(UserError, match="lr_b"):
+    with pytest.raises(UserError, match=r"^feddh: --dh-lr-b = -1.0 must be a number ≥ 0"):
         feddh(lr_b=-1.0)
     with pytest.raises(UserError, match="decay"):
         feddh(decay_upsilon=1.5)

@@ -119,7 +119,7 @@ from fedpartial._src.methods.base import (
     scatter_clients,
 )
 from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.registry import MethodSpec, Option, at_least, positive_int
+from fedpartial._src.methods.registry import MethodSpec, Option, at_least, check_values, positive_int
 from fedpartial._src.methods.wrappers import Wrapper, wrap
 
 #: smallest non-IID degree a client can have (see the module docstring)
@@ -328,15 +328,6 @@ def _estimated_distributions(name: str, beta: float):
 # ---- the FedDH weighting ---------------------------------------------------------------------
 
 
-def _check_rates(name: str, lr_upsilon, decay_upsilon, lr_b, decay_b) -> None:
-    for label, lr in (("lr_upsilon", lr_upsilon), ("lr_b", lr_b)):
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr >= 0:
-            raise UserError(f"{name}: {label} = {lr!r} must be a learning rate ≥ 0.")
-    for label, decay in (("decay_upsilon", decay_upsilon), ("decay_b", decay_b)):
-        if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay <= 1:
-            raise UserError(f"{name}: {label} = {decay!r} must be a multiplicative decay in (0, 1].")
-
-
 def global_loss(ctx: MethodContext, view: RoundView, weights: jax.Array) -> jax.Array:
     """``F(w(q))``: the ``n_k``-weighted mean loss of the model aggregated with ``weights`` ``[K]`` under the
     round's upload masks, on every valid cohort client's first local batch (its real examples)."""
@@ -379,19 +370,16 @@ def feddh_weighting(lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b
       server_examples: FedDHE's server set, examples per class.
       min_degree: the floor that keeps ``D_k`` positive.
     """
-    _check_rates(name, lr_upsilon, decay_upsilon, lr_b, decay_b)
+    # the options describe the arguments: called directly, the factory checks them there (one sentence each)
+    check_values(name, (*RATE_OPTIONS, *ESTIMATE_OPTIONS), lr_upsilon=lr_upsilon, decay_upsilon=decay_upsilon,
+                 lr_b=lr_b, decay_b=decay_b,
+                 **({} if estimate_beta is None else {"beta": estimate_beta, "server_examples": server_examples}))
     if not min_degree > 0:
         raise UserError(f"{name}: min_degree = {min_degree!r} must be > 0 (it keeps D_k positive).")
     learns = lr_upsilon > 0 or lr_b > 0
     if estimate_beta is None:
         init, fill, per_class = _label_distributions(name), None, 0
     else:
-        if isinstance(estimate_beta, bool) or not isinstance(estimate_beta, numbers.Real) or not estimate_beta < 0:
-            raise UserError(f"{name}: β = {estimate_beta!r} must be < 0 (classes the client model fits better, "
-                            "with smaller gradients, get more mass).")
-        if isinstance(server_examples, bool) or not isinstance(server_examples, numbers.Integral) \
-                or server_examples < 1:
-            raise UserError(f"{name}: server examples per class = {server_examples!r} must be a positive integer.")
         init, fill = _estimated_distributions(name, float(estimate_beta))
         per_class = int(server_examples)
 
@@ -496,14 +484,16 @@ RATE_OPTIONS = (
            flag="--dh-lr-b"),
     Option("decay_b", float, 0.99, "FedDH: per-round multiplicative decay of λ_B", _decay, flag="--dh-decay-b"),
 )
+#: FedDHE's options (the factory's ``beta`` is the weighting's ``estimate_beta``)
+ESTIMATE_OPTIONS = (
+    Option("beta", float, -0.03, "FedDHE: β of P_k(i) ∝ exp(β·||∇L_i||²)", _negative, flag="--dhe-beta"),
+    Option("server_examples", int, 10, "FedDHE: server examples per class", positive_int,
+           flag="--dhe-server-examples"),
+)
 SPECS = (
     MethodSpec("feddh", feddh, "FedAvg weighted by n_k / D_k, D_k = υ_k·JS_k + b_k learned through the aggregation.",
                RATE_OPTIONS),
     MethodSpec("fedjs", fedjs, "FedAvg weighted by n_k / JS_k (static JS divergence of each client's labels)."),
-    MethodSpec("feddhe", feddhe, "FedDH with label distributions estimated on the server from client models.", (
-        Option("beta", float, -0.03, "FedDHE: β of P_k(i) ∝ exp(β·||∇L_i||²)", _negative, flag="--dhe-beta"),
-        Option("server_examples", int, 10, "FedDHE: server examples per class", positive_int,
-               flag="--dhe-server-examples"),
-        *RATE_OPTIONS,
-    )),
+    MethodSpec("feddhe", feddhe, "FedDH with label distributions estimated on the server from client models.",
+               (*ESTIMATE_OPTIONS, *RATE_OPTIONS)),
 )
