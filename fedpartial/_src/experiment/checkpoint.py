@@ -15,6 +15,10 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
   (``Simulation.sample_cohort``), and there is no numpy RNG that advances between
   rounds, so nothing else is needed for a resumed run to match an uninterrupted one
   bit for bit.
+* **Leaves a format refuses** (orbax: an array of zero size, ``uint4``; ``np.savez``: ml_dtypes' types).
+  A zero-size leaf is not stored, its shape and dtype are in the JSON item and rebuild it; a leaf of a
+  dtype that is not plain numpy is stored as its bytes; every other leaf is stored as it always was, so
+  older checkpoints restore unchanged (:mod:`~fedpartial._src.experiment.checkpoint_arrays` says why).
 * **Atomicity.**  Orbax's ``CheckpointManager`` writes a step into a temporary
   directory and renames it when complete; a kill mid-write leaves a temporary
   directory that is never read (``latest_step`` ignores it) and is removed the next
@@ -38,7 +42,6 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -51,10 +54,14 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment import checkpoint_arrays as stored_arrays
+from fedpartial._src.experiment.checkpoint_arrays import checksum
+from fedpartial._src.experiment.checkpoint_arrays import from_arrays as _from_arrays
+from fedpartial._src.experiment.checkpoint_arrays import is_key as _is_key  # noqa: F401  (tests use it here)
+from fedpartial._src.experiment.checkpoint_arrays import to_arrays as _to_arrays
 from fedpartial._src.experiment.disk import OutOfSpace, free_bytes, human_bytes, out_of_space
 
 CHECKPOINTS = "checkpoints"
@@ -303,37 +310,6 @@ class StopFlag:
 # --- checkpoints -----------------------------------------------------------------------------------------
 
 
-def _is_key(leaf) -> bool:
-    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-
-
-def _to_arrays(state) -> dict:
-    """The state's leaves as numpy arrays keyed by position (PRNG keys as their raw key data)."""
-    leaves = jax.tree.leaves(state)
-    return {f"{i:05d}": np.asarray(jax.random.key_data(x) if _is_key(x) else x) for i, x in enumerate(leaves)}
-
-
-def _from_arrays(arrays: dict, template, *, put: bool = True):
-    """Rebuilds a state shaped like ``template`` from :func:`_to_arrays`'s output (numpy leaves on the host
-    unless ``put``; PRNG keys are always JAX arrays)."""
-    leaves, treedef = jax.tree.flatten(template)
-    if len(arrays) != len(leaves):
-        raise UserError(f"the checkpoint holds {len(arrays)} arrays but this run's state has {len(leaves)}; "
-                        "it was written by a different configuration or version.")
-    out = []
-    for i, t in enumerate(leaves):
-        a = arrays[f"{i:05d}"]
-        if _is_key(t):
-            out.append(jax.random.wrap_key_data(jnp.asarray(a), impl=jax.random.key_impl(t)))
-        else:
-            if tuple(a.shape) != tuple(t.shape):
-                raise UserError(f"checkpoint array {i} has shape {tuple(a.shape)} but this run's state needs "
-                                f"{tuple(t.shape)}; it was written by a different configuration.")
-            a = np.asarray(a, dtype=t.dtype)
-            out.append(jax.device_put(a) if put else a)
-    return jax.tree.unflatten(treedef, out)
-
-
 def _manager(run_dir: str, *, read_only: bool = False):
     import orbax.checkpoint as ocp  # heavy: imported only when a checkpoint is written or read
 
@@ -403,16 +379,18 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
     step = int(sim.progress["round"])
     state = sim.checkpoint_state()  # per-client rows kept off the device included
     arrays = _to_arrays(state)
-    host = {"progress": dict(sim.progress), "num_leaves": len(arrays), "checksum": checksum(arrays), **(extra or {})}
+    stored, layout = stored_arrays.encode(arrays)  # zero-size leaves left out, exotic dtypes as bytes
+    host = {"progress": dict(sim.progress), "num_leaves": len(arrays), "checksum": checksum(stored), **layout,
+            **(extra or {})}
     kept = latest_round(run_dir)
     if kept == step:
         return step  # already saved after this round
     try:
         if several_processes():
-            _save_local(run_dir, step, arrays, _finite(host))
+            _save_local(run_dir, step, stored, _finite(host))
         else:
             with _quiet_orbax_errors(), _manager(run_dir) as mgr:
-                mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+                mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(stored),
                                                        host=ocp.args.JsonSave(_finite(host))), force=True)
                 mgr.wait_until_finished()
     except Exception as error:
@@ -420,7 +398,7 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
         if reason is None:
             raise
         _remove_partial_writes(run_dir, step)
-        need = sum(a.nbytes for a in arrays.values())
+        need = sum(a.nbytes for a in stored.values())
         free = free_bytes(run_dir)
         room = f"it needs about {human_bytes(need)}" + (f", {human_bytes(free)} are free there" if free else "")
         then = (f"the checkpoint of round {kept} is kept; make room and continue with: "
@@ -428,17 +406,6 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
         raise OutOfSpace(f"cannot write the checkpoint of round {step} in {os.path.join(run_dir, CHECKPOINTS)}: "
                          f"{reason} ({room}); {then}.") from None
     return step
-
-
-def checksum(arrays: dict) -> str:
-    """SHA-256 over :func:`_to_arrays`'s output (names, dtypes, shapes and bytes, in order): stored with each
-    checkpoint, so a restore notices flipped or zeroed bytes that the storage format itself reads back."""
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
-        digest.update(a.tobytes())
-    return digest.hexdigest()
 
 
 def _all_rounds(run_dir: str) -> list[int]:
@@ -467,18 +434,20 @@ def _read_host(run_dir: str, step: int) -> dict:
 
 
 def _read_arrays(run_dir: str, step: int, template: dict, host: dict) -> dict:
-    """Checkpoint ``step``'s arrays, verified against the checksum in ``host`` (older checkpoints have none)."""
+    """Checkpoint ``step``'s arrays (:func:`~.checkpoint_arrays.to_arrays`'s layout), verified against the checksum in
+    ``host`` (older checkpoints have none)."""
     import orbax.checkpoint as ocp
 
     if several_processes():
-        arrays, _ = _restore_local(run_dir, step)
+        stored, _ = _restore_local(run_dir, step)
     else:
+        like = stored_arrays.stored_like(template, host)  # as the host record says they were stored
         with _manager(run_dir, read_only=True) as mgr:
-            arrays = dict(mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))["state"])
+            stored = dict(mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(like)))["state"])
     expected = host.get("checksum")
-    if expected is not None and checksum(arrays) != expected:
+    if expected is not None and checksum(stored) != expected:
         raise ValueError("its arrays do not match their stored checksum")
-    return arrays
+    return stored_arrays.decode(stored, host)
 
 
 def _check_identity(run_dir: str, written: dict | None, identity: dict | None) -> None:
