@@ -7,7 +7,8 @@ import fedpartial
 PUBLIC = ("fedpartial", "fedpartial.methods", "fedpartial.models", "fedpartial.data", "fedpartial.masks")
 
 TOP = [
-    "Batch", "Capabilities", "ClientGroup", "ClientOptimizer", "ClientPlan", "Cohort", "CohortInfo", "DivergedError",
+    "Batch", "Capabilities", "Carry", "ClientGroup", "ClientOptimizer", "ClientPlan", "Cohort", "CohortInfo",
+    "DivergedError",
     "ENTRY_POINT_GROUP", "FederatedRound", "Holdout", "InitView", "LocalGraph", "LocalStep", "LossAux", "Mask",
     "Method", "MethodContext", "MethodSpec", "MethodState", "Option", "OptimizerSettings", "PersonalModels",
     "PrivacyAccountant", "RoundView", "RunConfig", "Selection", "ServerData", "ServerState", "Simulation", "Strategy",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import fedpartial as fp
+from fedpartial._src.engine.round import carry
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import get_method
@@ -53,12 +54,18 @@ def moved(new, view):
                         view.global_vars["params"])
 
 
+def aggregate(rnd, view):
+    """The method's aggregate as the round calls it: ``(params, received)``, and the view that carries what it
+    hands on to ``update`` and ``metrics`` (the clip factors, norms and upload counts)."""
+    return carry("aggregate", rnd.method.aggregate(rnd.ctx, view), view)
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
 def test_clipping_and_the_fixed_denominator_on_a_toy(mlp, per_layer):
     # A noise multiplier of 1e-30 is the noised path with noise far below float32's resolution here.
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=1.0, noise_multiplier=1e-30, per_layer=per_layer))
     view = toy_view(rnd)
-    new, received = jax.jit(lambda v: rnd.method.aggregate(rnd.ctx, v))(view)
+    new, received = jax.jit(lambda v: aggregate(rnd, v)[0])(view)
     d = moved(new, view)
     # Flat: client 0's upload (norm 5) × 0.2, client 1's (0.3) kept, client 2's (norm 3 on what it uploads) × 1/3.
     # Per layer: each layer to C/√3 (client 1's 0.3 is within it).  Then / the uploaders of each element:
@@ -80,7 +87,7 @@ def test_clipping_and_the_fixed_denominator_on_a_toy(mlp, per_layer):
 def test_without_noise_the_clipped_models_take_the_methods_own_formula(mlp):
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=1.0, noise_multiplier=0.0))
     view = toy_view(rnd)
-    new, received = jax.jit(lambda v: rnd.method.aggregate(rnd.ctx, v))(view)
+    new, received = jax.jit(lambda v: aggregate(rnd, v)[0])(view)
     d = moved(new, view)
     # Σ w m θ' / Σ w m over the actual uploaders, weights 1, 5, 10: fc1 by all (16), the head by clients 0, 1 (6).
     assert d["fc1"]["kernel"][0, 0] == pytest.approx(0.6 / 16, rel=1e-5)
@@ -93,13 +100,13 @@ def test_without_noise_the_clipped_models_take_the_methods_own_formula(mlp):
 def test_the_denominator_is_the_mean_upload_count_over_rounds(mlp):
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=100.0, noise_multiplier=1e-30))
     first = toy_view(rnd)
-    state = jax.jit(lambda v: rnd.method.update(rnd.ctx, v))(first).server[1]
+    state = jax.jit(lambda v: rnd.method.update(rnd.ctx, aggregate(rnd, v)[1]))(first).server[1]
     assert int(state.rounds) == 1 and float(state.uploads["head"]["bias"][0]) == 2.0
     # Round 2: only client 0 uploads the head (1 uploader): the head's denominator is (2 + 1) / 2.
     second = toy_view(rnd, upload=np.array([[1, 0, 1], [1, 0, 0], [1, 0, 0]], bool))
     second = second._replace(method_state=second.method_state._replace(
         server=(second.method_state.server[0], state)))
-    new, _ = jax.jit(lambda v: rnd.method.aggregate(rnd.ctx, v))(second)
+    new, _ = jax.jit(lambda v: aggregate(rnd, v)[0])(second)
     assert moved(new, second)["head"]["bias"][0] == pytest.approx(4.0 / 1.5, rel=1e-6)
     assert moved(new, second)["fc1"]["kernel"][0, 0] == pytest.approx(3.0 / 3, rel=1e-6)  # 3 every round
 
@@ -112,7 +119,7 @@ def test_noise_std_over_many_draws(mlp):
     zeros = jax.tree.map(lambda a: np.zeros((K, *a.shape), np.float32), rnd.init(jax.random.key(0)).variables["params"])
     view = toy_view(rnd, upload=np.array([[1, 1, 1], [1, 1, 0], [1, 1, 0]], bool), deltas=zeros)
     keys = jax.random.split(jax.random.key(7), draws)
-    new = jax.jit(jax.vmap(lambda k: rnd.method.aggregate(rnd.ctx, view._replace(key=k))[0]))(keys)
+    new = jax.jit(jax.vmap(lambda k: aggregate(rnd, view._replace(key=k))[0][0]))(keys)
     d = jax.tree.map(lambda n, g: np.asarray(n, np.float64) - np.asarray(g, np.float64)[None], new,
                      view.global_vars["params"])
     body = np.concatenate([d[n][leaf].reshape(draws, -1) for n in ("fc1", "fc2", "bn1") for leaf in d[n]], axis=1)
@@ -128,7 +135,7 @@ def test_noise_std_over_many_draws(mlp):
 
 def test_adaptive_clipping_follows_the_target_quantile(mlp):
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=10.0, noise_multiplier=0.0, target_quantile=0.5))
-    state = jax.jit(lambda v: rnd.method.update(rnd.ctx, v))(toy_view(rnd)).server[1]
+    state = jax.jit(lambda v: rnd.method.update(rnd.ctx, aggregate(rnd, v)[1]))(toy_view(rnd)).server[1]
     # Every client's upload norm (5, 0.3, 3) is within 10: b = 1, so C ← 10 · exp(−0.2 · (1 − 0.5)).
     assert float(state.clip) == pytest.approx(10 * math.exp(-0.1), rel=1e-6)
     # With noise, the count takes at most a tenth of the budget and sum + count cost one Gaussian of z.
@@ -170,3 +177,18 @@ def test_refusals(mlp):
                             cohort_size=K, client_optimizer=fp.client_sgd(0.1))
     with pytest.raises(UserError, match="'static' BatchNorm policy"):
         rnd.init(jax.random.key(0))
+
+
+def test_the_clip_factors_are_computed_once_a_round(mlp, monkeypatch):
+    """aggregate hands its clip factors, norms and counts on (Carry): update and metrics do not clip again."""
+    from fedpartial._src.methods.privacy import dp_fedavg as module
+
+    calls = []
+    counted = module.clip_factors
+    monkeypatch.setattr(module, "clip_factors", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    for z in (0.0, 1.0):
+        calls.clear()
+        rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=1.0, noise_multiplier=z, target_quantile=0.5))
+        state, metrics = rnd(rnd.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2), jax.random.key(1))
+        assert len(calls) == 1, z  # one trace of the round, one clipping
+        assert np.isfinite(float(metrics["dp_clipped_fraction"]))

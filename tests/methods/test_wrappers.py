@@ -10,7 +10,7 @@ import pytest
 
 from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.types import Method, MethodState, client_sgd
+from fedpartial._src.core.types import Carry, Method, MethodState, client_sgd
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise, streamed
 from fedpartial._src.methods import base
@@ -156,3 +156,66 @@ def test_wrapping_changes_only_what_the_wrapper_declares():
     assert dataclasses.replace(Wrapper(lambda n: n)).refuses == {}
     for hook in ("step_plan", "groups", "adapt_model", "server_correct", "aggregate", "summarize", "metrics"):
         assert getattr(method, hook) is getattr(inner, hook) is None, hook
+
+
+def _carrying(tag, log):
+    """FedAvg whose select, aggregate and server_correct each hand a value on, and whose later hooks record what
+    they were handed (``log[hook] = sorted carried items``)."""
+
+    def seen(hook, view):
+        log[(tag, hook)] = {h: int(v) for h, v in (view.carried or {}).items()}
+
+    def select(ctx, view):
+        return Carry(base.upload_trained(ctx, view), 1)
+
+    def aggregate(ctx, view):
+        seen("aggregate", view)
+        return Carry(_aggregate(ctx, view), 2)
+
+    def server_correct(ctx, view):
+        seen("server_correct", view)
+        return Carry(view.aggregated["params"], 3)
+
+    def update(ctx, view):
+        seen("update", view)
+        return view.method_state
+
+    def metrics(ctx, view):
+        seen("metrics", view)
+        return {}
+
+    return base.make_method(tag, select=select, aggregate=aggregate, server_correct=server_correct, update=update,
+                            metrics=metrics)
+
+
+def test_hooks_hand_their_results_on_and_wrappers_keep_them_apart(mlp):
+    """What select, aggregate and server_correct carry reaches the later hooks of the round (RoundView.carried);
+    around a wrapper that carries its own values, each part sees only its own."""
+    log = {}
+
+    def own(hook, value):
+        def run(*args):
+            *args, inner_result = args
+            if hook in ("update", "metrics"):
+                log[("own", hook)] = dict(args[1].carried)
+                return args[1].method_state if hook == "update" else inner_result
+            return Carry(inner_result, value)
+        return run
+
+    wrapper = Wrapper(lambda name: f"{name}+own", hooks={"select": own("select", 10), "aggregate": own("aggregate", 20),
+                                                         "update": own("update", None),
+                                                         "metrics": own("metrics", None)})
+    r = FederatedRound(mlp, wrap(_carrying("inner", log), wrapper), num_clients=N, cohort_size=K,
+                       client_optimizer=client_sgd(0.1), strategy=fused())
+    r(r.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2, client_ids=[0, 2, 4]), jax.random.key(1))
+    everything = {"select": 1, "aggregate": 2, "server_correct": 3}
+    assert log[("inner", "aggregate")] == {"select": 1}
+    assert log[("inner", "server_correct")] == {"select": 1, "aggregate": 2}
+    assert log[("inner", "update")] == log[("inner", "metrics")] == everything
+    assert {h: int(v) for h, v in log[("own", "update")].items()} == {"select": 10, "aggregate": 20}
+    with pytest.raises(UserError, match="hands on a result from select"):
+        streamable = _carrying("inner", {})._replace(aggregate=None, server_correct=None).with_capabilities(
+            streamable="per_client")
+        s = FederatedRound(mlp, streamable, num_clients=N, cohort_size=K, client_optimizer=client_sgd(0.1),
+                           strategy=streamed(1))
+        s(s.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2), jax.random.key(1))

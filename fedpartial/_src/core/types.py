@@ -24,6 +24,9 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     update        (cohort)      (ctx, RoundView)           -> MethodState
     metrics       (cohort)      (ctx, RoundView)           -> {name: array}   reaches metrics.jsonl
 
+``select``, ``aggregate`` and ``server_correct`` may instead return ``Carry(result, value)``: the later
+hooks of the round read ``value`` as ``RoundView.carried[hook]`` (nothing is computed twice in a round).
+
 and outside the round ``personal`` (each client's own model) and
 ``active_clients`` (who may still be sampled).  What a method needs from the run
 (held-out data, a server set, a sequential model, ...) is one record,
@@ -133,6 +136,21 @@ class Selection(NamedTuple):
     weights: jax.Array
     extra_upload_bytes: jax.Array
     upload_bytes_per_layer: jax.Array | None = None
+
+
+class Carry(NamedTuple):
+    """A hook's result with a value it hands on to the later hooks of the same round, so that nothing is
+    computed twice in a round (e.g. DP-FedAvg's clip factors, computed in ``aggregate`` and read by ``update``
+    and ``metrics``).  ``select``, ``aggregate`` and ``server_correct`` may return one instead of their result;
+    the later hooks read ``RoundView.carried[hook]``.  (Under the streamed strategy ``select`` runs a chunk of
+    clients at a time and may not carry.)"""
+
+    result: Any
+    value: Any
+
+
+#: the hooks that may return a :class:`Carry`, in the order a round calls them
+CARRYING_HOOKS = ("select", "aggregate", "server_correct")
 
 
 class MethodState(NamedTuple):
@@ -267,6 +285,8 @@ class RoundView(NamedTuple):
     # ---- from summarize on, when the client optimizer's rate is known (``ClientOptimizer``) -----
     # [K] float32 the rate each client trained with: the optimizer's ``lr`` × every ``lr_scale`` (see ClientOptimizer)
     client_lr: jax.Array | None = None
+    # ---- from aggregate on: what earlier hooks of this round handed on (:class:`Carry`) -------------
+    carried: dict | None = None  # {hook: value} for each of CARRYING_HOOKS that returned a Carry so far
 
 
 _BEFORE_TRAINING = ("key", "round", "global_vars", "method_state", "client_state", "cohort", "data", "holdout",
@@ -277,10 +297,10 @@ VIEW_FIELDS: dict[str, frozenset[str]] = {
     "plan": frozenset(_BEFORE_TRAINING),
     "summarize": frozenset(_TRAINED),
     "select": frozenset(_TRAINED + ("summary",)),
-    "aggregate": frozenset(_TRAINED + ("summary", "selection")),
-    "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated")),
-    "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars")),
-    "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars")),
+    "aggregate": frozenset(_TRAINED + ("summary", "selection", "carried")),
+    "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated", "carried")),
+    "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried")),
+    "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried")),
 }
 
 

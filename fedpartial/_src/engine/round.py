@@ -63,6 +63,7 @@ from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.population import gather_clients
 from fedpartial._src.core.types import (
+    Carry,
     ClientOptimizer,
     ClientPlan,
     InitView,
@@ -94,6 +95,13 @@ from fedpartial._src.engine.types import (
 from fedpartial._src.models.adapter import Model
 
 BN_POLICIES = ("global", "static")
+
+
+def carry(hook: str, out: Any, view: RoundView) -> tuple[Any, RoundView]:
+    """``hook``'s result, and the view with what it handed on (a :class:`Carry`) in ``carried``."""
+    if not isinstance(out, Carry):
+        return out, view
+    return out.result, view._replace(carried={**(view.carried or {}), hook: out.value})
 
 
 class FederatedRound:
@@ -369,14 +377,15 @@ class FederatedRound:
         view = view._replace(plan=plan, trained_vars=trained, client_loss=losses, start_vars=starts,
                              client_steps=steps, client_lr=self._client_lr(plan))
         view = self._summarize(view)
-        selection = self._select(view, keys)
+        selection, carried = self._select(view, keys)
+        view = view._replace(carried=carried)
         own = self.method.aggregate is not None  # the method replaces the formula for params (e.g. DP's noise)
         aggregated, received = aggregation.aggregate(
             self.ctx.structure, state.variables, trained, selection.upload, selection.weights,
             tuple(c for c in self.communicated if c != "params") if own else self.communicated)
         if own:
-            params, received = self.method.aggregate(
-                self.ctx, view._replace(selection=selection, key=jax.random.fold_in(keys.update, 2)))
+            (params, received), view = carry("aggregate", self.method.aggregate(
+                self.ctx, view._replace(selection=selection, key=jax.random.fold_in(keys.update, 2))), view)
             aggregated = {**aggregated, "params": params}
         return self._conclude(state, view, keys, selection, aggregated, received, raw_losses, sent)
 
@@ -387,9 +396,11 @@ class FederatedRound:
         return view._replace(summary=self.method.summarize(self.ctx, view))
 
     def _select(self, view: RoundView, keys: HookKeys):
-        """The method's selection, with padding and failed clients' weights zeroed."""
-        selection = self.method.select(self.ctx, view._replace(key=keys.select))
-        return selection._replace(weights=jnp.where(view.cohort.valid, selection.weights, 0.0))
+        """The method's selection, with padding and failed clients' weights zeroed, and what ``select`` carried
+        (``RoundView.carried``: ``{}`` or ``{"select": value}``)."""
+        selection, view = carry("select", self.method.select(self.ctx, view._replace(key=keys.select)),
+                                view._replace(carried={}))
+        return selection._replace(weights=jnp.where(view.cohort.valid, selection.weights, 0.0)), view.carried
 
     def _conclude(self, state, view: RoundView, keys: HookKeys, selection, aggregated, received, raw_losses, sent):
         """From the aggregate: server_correct, server optimizer, update, metrics."""
@@ -398,7 +409,8 @@ class FederatedRound:
         view = view._replace(selection=selection, aggregated=aggregated)
         target = aggregated["params"]
         if self.method.server_correct is not None:  # e.g. FedNova, FedDyn: not the plain aggregate
-            proposed = self.method.server_correct(self.ctx, view._replace(key=jax.random.fold_in(keys.update, 1)))
+            proposed, view = carry("server_correct", self.method.server_correct(
+                self.ctx, view._replace(key=jax.random.fold_in(keys.update, 1))), view)
             target = jax.tree.map(jnp.where, received, proposed, target)  # nobody uploaded: the global value
         params, opt_state = aggregation.server_update(
             self.server_optimizer, state.opt_state, state.variables["params"], target, received,

@@ -44,7 +44,7 @@ import types
 from typing import Any, Callable, Mapping
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.types import Capabilities, InitView, Method, MethodContext, MethodState
+from fedpartial._src.core.types import CARRYING_HOOKS, Capabilities, Carry, InitView, Method, MethodContext, MethodState
 
 #: how each hook of a :class:`Method` carries the method's state, so that :func:`wrap` can hand the inner
 #: method its part: ``view`` (a ``RoundView`` second), ``step`` (a ``LocalStep`` third), ``state`` (a
@@ -109,11 +109,19 @@ def _nest(inner: MethodState, own: MethodState) -> MethodState:
     return MethodState(server=(inner.server, own.server), clients=(inner.clients, own.clients))
 
 
+def _carried_part(carried: dict | None, i: int) -> dict | None:
+    """Part ``i`` of what earlier hooks carried (each value ``(inner, own)``, None where a part carried nothing)."""
+    if carried is None:
+        return None
+    return {hook: value[i] for hook, value in carried.items() if value[i] is not None}
+
+
 def _project(kind: str, args: tuple, i: int) -> tuple:
-    """A hook's arguments ``(ctx, ...)`` with the state in them cut to part ``i``."""
+    """A hook's arguments ``(ctx, ...)`` with the state (and what earlier hooks carried) cut to part ``i``."""
     if kind in ("view", "update"):
         ctx, view, *rest = args
-        view = view._replace(method_state=_state_part(view.method_state, i), client_state=_part(view.client_state, i))
+        view = view._replace(method_state=_state_part(view.method_state, i), client_state=_part(view.client_state, i),
+                             carried=_carried_part(view.carried, i))
         return (ctx, view, *rest)
     if kind == "step":
         ctx, x, step = args
@@ -142,12 +150,30 @@ def _compose(hook: str, inner: Method, wrapper: Wrapper) -> Callable | None:
     if own_hook is None:
         if inner_hook is None or kind == "none":
             return inner_hook
+        if hook in CARRYING_HOOKS:
+            return lambda *args: _nest_carry(inner_hook(*_project(kind, args, 0)), own_carries=False)
         return lambda *args: inner_hook(*_project(kind, args, 0))
 
     def added(*args):
         inner_result = None if inner_hook is None else inner_hook(*_project(kind, args, 0))
-        return own_hook(*_project(kind, args, 1), inner_result)
+        if hook not in CARRYING_HOOKS:
+            return own_hook(*_project(kind, args, 1), inner_result)
+        inner_value = inner_result.value if isinstance(inner_result, Carry) else None
+        inner_result = inner_result.result if isinstance(inner_result, Carry) else inner_result
+        return _nest_carry(own_hook(*_project(kind, args, 1), inner_result), inner_value)
     return added
+
+
+def _nest_carry(out: Any, inner_value: Any = None, own_carries: bool = True) -> Any:
+    """The composed result of a carrying hook, what each part carried nested as ``(inner, own)`` (None where a
+    part carried nothing).  ``out`` is the wrapper's result, or with ``own_carries`` False the inner method's."""
+    value = out.value if isinstance(out, Carry) else None
+    result = out.result if isinstance(out, Carry) else out
+    if not own_carries:
+        inner_value, value = value, None
+    if inner_value is None and value is None:
+        return result
+    return Carry(result, (inner_value, value))
 
 
 def wrap(method: Method, wrapper: Wrapper) -> Method:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core import aggregation
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import CohortInfo
 from fedpartial._src.engine._rows import clean_faults
 from fedpartial._src.engine.runners.base import Runner
@@ -96,10 +97,19 @@ class Streamed(Runner):
         """One pass of a "per_client" method: train a chunk, select its rows, add them to ``sums``."""
         rnd = self.rnd
         view, raw = self._stream_train(state, plan, ckeys, rows, info, data, key)
-        selection = rnd._select(view, hook_keys(self._wrap(key)))
+        selection = self._select(view, hook_keys(self._wrap(key)))
         sums = aggregation.add_sums(rnd.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
                                     selection.weights)
         return sums, (raw, view.client_steps, view.cohort.valid, view.summary, selection)
+
+    def _select(self, view, keys):
+        """The method's selection; what ``select`` carries cannot be kept (a "per_client" method selects a
+        chunk at a time)."""
+        selection, carried = self.rnd._select(view, keys)
+        if carried:
+            raise UserError(f"method {self.rnd.method.name} hands on a result from select (Carry), which the "
+                            "streamed strategy cannot keep; use the fused, stepwise or debug strategy.")
+        return selection
 
     def _stream_summaries(self, state, plan, ckeys, rows, info, data, key):
         """First pass of a "summary" method: train a chunk, keep only its per-client summaries."""
@@ -113,7 +123,7 @@ class Streamed(Runner):
         view = rnd._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         view = view._replace(plan=plan, client_loss=jnp.where(valid, losses, 0.0), client_steps=steps,
                              summary=summary, client_lr=rnd._client_lr(plan))
-        selection = rnd._select(view, keys)
+        selection = self._select(view, keys)
         uploads = (selection.weights > 0) & jnp.any(selection.upload.layers, axis=-1)
         return selection, uploads
 
@@ -134,6 +144,7 @@ class Streamed(Runner):
         view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary,
                              client_lr=rnd._client_lr(plan))
         aggregated, received = aggregation.finish_sums(state.variables, sums)
+        view = view._replace(carried={})
         return rnd._conclude(state, view, keys, selection, aggregated, received, raw, info.valid)
 
     def _stream_round(self, state: ServerState, cohort: Cohort, key: jax.Array):

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from fedpartial._src.core import aggregation, masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.structure import leaf_paths
+from fedpartial._src.core.types import Carry
 from fedpartial._src.methods.base import InitView, Method, MethodContext, MethodState, RoundView
 from fedpartial._src.methods.wrappers import Wrapper, wrap
 
@@ -61,6 +62,16 @@ class DpState(NamedTuple):
     noise_multiplier: jax.Array
     uploads: Any  # params-shaped float32: Σ over rounds of how many clients uploaded each element
     rounds: jax.Array
+
+
+class Clipped(NamedTuple):
+    """What a round's ``aggregate`` hands on (:class:`~fedpartial._src.core.types.Carry`): each client's layer
+    factors ``[K, L]``, its flat upload norm ``[K]``, and how many clients uploaded each element (params-shaped;
+    zeros when there is no noise, whose fixed denominator alone needs the counts)."""
+
+    factors: jax.Array
+    norms: jax.Array
+    uploads: Any
 
 
 def count_noise_std(noise_multiplier, clients: int):
@@ -145,18 +156,20 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         expand = lambda k: masks.expand(ctx.structure, jax.tree.map(lambda a: a[k], sel.upload), g)  # noqa: E731
         return aggregation.weighted_sums(clipped, taking_part, client_masks=expand), (delta, factors, flat)
 
-    def aggregate(ctx: MethodContext, view: RoundView, inner_result: None):
+    def aggregate(ctx: MethodContext, view: RoundView, inner_result: None) -> Carry:
+        """The new params and where they moved, carrying the round's :class:`Clipped` to ``update`` and ``metrics``."""
         g, state = view.global_vars["params"], view.method_state.server
         if z == 0:  # no privacy: the engine's formula over the clipped models (within the norm: bit for bit)
-            delta, factors, _ = clip_factors(ctx, view, state.clip, per_layer)
+            delta, factors, flat = clip_factors(ctx, view, state.clip, per_layer)
             layers = jax.tree.unflatten(jax.tree.structure(g), _layers(ctx, g))
             models = jax.tree.map(lambda t, a, d, at: jnp.where(_per_client(factors[:, at], d) < 1,
                                                                 a[None] + _per_client(factors[:, at], d) * d, t),
                                   view.trained_vars["params"], g, delta, layers)
             new, received = aggregation.aggregate(ctx.structure, {"params": g}, {"params": models},
                                                   view.selection.upload, view.selection.weights, ("params",))
-            return new["params"], received
-        (total, count), _ = clipped_sums(ctx, view)
+            # the denominator is not used: no counts to keep
+            return Carry((new["params"], received), Clipped(factors, flat, jax.tree.map(jnp.zeros_like, state.uploads)))
+        (total, count), (_, factors, flat) = clipped_sums(ctx, view)
         expected = jax.tree.map(lambda u, c: (u + c) / (state.rounds + 1).astype(jnp.float32), state.uploads, count)
         std = noise_stds(ctx, state)[0] * state.clip
         keys = jax.random.split(view.key, len(jax.tree.leaves(g)))
@@ -165,29 +178,24 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         new = jax.tree.map(lambda a, s, n, d: jnp.where(d > 0, a + (s + std.astype(a.dtype) * n)
                                                         / jnp.where(d > 0, d, 1.0).astype(a.dtype), a),
                            g, total, noise, expected)
-        return new, jax.tree.map(lambda d: d > 0, expected)
+        return Carry((new, jax.tree.map(lambda d: d > 0, expected)), Clipped(factors, flat, count))
 
     def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
-        state = view.method_state.server
-        if z == 0:  # the denominator is not used: no counts to keep
-            count, flat = jax.tree.map(jnp.zeros_like, state.uploads), clip_factors(ctx, view, state.clip, per_layer)[2]
-        else:
-            (_, count), (_, _, flat) = clipped_sums(ctx, view)
+        state, clipped = view.method_state.server, view.carried["aggregate"]
         clip_next = state.clip
         if target_quantile is not None:
-            within = jnp.sum((view.cohort.valid & (view.selection.weights > 0) & (flat <= state.clip)))
+            within = jnp.sum((view.cohort.valid & (view.selection.weights > 0) & (clipped.norms <= state.clip)))
             count_std = noise_stds(ctx, state)[1] if z else 0.0
             noisy = (within + count_std * jax.random.normal(jax.random.fold_in(view.key, 0xD9), ())) \
                 / ctx.clients_per_round
             clip_next = state.clip * jnp.exp(-clip_lr * (noisy - target_quantile))
-        dp = state._replace(clip=clip_next, uploads=jax.tree.map(jnp.add, state.uploads, count),
+        dp = state._replace(clip=clip_next, uploads=jax.tree.map(jnp.add, state.uploads, clipped.uploads),
                             rounds=state.rounds + 1)
         return MethodState(server=dp)
 
     def metrics(ctx: MethodContext, view: RoundView, inner: dict | None) -> dict:
-        state = view.method_state.server
+        state, factors = view.method_state.server, view.carried["aggregate"].factors
         clip_now = state.clip
-        _, factors, _ = clip_factors(ctx, view, clip_now, per_layer)
         taking_part = view.cohort.valid & (view.selection.weights > 0)
         clipped = jnp.sum(taking_part & jnp.any(factors < 1, axis=-1)) / jnp.maximum(jnp.sum(taking_part), 1)
         return {**(inner or {}), "dp_clip": clip_now, "dp_clipped_fraction": clipped,
