@@ -15,6 +15,7 @@ from fedpartial._src.methods.basic.moon import moon
 from fedpartial._src.methods.basic.scaffold import control_variates, scaffold
 from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, random_layers
+from fedpartial._src.methods.layerwise.fedpart import fedpart
 from fedpartial._src.methods.submodel.afd import afd
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
 from fedpartial._src.methods.personal.ditto import ditto
@@ -36,7 +37,7 @@ from fedpartial._src.methods.weighting.feddh import feddh, feddhe, fedjs
 __all__ = [
     "METHODS", "get_method",
     "fedavg", "fedprox", "fednova", "feddyn", "moon", "scaffold", "control_variates",
-    "fedldf", "random_layers", "hdfl", "fedadp",
+    "fedldf", "random_layers", "hdfl", "fedadp", "fedpart",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
     "embracingfl", "heterofl", "fedrolex", "depthfl", "inclusivefl",
     "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto",

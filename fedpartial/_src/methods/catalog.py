@@ -22,6 +22,7 @@ from fedpartial._src.methods.basic import fedprox as _fedprox
 from fedpartial._src.methods.basic import moon as _moon
 from fedpartial._src.methods.basic import scaffold as _scaffold
 from fedpartial._src.methods.layerwise import fedldf as _fedldf
+from fedpartial._src.methods.layerwise import fedpart as _fedpart
 from fedpartial._src.methods.personal import ditto as _ditto
 from fedpartial._src.methods.personal import fedbabu as _fedbabu
 from fedpartial._src.methods.personal import fedbn as _fedbn
@@ -48,7 +49,7 @@ METHODS: dict[str, MethodSpec] = {
         _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _depthfl.SPEC, _inclusivefl.SPEC,
         _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC, _fedbabu.SPEC, _ditto.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
-        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC,
+        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC, _fedpart.SPEC,
     )
 }
 
