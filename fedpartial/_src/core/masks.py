@@ -51,12 +51,20 @@ class Mask(NamedTuple):
       norms: None (the default): a layer's normaliser (BatchNorm scale, bias and
         statistics) is on with its layer; otherwise ``[..., L]`` bool, whether each
         layer's normaliser is on as well (FedBN keeps them off: local).
+      elements: None (the default): no level below the unit.  Otherwise a tree shaped
+        like the parameters (the ``params`` collection) whose leaves say, element by
+        element, what is on besides the levels above (an element is on iff on in both):
+        a leaf ``[..., *leaf shape]`` is a *sparse* leaf (FedDST's and FIARSE's kept
+        weights), a leaf ``[...]`` (the leading axes only) is dense, on or off as a
+        whole.  Traffic counts a sparse leaf's values plus its positions
+        (:func:`count_bytes`).  Build one with :func:`with_elements`.
     """
 
     layers: jax.Array
     neurons: tuple[jax.Array, ...]
     inputs: tuple[jax.Array, ...] | None = None
     norms: jax.Array | None = None
+    elements: Any = None
 
 
 def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool = True) -> Mask:
@@ -84,7 +92,22 @@ def from_neurons(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mas
 
 def intersect(a: Mask, b: Mask) -> Mask:
     """Element-wise AND of two masks with the same wiring (an element is on iff on in both)."""
-    return jax.tree.map(jnp.logical_and, a, b)
+    elements = a.elements if b.elements is None else b.elements if a.elements is None \
+        else jax.tree.map(jnp.logical_and, a.elements, b.elements)
+    return jax.tree.map(jnp.logical_and, a._replace(elements=None), b._replace(elements=None))._replace(
+        elements=elements)
+
+
+def with_elements(mask: Mask, elements: Any) -> Mask:
+    """``mask`` with an element level: ``elements`` is shaped like the parameters, each leaf ``[..., *leaf
+    shape]`` bool (a sparse leaf: which of its elements are on) or ``[...]`` (a dense leaf, on or off as a
+    whole), ``...`` the mask's leading axes (e.g. the cohort's ``[K]``)."""
+    batch = mask.layers.shape[:-1]
+    elements = jax.tree.map(lambda e: jnp.asarray(e, bool), elements)
+    for e in jax.tree.leaves(elements):
+        if e.shape[:len(batch)] != batch:
+            raise UserError(f"an element mask of shape {e.shape} does not start with the mask's leading axes {batch}.")
+    return mask._replace(elements=elements)
 
 
 def within(mask: Mask, submodel: Mask) -> Mask:
@@ -153,6 +176,9 @@ def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "
                      mask.neurons, jnp.logical_and, mask.inputs, mask.norms)
         for path, leaf in flat
     ]
+    if mask.elements is not None and collection == "params":
+        leaves = [v & jnp.broadcast_to(e.reshape(e.shape + (1,) * (v.ndim - e.ndim)), v.shape)
+                  for v, e in zip(leaves, jax.tree.leaves(mask.elements))]
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
 
@@ -197,7 +223,41 @@ def submodel_scale(structure: ModelStructure, submodel: Mask, params: Any,
     return input_scale(structure, scales, params)
 
 
-def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp) -> list[jax.Array]:
+#: bytes one position of a sparse leaf's element costs when sent as an index (int32)
+INDEX_BYTES = 4
+
+
+def position_bytes(size: int, count: jax.Array) -> jax.Array:
+    """Bytes that say where ``count`` on-elements of a leaf of ``size`` elements are: a bitmap (one bit an
+    element) or their indices (:data:`INDEX_BYTES` each), whichever is smaller."""
+    return jnp.minimum(-(-size // 8), INDEX_BYTES * count)
+
+
+def _element_counts(structure: ModelStructure, mask: Mask, leaves, positions: bool) -> list[jax.Array]:
+    """:func:`_layer_counts` of the ``params`` leaves under a mask with an element level, counted on the
+    expanded mask one client at a time; with ``positions``, a sparse leaf also costs :func:`position_bytes`."""
+    batch = mask.layers.shape[:-1]
+    rows = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[len(batch):]), mask)
+
+    def one(m: Mask) -> jax.Array:
+        per_layer = [jnp.zeros((), jnp.int32) for _ in range(structure.num_layers)]
+        for (collection, path, shape, weight), e in zip(leaves, jax.tree.leaves(m.elements)):
+            on = _leaf_values(structure, collection, path, shape, m.layers, m.neurons, m.neurons, jnp.logical_and,
+                              m.inputs, m.norms) & jnp.broadcast_to(e.reshape(e.shape + (1,) * (len(shape) - e.ndim)),
+                                                                     shape)
+            count = jnp.sum(on, dtype=jnp.int32)
+            total = count * weight
+            if positions and e.ndim == len(shape):  # a sparse leaf: its values and where they are
+                total = total + position_bytes(math.prod(shape), count)
+            layer = structure.role(collection, path).layer
+            per_layer[layer] = per_layer[layer] + total
+        return jnp.stack(per_layer)
+
+    counts = jax.vmap(one)(rows).reshape((*batch, structure.num_layers))
+    return [counts[..., layer] for layer in range(structure.num_layers)]
+
+
+def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp, positions: bool = False) -> list[jax.Array]:
     """Per layer, ``[...]`` int32: the on-elements of ``leaves`` (``(collection, path, shape, weight)``, each
     element counting ``weight``) under ``mask``, exactly and without expanding.
 
@@ -205,7 +265,15 @@ def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp) -> list
     normaliser's bit), ``n_out`` (its layer's on units) and ``n_in`` (the on units feeding the layer) depend
     on the mask.  So the leaves are grouped by layer and by which of those factors they take, their static
     sizes summed, and each factor is computed once per layer: a handful of operations per layer, not per
-    leaf, in every round's traffic metrics.  ``xp=np`` counts a host mask on the host."""
+    leaf, in every round's traffic metrics.  ``xp=np`` counts a host mask on the host.  Under a mask with an
+    element level the ``params`` leaves are counted on the expanded mask instead (:func:`_element_counts`;
+    ``positions``: with their positions' bytes)."""
+    if mask.elements is not None:
+        params = [leaf for leaf in leaves if leaf[0] == "params"]
+        rest = [leaf for leaf in leaves if leaf[0] != "params"]
+        element = _element_counts(structure, mask, params, positions) if params else None
+        others = _layer_counts(structure, mask._replace(elements=None), rest, xp)
+        return others if element is None else [a + b for a, b in zip(others, element)]
     groups: dict[tuple[int, bool, bool], int] = {}
     for collection, path, shape, weight in leaves:
         role = structure.role(collection, path)
@@ -259,8 +327,9 @@ def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection:
 
 
 def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collections: Sequence[str]) -> jax.Array:
-    """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes)."""
-    return sum(_layer_counts(structure, mask, _byte_leaves(variables, collections)))
+    """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes); a sparse leaf of an
+    element mask also sends where its elements are (:func:`position_bytes`)."""
+    return sum(_layer_counts(structure, mask, _byte_leaves(variables, collections), positions=True))
 
 
 def whole_model_bytes_per_layer(structure: ModelStructure, variables: dict, collections: Sequence[str]) -> np.ndarray:
@@ -278,7 +347,7 @@ def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict
     need not (128 clients × 26 MB overflows it), so totals are summed on the host
     in int64 (:func:`fedpartial._src.engine.round.traffic_totals`).
     """
-    return jnp.stack(_layer_counts(structure, mask, _byte_leaves(variables, collections)), axis=-1)
+    return jnp.stack(_layer_counts(structure, mask, _byte_leaves(variables, collections), positions=True), axis=-1)
 
 
 def keep_count(fraction: float, units: int) -> int:
