@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
 from fedpartial._src.engine.client import make_client_fns
@@ -154,7 +155,7 @@ def test_pruned_weights_stay_zero_in_local_training(history):
     r, states, _ = history
     state = states[0]  # the dense initial model and the random initial mask
     mask = state.method_state.server.mask
-    plan = ClientPlan(extra=mask)
+    plan = ClientPlan(train=masks.with_elements(masks.full(r.ctx.structure), mask))  # one client's, as the plan's
     start = r.method.client_start(r.ctx, state.variables, (), plan)
     # Momentum and weight decay: a pruned weight must move on neither.
     opt = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.5, momentum=0.9))

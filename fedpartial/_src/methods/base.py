@@ -35,6 +35,7 @@ from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.core.types import (  # noqa: F401  (re-exported: the vocabulary of every method)
     Batch,
     Capabilities,
+    Carry,
     ClientGroup,
     ClientPlan,
     CohortInfo,

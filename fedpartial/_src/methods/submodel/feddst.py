@@ -58,13 +58,14 @@ Decisions (where the paper and its code, bibikar/feddst, leave room):
   votes (only possible with ``min_votes`` > 1), the layer is filled with the best
   of the others in the same order, so the sparsity is always exact (the reference
   leaves such a layer sparser).  When no client has weight, the mask is unchanged.
-* **Where the client masks live.**  The engine trains with structured masks; FedDST's
-  element masks travel in ``ClientPlan.extra`` (the global mask, ``[K, ...]`` bools:
-  one byte per parameter and client, within the round only).  The clients' adjusted
-  masks are a deterministic function of the round (global mask, trained models,
-  data, round number), recomputed where they are needed — in ``server_correct``
-  (the aggregation), ``update`` (the new global mask, kept in
-  ``MethodState.server``) and ``metrics`` — rather than carried between hooks.
+* **Where the masks live.**  The global mask is each client's train mask, at the
+  engine's element level (``Mask.elements``: the kernels sparse, the dense leaves on),
+  so a pruned weight, zero from ``client_start``, stays frozen at zero — its value and
+  its optimizer state — and the forward pass needs no masking of its own.  The
+  clients' adjusted masks are computed once a round after training (``summarize``,
+  ``RoundView.summary``), read by ``server_correct`` (the aggregation) and ``metrics``;
+  ``server_correct`` hands the new global mask on to ``update`` (``Carry``), which keeps
+  it in ``MethodState.server``.
 * **Server optimizer.**  ``server_correct`` returns the sparse aggregate.  With the
   default server SGD(1) the new global model is exactly zero outside the new mask;
   a stateful server optimizer (momentum, Adam) may leave non-zeros there, which the
@@ -90,13 +91,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import masked_cross_entropy
 from fedpartial._src.methods.base import (
     Batch,
+    Carry,
     ClientPlan,
     InitView,
-    LossAux,
     Method,
     MethodContext,
     MethodState,
@@ -282,20 +284,17 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
         return MethodState(server=DSTServer(mask=_unflat(params, leaves)))
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
-        """The global mask for every client (``extra``, ``[K, ...]``)."""
-        k = view.cohort.valid.shape[0]
-        return ClientPlan(extra=jax.tree.map(lambda m: jnp.broadcast_to(m, (k, *m.shape)),
-                                             view.method_state.server.mask),
+        """Every client trains the global mask's elements (an element mask: pruned weights stay frozen at 0)."""
+        k, lay = view.cohort.valid.shape[0], layout(ctx, view.method_state.server.mask, sparsity)
+        elements = _unflat(view.method_state.server.mask, [
+            jnp.broadcast_to(m, (k, *m.shape)) if sparse else jnp.ones((k,), bool)
+            for m, sparse in zip(_flat(view.method_state.server.mask), lay.sparse)])
+        return ClientPlan(train=masks.with_elements(masks.full(ctx.structure, (k,)), elements),
                           download_bytes_per_layer=payload(ctx, view))
 
     def client_start(ctx: MethodContext, global_vars: dict, client_state, plan_k: ClientPlan) -> dict:
-        return {**global_vars, "params": masked(global_vars["params"], plan_k.extra)}
-
-    def objective(ctx: MethodContext, params, step):
-        # Masking in the forward pass zeroes the gradient of pruned weights, so they stay zero.
-        logits, stats = step.forward(masked(params, step.plan.extra), step.batch.x)
-        loss = masked_cross_entropy(logits, step.batch.y, step.batch.example_mask)
-        return loss, LossAux(loss=loss, batch_stats=stats)
+        # The global model is dense until the first aggregation: a client starts from it masked.
+        return {**global_vars, "params": masked(global_vars["params"], plan_k.train.elements)}
 
     def schedule(ctx: MethodContext, view: RoundView) -> tuple[jax.Array, jax.Array]:
         """``(α_t, whether this round adjusts)``."""
@@ -332,11 +331,11 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
 
         return jax.lax.cond(adjust, readjust, keep)
 
-    def server_round(ctx: MethodContext, view: RoundView) -> tuple[Any, Any]:
-        """The new global mask and the new sparse global params."""
+    def server_round(ctx: MethodContext, view: RoundView) -> Carry:
+        """The new sparse global params, carrying the new global mask to ``update``."""
         mask = view.method_state.server.mask
         lay = layout(ctx, mask, sparsity)
-        cm, cv = client_masks(ctx, view)
+        cm, cv = view.summary
         weights = view.selection.weights
         anyone = jnp.sum(weights) > 0
         new_masks, new_params = [], []
@@ -350,17 +349,16 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
             keep, value = aggregate_sparse(cvk, cmk, weights, count, min_votes)
             new_masks.append(jnp.where(anyone, keep, m))
             new_params.append(jnp.where(anyone, value, g))
-        return _unflat(mask, new_masks), _unflat(mask, new_params)
+        return Carry(_unflat(mask, new_params), _unflat(mask, new_masks))
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
         # Aggregation reads every element (server_correct applies the masks); traffic is the sparse payload.
-        return upload_trained(ctx, view)._replace(upload_bytes_per_layer=payload(ctx, view))
-
-    def server_correct(ctx: MethodContext, view: RoundView):
-        return server_round(ctx, view)[1]
+        # (every element: a client's pruned weights are zeros, which the sparse aggregation needs to see)
+        return upload_trained(ctx, view._replace(plan=view.plan._replace(train=None)))._replace(
+            upload_bytes_per_layer=payload(ctx, view))
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        return view.method_state._replace(server=DSTServer(mask=server_round(ctx, view)[0]))
+        return view.method_state._replace(server=DSTServer(mask=view.carried["server_correct"]))
 
     def sparse_layer_bytes(ctx: MethodContext, variables: dict) -> np.ndarray:
         """``[L]`` bytes of the sparse model per layer (static): active kernel values + one mask bit per
@@ -384,7 +382,7 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
         valid = view.cohort.valid
         size = jnp.sum(payload(ctx, view), axis=-1)
         fraction, adjust = schedule(ctx, view)
-        cm, _ = client_masks(ctx, view)
+        cm, _ = view.summary
         mask = view.method_state.server.mask
         moved = sum(jnp.sum((m[None] & ~c).reshape(c.shape[0], -1), axis=1, dtype=jnp.int32)
                     for m, c in zip(_flat(mask), _flat(cm)))
@@ -395,9 +393,11 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
         return PersonalModels(variables={**global_vars, "params": masked(global_vars["params"], state.server.mask)},
                               stacked=False)
 
-    return make_method("feddst", init=init, plan=plan, client_start=client_start, objective=objective,
+    # the clients' adjusted masks are computed once a round, after training (summarize: client k's row depends
+    # on client k only), and read by server_correct and metrics
+    return make_method("feddst", init=init, plan=plan, client_start=client_start, summarize=client_masks,
                        select=select, update=update, metrics=metrics, personal=personal,
-                       server_correct=server_correct)
+                       server_correct=server_round)
 
 
 SPEC = MethodSpec(
