@@ -21,6 +21,7 @@ from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.experiment.checkpoint import _from_arrays, _to_arrays
 from fedpartial._src.methods.basic.scaffold import control_variates
 from fedpartial._src.methods.catalog import METHODS
+from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.methods.weighting.feddh import feddh_weighting, reweight
@@ -30,11 +31,13 @@ from tests.test_contract import (BUILDERS, KEY, LABEL_COUNTS, SERVER_DATA, K, N,
 
 OPT = client_sgd(0.1, momentum=0.9, weight_decay=0.01)
 SERVER = optax.sgd(1.0, momentum=0.5)
-#: innermost first, as the command line stacks them (a method, its control variates, --es, a reweighting, DP)
+#: innermost first, as the command line stacks them (a method, its control variates, --es, a reweighting,
+#: --upload-codec, DP)
 WRAPPERS = (
     ("control_variates", control_variates),
     ("early_stopping", early_stopping),
     ("reweight", lambda m: reweight(m, feddh_weighting())),
+    ("upload_codec", lambda m: upload_codec(m, "topk:0.5")),
     ("dp_fedavg", lambda m: dp_fedavg(m, clip=1.0, noise_multiplier=0.5, per_layer=True)),
 )
 #: each method's strategy, in turn: every strategy meets every wrapper (each method carries them all); the

@@ -52,6 +52,7 @@ COMBINATIONS = {
     "scaffold --es": ["--method", "scaffold", "--es"],
     "fedldf reweighted by feddh": ["--method", f"{__name__}:fedldf_with_feddh_weights"],
     "fedspu --client-state host": ["--method", "fedspu", "--client-state", "host"],
+    "fedavg --upload-codec topk:0.1": ["--method", "fedavg", "--upload-codec", "topk:0.1"],
     "ditto --es --dp --client-state host": ["--method", "ditto", "--es", *DP, "--client-state", "host"],
 }
 #: combinations refused with every default, and the words of their one sentence

@@ -72,6 +72,7 @@ def _spy_method(log):
         "personal": base.global_is_personal, "active_clients": lambda ctx, state: np.ones(ctx.num_clients, bool),
         "summarize": lambda ctx, view: jnp.zeros(view.cohort.valid.shape),
         "server_correct": lambda ctx, view: view.aggregated["params"], "aggregate": _aggregate,
+        "encode": lambda ctx, view: view.trained_vars["params"],
     }
 
     def spied(hook, fn):

@@ -17,6 +17,7 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     objective     (one step)    (ctx, params, LocalStep)   -> (loss, LossAux)
     transform_grads (one step)  (ctx, grads, LocalStep)    -> grads           e.g. SCAFFOLD's correction
     select        (cohort)      (ctx, RoundView)           -> Selection       upload masks, weights
+    encode        (cohort)      (ctx, RoundView)           -> params [K, ...] optional: what the server receives
     ... aggregation (engine) ...
     aggregate     (cohort)      (ctx, RoundView)           -> (params, received)  optional: replaces it, e.g. DP's noise
     server_correct (cohort)     (ctx, RoundView)           -> params          optional: e.g. FedNova's step
@@ -287,6 +288,8 @@ class RoundView(NamedTuple):
     client_lr: jax.Array | None = None
     # ---- from aggregate on: what earlier hooks of this round handed on (:class:`Carry`) -------------
     carried: dict | None = None  # {hook: value} for each of CARRYING_HOOKS that returned a Carry so far
+    # ---- from aggregate on: the params [K, ...] as the server receives them (``encode``'s, else trained_vars')
+    uploaded: Any = None
 
 
 _BEFORE_TRAINING = ("key", "round", "global_vars", "method_state", "client_state", "cohort", "data", "holdout",
@@ -297,10 +300,11 @@ VIEW_FIELDS: dict[str, frozenset[str]] = {
     "plan": frozenset(_BEFORE_TRAINING),
     "summarize": frozenset(_TRAINED),
     "select": frozenset(_TRAINED + ("summary",)),
-    "aggregate": frozenset(_TRAINED + ("summary", "selection", "carried")),
-    "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated", "carried")),
-    "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried")),
-    "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried")),
+    "encode": frozenset(_TRAINED + ("summary", "selection", "carried")),
+    "aggregate": frozenset(_TRAINED + ("summary", "selection", "carried", "uploaded")),
+    "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated", "carried", "uploaded")),
+    "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried", "uploaded")),
+    "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried", "uploaded")),
 }
 
 
@@ -439,7 +443,10 @@ class Method(NamedTuple):
       the method's server state and the client's learning rate.
     * **cohort, after training**: ``summarize`` (a ``[K, ...]`` per-client statistic read from
       ``trained_vars``, ``start_vars`` and ``global_vars``, set as ``RoundView.summary`` before
-      ``select``; row ``k`` depends on client ``k``'s rows only); ``select``; ``aggregate`` (replaces
+      ``select``; row ``k`` depends on client ``k``'s rows only); ``select``; ``encode`` (what the server
+      receives of each client's ``params``, ``[K, ...]``: an upload codec's decoded values; read by the
+      aggregation and the later hooks as ``RoundView.uploaded``; its key is ``fold_in(update's key, 3)``);
+      ``aggregate`` (replaces
       the one formula for the ``params`` collection, e.g. DP-FedAvg's clipped, noised sum over a fixed
       denominator; it returns ``(params, received)``, ``received`` a boolean tree, True where the server
       optimizer may move an element; other collections, such as BatchNorm statistics, still take the
@@ -471,6 +478,7 @@ class Method(NamedTuple):
     transform_grads: Callable[[MethodContext, Any, LocalStep], Any] | None = None
     capabilities: Capabilities = Capabilities()
     aggregate: Callable[[MethodContext, RoundView], tuple[Any, Any]] | None = None
+    encode: Callable[[MethodContext, RoundView], Any] | None = None
 
     def with_capabilities(self, **changes) -> "Method":
         """The same method with some capabilities changed (e.g. a wrapper that needs held-out data)."""

@@ -379,9 +379,14 @@ class FederatedRound:
         view = self._summarize(view)
         selection, carried = self._select(view, keys)
         view = view._replace(carried=carried)
+        uploaded = trained["params"]
+        if self.method.encode is not None:  # e.g. an upload codec: what the server receives is not what was trained
+            uploaded = self.method.encode(self.ctx, view._replace(selection=selection,
+                                                                  key=jax.random.fold_in(keys.update, 3)))
+        view = view._replace(uploaded=uploaded)
         own = self.method.aggregate is not None  # the method replaces the formula for params (e.g. DP's noise)
         aggregated, received = aggregation.aggregate(
-            self.ctx.structure, state.variables, trained, selection.upload, selection.weights,
+            self.ctx.structure, state.variables, {**trained, "params": uploaded}, selection.upload, selection.weights,
             tuple(c for c in self.communicated if c != "params") if own else self.communicated)
         if own:
             (params, received), view = carry("aggregate", self.method.aggregate(

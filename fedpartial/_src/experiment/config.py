@@ -24,6 +24,7 @@ from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.methods.catalog import find_method
+from fedpartial._src.methods.codecs import parse_codec
 from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
 
@@ -151,6 +152,9 @@ class RunConfig:
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
 
+    # --- what a client sends: an upload codec around the method (docs/methods.md); off unless given ---
+    upload_codec: str | None = None  # 'topk:F' (top-k with error feedback), 'qsgd:B' (B-bit QSGD) or 'sign'
+
     # --- differential privacy: DP-FedAvg around the method (docs/privacy.md); off unless dp_clip is given ---
     dp_clip: float | None = None  # C: each client's update (on what it uploads) clipped to this L2 norm
     dp_noise_multiplier: float | None = None  # z: Gaussian noise of std z·C on the sum of clipped updates
@@ -231,6 +235,8 @@ class RunConfig:
         _check_finite(self, "dp_noise_multiplier", lambda v: v >= 0, "≥ 0")
         _check_finite(self, "dp_delta", lambda v: 0 < v < 1, "in (0, 1)")
         _check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
+        if self.upload_codec is not None:
+            parse_codec(self.upload_codec)  # a bad codec is one sentence
         for field in ("num_clients", "rounds", "batch_size", "eval_every"):
             _check_int(self, field, 1)
         if self.local_steps is not None:

@@ -42,7 +42,8 @@ def unique_run_dir(out_dir: str, name: str) -> str:
 
 
 #: the settings a checkpoint's state depends on: config.json edited in any of them since is refused on resume
-IDENTITY = ("method", "options", "early_stopping", "model", "dataset", "num_clients", "cohort_size", "seed")
+IDENTITY = ("method", "options", "early_stopping", "upload_codec", "model", "dataset", "num_clients", "cohort_size",
+            "seed")
 
 
 def _identity(sim: Simulation) -> dict:

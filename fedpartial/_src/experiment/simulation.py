@@ -37,6 +37,7 @@ from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
 from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer, model_outputs
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
+from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
 
@@ -113,9 +114,11 @@ class Simulation:
             if why:
                 self.holdout_note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the "
                                      f"rest out, because {why} (--train-fraction changes it)")
-        # with --dp-clip the method is wrapped in DP-FedAvg and ``accountant`` gives ε each round (else None)
-        self.method, self.accountant = privacy.private(
-            config, early_stopping(base, lam=self.train_fraction) if config.early_stopping else base)
+        inner = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
+        inner = upload_codec(inner, config.upload_codec) if config.upload_codec else inner
+        # with --dp-clip the method is wrapped in DP-FedAvg (around the codec: it clips what the server receives)
+        # and ``accountant`` gives ε each round (else None)
+        self.method, self.accountant = privacy.private(config, inner)
 
     def _split_population(self) -> None:
         """The server's set, every client's training and held-out examples, its label counts and local steps."""

@@ -151,6 +151,7 @@ def make_method(
     summarize=None,
     capabilities: Capabilities = Capabilities(),
     aggregate=None,
+    encode=None,
 ) -> Method:
     """Builds a :class:`Method`; every hook not given is FedAvg's.
 
@@ -158,7 +159,8 @@ def make_method(
     objective's gradient is used as it is.  ``metrics`` None: no per-round values of the method's
     own.  ``groups`` None: the cohort is one group training the whole model.  ``active_clients``
     None: every client may always be sampled.  ``server_correct`` None: the server steps to the
-    aggregate.  ``adapt_model`` None: the method trains the model it is given.  ``summarize`` None:
+    aggregate.  ``encode`` None: the server receives the trained ``params``.  ``adapt_model`` None: the method
+    trains the model it is given.  ``summarize`` None:
     no per-client statistic.  ``aggregate`` None: the one formula of SPEC §1.  ``capabilities``: what
     the method needs from a run and which executions it allows (:class:`Capabilities`; by default none
     of either, except that a method with no state of its own (``init`` left out) has ``host_client_state``,
@@ -170,4 +172,4 @@ def make_method(
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, server_correct=server_correct,
                   adapt_model=adapt_model, summarize=summarize, transform_grads=transform_grads,
-                  capabilities=capabilities, aggregate=aggregate)
+                  capabilities=capabilities, aggregate=aggregate, encode=encode)

@@ -144,7 +144,7 @@ class Streamed(Runner):
         view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary,
                              client_lr=rnd._client_lr(plan))
         aggregated, received = aggregation.finish_sums(state.variables, sums)
-        view = view._replace(carried={})
+        view = view._replace(carried={}, uploaded=None)  # streamed: no encode (stream_refusal), trained not kept
         return rnd._conclude(state, view, keys, selection, aggregated, received, raw, info.valid)
 
     def _stream_round(self, state: ServerState, cohort: Cohort, key: jax.Array):

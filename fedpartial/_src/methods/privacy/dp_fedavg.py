@@ -93,11 +93,17 @@ def _layers(ctx: MethodContext, params: Any) -> list[int]:
     return [ctx.structure.role("params", path).layer for path, _ in leaf_paths(params)]
 
 
+def received_params(view: RoundView) -> Any:
+    """``[K, ...]`` the params the server receives: an upload codec's decoded values (``RoundView.uploaded``; DP
+    clips what it sums, so the guarantee holds whatever a codec does), else the trained ones."""
+    return view.trained_vars["params"] if view.uploaded is None else view.uploaded
+
+
 def clip_factors(ctx: MethodContext, view: RoundView, clip: jax.Array, per_layer: bool):
     """``(Δ [K, ...], factors [K, L], flat upload norms [K])``: each client's update on what it uploads and
     the multiplier of each of its layers."""
     g = view.global_vars["params"]
-    delta = jax.tree.map(lambda t, a: t - a[None], view.trained_vars["params"], g)
+    delta = jax.tree.map(lambda t, a: t - a[None], received_params(view), g)
     layers, num_layers = _layers(ctx, g), ctx.structure.num_layers
 
     def squares(d, upload):  # one client: [L] squared norm of each layer's uploaded update
@@ -164,7 +170,7 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
             layers = jax.tree.unflatten(jax.tree.structure(g), _layers(ctx, g))
             models = jax.tree.map(lambda t, a, d, at: jnp.where(_per_client(factors[:, at], d) < 1,
                                                                 a[None] + _per_client(factors[:, at], d) * d, t),
-                                  view.trained_vars["params"], g, delta, layers)
+                                  received_params(view), g, delta, layers)
             new, received = aggregation.aggregate(ctx.structure, {"params": g}, {"params": models},
                                                   view.selection.upload, view.selection.weights, ("params",))
             # the denominator is not used: no counts to keep
