@@ -12,8 +12,8 @@ A round, for client ``k`` of keep ratio ``r_k``:
    ⌊r_k·P⌋)`` elements of largest ``|θ|`` (``P`` ranked elements; the code's ``topk(k=int(P·r))``), ties
    to the lower flat index so that exactly ``n_k`` are held; ``τ_k`` is the ``n_k``-th largest ``|θ|``.
    Sub-models are nested: a larger ratio holds every element a smaller one holds.
-2. **Training with TCB-GD** (threshold-controlled biased gradient descent, the paper's §4 and its code's
-   ``Bern`` function): the forward pass runs ``θ ⊙ m`` with ``m = held ∧ (|θ| ≥ τ_k)`` re-evaluated on the
+2. **Training with TCB-GD** (the paper's threshold-controlled biased gradient descent; the surrogate below is
+   its code's ``Bern`` function): the forward pass runs ``θ ⊙ m`` with ``m = held ∧ (|θ| ≥ τ_k)`` re-evaluated on the
    client's current values, so a held element whose magnitude falls below ``τ_k`` drops out of its
    sub-model; the mask's surrogate derivative ``∂m/∂|θ| = 2τ/(|θ|+τ)²`` makes the gradient of a kept element
    ``g · (1 + 2τ|θ| / (|θ|+τ)²)`` (between 1 and 1.5), and zero for the others.  Elements not held are
