@@ -26,6 +26,7 @@ from fedpartial._src.methods.personal.fedrep import fedrep
 from fedpartial._src.methods.personal.lgfedavg import lgfedavg
 from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.submodel.fedselect import fedselect
+from fedpartial._src.methods.submodel.fiarse import fiarse
 from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.methods.tiered.depthfl import depthfl
 from fedpartial._src.methods.tiered.embracingfl import embracingfl
@@ -38,7 +39,7 @@ __all__ = [
     "METHODS", "get_method",
     "fedavg", "fedprox", "fednova", "feddyn", "moon", "scaffold", "control_variates",
     "fedldf", "random_layers", "hdfl", "fedadp", "fedpart",
-    "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst",
+    "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst", "fiarse",
     "embracingfl", "heterofl", "fedrolex", "depthfl", "inclusivefl",
     "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto",
     "feddh", "fedjs", "feddhe",

@@ -34,6 +34,7 @@ from fedpartial._src.methods.submodel import afd as _afd
 from fedpartial._src.methods.submodel import dropout as _dropout
 from fedpartial._src.methods.submodel import feddst as _feddst
 from fedpartial._src.methods.submodel import fedselect as _fedselect
+from fedpartial._src.methods.submodel import fiarse as _fiarse
 from fedpartial._src.methods.submodel import fedspu as _fedspu
 from fedpartial._src.methods.tiered import depthfl as _depthfl
 from fedpartial._src.methods.tiered import embracingfl as _embracingfl
@@ -49,7 +50,7 @@ METHODS: dict[str, MethodSpec] = {
         _embracingfl.SPEC, _heterofl.SPEC, _fedrolex.SPEC, _depthfl.SPEC, _inclusivefl.SPEC,
         _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC, _fedbabu.SPEC, _ditto.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
-        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC, _fedpart.SPEC,
+        _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC, _fedpart.SPEC, _fiarse.SPEC,
     )
 }
 
