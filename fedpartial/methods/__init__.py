@@ -14,6 +14,7 @@ from fedpartial._src.methods.basic.fedprox import fedprox
 from fedpartial._src.methods.basic.moon import moon
 from fedpartial._src.methods.basic.scaffold import control_variates, scaffold
 from fedpartial._src.methods.catalog import METHODS, get_method
+from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, random_layers
 from fedpartial._src.methods.layerwise.fedpart import fedpart
 from fedpartial._src.methods.submodel.afd import afd
@@ -36,7 +37,7 @@ from fedpartial._src.methods.tiered.inclusivefl import inclusivefl
 from fedpartial._src.methods.weighting.feddh import feddh, feddhe, fedjs
 
 __all__ = [
-    "METHODS", "get_method",
+    "METHODS", "get_method", "upload_codec",
     "fedavg", "fedprox", "fednova", "feddyn", "moon", "scaffold", "control_variates",
     "fedldf", "random_layers", "hdfl", "fedadp", "fedpart",
     "fedspu", "feddrop", "fjord", "hermes", "fedmp", "prunefl", "afd", "fedselect", "feddst", "fiarse",
