@@ -21,7 +21,8 @@ from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods import selection
 from fedpartial._src.methods.base import Batch, ClientPlan, CohortInfo, MethodContext, MethodState, RoundView
-from fedpartial._src.methods.layerwise.fedldf import convergence_bound, fedadp, fedldf, hdfl, index_bytes, random_layers
+from benchmarks.fedldf_bound import convergence_bound
+from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, index_bytes, random_layers
 from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
 
