@@ -130,7 +130,8 @@ def test_fedjs_weights_hand_computed(mlp):
                      client_state=state.clients, cohort=jax.tree.map(jnp.asarray, c.info), data=c.data,
                      selection=Selection(upload=None, weights=jnp.asarray(c.info.num_samples),
                                          extra_upload_bytes=jnp.zeros((3,), jnp.int32)))
-    np.testing.assert_allclose(jax.jit(weighting.weights, static_argnums=0)(ctx, view), Q_FLOOR_0_2, rtol=1e-5)
+    weights = jax.jit(weighting.weights, static_argnums=0)(ctx, view).result  # (what it carries: the JS divergences)
+    np.testing.assert_allclose(weights, Q_FLOOR_0_2, rtol=1e-5)
 
 
 # ---- reductions ----------------------------------------------------------------------------------
@@ -390,3 +391,16 @@ def test_simulation_hands_every_clients_label_counts_to_feddh(mlp):
     dh = sim.state.method_state.clients[1]
     np.testing.assert_allclose(dh.distribution, expected / expected.sum(1, keepdims=True), rtol=1e-6)
     np.testing.assert_allclose(dh.num_samples, sim.sizes)
+
+
+def test_feddhe_estimates_once_a_round_and_reports_its_degrees(mlp, monkeypatch):
+    """The weights hand the cohort's JS divergences on (Carry): update and metrics do not estimate again."""
+    from fedpartial._src.methods.weighting import feddh as module
+
+    calls = []
+    counted = module.estimate_distribution
+    monkeypatch.setattr(module, "estimate_distribution", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    r = build(mlp, feddhe(), 6, 3, server=server_set())
+    state, metrics = r(r.init(KEY), make_cohort((4,), k=3, steps=2, client_ids=[0, 2, 4]), KEY)
+    assert len(calls) == 1  # one trace, one estimate (it used to be made twice)
+    assert np.asarray(metrics["non_iid_degree"]).shape == (3,)

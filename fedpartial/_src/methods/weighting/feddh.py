@@ -109,6 +109,7 @@ from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.base import (
+    Carry,
     InitView,
     Method,
     MethodContext,
@@ -137,7 +138,8 @@ class Weighting(NamedTuple):
         rows ``[N]`` in ``clients``).
       weights: ``(ctx, RoundView) -> [K]`` weights, called in ``select``;
         ``view.selection`` is the wrapped method's selection, ``view.method_state``
-        and ``view.client_state`` are the weighting's own.
+        and ``view.client_state`` are the weighting's own.  It may return
+        ``Carry(weights, value)``: its ``update`` and ``metrics`` read ``view.carried["select"]``.
       update: ``(ctx, RoundView) -> MethodState``, called after aggregation;
         ``view.selection`` is the final selection (upload masks, these weights).
       metrics: ``(ctx, RoundView) -> dict`` of per-round values, or None.
@@ -169,8 +171,11 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
         method = reweight(fedldf(n=4), feddh_weighting())   # name 'fedldf+feddh'
     """
 
-    def select(ctx: MethodContext, view: RoundView, own: Selection) -> Selection:
-        return own._replace(weights=weighting.weights(ctx, view._replace(selection=own)))
+    def select(ctx: MethodContext, view: RoundView, own: Selection) -> Selection | Carry:
+        weights = weighting.weights(ctx, view._replace(selection=own))
+        if isinstance(weights, Carry):  # handed on to the weighting's update and metrics
+            return Carry(own._replace(weights=weights.result), weights.value)
+        return own._replace(weights=weights)
 
     def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
         return weighting.update(ctx, view)
@@ -396,14 +401,16 @@ def feddh_weighting(lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b
         rows = jax.tree.map(lambda a: a[view.cohort.client_ids], population)
         return js_divergence(rows.distribution, p_m[None, :]), population
 
-    def weights(ctx: MethodContext, view: RoundView) -> jax.Array:
-        js, _ = cohort_js(ctx, view)
+    def weights(ctx: MethodContext, view: RoundView) -> Carry:
+        """The weights, handing the cohort's JS divergences and the population state on (FedDHE's estimate is
+        made once a round)."""
+        js, population = cohort_js(ctx, view)
         rows: DegreeState = view.client_state
         degree = non_iid_degree(js, rows.upsilon, rows.b, min_degree)
-        return degree_weights(view.selection.weights, degree, view.cohort.valid)
+        return Carry(degree_weights(view.selection.weights, degree, view.cohort.valid), (js, population))
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
-        js, population = cohort_js(ctx, view)
+        js, population = view.carried["select"]
         if not learns:
             return view.method_state._replace(clients=population)
         rows: DegreeState = view.client_state
@@ -422,12 +429,10 @@ def feddh_weighting(lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b
         return view.method_state._replace(clients=clients)
 
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
-        out = {"aggregation_weights": view.selection.weights}
-        if fill is None:  # FedDHE's degrees would need its estimates a third time: not reported
-            js, _ = cohort_js(ctx, view)
-            rows: DegreeState = view.client_state
-            out["non_iid_degree"] = non_iid_degree(js, rows.upsilon, rows.b, min_degree)
-        return out
+        js, _ = view.carried["select"]
+        rows: DegreeState = view.client_state
+        return {"aggregation_weights": view.selection.weights,
+                "non_iid_degree": non_iid_degree(js, rows.upsilon, rows.b, min_degree)}
 
     return Weighting(name=name, init=init_state, weights=weights, update=update, metrics=metrics,
                      server_examples_per_class=per_class)
