@@ -122,13 +122,14 @@ def sign() -> Codec:
 def parse_codec(text: str) -> Codec:
     """``topk:0.1``, ``qsgd:8`` or ``sign``; anything else is one sentence."""
     name, _, value = str(text).partition(":")
-    try:
-        if name == "topk" and value:
-            return topk(float(value))
-        if name == "qsgd" and value:
-            return qsgd(int(value))
-    except ValueError:
-        pass
+    kinds = {"topk": float, "qsgd": int}
+    if name in kinds and value:
+        try:
+            number = kinds[name](value)
+        except ValueError:
+            number = None
+        if number is not None:  # the codec checks its own range (one sentence)
+            return topk(number) if name == "topk" else qsgd(number)
     if name == "sign" and not value:
         return sign()
     raise UserError(f"--upload-codec {text!r} is not a codec; use {CODECS}.")
