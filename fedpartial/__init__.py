@@ -26,6 +26,9 @@ from fedpartial._src.version import __version__
 if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference) read them
     from fedpartial._src.core.errors import DivergedError, UserError
     from fedpartial._src.core.masks import Mask
+    from fedpartial._src.core.structure import ModelStructure
+    from fedpartial._src.engine.metrics import traffic_totals
+    from fedpartial._src.experiment.evaluation import evaluate
     from fedpartial._src.core.types import (
         VIEW_FIELDS,
         Batch,
@@ -74,6 +77,9 @@ _WHERE = {
     "DivergedError": "fedpartial._src.core.errors",
     "UserError": "fedpartial._src.core.errors",
     "Mask": "fedpartial._src.core.masks",
+    "ModelStructure": "fedpartial._src.core.structure",
+    "traffic_totals": "fedpartial._src.engine.metrics",
+    "evaluate": "fedpartial._src.experiment.evaluation",
     "VIEW_FIELDS": "fedpartial._src.core.types",
     "Batch": "fedpartial._src.core.types",
     "Capabilities": "fedpartial._src.core.types",
@@ -148,6 +154,8 @@ def __dir__() -> list[str]:
 __all__ = [
     # running
     "RunConfig", "Simulation", "run",
+    # checking a run by hand: a model's layers, a round's traffic, evaluating given models on given data
+    "ModelStructure", "evaluate", "traffic_totals",
     # the round
     "Cohort", "FederatedRound", "ServerState", "Strategy", "debug", "fused", "parse_strategy", "stepwise",
     "streamed",

@@ -13,7 +13,7 @@ TOP = [
     "Method", "MethodContext", "MethodSpec", "MethodState", "Option", "OptimizerSettings", "PersonalModels",
     "PrivacyAccountant", "RoundView", "RunConfig", "Selection", "ServerData", "ServerState", "Simulation", "Strategy",
     "UserError",
-    "VIEW_FIELDS", "Wrapper", "wrap", "__version__", "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "data",
+    "VIEW_FIELDS", "Wrapper", "wrap", "ModelStructure", "evaluate", "traffic_totals", "__version__", "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "data",
     "debug", "dp_fedavg", "early_stopping", "fused", "gather_clients", "make_method", "masks", "methods", "models",
     "parse_strategy", "reweight", "run", "scatter_clients", "stepwise", "streamed", "upload_trained",
     "with_penalty",

@@ -72,10 +72,25 @@ class LeafRole:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a jit static argument
 class ModelStructure:
-    """Ordered layers plus the role of every leaf in every variable collection.
+    """A model's layers in input-to-output order, plus the role of every leaf in every variable collection.
 
-    ``roles`` maps a collection name ('params', 'batch_stats') to a dict from leaf
-    path (inside the collection) to :class:`LeafRole`.
+    Every :class:`~fedpartial.Mask` is read against it: a layer bit per entry of ``layers``, a unit bit per
+    output unit (``units``).  A method reads it as ``ctx.structure``; ``describe()`` prints the table.
+
+    Attributes:
+      layers: the layers (:class:`Layer`: name, kind, units, fan-in, which layer feeds it, its normaliser
+        paths), input to output.  A BatchNorm belongs to the layer it follows.
+      roles: collection name (``'params'``, ``'batch_stats'``) -> leaf path (inside the collection) ->
+        :class:`LeafRole` (its layer, whether it is a normaliser's, whether it has an input axis).
+      sequential: whether the layers form a chain (no residual connections), which neuron masks need.
+
+    Example::
+
+        module = fedpartial.models.build_model("mlp", 10, (8, 8, 1))
+        structure = fedpartial.models.from_linen(module, input_shape=(8, 8, 1), num_classes=10,
+                                                 sequential=True).structure
+        print(structure.describe())                       # fc1 (200 units), fc2 (200), head (10)
+        structure.role("params", ("fc2", "kernel")).layer   # 1
     """
 
     layers: tuple[Layer, ...]
@@ -84,10 +99,12 @@ class ModelStructure:
 
     @property
     def num_layers(self) -> int:
+        """How many layers the model has (the length of a mask's ``layers``)."""
         return len(self.layers)
 
     @property
     def units(self) -> tuple[int, ...]:
+        """Each layer's output units (the lengths of a mask's ``neurons``)."""
         return tuple(layer.units for layer in self.layers)
 
     @property
@@ -97,9 +114,11 @@ class ModelStructure:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
+        """Each layer's name, input to output."""
         return tuple(layer.name for layer in self.layers)
 
     def role(self, collection: str, path: Path) -> LeafRole:
+        """The role of the leaf at ``path`` (a tuple of keys inside ``collection``): its layer and kind."""
         return self.roles[collection][path]
 
     def describe(self) -> str:
