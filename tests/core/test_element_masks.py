@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedpartial._src.core import aggregation, masks
-from fedpartial._src.core.types import ClientPlan, MethodContext
+from fedpartial._src.core.types import ClientPlan, MethodContext, client_sgd
 from fedpartial._src.engine.client import make_client_fns
+from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.methods.base import make_method
 from tests.conftest import make_cohort
 
@@ -128,3 +129,27 @@ def test_intersecting_keeps_the_element_level(mlp):
     c = masks.with_elements(b, random_elements(params, rng, 0.5))
     jax.tree.map(np.testing.assert_array_equal, expanded(mlp, masks.intersect(a, c), params),
                  jax.tree.map(jnp.logical_and, expanded(mlp, a, params), expanded(mlp, c, params)))
+
+
+def test_each_layers_trained_share_and_the_rounds_metric(mlp):
+    """layer_densities: a layer's on-elements over its elements; a round whose train masks have an element level
+    reports it per client (``trained_density``, what --sparse-flops credits)."""
+    params = mlp.init_variables(jax.random.key(0))["params"]
+    rng = np.random.default_rng(5)
+    mask = masks.with_elements(structured(mlp, rng), random_elements(params, rng, 0.3))
+    on = expanded(mlp, mask, params)
+    want = np.zeros((K, mlp.structure.num_layers))
+    total = np.zeros(mlp.structure.num_layers)
+    for (path, e), leaf in zip(jax.tree_util.tree_leaves_with_path(on), jax.tree.leaves(params)):
+        layer = mlp.structure.role("params", tuple(k.key for k in path)).layer
+        want[:, layer] += np.asarray(e).reshape(K, -1).sum(1)
+        total[layer] += leaf.size
+    np.testing.assert_allclose(masks.layer_densities(mlp.structure, mask, params), want / total, rtol=1e-6)
+
+    def plan(ctx, view):
+        return ClientPlan(train=mask)
+
+    r = FederatedRound(mlp, make_method("sparse", plan=plan), num_clients=K, cohort_size=K,
+                       client_optimizer=client_sgd(0.1))
+    _, metrics = r(r.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2), jax.random.key(1))
+    np.testing.assert_allclose(metrics["trained_density"], want / total, rtol=1e-6)

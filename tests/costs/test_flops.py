@@ -192,6 +192,22 @@ def test_costs_are_compiled_once_per_shape(monkeypatch):
     assert bigger[0].step_flops > 1.5 * first[0].step_flops  # twice the examples; the update stays
 
 
+def test_sparse_flops_credit_the_share_a_client_trains():
+    """--sparse-flops: a client training every layer's elements costs what the dense step does; one training half
+    of every layer saves half of the analytic kernel FLOPs; without densities nothing changes."""
+    model = _linen(TwoDense(8), (6,))
+    fr = _round(model, base.make_method("fedavg"), 2)
+    cohort = make_cohort((6,), k=2, batch=4)
+    costs = devices.CostModel(fr)
+    steps = np.array([3, 2])
+    dense = costs.client_flops(cohort, steps)
+    layers = fr.ctx.structure.num_layers
+    np.testing.assert_allclose(costs.client_flops(cohort, steps, densities=np.ones((2, layers))), dense)
+    half = costs.client_flops(cohort, steps, densities=np.full((2, layers), 0.5))
+    kernels = flops.training_flops(model, batch_size=4)  # analytic kernel FLOPs of one step
+    np.testing.assert_allclose(dense - half, 0.5 * kernels * steps, rtol=1e-6)
+
+
 # ------------------------------------------------------------------ sub-model FLOPs
 
 

@@ -142,6 +142,9 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
                      help="compress what each client uploads: topk:F (the largest fraction F of its update, with "
                           "error feedback), qsgd:B (B-bit QSGD, unbiased) or sign (scaled sign, error feedback); "
                           "traffic is counted in bits")
+    run.add_argument("--sparse-flops", action="store_true",
+                     help="count the FLOPs of a client that trains an element mask (feddst, fiarse) as if it computed "
+                          "only the weights it trains (default: dense, as the engine computes)")
     privacy = run.add_argument_group(
         "differential privacy (DP-FedAvg around the method, docs/privacy.md: each client's update is clipped to "
         "norm C, Gaussian noise of std z·C is added to their sum, ε at δ is reported every round)")
@@ -357,7 +360,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,
         download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
         target_accuracy=args.target_accuracy, max_samples=args.max_samples,
-        upload_codec=args.upload_codec,
+        upload_codec=args.upload_codec, sparse_flops=args.sparse_flops,
         dp_clip=args.dp_clip, dp_noise_multiplier=args.dp_noise_multiplier, dp_clip_per_layer=args.dp_clip_per_layer,
         dp_delta=args.dp_delta, dp_target_quantile=args.dp_target_quantile,
         round_deadline=args.round_deadline, deadline_quantile=args.deadline_quantile,

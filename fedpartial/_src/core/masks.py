@@ -350,6 +350,16 @@ def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict
     return jnp.stack(_layer_counts(structure, mask, _byte_leaves(variables, collections), positions=True), axis=-1)
 
 
+def layer_densities(structure: ModelStructure, mask: Mask, params: Any) -> jax.Array:
+    """``[..., L]`` float32: each layer's on-elements of ``params`` under ``mask`` over its elements (its kept share;
+    the device model's sparse credit, ``--sparse-flops``)."""
+    leaves = _leaves(params, "params")
+    on = _layer_counts(structure, mask, leaves)
+    total = [sum(math.prod(shape) for c, path, shape, _ in leaves if structure.role(c, path).layer == layer)
+             for layer in range(structure.num_layers)]
+    return jnp.stack([o.astype(jnp.float32) / max(t, 1) for o, t in zip(on, total)], axis=-1)
+
+
 def keep_count(fraction: float, units: int) -> int:
     """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
     if not 0 < fraction <= 1:

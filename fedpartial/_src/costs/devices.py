@@ -297,16 +297,26 @@ class CostModel:
             self._dropout_fn = jax.jit(dropout)
         return jax.device_get(self._dropout_fn(state, cohort, key))
 
-    def client_flops(self, cohort, steps, dropout: Mask | None = None) -> np.ndarray:
+    def client_flops(self, cohort, steps, dropout: Mask | None = None, densities=None) -> np.ndarray:
         """``[K]`` float64 FLOPs each client spent this round: real steps × (step + preparation
         of one batch), scaled to the kept units for a sub-model client, times the method's
-        ``Capabilities.local_passes`` (the models each client trains on those batches)."""
+        ``Capabilities.local_passes`` (the models each client trains on those batches).
+
+        ``densities`` (``[K, L]``, the ``trained_density`` metric of element masks; ``--sparse-flops``): the
+        share of each layer a client trains, credited as a client computing sparsely — its kernel work and
+        its per-parameter work scale with the share, the rest (activations, loss) does not.  None: dense."""
         steps = np.asarray(steps, np.float64)
         out = np.zeros_like(steps)
         for cost, group, offset in zip(self.group_costs(cohort), self.fr.groups, self.fr.offsets):
             rows = slice(offset, offset + group.size)
             step, prepare = cost.step_flops, cost.prepare_flops
-            if cost.submodel and dropout is not None:
+            if densities is not None:
+                if self._layers is None:
+                    self._layers = layer_costs(self.fr.model)
+                shares = np.asarray(densities, np.float64)[rows]
+                step = submodel_flops(step, self._layers, cost.step_layers, (shares, np.ones_like(shares)),
+                                      cost.batch_size, fixed_flops=cost.step_fixed_flops)
+            elif cost.submodel and dropout is not None:
                 if self._layers is None:
                     self._layers = layer_costs(self.fr.model)
                 mask = jax.tree.map(lambda a, rows=rows: np.asarray(a)[rows], dropout)

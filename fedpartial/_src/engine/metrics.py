@@ -17,7 +17,7 @@ from fedpartial._src.core.types import Method, MethodContext, RoundView
 ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per_client",
                   "upload_bytes_per_layer", "download_bytes_per_layer", "decisions",
                   "upload_bytes", "download_bytes", "upload_bytes_per_client", "download_bytes_per_client",
-                  "dropout_neurons", "nonfinite_clients", "diverged")
+                  "dropout_neurons", "trained_density", "nonfinite_clients", "diverged")
 
 
 def planned_download(structure, plan, global_vars: dict, communicated: tuple[str, ...], num_clients: int):
@@ -65,6 +65,9 @@ def round_metrics(ctx: MethodContext, method: Method, communicated: tuple[str, .
     }
     if view.plan.dropout is not None:  # sub-model clients' kept units, for the device model's FLOPs
         metrics["dropout_neurons"] = view.plan.dropout.neurons
+    if view.plan.train is not None and view.plan.train.elements is not None:  # element masks: the share each
+        # client trains of every layer, which the device model credits under --sparse-flops
+        metrics["trained_density"] = masks_lib.layer_densities(structure, view.plan.train, g["params"])
     if record_decisions:
         metrics["decisions"] = {"plan": view.plan, "selection": selection}
     if method.metrics is not None:

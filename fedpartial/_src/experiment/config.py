@@ -154,6 +154,9 @@ class RunConfig:
 
     # --- what a client sends: an upload codec around the method (docs/methods.md); off unless given ---
     upload_codec: str | None = None  # 'topk:F' (top-k with error feedback), 'qsgd:B' (B-bit QSGD) or 'sign'
+    # the device model credits a client that trains an element mask (FedDST, FIARSE) with computing sparsely: its
+    # layers' FLOPs scale with the share it trains (the engine itself computes densely); default dense
+    sparse_flops: bool = False
 
     # --- differential privacy: DP-FedAvg around the method (docs/privacy.md); off unless dp_clip is given ---
     dp_clip: float | None = None  # C: each client's update (on what it uploads) clipped to this L2 norm
@@ -237,6 +240,8 @@ class RunConfig:
         _check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
         if self.upload_codec is not None:
             parse_codec(self.upload_codec)  # a bad codec is one sentence
+        if not isinstance(self.sparse_flops, bool):
+            _refuse("sparse_flops", self.sparse_flops, "true or false")
         for field in ("num_clients", "rounds", "batch_size", "eval_every"):
             _check_int(self, field, 1)
         if self.local_steps is not None:

@@ -32,11 +32,14 @@ def kept_units(metrics: dict, num_clients: int) -> Mask | None:
 
 
 def client_work(costs: devices.CostModel, profiles: devices.DeviceProfiles, cohort: engine_types.Cohort,
-                ids: np.ndarray, valid: np.ndarray, metrics: dict) -> tuple[np.ndarray, float]:
+                ids: np.ndarray, valid: np.ndarray, metrics: dict, *, sparse_flops: bool = False
+                ) -> tuple[np.ndarray, float]:
     """``[K]`` every cohort client's FLOPs of local work, and the round's simulated time
-    (:func:`devices.round_time` of the real clients' compute and traffic times)."""
+    (:func:`devices.round_time` of the real clients' compute and traffic times).  ``sparse_flops``: a client
+    training an element mask is credited with computing sparsely (``trained_density``); default dense."""
+    densities = metrics.get("trained_density") if sparse_flops else None
     flops = costs.client_flops(engine_types.data_spec(cohort), metrics["client_steps_per_client"],
-                               kept_units(metrics, len(ids)))
+                               kept_units(metrics, len(ids)), densities)
     seconds = devices.client_times(profiles, ids, flops, metrics["download_bytes_per_client"],
                                    metrics["upload_bytes_per_client"])
     return flops, devices.round_time(seconds, valid)

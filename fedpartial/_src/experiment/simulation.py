@@ -486,7 +486,8 @@ class Simulation:
         train_time = finished - prepared.start if round_time is None else round_time
         self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
         self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
-        flops, simulated = simulated_time.client_work(self.costs, self.devices, cohort, ids, valid, metrics)
+        flops, simulated = simulated_time.client_work(self.costs, self.devices, cohort, ids, valid, metrics,
+                                                      sparse_flops=self.config.sparse_flops)
         simulated, clock = self.clock.finish(prepared.timing or timing.Timing(), self.progress, valid, simulated)
         self.progress["cumulative_simulated_time_s"] += simulated
         self.progress["round"] = t + 1
