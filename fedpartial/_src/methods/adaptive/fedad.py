@@ -56,7 +56,7 @@ keep probability (metric ``dropout_keep_probability``).
 
 **Aggregation**: the engine's one formula — per element the weighted mean over the
 clients that kept it, else the global value — with weights ``n_k`` (FedAD) or
-FedDH's ``q_k`` (FedDHAD, :func:`fedpartial._src.methods.weighting.feddh.reweight`).
+FedDH's ``q_k`` (FedDHAD, :func:`fedpartial._src.methods.weighting.compose.reweight`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ from fedpartial._src.methods.base import (
     Selection,
     make_method,
 )
-from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weighting, reweight
+from fedpartial._src.methods.weighting.compose import reweight
+from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weighting
 from fedpartial._src.methods.registry import MethodSpec, Option, between, check_values, positive_int, whole_number
 
 RESAMPLE_MODES = ("round", "step")
