@@ -14,7 +14,8 @@ from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
 from fedpartial._src.engine.types import Cohort
 from fedpartial._src.core import masks
-from fedpartial._src.core.types import Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView, Selection, ServerData
+from fedpartial._src.core.types import (Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView,
+                                        Selection, ServerData)
 from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
