@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference
     from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
     from fedpartial._src.methods.catalog import ENTRY_POINT_GROUP
     from fedpartial._src.methods.registry import MethodSpec, Option
-    from fedpartial._src.methods.weighting.feddh import reweight
+    from fedpartial._src.methods.weighting.compose import reweight
     from fedpartial._src.methods.wrappers import Wrapper, wrap
 
     from fedpartial import data, masks, methods, models
@@ -128,7 +128,7 @@ _WHERE = {
     "ENTRY_POINT_GROUP": "fedpartial._src.methods.catalog",
     "MethodSpec": "fedpartial._src.methods.registry",
     "Option": "fedpartial._src.methods.registry",
-    "reweight": "fedpartial._src.methods.weighting.feddh",
+    "reweight": "fedpartial._src.methods.weighting.compose",
     "Wrapper": "fedpartial._src.methods.wrappers",
     "wrap": "fedpartial._src.methods.wrappers",
 }

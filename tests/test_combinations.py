@@ -24,7 +24,8 @@ from fedpartial._src.methods.catalog import METHODS
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
-from fedpartial._src.methods.weighting.feddh import feddh_weighting, reweight
+from fedpartial._src.methods.weighting.compose import reweight
+from fedpartial._src.methods.weighting.feddh import feddh_weighting
 from tests.experiment.test_client_state import run_host
 from tests.test_contract import (BUILDERS, KEY, LABEL_COUNTS, SERVER_DATA, K, N, assert_close_to_scale, cohorts,
                                  model_for)

@@ -38,7 +38,8 @@ DP = ["--dp-clip", "1", "--dp-noise-multiplier", "1"]
 def fedldf_with_feddh_weights():
     """FedLDF's uploads with FedDH's weights (``reweight``; ``--method tests.…:fedldf_with_feddh_weights``)."""
     from fedpartial._src.methods.layerwise.fedldf import fedldf
-    from fedpartial._src.methods.weighting.feddh import feddh_weighting, reweight
+    from fedpartial._src.methods.weighting.compose import reweight
+    from fedpartial._src.methods.weighting.feddh import feddh_weighting
 
     return reweight(fedldf(n=1), feddh_weighting())
 

@@ -25,8 +25,8 @@ from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.core.losses import model_loss
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.adaptive.fedad import (AdaptiveState, device_targets, fedad, feddhad, sample_units,
-                                                    unit_rates, unit_shares)
+from fedpartial._src.methods.adaptive.fedad import AdaptiveState, fedad, feddhad
+from fedpartial._src.methods.adaptive.rates import device_targets, sample_units, unit_rates, unit_shares
 from fedpartial._src.methods.weighting.feddh import feddh
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation

@@ -14,28 +14,25 @@ from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
 from fedpartial._src.engine.types import Cohort
 from fedpartial._src.core import masks
-from fedpartial._src.core.types import Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView, Selection, ServerData
+from fedpartial._src.core.types import (Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView,
+                                        Selection, ServerData)
 from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.layerwise.fedldf import fedldf
 from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.weighting.feddh import (
+from fedpartial._src.methods.weighting.compose import reweight
+from fedpartial._src.methods.weighting.degrees import (
     DegreeState,
     control_gradients,
     degree_weights,
-    feddh,
-    feddh_weighting,
-    feddhe,
-    fedjs,
-    fedjs_weighting,
     global_loss,
-    group_by_class,
     js_divergence,
     non_iid_degree,
-    reweight,
 )
+from fedpartial._src.methods.weighting.estimate import group_by_class
+from fedpartial._src.methods.weighting.feddh import feddh, feddh_weighting, feddhe, fedjs, fedjs_weighting
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
@@ -395,7 +392,7 @@ def test_simulation_hands_every_clients_label_counts_to_feddh(mlp):
 
 def test_feddhe_estimates_once_a_round_and_reports_its_degrees(mlp, monkeypatch):
     """The weights hand the cohort's JS divergences on (Carry): update and metrics do not estimate again."""
-    from fedpartial._src.methods.weighting import feddh as module
+    from fedpartial._src.methods.weighting import estimate as module
 
     calls = []
     counted = module.estimate_distribution

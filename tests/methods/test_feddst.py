@@ -18,16 +18,9 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import ClientPlan, InitView
 from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.submodel.feddst import (
-    adjusts,
-    aggregate_sparse,
-    cosine_fraction,
-    erk_counts,
-    erk_densities,
-    last_batch_grad,
-    layout,
-    prune_and_regrow,
-)
+from fedpartial._src.methods.submodel.erk import erk_counts, erk_densities, layout
+from fedpartial._src.methods.submodel.feddst import adjusts, cosine_fraction
+from fedpartial._src.methods.submodel.sparse import aggregate_sparse, last_batch_grad, prune_and_regrow
 from tests.conftest import make_cohort
 
 MLP_KERNELS = [(4, 6), (6, 5), (5, 3)]  # TinyMLP: fc1, fc2, head (69 weights)

@@ -21,7 +21,8 @@ from fedpartial._src.core.types import CohortInfo, InitView, MethodContext, Roun
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.submodel.dropout import fjord
 from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, capacity_table, heterofl, width_mask
+from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, heterofl, width_mask
+from fedpartial._src.methods.tiered.width_capacity import capacity_table
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models import resnet, zoo
 from fedpartial._src.models.registry import build_model

@@ -8,13 +8,8 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.adaptive.importance import (
-    dense_weight_sums,
-    feature_map_ranks,
-    filter_ranks,
-    importance_kinds,
-    unit_importance,
-)
+from fedpartial._src.methods.adaptive.hrank import feature_map_ranks, filter_ranks
+from fedpartial._src.methods.adaptive.importance import dense_weight_sums, importance_kinds, unit_importance
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.registry import build_model
 

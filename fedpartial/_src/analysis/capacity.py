@@ -17,7 +17,7 @@ from typing import Sequence
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.tiered.embracingfl import capacity_table
-from fedpartial._src.methods.tiered.heterofl import capacity_table as width_capacity_table
+from fedpartial._src.methods.tiered.width_capacity import capacity_table as width_capacity_table
 from fedpartial._src.models.adapter import Model, from_linen
 from fedpartial._src.models.registry import MODELS, build_model
 

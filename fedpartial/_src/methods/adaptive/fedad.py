@@ -4,38 +4,13 @@ FedAD follows Algorithm 2 of the FedDHAD paper: every round each sampled device
 trains a sub-model from which each unit was dropped with its own rate, and the rates
 are recomputed only when the importance of the units stops changing.
 
-**Rates** (recomputed in ``update``, on the round's cohort ``SD``):
-
-* importance ``R_k`` of every hidden unit on client ``k``'s trained model and its own
-  data (:func:`fedpartial._src.methods.adaptive.importance.unit_importance`: HRank for a conv filter, the
-  sum of input weights for a dense neuron), aggregated ``R = Σ n_k R_k / Σ n_k``;
-* the global rate ``d_avg = Σ n_k d_k / Σ n_k`` with ``d_k = m_k / h_k`` from the
-  Hessian criterion (:mod:`fedpartial._src.methods.adaptive.hessian`: Lanczos on Hessian-vector products
-  at the trained model, first eigen-gap above ``4·L_k``), or a fixed ``rate``;
-* every device's target ``d*_k`` from ``d_avg``, its full-model execution time ``ET°_k``
-  (:func:`fedpartial._src.costs.devices.expected_execution_time` of full-model local work on
-  device ``k``, given to ``init`` as ``InitView.execution_times``) and ``ET°_ref``, the
-  time of the device holding the most training examples (the paper's "device with the
-  most significant dataset"); without a device model every device gets ``d_avg``.
-  ``target`` picks one of two readings (:func:`device_targets`):
-
-  - ``'time-matched'`` (default): each device drops what makes its expected full-model
-    time match the reference device's at ``d_avg``, ``ET°_k (1 − d*_k) = ET°_ref (1 − d_avg)``,
-    so ``d*_k = clip(1 − ET°_ref (1 − d_avg) / ET°_k, 0, max_rate)``: slow devices drop
-    more, devices faster than the reference drop nothing.
-  - ``'literal'``: Algorithm 2 as printed, ``ET_max = ET°_ref · d_avg`` and
-    ``d*_k = min(ET_max / ET°_k, 1)``.  The paper treats ``d`` as a keep fraction in
-    these two formulas and as a dropout rate in the next one; read as a rate, *faster*
-    devices drop more, which is the opposite of what adaptive dropout is for.  Kept as
-    the paper's text, for comparison.
-* per unit ``d_k^i = softmax(−R)_i · N_kind · d*_k``, the softmax taken over all
-  conv filters together and over all hidden dense neurons together (``N_kind`` their
-  number), clipped to ``[0, max_rate]`` (``max_rate < 1``; default 0.5, so the
-  inverted-dropout scale stays ≤ 2 — the paper says only "clipped below 1", and at
-  0.9 the ×10 scale of a rarely kept unit made Synthetic's MLP diverge to NaN within
-  three rounds of the first update, measured on the GPU benchmark).  The classifier
-  is never dropped.  Before the first update every rate is 0 (the paper's critical early
-  period: FedAD starts as FedAvg).
+**Rates** (:mod:`fedpartial._src.methods.adaptive.rates`, with their decisions),
+recomputed in ``update`` on the round's cohort: the units' importance ``R`` (HRank /
+input-weight sums), the global rate ``d_avg`` (Hessian eigen-gap criterion, or a fixed
+``rate``), every device's target ``d*_k`` from ``d_avg`` and its execution time
+(``target``: ``'time-matched'`` or ``'literal'``), and per unit
+``d_k^i = clip(softmax(−R)_i · N_kind · d*_k, 0, max_rate)``.  Before the first update
+every rate is 0 (the paper's critical early period: FedAD starts as FedAvg).
 
 **Schedule.**  Every ``measure_every`` rounds (``h``) the importance is measured and
 its variation ``Δ = ‖R^t − R^{t−h}‖`` compared with the previous one; the rounds
@@ -56,7 +31,7 @@ keep probability (metric ``dropout_keep_probability``).
 
 **Aggregation**: the engine's one formula — per element the weighted mean over the
 clients that kept it, else the global value — with weights ``n_k`` (FedAD) or
-FedDH's ``q_k`` (FedDHAD, :func:`fedpartial._src.methods.weighting.feddh.reweight`).
+FedDH's ``q_k`` (FedDHAD, :func:`fedpartial._src.methods.weighting.compose.reweight`).
 """
 
 from __future__ import annotations
@@ -65,13 +40,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fedpartial._src.costs import footprint as costs
-from fedpartial._src.methods.adaptive import hessian
-from fedpartial._src.methods.adaptive import importance
 from fedpartial._src.core import masks
-from fedpartial._src.core.losses import model_loss
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.methods.adaptive import importance
+from fedpartial._src.methods.adaptive.rates import (
+    cohort_importance,
+    device_targets,
+    hessian_rate,
+    sample_units,
+    unit_rates,
+    unit_shares,
+)
 from fedpartial._src.methods.base import (
     Capabilities,
     ClientPlan,
@@ -83,8 +63,9 @@ from fedpartial._src.methods.base import (
     Selection,
     make_method,
 )
-from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weighting, reweight
 from fedpartial._src.methods.registry import MethodSpec, Option, between, check_values, positive_int, whole_number
+from fedpartial._src.methods.weighting.compose import reweight
+from fedpartial._src.methods.weighting.feddh import RATE_OPTIONS, feddh_weighting
 
 RESAMPLE_MODES = ("round", "step")
 TARGET_READINGS = ("time-matched", "literal")
@@ -105,62 +86,36 @@ class AdaptiveState(NamedTuple):
     updates: jax.Array  # int32 number of rate updates so far
 
 
-def unit_shares(kinds: tuple[str, ...], scores: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """``softmax(−r)_i · N_kind`` per hidden unit, separately over conv and dense units; 0 for the classifier."""
-    out = [jnp.zeros_like(s, jnp.float32) for s in scores]
-    for kind in ("conv", "dense"):
-        layers = [l for l, k in enumerate(kinds[:-1]) if k == kind]
-        if not layers:
-            continue
-        flat = jnp.concatenate([scores[l].astype(jnp.float32) for l in layers])
-        share = jax.nn.softmax(-flat) * flat.shape[0]
-        offsets = np.cumsum([0] + [scores[l].shape[0] for l in layers])
-        for l, a, b in zip(layers, offsets[:-1], offsets[1:]):
-            out[l] = share[a:b]
-    return tuple(out)
+def init(ctx: MethodContext, view: InitView) -> MethodState:
+    """No rates yet (all 0); the execution times ``ET°_k`` and the reference device's ``ET°_ref``."""
+    structure = ctx.structure
+    masks.uses_neurons(structure)
+    n = ctx.num_clients
+    times = (jnp.ones((n,), jnp.float32) if view.execution_times is None
+             else jnp.asarray(view.execution_times, jnp.float32))
+    sizes = None if view.label_counts is None else jnp.sum(jnp.asarray(view.label_counts), axis=-1)
+    reference = jnp.max(times) if sizes is None else times[jnp.argmax(sizes)]
+    zeros = tuple(jnp.zeros((u,), jnp.float32) for u in structure.units)
+    return MethodState(server=AdaptiveState(
+        importance=zeros, variation=jnp.asarray(jnp.inf, jnp.float32), stall=jnp.zeros((), jnp.int32),
+        measured=jnp.zeros((), bool), shares=zeros, global_rate=jnp.zeros((), jnp.float32),
+        target=jnp.zeros((n,), jnp.float32), execution_times=times, reference_time=reference,
+        updates=jnp.zeros((), jnp.int32)))
 
 
-def unit_rates(shares: tuple[jax.Array, ...], target: jax.Array, max_rate: float) -> tuple[jax.Array, ...]:
-    """``[K, units]`` per layer: ``clip(share_i · d*_k, 0, max_rate)`` (the classifier's rates are 0)."""
-    return tuple(jnp.clip(s[None, :] * target[:, None], 0.0, max_rate) for s in shares)
+def step_plan(ctx: MethodContext, plan: ClientPlan, key: jax.Array, step: jax.Array) -> ClientPlan:
+    """A fresh mask for one local step (``resample='step'``): one client, sampled as a cohort of one."""
+    rates = tuple(d[None] for d in plan.extra)
+    kept, scales = sample_units(key, rates, jnp.zeros((1,), jnp.int32))
+    mask = masks.protect_output(masks.from_neurons(ctx.structure, tuple(k[0] for k in kept)))
+    return plan._replace(dropout=mask, dropout_scale=tuple(s[0] for s in scales))
 
 
-def device_targets(reading: str, global_rate: jax.Array, execution_times: jax.Array, reference_time: jax.Array,
-                   max_rate: float) -> jax.Array:
-    """Each device's target dropout ``d*_k`` from ``d_avg`` and the execution times (see the module doc)."""
-    if reading == "literal":
-        return jnp.minimum(reference_time * global_rate / execution_times, 1.0)
-    return jnp.clip(1.0 - reference_time * (1.0 - global_rate) / execution_times, 0.0, max_rate)
-
-
-def sample_units(key: jax.Array, rates: tuple[jax.Array, ...], ids: jax.Array) -> tuple[tuple, tuple]:
-    """Each client's kept units (unit ``i`` kept w.p. ``1 − d_i``) and their scales ``1/(1 − d_i)``.
-
-    Client ``k`` draws from ``fold_in(key, id_k)`` (its draw does not depend on who else
-    is in the cohort), layer ``l`` from ``fold_in(·, l)``.  A layer that would lose every
-    unit keeps its lowest-rate one (lowest index among equals).
-    """
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
-    kept, scales = [], []
-    for layer, d in enumerate(rates):
-        u = jax.vmap(lambda k, shape=d.shape[1:], layer=layer: jax.random.uniform(
-            jax.random.fold_in(k, layer), shape))(keys)
-        keep = u >= d
-        fallback = jnp.arange(d.shape[-1])[None, :] == jnp.argmin(d, axis=-1)[:, None]
-        keep = jnp.where(jnp.any(keep, axis=-1, keepdims=True), keep, fallback)
-        kept.append(keep)
-        scales.append(jnp.where(keep, 1.0 / (1.0 - d), 0.0))
-    return tuple(kept), tuple(scales)
-
-
-def _real_batches(view: RoundView, batches: int):
-    """The first ``batches`` local steps of every client, flattened to ``[K, batches·B, ...]``."""
-    data = jax.tree.map(lambda a: a[:, :batches], view.data)
-    k = data.x.shape[0]
-    x = data.x.reshape((k, -1) + data.x.shape[3:])
-    y = data.y.reshape((k, -1))
-    mask = (data.example_mask & data.step_mask[..., None]).reshape((k, -1))
-    return x, y, mask
+def select(ctx: MethodContext, view: RoundView) -> Selection:
+    """Every client uploads what it trained, weighted by ``n_k``."""
+    k = view.cohort.num_samples.shape[0]
+    return Selection(upload=view.plan.dropout, weights=view.cohort.num_samples,
+                     extra_upload_bytes=jnp.zeros((k,), jnp.int32))
 
 
 def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,
@@ -182,21 +137,6 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
                  resample=resample, importance_batches=importance_batches, lanczos_steps=lanczos_steps, target=target)
     per_step = resample == "step"
 
-    def init(ctx: MethodContext, view: InitView) -> MethodState:
-        structure = ctx.structure
-        masks.uses_neurons(structure)
-        n = ctx.num_clients
-        times = (jnp.ones((n,), jnp.float32) if view.execution_times is None
-                 else jnp.asarray(view.execution_times, jnp.float32))
-        sizes = None if view.label_counts is None else jnp.sum(jnp.asarray(view.label_counts), axis=-1)
-        reference = jnp.max(times) if sizes is None else times[jnp.argmax(sizes)]
-        zeros = tuple(jnp.zeros((u,), jnp.float32) for u in structure.units)
-        return MethodState(server=AdaptiveState(
-            importance=zeros, variation=jnp.asarray(jnp.inf, jnp.float32), stall=jnp.zeros((), jnp.int32),
-            measured=jnp.zeros((), bool), shares=zeros, global_rate=jnp.zeros((), jnp.float32),
-            target=jnp.zeros((n,), jnp.float32), execution_times=times, reference_time=reference,
-            updates=jnp.zeros((), jnp.int32)))
-
     def cohort_rates(ctx: MethodContext, view: RoundView) -> tuple[jax.Array, ...]:
         s: AdaptiveState = view.method_state.server
         return unit_rates(s.shares, s.target[view.cohort.client_ids], max_rate)
@@ -211,51 +151,15 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
         return ClientPlan(dropout=mask, dropout_scale=scales, download=mask,
                           extra_download_bytes=costs.index_bytes(ctx.structure, mask), extra=rates)
 
-    def step_plan(ctx: MethodContext, plan: ClientPlan, key: jax.Array, step: jax.Array) -> ClientPlan:
-        # One client (no cohort axis): sample as a cohort of one.
-        rates = tuple(d[None] for d in plan.extra)
-        kept, scales = sample_units(key, rates, jnp.zeros((1,), jnp.int32))
-        mask = masks.protect_output(masks.from_neurons(ctx.structure, tuple(k[0] for k in kept)))
-        return plan._replace(dropout=mask, dropout_scale=tuple(s[0] for s in scales))
-
-    def select(ctx: MethodContext, view: RoundView) -> Selection:
-        k = view.cohort.num_samples.shape[0]
-        return Selection(upload=view.plan.dropout, weights=view.cohort.num_samples,
-                         extra_upload_bytes=jnp.zeros((k,), jnp.int32))
-
-    def client_importance(ctx: MethodContext, view: RoundView) -> tuple[jax.Array, ...]:
-        x, _, mask = _real_batches(view, importance_batches)
-        per_client = jax.vmap(lambda v, xx, m: importance.unit_importance(ctx.model, v, xx, m))(
-            view.trained_vars, x, mask)
-        w = view.cohort.num_samples * view.cohort.valid
-        w = w / jnp.maximum(jnp.sum(w), 1e-12)
-        return tuple(jnp.tensordot(w, r, axes=1) for r in per_client)
-
-    def hessian_rate(ctx: MethodContext, view: RoundView) -> jax.Array:
-        x, y, mask = _real_batches(view, 1)
-        keys = jax.vmap(lambda i: jax.random.fold_in(view.key, i))(view.cohort.client_ids)
-
-        def one(trained, start, xx, yy, mm, key):
-            def loss(params):
-                return model_loss(ctx.model, {**trained, "params": params}, xx, yy, mm,
-                                  train=ctx.batch_statistics)[0]
-            eigs = hessian.hessian_spectrum(loss, trained["params"], lanczos_steps, key)
-            lip = hessian.secant_lipschitz(jax.grad(loss), start["params"], trained["params"])
-            return hessian.eigengap_rate(eigs, lip)
-
-        d = jax.vmap(one)(view.trained_vars, view.start_vars, x, y, mask, keys)
-        w = view.cohort.num_samples * view.cohort.valid
-        return jnp.sum(w * d) / jnp.maximum(jnp.sum(w), 1e-12)
-
     def recompute(ctx: MethodContext, view: RoundView, s: AdaptiveState, scores) -> AdaptiveState:
-        d_avg = jnp.asarray(rate, jnp.float32) if rate is not None else hessian_rate(ctx, view)
+        d_avg = jnp.asarray(rate, jnp.float32) if rate is not None else hessian_rate(ctx, view, lanczos_steps)
         d_avg = jnp.clip(d_avg, 0.0, max_rate)
         targets = device_targets(target, d_avg, s.execution_times, s.reference_time, max_rate)
         return s._replace(shares=unit_shares(importance.importance_kinds(ctx.model), scores), global_rate=d_avg,
                           target=targets, stall=jnp.zeros((), jnp.int32), updates=s.updates + 1)
 
     def measure(ctx: MethodContext, view: RoundView, s: AdaptiveState) -> AdaptiveState:
-        scores = client_importance(ctx, view)
+        scores = cohort_importance(ctx, view, importance_batches)
         variation = jnp.sqrt(sum(jnp.sum((a - b) ** 2) for a, b in zip(scores, s.importance)))
         variation = jnp.where(s.measured, variation, jnp.inf)
         decreased = variation < s.variation

@@ -119,6 +119,42 @@ def clip_factors(ctx: MethodContext, view: RoundView, clip: jax.Array, per_layer
     return delta, jnp.broadcast_to(factors, sq.shape), flat
 
 
+def clipped_aggregate(ctx: MethodContext, view: RoundView, clip: jax.Array, per_layer: bool):
+    """Without noise: the engine's aggregation over the clipped models (a model within the norm bit for bit).
+    Returns ``(new params, received, factors, norms)``."""
+    g = view.global_vars["params"]
+    delta, factors, flat = clip_factors(ctx, view, clip, per_layer)
+    layers = jax.tree.unflatten(jax.tree.structure(g), _layers(ctx, g))
+    models = jax.tree.map(lambda t, a, d, at: jnp.where(_per_client(factors[:, at], d) < 1,
+                                                        a[None] + _per_client(factors[:, at], d) * d, t),
+                          received_params(view), g, delta, layers)
+    new, received = aggregation.aggregate(ctx.structure, {"params": g}, {"params": models},
+                                          view.selection.upload, view.selection.weights, ("params",))
+    return new["params"], received, factors, flat
+
+
+def noised_mean(g: Any, total: Any, expected: Any, std: jax.Array, key: jax.Array) -> Any:
+    """``g + (Σ m Δ̃ + std·N(0, 1)) / expected`` per element where ``expected > 0``, else ``g``."""
+    keys = jax.random.split(key, len(jax.tree.leaves(g)))
+    noise = jax.tree.unflatten(jax.tree.structure(g), [jax.random.normal(k, a.shape, a.dtype) for k, a in
+                                                      zip(keys, jax.tree.leaves(g))])
+    return jax.tree.map(lambda a, s, n, d: jnp.where(d > 0, a + (s + std.astype(a.dtype) * n)
+                                                    / jnp.where(d > 0, d, 1.0).astype(a.dtype), a),
+                        g, total, noise, expected)
+
+
+def _checked_noise(clip: float, noise_multiplier: float, target_quantile: float | None) -> float:
+    """The noise multiplier ``z`` as a float, once the arguments are known to make sense."""
+    z = float(noise_multiplier)
+    if not (math.isfinite(z) and z >= 0):
+        raise UserError(f"DP-FedAvg: the noise multiplier {noise_multiplier!r} must be a finite number ≥ 0.")
+    if not (clip > 0 and (math.isfinite(clip) or z == 0)):
+        raise UserError(f"DP-FedAvg: the clipping norm {clip!r} must be > 0, and finite when there is noise.")
+    if target_quantile is not None and not (0 < target_quantile < 1 and math.isfinite(clip)):
+        raise UserError(f"DP-FedAvg: the target quantile {target_quantile!r} must be in (0, 1), with a finite clip.")
+    return z
+
+
 def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer: bool = False,
               target_quantile: float | None = None, clip_lr: float = 0.2) -> Method:
     """``method`` with its clients' updates clipped to ``clip`` and Gaussian noise of std
@@ -129,13 +165,7 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         method = fedpartial.dp_fedavg(fedpartial.methods.fedldf(n=4), clip=1.0, noise_multiplier=1.1,
                                       per_layer=True)
     """
-    z = float(noise_multiplier)
-    if not (math.isfinite(z) and z >= 0):
-        raise UserError(f"DP-FedAvg: the noise multiplier {noise_multiplier!r} must be a finite number ≥ 0.")
-    if not (clip > 0 and (math.isfinite(clip) or z == 0)):
-        raise UserError(f"DP-FedAvg: the clipping norm {clip!r} must be > 0, and finite when there is noise.")
-    if target_quantile is not None and not (0 < target_quantile < 1 and math.isfinite(clip)):
-        raise UserError(f"DP-FedAvg: the target quantile {target_quantile!r} must be in (0, 1), with a finite clip.")
+    z = _checked_noise(clip, noise_multiplier, target_quantile)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         if view.global_vars.get("batch_stats") and not ctx.batch_statistics:
@@ -166,24 +196,12 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         """The new params and where they moved, carrying the round's :class:`Clipped` to ``update`` and ``metrics``."""
         g, state = view.global_vars["params"], view.method_state.server
         if z == 0:  # no privacy: the engine's formula over the clipped models (within the norm: bit for bit)
-            delta, factors, flat = clip_factors(ctx, view, state.clip, per_layer)
-            layers = jax.tree.unflatten(jax.tree.structure(g), _layers(ctx, g))
-            models = jax.tree.map(lambda t, a, d, at: jnp.where(_per_client(factors[:, at], d) < 1,
-                                                                a[None] + _per_client(factors[:, at], d) * d, t),
-                                  received_params(view), g, delta, layers)
-            new, received = aggregation.aggregate(ctx.structure, {"params": g}, {"params": models},
-                                                  view.selection.upload, view.selection.weights, ("params",))
+            new, received, factors, flat = clipped_aggregate(ctx, view, state.clip, per_layer)
             # the denominator is not used: no counts to keep
-            return Carry((new["params"], received), Clipped(factors, flat, jax.tree.map(jnp.zeros_like, state.uploads)))
+            return Carry((new, received), Clipped(factors, flat, jax.tree.map(jnp.zeros_like, state.uploads)))
         (total, count), (_, factors, flat) = clipped_sums(ctx, view)
         expected = jax.tree.map(lambda u, c: (u + c) / (state.rounds + 1).astype(jnp.float32), state.uploads, count)
-        std = noise_stds(ctx, state)[0] * state.clip
-        keys = jax.random.split(view.key, len(jax.tree.leaves(g)))
-        noise = jax.tree.unflatten(jax.tree.structure(g), [jax.random.normal(k, a.shape, a.dtype) for k, a in
-                                                          zip(keys, jax.tree.leaves(g))])
-        new = jax.tree.map(lambda a, s, n, d: jnp.where(d > 0, a + (s + std.astype(a.dtype) * n)
-                                                        / jnp.where(d > 0, d, 1.0).astype(a.dtype), a),
-                           g, total, noise, expected)
+        new = noised_mean(g, total, expected, noise_stds(ctx, state)[0] * state.clip, view.key)
         return Carry((new, jax.tree.map(lambda d: d > 0, expected)), Clipped(factors, flat, count))
 
     def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:

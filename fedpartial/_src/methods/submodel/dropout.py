@@ -20,19 +20,9 @@ FedMP      ``round(p_k·u)`` neurons of largest parameter L1 norm        client
 PruneFL    ``round(p_k·u)`` neurons of largest gradient L2 norm         client
 =========  ===========================================================  ==========
 
-Decisions where the papers are vague:
+Decisions where the papers are vague (how the neurons are chosen, and what naming them
+costs: :mod:`fedpartial._src.methods.submodel.choosers`):
 
-* Norm-based choices score the client's *personal model*: its last trained
-  sub-model, whose dropped neurons' parameters hold the global values of that round
-  (a client that never trained holds ``w⁰``).  A dropped neuron's BatchNorm running
-  statistics still move during training (its output is computed, only the weights
-  reading it are zeroed); nothing reads them — they are not uploaded, scores use
-  parameters only, and evaluation removes the neuron.  PruneFL's gradient is taken at that model on
-  the client's first local batch of the round.
-* A neuron's parameters are its kernel column, bias and BatchNorm scale/bias.
-* Index cost: who chooses tells the other side — the server's choice (FedDrop)
-  costs download, a client's choice costs upload; per masked layer the cheaper of
-  int32 indices or a bit-mask.  FjORD sends one int32 width per masked layer.
 * Evaluation: each client's personal model is the sub-model it last trained (its
   dropped neurons removed), on its own held-out split.
 * FjORD may instead take EmbracingFL's capacity tiers (``--tier-mix`` /
@@ -49,16 +39,23 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.losses import model_loss
-from fedpartial._src.methods import selection
 from fedpartial._src.methods.submodel import common as submodel
+from fedpartial._src.methods.submodel.choosers import (
+    Chooser,
+    _by_gradient_norm,
+    _by_parameter_norm,
+    _dense_index_bytes,
+    _dense_only,
+    _leftmost,
+    _random,
+    _width_bytes,
+)
 from fedpartial._src.methods.base import (
     Capabilities,
     ClientPlan,
@@ -76,12 +73,6 @@ from fedpartial._src.methods.base import (
 from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, WIDTHS_OPTION, tier_ratios
 from fedpartial._src.methods.registry import MethodSpec, Option, boolean, check_values, is_boolean
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_OPTION, resolve_mix
-
-#: bytes of FjORD's per-layer width (one int32)
-WIDTH_BYTES = 4
-
-Chooser = Callable[[MethodContext, RoundView, tuple], tuple]
-
 
 def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], rounding: str = "round",
                     chosen_by: str = "client",
@@ -135,59 +126,6 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
     return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal,
                        metrics=submodel.active_fraction,
                        capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
-
-
-# ---- the neuron choices ------------------------------------------------------------
-
-
-def _random(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
-    return submodel.random_neurons(view.key, counts, ctx.structure.units, view.cohort.client_ids)
-
-
-def _leftmost(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
-    return submodel.leftmost_neurons(counts, ctx.structure.units)
-
-
-def _by_parameter_norm(ord: int) -> Chooser:
-    def choose(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
-        scores = selection.neuron_norms(ctx.structure, view.client_state.variables["params"], ord=ord)
-        return submodel.strongest_neurons(scores, counts)
-    return choose
-
-
-def _by_gradient_norm(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
-    batch = submodel.first_batch(view.data)
-
-    def gradient(variables, x, y, example_mask):
-        def loss(params):
-            return model_loss(ctx.model, {**variables, "params": params}, x, y, example_mask,
-                              train=ctx.batch_statistics)[0]
-        return jax.grad(loss)(variables["params"])
-
-    grads = jax.vmap(gradient)(view.client_state.variables, batch.x, batch.y, batch.example_mask)
-    return submodel.strongest_neurons(selection.neuron_norms(ctx.structure, grads, ord=2), counts)
-
-
-def _width_bytes(structure, mask) -> jax.Array:
-    return jnp.full(mask.layers.shape[:-1], WIDTH_BYTES * (structure.num_layers - 1), jnp.int32)
-
-
-def _dense_only(choose: Chooser) -> Chooser:
-    """``choose`` with every convolution keeping all its units: only dense layers are thinned."""
-    def dense(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
-        counts = tuple(jnp.full_like(c, u) if kind == "conv" else c
-                       for c, u, kind in zip(counts, ctx.structure.units, ctx.structure.kinds))
-        return choose(ctx, view, counts)
-    return dense
-
-
-def _dense_index_bytes(structure, mask) -> jax.Array:
-    """Index bytes of the hidden dense layers only: conv layers are never thinned, so nothing names them."""
-    total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
-    for units, kind, on in zip(structure.units[:-1], structure.kinds[:-1], mask.neurons[:-1]):
-        if kind == "dense":
-            total = total + costs.layer_index_bytes(units, jnp.sum(on, axis=-1, dtype=jnp.int32))
-    return total
 
 
 def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS, dense_only: bool = False) -> Method:

@@ -27,7 +27,7 @@ default ``widths`` are ``(0.4375, 0.1875)``.  Our ResNet20 lacks that variant's
 16→16 projection in ``stage1_block1`` (see :class:`fedpartial._src.models.zoo.ResNet20`),
 so it counts 52,811 and 9,991 parameters (63 and 15 fewer: that projection's
 ``c²`` weights and ``2c`` BatchNorm values), and capacities 0.428 and 0.181
-(:func:`capacity_table`; the paper: 0.43 and 0.18).
+(:func:`fedpartial._src.methods.tiered.width_capacity.capacity_table`; the paper: 0.43 and 0.18).
 
 Choices where the papers are vague:
 
@@ -51,13 +51,11 @@ Choices where the papers are vague:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.costs import footprint as costs
 from fedpartial._src.engine import graphs
 from fedpartial._src.core.types import ClientGroup, ClientPlan, MethodContext, RoundView, Selection
 from fedpartial._src.core.errors import UserError
@@ -226,28 +224,3 @@ SPEC = MethodSpec(
     "Width reduction (HeteroFL static): moderate/weak clients train the leading ⌈r·C⌉ channels of every layer.",
     options=(TIER_MIX_OPTION, CAPACITY_CASE_OPTION, WIDTHS_OPTION, WEIGHTING_OPTION),
 )
-
-
-# ---- capacity: the paper's Table 10 -------------------------------------------------------------
-
-
-def tier_footprint(model: Model, ratio: float, *, batch_size: int, module=None) -> dict:
-    """Values a client of width ``ratio`` trains: every parameter of its narrow model and the Conv/Dense
-    outputs of one batch (:func:`fedpartial._src.costs.footprint.layer_output_shapes`), counted as
-    :func:`fedpartial._src.methods.tiered.embracingfl.tier_footprint` counts them."""
-    narrow = model if ratio == 1 else graphs.narrow_model(model, ratio, module=module)
-    variables = jax.eval_shape(narrow.init_variables, jax.random.key(0))
-    params = sum(math.prod(a.shape) for a in jax.tree.leaves(variables["params"]))
-    acts = sum(math.prod(s) for s in costs.layer_output_shapes(narrow))
-    return {"params": int(params), "activations": int(batch_size * acts)}
-
-
-def capacity_table(model: Model, *, batch_size: int = 32, widths: Sequence[float] = DEFAULT_WIDTHS,
-                   module=None) -> list[dict]:
-    """One row per tier: width ratio, parameters, activations and capacity (SPEC §4, the paper's Table 10)."""
-    rows = [dict(tier=TIER_NAMES[t], width=r, **tier_footprint(model, r, batch_size=batch_size, module=module))
-            for t, r in enumerate(tier_ratios(widths))]
-    full = rows[0]["params"] + rows[0]["activations"]
-    for row in rows:
-        row["capacity"] = (row["params"] + row["activations"]) / full
-    return rows
