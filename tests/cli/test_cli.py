@@ -214,17 +214,32 @@ def test_auto_streaming_is_shown_and_recorded(monkeypatch, tmp_path, capsys):
     assert "stream-stepwise:1 on cpu, data on the host (auto streams the cohort" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("after_s", [0.3, 0.8])
-def test_ctrl_c_while_the_command_line_loads_exits_130_with_one_sentence(after_s):
+#: the console script run with the command line's import slowed down (as on a slow or cold machine), so that a
+#: Ctrl-C at any delay lands while it loads, whatever this machine's speed (a warm one loads in under 0.8 s)
+SLOW_LOADING = """
+import importlib.abc, sys, time
+class Slow(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "fedpartial._src.cli.main":
+            time.sleep(5)
+        return None
+sys.meta_path.insert(0, Slow())
+from fedpartial._src.cli.entry import main
+sys.exit(main(["list", "methods"]))
+"""
+
+
+@pytest.mark.parametrize("after_s, slow", [(0.3, False), (0.8, True)], ids=["as-is", "slow-loading"])
+def test_ctrl_c_while_the_command_line_loads_exits_130_with_one_sentence(after_s, slow):
     """The console script's guard (fedpartial._src.cli.entry): no import traceback, nothing written."""
     import signal
     import subprocess
     import sys
     import time
 
-    child = subprocess.Popen([sys.executable, "-m", "fedpartial", "list", "methods"], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-    time.sleep(after_s)  # JAX alone takes longer than this to import
+    args = ["-c", SLOW_LOADING] if slow else ["-m", "fedpartial", "list", "methods"]
+    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)  # JAX alone takes longer than 0.3 s to import
     child.send_signal(signal.SIGINT)
     err = child.communicate(timeout=120)[1]
     assert child.returncode == 130 and err == "fedpartial: interrupted while starting; nothing was written.\n", err
