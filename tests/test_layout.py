@@ -67,9 +67,21 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 
 
 def test_no_two_modules_import_each_other_even_inside_functions():
-    """grimp reads every import, function-local ones included, so a cycle hidden in a function shows too."""
-    graph = grimp.build_graph("fedpartial", exclude_type_checking_imports=True)  # as the contracts read it
-    assert _cycles(graph) == []
+    """grimp reads every import, function-local and type-only (``if TYPE_CHECKING:``) ones included, so a
+    cycle hidden in a function or in a type annotation shows too."""
+    graph = grimp.build_graph("fedpartial", exclude_type_checking_imports=False)  # as the contracts read it
+    cycles = _cycles(graph)
+    # the message: each cycle's modules, and a path round it
+    assert cycles == [], [(group, graph.find_shortest_chain(importer=group[0], imported=group[1]),
+                           graph.find_shortest_chain(importer=group[1], imported=group[0])) for group in cycles]
+
+
+def test_the_contracts_count_type_only_imports():
+    """A type-only import is a dependency like any other: the layers hold with them counted."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config["exclude_type_checking_imports"] is False
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -250,8 +250,8 @@ def local_training_stepwise(rnd: FederatedRound) -> Callable:
     steps inside ``lax.scan`` run several times slower), finished from the start models ``starts``
     (``rnd.preview(...).start_vars``, computed once outside the timing).  Returns ``(trained, losses,
     steps)`` ``[K, ...]``.  Its jitted pieces are built once, so a timed call compiles nothing."""
-    final = jax.jit(rnd._final_results)
-    stepwise = Stepwise(rnd)  # whatever rnd's own strategy
+    final = jax.jit(rnd.program.final_results)
+    stepwise = Stepwise(rnd.program)  # whatever rnd's own strategy
 
     def train(state, cohort, key, starts):
         _, _, locals_ = stepwise.train(state, cohort, jax.random.key_data(key))

@@ -6,7 +6,7 @@ imports) can compute a client's loss without an import cycle.
 
 from __future__ import annotations
 
-from typing import Sequence, TYPE_CHECKING
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,7 @@ import optax
 
 from fedpartial._src.core import masks
 from fedpartial._src.core.masks import Mask
-
-if TYPE_CHECKING:  # the model layer sits above core: types only
-    from fedpartial._src.models.adapter import Model
+from fedpartial._src.core.types import ModelLike
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, example_mask: jax.Array) -> jax.Array:
@@ -26,7 +24,7 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, example_mask: jax
     return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def model_loss(model: Model, variables: dict, x: jax.Array, y: jax.Array, example_mask: jax.Array, *,
+def model_loss(model: ModelLike, variables: dict, x: jax.Array, y: jax.Array, example_mask: jax.Array, *,
                train: bool = False, submodel: Mask | None = None,
                unit_scale: Sequence[jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """``(mean loss, number correct)`` of one model on one batch of real + padded examples.

@@ -37,7 +37,7 @@ and outside the round ``personal`` (each client's own model) and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, TYPE_CHECKING
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import optax
@@ -45,8 +45,34 @@ import optax
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.core.structure import ModelStructure
 
-if TYPE_CHECKING:  # the model layer sits above core: types only
-    from fedpartial._src.models.adapter import Model
+
+
+class ModelLike(Protocol):
+    """What core needs of a model (structurally: :class:`fedpartial._src.models.adapter.Model` is one, and core,
+    below the model layer, imports nothing of it).
+
+    ``apply(variables, x, train, example_mask=None) -> (logits [B, C], batch_stats)``;
+    ``init_variables(key) -> variables``.  A method may read more of the model it is given (its stages, its
+    exits): those are the model layer's, typed there."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def structure(self) -> ModelStructure: ...
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_classes(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    def apply(self, variables: dict, x: Any, train: bool, example_mask: Any = None) -> tuple[Any, Any]: ...
+
+    def init_variables(self, key: jax.Array) -> dict: ...
 
 
 class CohortInfo(NamedTuple):
@@ -213,7 +239,7 @@ class OptimizerSettings(NamedTuple):
 class MethodContext:
     """Static facts a method may use (hashable; never traced)."""
 
-    model: Model
+    model: ModelLike
     num_clients: int
     cohort_size: int
     rounds: int | None = None  # planned number of rounds, for schedules (None: unknown)
@@ -473,7 +499,7 @@ class Method(NamedTuple):
     personal: Callable[[MethodContext, MethodState, dict], PersonalModels]
     active_clients: Callable[[MethodContext, MethodState], jax.Array] | None
     server_correct: Callable[[MethodContext, RoundView], Any] | None = None
-    adapt_model: Callable[[Model], Model] | None = None
+    adapt_model: Callable[[ModelLike], ModelLike] | None = None
     summarize: Callable[[MethodContext, RoundView], Any] | None = None
     transform_grads: Callable[[MethodContext, Any, LocalStep], Any] | None = None
     capabilities: Capabilities = Capabilities()

@@ -3,24 +3,39 @@ each round's cohort."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.types import ClientGroup
+from fedpartial._src.core.types import ClientGroup, Method, MethodContext, ModelLike
 from fedpartial._src.engine import sharding as sharding_lib
 from fedpartial._src.engine.types import Cohort, ServerState, data_spec
 
-if TYPE_CHECKING:
-    from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import Strategy
+
+
+class RoundSettings(Protocol):
+    """What the checks read of a :class:`~fedpartial._src.engine.round.FederatedRound` (so this module, which the
+    round imports, imports nothing of the round's)."""
+
+    ctx: MethodContext
+    method: Method
+    model: ModelLike
+    strategy: Strategy
+    mesh: jax.sharding.Mesh | None
+    client_state: str
+    groups: tuple[ClientGroup, ...]
+    offsets: tuple[int, ...]
+
+    def client_state_shapes(self) -> Any: ...
 
 #: where a method's per-client state lives (``FederatedRound(client_state=...)``)
 CLIENT_STATES = ("device", "host")
 
 
-def resolve_groups(rnd: FederatedRound) -> tuple[ClientGroup, ...]:
+def resolve_groups(rnd: RoundSettings) -> tuple[ClientGroup, ...]:
     """The method's client groups (one group, the whole cohort, when it has none), checked."""
     k = rnd.ctx.cohort_size
     if rnd.method.groups is None:
@@ -40,7 +55,7 @@ def resolve_groups(rnd: FederatedRound) -> tuple[ClientGroup, ...]:
     return groups
 
 
-def resolve_mesh(rnd: FederatedRound, devices) -> jax.sharding.Mesh | None:
+def resolve_mesh(rnd: RoundSettings, devices) -> jax.sharding.Mesh | None:
     """The client mesh (None: one device, nothing sharded)."""
     if devices is None or (isinstance(devices, (int, np.integer)) and devices == 1):
         return None
@@ -57,7 +72,7 @@ def resolve_mesh(rnd: FederatedRound, devices) -> jax.sharding.Mesh | None:
     return mesh if d > 1 else None
 
 
-def resolve_client_state(rnd: FederatedRound, where: str) -> str:
+def resolve_client_state(rnd: RoundSettings, where: str) -> str:
     """Where the method's per-client state lives (:data:`CLIENT_STATES`), checked against the method and mesh."""
     if where not in CLIENT_STATES:
         raise ValueError(f"client state {where!r} is unknown; use one of {CLIENT_STATES}.")
@@ -75,7 +90,7 @@ def resolve_client_state(rnd: FederatedRound, where: str) -> str:
     return where
 
 
-def check_cohort(rnd: FederatedRound, cohort: Cohort, state: ServerState | None = None) -> None:
+def check_cohort(rnd: RoundSettings, cohort: Cohort, state: ServerState | None = None) -> None:
     """A cohort (and with per-client state on the host, the state) that fits the round, or a ValueError."""
     ids = cohort.info.client_ids
     k = np.shape(ids)[0]

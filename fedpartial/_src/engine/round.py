@@ -9,9 +9,10 @@ The round is a pure function (:attr:`FederatedRound.functions`): a user may ``ji
 ``lax.scan`` it over rounds or ``vmap`` it over seeds.  The execution strategies
 (:mod:`fedpartial._src.engine.strategy`) compute the same thing; each has its runner
 (:mod:`fedpartial._src.engine.runners`), which :class:`FederatedRound` picks once, when it is
-built, and calls every round.  This module holds the pieces the runners share: the view, the
-plan, every client's start model, one client's local training, fault cleaning, selection,
-aggregation, the server's update and the metrics.
+built, and calls every round.  The pieces the runners share (the view, the plan, every client's
+start model, one client's local training, fault cleaning, selection, aggregation, the server's
+update and the metrics) are the round's :class:`~fedpartial._src.engine.program.RoundProgram`,
+which :class:`FederatedRound` builds and hands to its runner; this module says what they compute.
 
 **Client groups.**  A method may split the cohort into static groups
 (:class:`~fedpartial._src.core.types.ClientGroup`, e.g. capacity tiers), laid out one after
@@ -51,7 +52,6 @@ function and gives bit-identical results.  Traffic and the other metrics: :mod:`
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -59,33 +59,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.population import gather_clients
 from fedpartial._src.core.types import (
-    Carry,
     ClientOptimizer,
-    ClientPlan,
     InitView,
     Method,
     MethodContext,
     MethodState,
     OptimizerSettings,
-    RoundView,
     ServerData,
 )
 from fedpartial._src.engine import checks, graphs
 from fedpartial._src.engine import sharding as sharding_lib
-from fedpartial._src.engine._rows import all_finite, clean_faults, concat, row_slice, rows_padded
-from fedpartial._src.engine.client import ClientFns, as_client_optimizer, make_client_fns, update_scale
-from fedpartial._src.engine.local_training import run_steps
-from fedpartial._src.engine.metrics import round_metrics
+from fedpartial._src.engine.client import ClientFns, as_client_optimizer, make_client_fns
+from fedpartial._src.engine.program import RoundProgram, carry  # noqa: F401  (carry: here too)
 from fedpartial._src.engine.runners import RUNNERS
 from fedpartial._src.engine.runners.base import count_traces
 from fedpartial._src.engine.strategy import Strategy, default_strategy, stream_refusal
 from fedpartial._src.engine.types import (
     Cohort,
-    HookKeys,
     LocalInputs,
     RoundFunctions,
     RoundPreview,
@@ -95,13 +87,6 @@ from fedpartial._src.engine.types import (
 from fedpartial._src.models.adapter import Model
 
 BN_POLICIES = ("global", "static")
-
-
-def carry(hook: str, out: Any, view: RoundView) -> tuple[Any, RoundView]:
-    """``hook``'s result, and the view with what it handed on (a :class:`Carry`) in ``carried``."""
-    if not isinstance(out, Carry):
-        return out, view
-    return out.result, view._replace(carried={**(view.carried or {}), hook: out.value})
 
 
 class FederatedRound:
@@ -204,11 +189,17 @@ class FederatedRound:
             for g in self.groups)
         self.communicated = ("params", "batch_stats") if bn_policy == "global" else ("params",)
         self._preview = None
+        #: the round's pure pieces, which its runner computes a round from
+        self.program = RoundProgram(
+            ctx=self.ctx, method=method, groups=self.groups, offsets=self.offsets, clients=self.clients,
+            strategy=self.strategy, mesh=self.mesh, client_state=self.client_state, communicated=self.communicated,
+            client_optimizer=client_optimizer, server_optimizer=self.server_optimizer,
+            record_decisions=record_decisions)
         # ``functions.round``: ``pure_round`` in a jax.jit that is inlined into whatever traces it (the same
         # computation, e.g. under a user's jit, scan or vmap), so that JAX's trace cache counts its traces
         self._round_fn = jax.jit(self.pure_round, inline=True)
         #: how this round's strategy runs it (:mod:`fedpartial._src.engine.runners`), picked once
-        self.runner = RUNNERS[self.strategy.kind](self)
+        self.runner = RUNNERS[self.strategy.kind](self.program)
 
     def client_state_shapes(self) -> Any:
         """``jax.ShapeDtypeStruct`` of every leaf of the method's per-client state ``[N, ...]`` (nothing computed)."""
@@ -229,21 +220,23 @@ class FederatedRound:
     def preview(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundPreview:
         """The plan and every client's start model that a round with these inputs would use."""
         if self._preview is None:
+            program = self.program
+
             def preview(state, cohort, key):
-                view = self._view(state, cohort, key)
-                plan = self._plan(view, hook_keys(key))
-                return RoundPreview(plan, self._starts(view, plan))
+                view = program.view(state, cohort, key)
+                plan = program.plan(view, hook_keys(key))
+                return RoundPreview(plan, program.starts(view, plan))
             self._preview = jax.jit(preview)
         return self._preview(state, cohort, key)
 
     def local_inputs(self, state: ServerState, cohort: Cohort, key: jax.Array) -> tuple[LocalInputs, ...]:
         """Per client group, what its clients' local training reads in a round with these inputs
         (pure, not jitted): e.g. to compile one client's step ahead of time (:mod:`fedpartial._src.costs.devices`)."""
-        keys = hook_keys(key)
-        view = self._view(state, cohort, key)
-        plan = self._plan(view, keys)
-        rows = self._group_slices(self._starts(view, plan), cohort.data, plan, view.client_state,
-                                  self._client_keys(keys, cohort))
+        keys, program = hook_keys(key), self.program
+        view = program.view(state, cohort, key)
+        plan = program.plan(view, keys)
+        rows = program.group_slices(program.starts(view, plan), cohort.data, plan, view.client_state,
+                                    program.client_keys(keys, cohort))
         return tuple(LocalInputs(*r, server_state=state.method_state.server) for r in rows)
 
     @property
@@ -314,165 +307,9 @@ class FederatedRound:
         checks.check_cohort(self, cohort, state)
         return self.runner(state, cohort, key)
 
-    # ---- the round's pieces (pure; the runners jit and call them) ------------------
-
-    def _view(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundView:
-        ids = jnp.asarray(cohort.info.client_ids)
-        rows = jnp.arange(ids.shape[0], dtype=ids.dtype) if self.client_state == "host" else ids
-        return RoundView(
-            key=key, round=state.round, global_vars=state.variables, method_state=state.method_state,
-            client_state=gather_clients(state.method_state.clients, rows),
-            cohort=cohort.info, data=cohort.data, holdout=cohort.holdout, client_rows=rows,
-        )
-
-    def _plan(self, view: RoundView, keys: HookKeys) -> ClientPlan:
-        plan = self.method.plan(self.ctx, view._replace(key=keys.plan))
-        if view.cohort.lr_scale is None:
-            return plan
-        scale = jnp.asarray(view.cohort.lr_scale, jnp.float32)  # a method's own per-client rates compose with it
-        return plan._replace(lr_scale=scale if plan.lr_scale is None else plan.lr_scale * scale)
-
-    def _client_lr(self, plan: ClientPlan) -> jax.Array | None:
-        """``[K]`` the rate each client trains with (``RoundView.client_lr``), or None when the client optimizer
-        is a plain optax transformation whose rate is unknown."""
-        if self.client_optimizer.lr is None:
-            return None
-        scale = update_scale(self.client_optimizer.lr, plan.lr_scale)
-        return jnp.broadcast_to(scale, (self.ctx.cohort_size,)) if plan.lr_scale is None else scale
-
-    def _client_keys(self, keys: HookKeys, cohort: Cohort) -> jax.Array:
-        return jax.vmap(lambda i: jax.random.fold_in(keys.train, i))(jnp.asarray(cohort.info.client_ids))
-
-    def _starts(self, view: RoundView, plan: ClientPlan) -> dict:
-        start = lambda cstate, plan_k: self.method.client_start(self.ctx, view.global_vars, cstate, plan_k)  # noqa: E731
-        return jax.vmap(start, axis_size=self.ctx.cohort_size)(view.client_state, plan)
-
-    def _group_slices(self, *trees):
-        """Per group, the static rows of each tree (the trees themselves for one group)."""
-        if len(self.groups) == 1:
-            return [trees]
-        return [tuple(row_slice(t, start, g.size) for t in trees) for g, start in zip(self.groups, self.offsets)]
-
-    def _finish_round(self, state: ServerState, cohort: Cohort, key: jax.Array, plan: ClientPlan, locals_):
-        """Final client results of every group, then selection, aggregation, server optimizer, update."""
-        view = self._view(state, cohort, key)
-        starts = self._starts(view, plan)
-        trained, losses, steps = self._final_results(starts, locals_)
-        return self._aggregate_and_update(state, view, hook_keys(key), plan, starts, trained, losses, steps)
-
-    def _final_results(self, starts: dict, locals_) -> tuple:
-        """Every group's clients' local states ``locals_`` → ``(trained, losses, steps)`` ``[K, ...]``."""
-        parts = [jax.vmap(fns.final)(local, start)
-                 for fns, local, (start,) in zip(self.clients, locals_, self._group_slices(starts))]
-        return tuple(concat([p[i] for p in parts]) for i in range(3))
-
-    def _aggregate_and_update(self, state, view: RoundView, keys: HookKeys, plan, starts, trained, losses, steps):
-        # Faults: a client whose result is not finite is from here on a padding client (valid False) that
-        # trained nothing (its start model, loss 0), so select, aggregation, server_correct, update and
-        # metrics all see one consistent cohort and no NaN reaches a sum (0 · NaN is NaN).
-        sent = view.cohort.valid
-        raw_losses = losses
-        finite, trained, losses = clean_faults(trained, losses, starts)
-        view = view._replace(cohort=view.cohort._replace(valid=sent & finite))
-        view = view._replace(plan=plan, trained_vars=trained, client_loss=losses, start_vars=starts,
-                             client_steps=steps, client_lr=self._client_lr(plan))
-        view = self._summarize(view)
-        selection, carried = self._select(view, keys)
-        view = view._replace(carried=carried)
-        uploaded = trained["params"]
-        if self.method.encode is not None:  # e.g. an upload codec: what the server receives is not what was trained
-            uploaded = self.method.encode(self.ctx, view._replace(selection=selection,
-                                                                  key=jax.random.fold_in(keys.update, 3)))
-        view = view._replace(uploaded=uploaded)
-        own = self.method.aggregate is not None  # the method replaces the formula for params (e.g. DP's noise)
-        aggregated, received = aggregation.aggregate(
-            self.ctx.structure, state.variables, {**trained, "params": uploaded}, selection.upload, selection.weights,
-            tuple(c for c in self.communicated if c != "params") if own else self.communicated)
-        if own:
-            (params, received), view = carry("aggregate", self.method.aggregate(
-                self.ctx, view._replace(selection=selection, key=jax.random.fold_in(keys.update, 2))), view)
-            aggregated = {**aggregated, "params": params}
-        return self._conclude(state, view, keys, selection, aggregated, received, raw_losses, sent)
-
-    def _summarize(self, view: RoundView) -> RoundView:
-        """The view with the method's per-client ``summary`` of the trained cohort (if it has one)."""
-        if self.method.summarize is None:
-            return view
-        return view._replace(summary=self.method.summarize(self.ctx, view))
-
-    def _select(self, view: RoundView, keys: HookKeys):
-        """The method's selection, with padding and failed clients' weights zeroed, and what ``select`` carried
-        (``RoundView.carried``: ``{}`` or ``{"select": value}``)."""
-        selection, view = carry("select", self.method.select(self.ctx, view._replace(key=keys.select)),
-                                view._replace(carried={}))
-        return selection._replace(weights=jnp.where(view.cohort.valid, selection.weights, 0.0)), view.carried
-
-    def _conclude(self, state, view: RoundView, keys: HookKeys, selection, aggregated, received, raw_losses, sent):
-        """From the aggregate: server_correct, server optimizer, update, metrics."""
-        valid = view.cohort.valid
-        losses, steps = view.client_loss, view.client_steps
-        view = view._replace(selection=selection, aggregated=aggregated)
-        target = aggregated["params"]
-        if self.method.server_correct is not None:  # e.g. FedNova, FedDyn: not the plain aggregate
-            proposed, view = carry("server_correct", self.method.server_correct(
-                self.ctx, view._replace(key=jax.random.fold_in(keys.update, 1))), view)
-            target = jax.tree.map(jnp.where, received, proposed, target)  # nobody uploaded: the global value
-        params, opt_state = aggregation.server_update(
-            self.server_optimizer, state.opt_state, state.variables["params"], target, received,
-            lr_scale=state.server_lr_scale)
-        new_vars = {**aggregated, "params": params}
-        view = view._replace(new_global_vars=new_vars)
-        # The round is flagged (not undone) when every real client failed or the new global model is not
-        # finite: keeping the input state would need a lax.cond or a select over the whole state, which
-        # copies a method's [N, ...] rows every round (measured: FedSPU, N = 1000, 12 ms -> 245 ms a round).
-        diverged = (jnp.any(sent) & ~jnp.any(valid)) | ~all_finite(new_vars)
-        method_state = self.method.update(self.ctx, view._replace(key=keys.update))
-        new_state = ServerState(round=state.round + 1, variables=new_vars, opt_state=opt_state,
-                                method_state=method_state, server_lr_scale=state.server_lr_scale)
-        metrics = round_metrics(self.ctx, self.method, self.communicated, self.record_decisions,
-                                view._replace(key=keys.metrics), selection, losses, steps, sent)
-        metrics["client_loss"] = raw_losses  # NaN shows which client failed
-        metrics["nonfinite_clients"] = jnp.sum(sent & ~valid).astype(jnp.int32)
-        metrics["diverged"] = diverged
-        return new_state, metrics
-
     # ---- the whole round, pure ----------------------------------------------------
 
     def pure_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        """One whole round as a pure function of arrays (the fused strategy's body)."""
-        keys = hook_keys(key)
-        view = self._view(state, cohort, key)
-        plan = self._plan(view, keys)
-        client_keys = self._client_keys(keys, cohort)
-        outs = []
-        for fns, (data, plan_g, cstate, ckeys) in zip(
-                self.clients, self._group_slices(cohort.data, plan, view.client_state, client_keys)):
-
-            def train_group(shared, args, fns=fns):
-                train_one = functools.partial(self._train_one, shared, fns)
-                if self.strategy.chunk_size is None:
-                    return jax.vmap(train_one)(args)
-                return jax.lax.map(train_one, args, batch_size=self.strategy.chunk_size)
-
-            args = (data, plan_g, cstate, ckeys)
-            if self.mesh is not None:
-                # Each device trains its own rows (chunks are per device).  No collectives inside, so the
-                # replication check (which would ask every method to mark its scan carries) is off.
-                clients = jax.sharding.PartitionSpec(sharding_lib.CLIENT_AXIS)
-                train_group = rows_padded(jax.shard_map(
-                    train_group, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(), clients),
-                    out_specs=clients, check_vma=False), self.mesh.size)
-            outs.append(train_group((state.variables, state.method_state.server), args))
-        trained, losses, steps = (concat([o[i] for o in outs]) for i in range(3))
-        starts = self._starts(view, plan)  # recomputed, not carried: XLA fuses it into the fault check's select
-        return self._aggregate_and_update(state, view, keys, plan, starts, trained, losses, steps)
-
-    def _train_one(self, shared, fns: ClientFns, args):
-        """One client's local training from ``shared`` (the global variables and the method's server state),
-        steps in ``lax.scan``: ``(trained, loss, steps)``."""
-        global_vars, server_state = shared
-        data_k, plan_k, cstate_k, key_k = args
-        start = self.method.client_start(self.ctx, global_vars, cstate_k, plan_k)
-        return run_steps(fns, start, data_k, plan_k, global_vars, cstate_k, key_k, server_state,
-                         unroll=self.strategy.unroll)
-
+        """One whole round as a pure function of arrays (the fused strategy's body,
+        :meth:`RoundProgram.pure_round <fedpartial._src.engine.program.RoundProgram.pure_round>`)."""
+        return self.program.pure_round(state, cohort, key)

@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -24,8 +24,33 @@ from fedpartial._src.experiment import checkpoint, disk, privacy
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
-if TYPE_CHECKING:
-    from fedpartial._src.experiment.simulation import Simulation
+
+
+class RunSimulation(Protocol):
+    """What a run directory reads of the simulation it records: a
+    :class:`~fedpartial._src.experiment.simulation.Simulation` (which imports this module, so this module
+    names only its shape; :func:`~fedpartial._src.experiment.checkpoint.save` and ``restore`` read its state)."""
+
+    config: RunConfig
+    progress: dict
+    last_decisions: dict | None
+    dataset: Any
+    model: Any
+    round: Any  # the FederatedRound (its ``strategy``)
+    holdout: Any
+    mesh: Any
+    strategy_note: str | None
+    data_placement: str
+    client_state: str
+    train_fraction: float
+
+    @property
+    def num_params(self) -> int: ...
+
+    @property
+    def personal_state_bytes(self) -> int: ...
+
+    def active_clients(self) -> np.ndarray: ...
 
 
 def unique_run_dir(out_dir: str, name: str) -> str:
@@ -46,7 +71,7 @@ IDENTITY = ("method", "options", "early_stopping", "upload_codec", "model", "dat
             "seed")
 
 
-def _identity(sim: Simulation) -> dict:
+def _identity(sim: RunSimulation) -> dict:
     from fedpartial._src.experiment import records as run_record
 
     full = dataclasses.asdict(run_record.resolved(sim.config, sim))
@@ -71,7 +96,7 @@ class RunWriter:
     nothing is written and only the records are kept.  :mod:`fedpartial._src.experiment.replicas` keeps one per seed.
     """
 
-    def __init__(self, sim: Simulation, *, checkpoint_every: int | None = None, resume: str | None = None):
+    def __init__(self, sim: RunSimulation, *, checkpoint_every: int | None = None, resume: str | None = None):
         config = sim.config
         self.sim, self.checkpoint_every = sim, checkpoint_every
         self.run_dir = None
@@ -317,7 +342,7 @@ def save_decisions(path: str, decisions: dict) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def summarize(config: RunConfig, sim: Simulation, records: list[dict], wall: float, *, status: str = "complete",
+def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: float, *, status: str = "complete",
               resumed_from: int | None = None) -> dict:
     """The run's totals from its records.  Values that do not exist yet (no evaluated round) are NaN here
     and ``null`` in ``summary.json``; ``status`` is the run's (see :mod:`fedpartial._src.experiment.checkpoint`)."""

@@ -1,8 +1,9 @@
 """The runner interface: how a strategy runs the round of a :class:`~fedpartial._src.engine.round.FederatedRound`.
 
-A runner is built once with its round (``Runner(rnd)``, when the round is built) and called every
+A runner is built once with its round's program (``Runner(program)``, a
+:class:`~fedpartial._src.engine.program.RoundProgram`, when the round is built) and called every
 round as ``runner(state, cohort, key) -> (state, metrics)``, after the round has checked the cohort.
-It reads the round's pure pieces (the view, the plan, one client's training, aggregation and update)
+It reads the program's pure pieces (the view, the plan, one client's training, aggregation and update)
 and jits them its own way; :meth:`Runner.jitted` lists its jitted functions, whose traces
 :func:`count_traces` counts outside any traced code (``FederatedRound.trace_count``).
 """
@@ -18,7 +19,7 @@ import numpy as np
 from fedpartial._src.engine.types import ClientData, Cohort, ServerState
 
 if TYPE_CHECKING:
-    from fedpartial._src.engine.round import FederatedRound
+    from fedpartial._src.engine.program import RoundProgram
 
 try:  # JAX's cache of traced jitted functions, one entry per function and argument signature traced
     from jax._src.pjit import _infer_params_cached as _jax_traces
@@ -45,10 +46,10 @@ def count_traces(jitted: Iterable[Any]) -> int:
 
 
 class Runner:
-    """Runs the rounds of ``rnd`` one way (a strategy): ``runner(state, cohort, key) -> (state, metrics)``."""
+    """Runs the rounds of ``program`` one way (a strategy): ``runner(state, cohort, key) -> (state, metrics)``."""
 
-    def __init__(self, rnd: FederatedRound):
-        self.rnd = rnd
+    def __init__(self, program: RoundProgram):
+        self.program = program
         # Jitted entry points take raw key data: typed key arrays miss jit's fast C++ dispatch
         # path, which costs ~0.2 ms a call — per local step, in the stepwise strategy.
         self._key_impl = None
@@ -68,7 +69,7 @@ class Runner:
     def whole(self, cohort: Cohort) -> Cohort:
         """The cohort with its data all at once (:class:`ClientData` takes every row)."""
         if isinstance(cohort.data, ClientData):
-            return cohort._replace(data=cohort.data.take(np.arange(self.rnd.ctx.cohort_size)))
+            return cohort._replace(data=cohort.data.take(np.arange(self.program.ctx.cohort_size)))
         return cohort
 
     def _wrap(self, key_data: jax.Array) -> jax.Array:

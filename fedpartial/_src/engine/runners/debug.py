@@ -15,19 +15,19 @@ class Debug(Runner):
     """Nothing jitted, so nothing is ever traced (``jitted()`` is empty)."""
 
     def __call__(self, state, cohort, key):
-        rnd, cohort = self.rnd, self.whole(cohort)
+        prog, cohort = self.program, self.whole(cohort)
         with jax.disable_jit():
             keys = hook_keys(key)
-            view = rnd._view(state, cohort, key)
-            plan = rnd._plan(view, keys)
-            client_keys = rnd._client_keys(keys, cohort)
+            view = prog.view(state, cohort, key)
+            plan = prog.plan(view, keys)
+            client_keys = prog.client_keys(keys, cohort)
             locals_ = []
-            for fns, group, offset in zip(rnd.clients, rnd.groups, rnd.offsets):
+            for fns, group, offset in zip(prog.clients, prog.groups, prog.offsets):
                 results = []
                 for k in range(offset, offset + group.size):
                     one = lambda tree: jax.tree.map(lambda a: a[k], tree)  # noqa: B023,E731
                     plan_k, cstate_k = one(plan), one(view.client_state)
-                    start = rnd.method.client_start(rnd.ctx, state.variables, cstate_k, plan_k)
+                    start = prog.method.client_start(prog.ctx, state.variables, cstate_k, plan_k)
                     inputs = fns.prepare(start, one(cohort.data))
                     local = fns.init(start, window=plan_k.window)
                     for s in range(int(np.shape(cohort.data.step_mask)[1])):
@@ -36,4 +36,4 @@ class Debug(Runner):
                                          jnp.asarray(s), state.method_state.server)
                     results.append(local)
                 locals_.append(jax.tree.map(lambda *a: jnp.stack(a), *results))
-            return rnd._finish_round(state, cohort, key, plan, tuple(locals_))
+            return prog.finish(state, cohort, key, plan, tuple(locals_))

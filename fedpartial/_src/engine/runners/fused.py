@@ -1,4 +1,4 @@
-"""The fused strategy's runner: the whole round (``FederatedRound.pure_round``) as one jitted function.
+"""The fused strategy's runner: the whole round (``RoundProgram.pure_round``) as one jitted function.
 
 The server state is donated.  Over a device mesh the cohort is split over the devices (``pure_round``
 trains each device's rows with ``shard_map``) and the state, metrics and new state are replicated, so
@@ -16,15 +16,15 @@ from fedpartial._src.engine.runners.base import Runner
 class Fused(Runner):
     """``round``: the jitted round ``(state, cohort, key data) -> (state, metrics)``."""
 
-    def __init__(self, rnd):
-        super().__init__(rnd)
-        if rnd.mesh is None:
-            self.round = jax.jit(lambda s, c, k: rnd.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
+    def __init__(self, program):
+        super().__init__(program)
+        if program.mesh is None:
+            self.round = jax.jit(lambda s, c, k: program.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
         else:  # the outputs replicated too: every process can read the metrics and feed the state back
-            everywhere = sharding_lib.replicated(rnd.mesh)
+            everywhere = sharding_lib.replicated(program.mesh)
             self.round = jax.jit(
-                lambda s, c, k: jax.lax.with_sharding_constraint(rnd.pure_round(s, c, self._wrap(k)), everywhere),
-                in_shardings=(everywhere, sharding_lib.cohort_sharding(rnd.mesh), everywhere), donate_argnums=(0,))
+                lambda s, c, k: jax.lax.with_sharding_constraint(program.pure_round(s, c, self._wrap(k)), everywhere),
+                in_shardings=(everywhere, sharding_lib.cohort_sharding(program.mesh), everywhere), donate_argnums=(0,))
 
     def __call__(self, state, cohort, key):
         return self.round(state, self.whole(cohort), self._key_data(key))

@@ -40,7 +40,7 @@ class Steps:
         a later round whose chunk first holds padding compiles the masked variant then (once, not per round).
         """
         if (group, chunk, full) not in self.fns:
-            step = self.runner.rnd.clients[group].step
+            step = self.runner.program.clients[group].step
             wrap = self.runner._wrap
 
             def one_step(local, data, s, plan, global_vars, cstate, ckey_data, server_state):
@@ -68,12 +68,12 @@ class Steps:
 
 class Stepwise(Runner):
     """``_begin`` (plan and local states), :attr:`steps`, ``_finish`` (the round's end,
-    ``FederatedRound._finish_round``): each jitted on its own."""
+    ``RoundProgram.finish``): each jitted on its own."""
 
-    def __init__(self, rnd):
-        super().__init__(rnd)
+    def __init__(self, program):
+        super().__init__(program)
         self._begin = jax.jit(lambda s, c, k: self._begin_round(s, c, self._wrap(k)))
-        self._finish = jax.jit(lambda s, c, k, p, l: rnd._finish_round(s, c, self._wrap(k), p, l))
+        self._finish = jax.jit(lambda s, c, k, p, locals_: program.finish(s, c, self._wrap(k), p, locals_))
         self.steps = Steps(self)
 
     def __call__(self, state, cohort, key):
@@ -93,20 +93,20 @@ class Stepwise(Runner):
         there are several groups, or None (one group without preparation: the
         cohort data itself is used, never copied).
         """
-        rnd = self.rnd
+        prog = self.program
         keys = hook_keys(key)
-        view = rnd._view(state, cohort, key)
-        plan = rnd._plan(view, keys)
-        client_keys = rnd._client_keys(keys, cohort)
-        starts = rnd._starts(view, plan)
+        view = prog.view(state, cohort, key)
+        plan = prog.plan(view, keys)
+        client_keys = prog.client_keys(keys, cohort)
+        starts = prog.starts(view, plan)
         groups = []
         for fns, group, (start, data, plan_g, cstate, ckeys) in zip(
-                rnd.clients, rnd.groups,
-                rnd._group_slices(starts, cohort.data, plan, view.client_state, client_keys)):
+                prog.clients, prog.groups,
+                prog.group_slices(starts, cohort.data, plan, view.client_state, client_keys)):
             if group.graph is not None and group.graph.prepare is not None:
                 inputs = jax.vmap(fns.prepare)(start, data)
             else:
-                inputs = data if len(rnd.groups) > 1 else None
+                inputs = data if len(prog.groups) > 1 else None
             local = jax.vmap(lambda s, w: fns.init(s, optimizer_state=False, window=w))(start, plan_g.window)
             groups.append((local, inputs, plan_g, cstate, jax.random.key_data(ckeys)))
         return plan, tuple(groups)
@@ -114,7 +114,7 @@ class Stepwise(Runner):
     def train(self, state: ServerState, cohort: Cohort, key_data: jax.Array):
         """The stepwise strategy's local training: ``(cohort on the device, plan, per group every client's
         local state)`` (the benchmark times this phase on its own)."""
-        rnd = self.rnd
+        prog = self.program
         step_mask = np.asarray(cohort.data.step_mask)
         # [K, S]: no padding at all (reduced where the mask lives, so device data sends K × S, not K × S × B)
         full_step = step_mask & np.asarray(cohort.data.example_mask.all(axis=-1))
@@ -122,9 +122,9 @@ class Stepwise(Runner):
         plan, groups = self._begin(state, cohort, key_data)
         trained = []
         for g, (group, offset, (local, inputs, plan_g, cstate, ckeys)) in enumerate(
-                zip(rnd.groups, rnd.offsets, groups)):
+                zip(prog.groups, prog.offsets, groups)):
             data = cohort.data if inputs is None else inputs
-            chunk = min(rnd.strategy.chunk_size or 1, group.size)
+            chunk = min(prog.strategy.chunk_size or 1, group.size)
             for start in range(0, group.size, chunk):
                 size = min(chunk, group.size - start)
                 # chunk 1 runs the un-vmapped step on one client's slice.
@@ -132,7 +132,7 @@ class Stepwise(Runner):
                 # One jitted call takes the chunk out (and gives it fresh optimizer states), one writes
                 # it back in place: slicing leaf by leaf on the host costs a dispatch per leaf and client.
                 rows_in = (local, data, plan_g, cstate, ckeys)
-                init_opt = rnd.clients[g].init_optimizer
+                init_opt = prog.clients[g].init_optimizer
                 local_c, data_c, plan_c, cstate_c, key_c = _take(batched, start, rows_in, init_opt)
                 chunk_rows = slice(offset + start, offset + start + size)
                 local_c = self.steps.run(g, batched, step_mask[chunk_rows], full_step[chunk_rows], local_c,

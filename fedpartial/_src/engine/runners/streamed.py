@@ -31,8 +31,8 @@ class Streamed(Runner):
     """Jitted pieces in ``_stream_fns`` by name (built when first needed) and, with stepwise chunks,
     :attr:`steps`."""
 
-    def __init__(self, rnd):
-        super().__init__(rnd)
+    def __init__(self, program):
+        super().__init__(program)
         self._stream_fns: dict[str, Any] = {}
         self.steps = Steps(self)
 
@@ -49,27 +49,27 @@ class Streamed(Runner):
 
     def _stream_begin(self, state: ServerState, info: CohortInfo, key):
         """The whole cohort's plan ``[K]`` and client keys (raw ``[K, ...]``); no data is read."""
-        rnd = self.rnd
+        prog = self.program
         keys = hook_keys(self._wrap(key))
         cohort = Cohort(data=None, info=info)
-        plan = rnd._plan(rnd._view(state, cohort, keys.plan), keys)
-        return plan, jax.random.key_data(rnd._client_keys(keys, cohort))
+        plan = prog.plan(prog.view(state, cohort, keys.plan), keys)
+        return plan, jax.random.key_data(prog.client_keys(keys, cohort))
 
     def _stream_starts(self, state: ServerState, plan, rows, info: CohortInfo, key):
         """One chunk's (cohort positions ``rows`` ``[C]``) view, plan rows and start models."""
-        rnd = self.rnd
-        view = rnd._view(state, Cohort(data=None, info=info), hook_keys(self._wrap(key)).plan)
+        prog = self.program
+        view = prog.view(state, Cohort(data=None, info=info), hook_keys(self._wrap(key)).plan)
         plan = jax.tree.map(lambda a: a[rows], plan)
-        start = lambda cstate, plan_k: rnd.method.client_start(rnd.ctx, state.variables, cstate, plan_k)  # noqa: E731
+        start = lambda cstate, plan_k: prog.method.client_start(prog.ctx, state.variables, cstate, plan_k)  # noqa: E731
         return view, plan, jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
 
     def _stream_chunk_start(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, key, data):
         """Stepwise chunks: what the host loop of steps needs for one chunk, ``(local states with optimizer
         states, prepared inputs or None, plan, client state, raw keys)``, each without the client axis for a
         chunk of one (the un-vmapped step).  ``data``: the chunk's data when the model prepares its inputs."""
-        rnd = self.rnd
+        prog = self.program
         view, plan, starts = self._stream_starts(state, plan, rows, info, key)
-        fns = rnd.clients[0]
+        fns = prog.clients[0]
         inputs = None if data is None else jax.vmap(fns.prepare)(starts, data)
         out = (jax.vmap(lambda s, w: fns.init(s, window=w))(starts, plan.window), inputs, plan, view.client_state,
                ckeys[rows])
@@ -77,37 +77,38 @@ class Streamed(Runner):
 
     def _stream_train(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, data, key):
         """Trains one chunk (cohort positions ``rows`` ``[C]``); a view of it, faults cleaned as in
-        :meth:`FederatedRound._aggregate_and_update`, and its raw losses.  With stepwise chunks ``data`` is the chunk's
-        local states, already trained by the host loop of steps (:meth:`_stream_round`)."""
-        rnd = self.rnd
+        :meth:`~fedpartial._src.engine.program.RoundProgram.aggregate_and_update`, and its raw losses.  With
+        stepwise chunks ``data`` is the chunk's local states, already trained by the host loop of steps
+        (:meth:`_stream_round`)."""
+        prog = self.program
         view, plan, starts = self._stream_starts(state, plan, rows, info, key)
-        if rnd.strategy.stepwise_chunks:
+        if prog.strategy.stepwise_chunks:
             local = data if rows.shape[0] > 1 else jax.tree.map(lambda a: a[None], data)
-            trained, losses, steps = jax.vmap(rnd.clients[0].final)(local, starts)
+            trained, losses, steps = jax.vmap(prog.clients[0].final)(local, starts)
         else:
-            train_one = functools.partial(rnd._train_one, (state.variables, state.method_state.server),
-                                          rnd.clients[0])
+            train_one = functools.partial(prog.train_one, (state.variables, state.method_state.server),
+                                          prog.clients[0])
             trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
         finite, trained, clean = clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
-                             client_loss=clean, start_vars=starts, client_steps=steps, client_lr=rnd._client_lr(plan))
-        return rnd._summarize(view), losses
+                             client_loss=clean, start_vars=starts, client_steps=steps, client_lr=prog.client_lr(plan))
+        return prog.summarize(view), losses
 
     def _stream_per_client(self, state, plan, ckeys, rows, info, data, key, sums):
         """One pass of a "per_client" method: train a chunk, select its rows, add them to ``sums``."""
-        rnd = self.rnd
+        prog = self.program
         view, raw = self._stream_train(state, plan, ckeys, rows, info, data, key)
         selection = self._select(view, hook_keys(self._wrap(key)))
-        sums = aggregation.add_sums(rnd.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
+        sums = aggregation.add_sums(prog.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
                                     selection.weights)
         return sums, (raw, view.client_steps, view.cohort.valid, view.summary, selection)
 
     def _select(self, view, keys):
         """The method's selection; what ``select`` carries cannot be kept (a "per_client" method selects a
         chunk at a time)."""
-        selection, carried = self.rnd._select(view, keys)
+        selection, carried = self.program.select(view, keys)
         if carried:
-            raise UserError(f"method {self.rnd.method.name} hands on a result from select (Carry), which the "
+            raise UserError(f"method {self.program.method.name} hands on a result from select (Carry), which the "
                             "streamed strategy cannot keep; use the fused, stepwise or debug strategy.")
         return selection
 
@@ -118,43 +119,43 @@ class Streamed(Runner):
 
     def _stream_selection(self, state, info, plan, key, valid, losses, steps, summary):
         """The whole cohort's selection from the summaries; ``[K]`` True for clients that upload anything."""
-        rnd = self.rnd
+        prog = self.program
         keys = hook_keys(self._wrap(key))
-        view = rnd._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
+        view = prog.view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         view = view._replace(plan=plan, client_loss=jnp.where(valid, losses, 0.0), client_steps=steps,
-                             summary=summary, client_lr=rnd._client_lr(plan))
+                             summary=summary, client_lr=prog.client_lr(plan))
         selection = self._select(view, keys)
         uploads = (selection.weights > 0) & jnp.any(selection.upload.layers, axis=-1)
         return selection, uploads
 
     def _stream_add(self, state, plan, ckeys, rows, info, data, key, selection, sums):
         """Second pass of a "summary" method: train a chunk again and add its selected parts to ``sums``."""
-        rnd = self.rnd
+        prog = self.program
         view, _ = self._stream_train(state, plan, ckeys, rows, info, data, key)
         selection = jax.tree.map(lambda a: a[rows], selection)
         weights = jnp.where(view.cohort.valid, selection.weights, 0.0)
-        return aggregation.add_sums(rnd.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
+        return aggregation.add_sums(prog.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
                                     weights)
 
     def _stream_finish(self, state, info, plan, key, sums, selection, raw, steps, valid, summary):
-        rnd = self.rnd
+        prog = self.program
         keys = hook_keys(self._wrap(key))
-        view = rnd._view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
+        view = prog.view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         losses = jnp.where(valid, raw, 0.0)  # a failed client's loss is NaN; 0 for the metrics, as fused
         view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary,
-                             client_lr=rnd._client_lr(plan))
+                             client_lr=prog.client_lr(plan))
         aggregated, received = aggregation.finish_sums(state.variables, sums)
         view = view._replace(carried={}, uploaded=None)  # streamed: no encode (stream_refusal), trained not kept
-        return rnd._conclude(state, view, keys, selection, aggregated, received, raw, info.valid)
+        return prog.conclude(state, view, keys, selection, aggregated, received, raw, info.valid)
 
     def _stream_round(self, state: ServerState, cohort: Cohort, key: jax.Array):
-        rnd = self.rnd
-        k, c = rnd.ctx.cohort_size, min(rnd.strategy.chunk_size, rnd.ctx.cohort_size)
+        prog = self.program
+        k, c = prog.ctx.cohort_size, min(prog.strategy.chunk_size, prog.ctx.cohort_size)
         source = cohort.data if isinstance(cohort.data, ClientData) else ClientData.of(cohort.data)
         info = jax.tree.map(np.asarray, cohort.info)
         key_data = self._key_data(key)
         plan, ckeys = self._stream_fn("begin", self._stream_begin)(state, info, key_data)
-        sums = aggregation.zero_sums(state.variables, rnd.communicated)
+        sums = aggregation.zero_sums(state.variables, prog.communicated)
 
         def chunks(positions):
             """(rows [C] int32, chunk info, chunk data) for every C of ``positions``; the last padded."""
@@ -171,13 +172,13 @@ class Streamed(Runner):
                     data = jax.tree.map(lambda a: np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]), data)
                 yield len(real), rows, chunk_info, data
 
-        prepares = rnd.groups[0].graph is not None and rnd.groups[0].graph.prepare is not None
+        prepares = prog.groups[0].graph is not None and prog.groups[0].graph.prepare is not None
 
         def trained(rows, chunk_info, data):
             """What the chunk's jitted pass takes: its data, or with stepwise chunks its local states trained
             by a host loop of jitted steps, as the stepwise strategy trains (padding steps skipped, a step
             with no padding in the chunk run without masks)."""
-            if not rnd.strategy.stepwise_chunks:
+            if not prog.strategy.stepwise_chunks:
                 return data
             full_step = data.step_mask & data.example_mask.all(axis=-1)  # [C, S], on the host
             start = self._stream_fn("chunk_start", self._stream_chunk_start)
@@ -192,7 +193,7 @@ class Streamed(Runner):
         # result): the next chunk is still packed while the last one trains, but dispatch never runs ahead,
         # which would keep every chunk's packed data alive at once (O(K) memory; measured 0.5 GiB at K = 10k).
         outs = []
-        if rnd.method.capabilities.streamable == "per_client":
+        if prog.method.capabilities.streamable == "per_client":
             step = self._stream_fn("per_client", self._stream_per_client, donate=(7,))
             for size, rows, chunk_info, data in chunks(np.arange(k)):
                 sums, out = step(state, plan, ckeys, rows, chunk_info, trained(rows, chunk_info, data), key_data,
