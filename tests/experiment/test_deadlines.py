@@ -217,3 +217,18 @@ def test_replicas_cut_and_draw_as_their_own_runs_would():
         alone = list(Simulation(RunConfig(**{**TINY, "rounds": 2, "seed": seed}, deadline_quantile=0.5,
                                           availability="0.7")).rounds())
         assert [{k: r[k] for k in keys} for r in result["records"]] == [{k: r[k] for k in keys} for r in alone]
+
+
+def test_the_prediction_credits_sparse_clients_as_the_device_model_does():
+    """--sparse-flops: a FedDST client's predicted step FLOPs are the device model's count of its trained share,
+    below the dense count; without the flag the prediction stays dense."""
+    predicted = {}
+    for sparse in (False, True):
+        sim = Simulation(RunConfig(**{**TINY, "method": "feddst"}, round_deadline=1e9, sparse_flops=sparse))
+        prepared = sim.prepare_round(0)
+        predicted[sparse] = sim.clock.predict(sim.state, prepared.cohort, prepared.key).step_flops
+        metrics = jax.device_get(sim.run_round(prepared))
+        counted = sim.costs.client_flops(prepared.cohort, np.ones(len(prepared.ids)), None,
+                                         metrics["trained_density"] if sparse else None)
+        np.testing.assert_allclose(predicted[sparse], counted, rtol=1e-12)
+    assert np.all(predicted[True] < 0.6 * predicted[False])

@@ -48,7 +48,8 @@ class Timing(NamedTuple):
 
 def planned_traffic(round, state, cohort, key):
     """``[K, L]`` bytes each client downloads and at most uploads (:mod:`fedpartial._src.engine.metrics`'
-    counts of the plan's masks), ``[K]`` its extra download bytes, and the plan's dropout mask (None: none)."""
+    counts of the plan's masks), ``[K]`` its extra download bytes, the plan's dropout mask (None: none) and the
+    ``[K, L]`` share of each layer its element train mask trains (None: no element level; ``--sparse-flops``)."""
     structure, communicated = round.model.structure, round.communicated
     plan = round.preview(state, cohort, key).plan
     k = cohort.info.valid.shape[0]
@@ -61,7 +62,9 @@ def planned_traffic(round, state, cohort, key):
         up = jnp.minimum(up, down)
     extra = jnp.zeros(k, jnp.int32) if plan.extra_download_bytes is None else plan.extra_download_bytes
     dropout = None if plan.dropout is None else plan.dropout._replace(inputs=None)
-    return down, extra.astype(jnp.int32), up, dropout
+    densities = None if plan.train is None or plan.train.elements is None else \
+        masks.layer_densities(structure, plan.train, state.variables["params"])
+    return down, extra.astype(jnp.int32), up, dropout, densities
 
 
 def truncated(cohort: engine_types.Cohort, kept: np.ndarray, steps: np.ndarray) -> engine_types.Cohort:
@@ -91,6 +94,7 @@ class RoundClock:
         self.policy = config.straggler_policy
         self.keep = config.cohort_size if config.over_select > 1 else None
         self.round, self.costs, self.profiles = round, costs, profiles
+        self.sparse_flops = config.sparse_flops  # predicted as the device model counts the round
         if self.on and round.strategy.kind == "stream":
             raise ConfigError(f"a deadline or over-selection cannot run with the streamed strategy "
                               f"({round.strategy}) that this round needs to fit in memory: each client's time is "
@@ -107,13 +111,13 @@ class RoundClock:
 
     def predict(self, state, cohort: engine_types.Cohort, key: jax.Array) -> deadlines.ClientTimes:
         """Every cohort client's predicted download, step and upload times (docstring of this module)."""
-        down, extra, up, dropout = jax.device_get(self._traffic(state, cohort, key))
+        down, extra, up, dropout, densities = jax.device_get(self._traffic(state, cohort, key))
         down = np.asarray(down, np.int64).sum(-1) + np.asarray(extra, np.int64)
         up = np.asarray(up, np.int64).sum(-1)
         steps = np.asarray(jax.device_get(cohort.data.step_mask)).sum(axis=1)
         k = len(steps)
         spec = engine_types.data_spec(cohort)
-        step_flops = self.costs.client_flops(spec, np.ones(k), dropout)
+        step_flops = self.costs.client_flops(spec, np.ones(k), dropout, densities if self.sparse_flops else None)
         p, ids = self.profiles, np.asarray(cohort.info.client_ids) % self.profiles.num_clients
         return deadlines.ClientTimes(down / p.download_bytes_per_s[ids], step_flops / p.compute_flops_per_s[ids],
                                      up / p.upload_bytes_per_s[ids], steps, down, up, step_flops)
