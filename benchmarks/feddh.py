@@ -1,6 +1,6 @@
 """Reproduction of FedDH's comparison (FedDHAD paper, Table 3: FedDH rows and baselines) on data that runs offline.
 
-Protocol (SPEC §5, the paper's §6.1): N = 100 devices, K = 10 per round, Dirichlet
+Protocol (docs/decisions.md#feddhad, the paper's §6.1): N = 100 devices, K = 10 per round, Dirichlet
 β = 0.5 label skew, client SGD with lr 0.1 (no momentum), batch 10, 5 local epochs;
 LeNet5 and a small CNN; FedAvg / FedProx / FedNova / MOON / FedDyn / FedJS / FedDH /
 FedDHE from the same seeds, partitions and cohorts (the cohort sequence depends only

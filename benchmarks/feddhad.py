@@ -28,7 +28,7 @@ Usage::
     python -m benchmarks.feddhad [--quick] [--datasets digits,mnist5k:lenet5,synthetic]
         [--methods fedavg,fedad,feddhad] [--rounds R] [--local-epochs E] [--seeds 0,1] [--out DIR]
 
-    # FedAD's two readings of the device targets (SPEC §5), side by side:
+    # FedAD's two readings of the device targets (docs/decisions.md#feddhad), side by side:
     python -m benchmarks.feddhad --methods fedavg,fedad,feddhad,fedad@target=literal,feddhad@target=literal
 
 Writes ``<out>/feddhad-<device>.json`` and a plot of test accuracy against simulated
@@ -45,7 +45,7 @@ METHODS = ("fedavg", "fedprox", "fednova", "moon", "feddyn", "feddst", "prunefl"
            "fedad", "feddh", "feddhad")
 LABELS = {**feddh.LABELS, "feddst": "FedDST", "prunefl": "PruneFL", "afd": "AFD", "feddrop": "FedDrop",
           "fjord": "FjORD", "fedad": "FedAD", "feddhad": "FedDHAD"}
-# The paper's baseline settings (SPEC §5): AFD at 0.25, FedDrop at 0.5 on the dense layers only.
+# The paper's baseline settings (docs/decisions.md#feddhad): AFD at 0.25, FedDrop at 0.5 on the dense layers only.
 FIXED_OPTIONS = {"afd": {"dropout_rate": 0.25}, "feddrop": {"tiers": (0.5,), "dense_only": True}}
 
 

@@ -1,6 +1,6 @@
 """Reproduction of FedLDF's comparison (paper Figs. 3–4 / Table II) on data that runs offline.
 
-Protocol (SPEC §2): N=50 clients, K=20 per round, n=4 uploads per layer, one local
+Protocol (docs/decisions.md#fedldf): N=50 clients, K=20 per round, n=4 uploads per layer, one local
 pass; IID equal-size clients and Dirichlet α=1; FedAvg / FedLDF / Random / HDFL /
 FedADP from the same seeds, partitions and cohorts (the cohort sequence depends
 only on the seed).

@@ -1,6 +1,6 @@
 """Reproduction of FedSPU's comparison (paper Tables 1–4 and Fig. 5) on data that runs offline.
 
-Protocol (SPEC §3): N=100 clients, K=10 per round, five equal client tiers with keep
+Protocol (docs/decisions.md#fedspu): N=100 clients, K=10 per round, five equal client tiers with keep
 ratios p ∈ {0.2, 0.4, 0.6, 0.8, 1.0}, Dirichlet α ∈ {0.1, 0.5, 1.0}, five local epochs,
 each client's data split λ=0.7 train / 0.3 held out; FedSPU and the dropout
 baselines FedDrop, FjORD, Hermes, FedMP, PruneFL and FedSelect, each without and with

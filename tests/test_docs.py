@@ -200,3 +200,22 @@ def test_sphinx_roles_in_docstrings_become_code_in_the_api_reference():
     assert plain("see :class:`~fedpartial._src.core.types.Method` and :func:`make_method`.") == (
         "see `Method` and `make_method`.")
     assert plain(":mod:`fedpartial.masks`") == "`fedpartial.masks`"
+
+
+def test_nothing_points_outside_the_repository():
+    """Users have the repository only: the package, docs, tests, benchmarks and examples cite the decisions page
+    (docs/decisions.md), never the development specification beside the checkout."""
+    outside = re.compile(r"SPEC\s*§|\.\./shared|SPEC\.md")
+    found = []
+    for folder in ("fedpartial", "docs", "tests", "benchmarks", "examples", "notebooks"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".md", ".ipynb", ".toml", ".yml") and path.is_file():
+                text = path.read_text(encoding="utf-8", errors="ignore")
+                found += [f"{path.relative_to(ROOT)}:{m.group(0)}" for m in outside.finditer(text)]
+    found += [f"{name}:{m.group(0)}" for name in ("README.md", "mkdocs.yml")
+              for m in outside.finditer((ROOT / name).read_text(encoding="utf-8"))]
+    assert not [f for f in found if not f.startswith("tests/test_docs.py")], found
+    sections = set(re.findall(r"\{#([a-z]+)\}", (ROOT / "docs" / "decisions.md").read_text(encoding="utf-8")))
+    cited = {m for folder in ("fedpartial", "benchmarks", "tests") for path in (ROOT / folder).rglob("*.py")
+             for m in re.findall(r"decisions\.md#([a-z]+)", path.read_text(encoding="utf-8"))}
+    assert cited and cited <= sections, cited - sections

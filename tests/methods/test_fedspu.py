@@ -181,7 +181,7 @@ def test_conv_to_dense_expansion_element_by_element(cnn):
 
 
 def _reference_round(model, state, cohort, plan, lr):
-    """Plain-Python FedSPU round: loop over clients, numpy merge, masked SGD, SPEC aggregation."""
+    """Plain-Python FedSPU round: loop over clients, numpy merge, masked SGD, the one aggregation formula."""
     g = jax.tree.map(np.asarray, state.variables)
     num, den = jax.tree.map(np.zeros_like, g["params"]), jax.tree.map(np.zeros_like, g["params"])
     x, y, ex, st = (np.asarray(a) for a in cohort.data)

@@ -104,7 +104,7 @@ def test_stage_names_need_no_call_and_map_layers(name):
 def test_resnet20_stages_at_block_boundaries():
     model = _model("resnet20")
     assert model.num_stages == 11
-    moderate, weak = 4, 7  # SPEC §4: stem + 3 blocks frozen, stem + 6 blocks frozen
+    moderate, weak = 4, 7  # docs/decisions.md#embracingfl: stem + 3 blocks frozen, stem + 6 blocks frozen
     assert model.stage_names[moderate] == "stage2_block1" and model.stage_names[weak] == "stage3_block1"
     names = model.structure.layer_names
     assert [s for n, s in zip(names, model.stage_of_layer) if n.startswith("stage1_block1/")] == [1, 1]

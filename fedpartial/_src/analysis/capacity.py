@@ -1,6 +1,6 @@
 """The capacity report behind ``fedpartial capacity``: what each client tier trains and holds in memory.
 
-Capacity (SPEC §4, the EmbracingFL paper's Table 1) = (parameters + activations a
+Capacity (docs/decisions.md#embracingfl, the EmbracingFL paper's Table 1) = (parameters + activations a
 client trains) / (parameters + activations of the full model), activations being
 the Conv/Dense/LSTM outputs of the trained layers for one batch.  The paper's own
 numbers are shown beside ours where it gives them; differences are explained in

@@ -1,4 +1,4 @@
-"""The one aggregation formula of SPEC §1, and the server optimizer step.
+"""The one aggregation formula of docs/decisions.md#engine, and the server optimizer step.
 
 For every element: ``new = Σ_k w_k m_k θ_k / Σ_k w_k m_k``; where nobody uploaded
 the element (``Σ_k w_k m_k = 0``) the previous global value is kept.  Every method
@@ -19,7 +19,7 @@ from fedpartial._src.core.structure import ModelStructure
 
 def masked_weighted_mean(global_tree: Any, cohort_tree: Any, element_masks: Any, weights: jax.Array,
                          *, with_received: bool = False) -> Any:
-    """The SPEC §1 formula on already-expanded masks.
+    """The docs/decisions.md#engine formula on already-expanded masks.
 
     Args:
       global_tree: previous global values (no client axis).

@@ -10,7 +10,7 @@ Masks are never stored expanded: :func:`expand` builds the parameter-shaped
 boolean tree for one client inside the per-client computation, and
 :func:`count_elements` counts the on-elements exactly without expanding.
 
-The three kinds of SPEC §1 are all :class:`Mask` values; what differs is how the
+The three kinds of docs/decisions.md#engine are all :class:`Mask` values; what differs is how the
 engine uses them (see :mod:`fedpartial._src.engine.client` and :mod:`fedpartial._src.core.aggregation`):
 
 * train mask — elements a client may change (frozen otherwise, bit-identical);

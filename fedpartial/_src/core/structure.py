@@ -1,6 +1,6 @@
 """Layer structure of a model: ordered layers, their output units and how they feed on.
 
-A *layer* (SPEC §1) is a parametrised module — a Conv or Dense with its bias; a
+A *layer* (docs/decisions.md#engine) is a parametrised module — a Conv or Dense with its bias; a
 normaliser (BatchNorm, LayerNorm, GroupNorm) belongs to the layer it follows.
 Layers are ordered input-side to output-side by the order in which their modules
 are first called in a forward pass (params dicts are flattened in sorted-key order

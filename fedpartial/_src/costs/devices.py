@@ -1,6 +1,6 @@
 """Simulated device time: device profiles, round times, and the FLOPs each client spends a round.
 
-**Time model** (SPEC §5 "Device model").  Client ``k`` of a round spends
+**Time model** (docs/decisions.md#feddhad, the device model).  Client ``k`` of a round spends
 
     t_k = F_k / c_k  +  D_k / b↓_k  +  U_k / b↑_k
 

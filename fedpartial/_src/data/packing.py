@@ -4,7 +4,7 @@ Clients hold different numbers of examples and therefore run different
 numbers of local steps; the engine wants one array per cohort with a leading
 client axis. :func:`pack_cohort` builds :class:`CohortBatches`, padded to
 ``num_steps`` steps of ``batch_size`` examples, with masks that say which
-examples and steps are real (SPEC §1, "Unequal client data"). Padded example
+examples and steps are real (docs/decisions.md#engine, "Unequal client data"). Padded example
 slots hold zeros in ``x`` and label 0; padded steps are entirely padding.
 
 How many steps a client runs

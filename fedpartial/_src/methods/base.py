@@ -161,7 +161,7 @@ def make_method(
     None: every client may always be sampled.  ``server_correct`` None: the server steps to the
     aggregate.  ``encode`` None: the server receives the trained ``params``.  ``adapt_model`` None: the method
     trains the model it is given.  ``summarize`` None:
-    no per-client statistic.  ``aggregate`` None: the one formula of SPEC §1.  ``capabilities``: what
+    no per-client statistic.  ``aggregate`` None: the one formula of docs/decisions.md#engine.  ``capabilities``: what
     the method needs from a run and which executions it allows (:class:`Capabilities`; by default none
     of either, except that a method with no state of its own (``init`` left out) has ``host_client_state``,
     so that a wrapper's per-client state may leave the device around it).

@@ -1,4 +1,4 @@
-"""Early stopping (FedSPU+ES, SPEC §3 / the paper's Algorithm 2) as a method combinator.
+"""Early stopping (FedSPU+ES, docs/decisions.md#fedspu / the paper's Algorithm 2) as a method combinator.
 
 ``early_stopping(method, lam)`` returns a :class:`Method` that behaves like
 ``method`` and, after each round's local training, lets every sampled client

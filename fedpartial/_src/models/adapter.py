@@ -24,7 +24,7 @@ A linen module must accept ``train`` as a keyword and keep running statistics in
 
 Stages.  A model is also a chain of *stages* (:attr:`Model.stage_names`), so that
 a client can run a frozen input-side prefix once, keep its output, and train the
-output-side suffix alone on it (EmbracingFL, SPEC §4); the suffix needs only its
+output-side suffix alone on it (EmbracingFL, docs/decisions.md#embracingfl); the suffix needs only its
 own variables (:meth:`Model.stage_variables`).  The zoo models are staged; a
 module without ``stage_names`` is one stage, ``"model"``.  Give your own stages
 as a list of modules with :func:`from_stages`::

@@ -23,8 +23,8 @@ Choices made here, where the paper is vague or where fedpartial differs:
   the model is deterministic in train and eval mode.
 * **The LSTM** is written here (:class:`LSTMDirection`, one ``jax.lax.scan`` per
   direction) rather than as Flax's ``nn.RNN(nn.LSTMCell)`` inside
-  ``nn.Bidirectional``, for two reasons of fedpartial's layer structure (SPEC
-  §1): every module that owns parameters is a layer, and Flax's cell keeps each
+  ``nn.Bidirectional``, for two reasons of fedpartial's layer structure
+  (docs/decisions.md#engine): every module that owns parameters is a layer, and Flax's cell keeps each
   gate in its own ``Dense``, which would make 16 "layers" of the BiLSTM; and a
   layer's output is read by intercepting its module's call
   (``Model.intermediates`` for SVCCA, ``costs.layer_output_shapes`` for the
@@ -50,7 +50,7 @@ Choices made here, where the paper is vague or where fedpartial differs:
   initialisation this does not happen.) A sequence of padding only gives zero
   final states. Zero tokens *before* the last real token are read as tokens
   with a zero embedding.
-* **Stages** (SPEC §4's cut points): ``embedding`` (int32 ``[B, T]`` -> float32
+* **Stages** (the cut points of docs/decisions.md#embracingfl): ``embedding`` (int32 ``[B, T]`` -> float32
   ``[B, T, embed_dim]``), ``bilstm`` (-> ``[B, 2 * hidden]``) and ``head``
   (-> logits). The layers are ``embedding``, ``bilstm/forward``,
   ``bilstm/backward`` and ``head``. The BiLSTM is not a plain chain of units, so

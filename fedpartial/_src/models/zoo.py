@@ -3,7 +3,7 @@
 This module holds the plain chains (MLP and CNNs, VGG-9), the building blocks
 the zoo shares, and width reduction; the residual ResNet20 is in
 :mod:`fedpartial._src.models.resnet`.  Every model follows one contract, which the engine relies on to discover the
-"layer" structure of SPEC §1 by intercepting module calls at init:
+"layer" structure of docs/decisions.md#engine by intercepting module calls at init:
 
 * ``__call__(self, x, train: bool = False, start: int = 0, stop: int | None = None)``
   returns float32 logits ``[batch, num_classes]`` with the defaults; images are
@@ -14,7 +14,7 @@ the zoo shares, and width reduction; the residual ResNet20 is in
   otherwise (input checks and the float32 cast happen only at ``start == 0``).
   Only the running stages create submodules, and parameter names do not depend
   on the range, so a suffix runs with just its own variables: this is how a
-  client trains the output side on cached activations (SPEC §4). The last
+  client trains the output side on cached activations (docs/decisions.md#embracingfl). The last
   stage is the classifier; stage ``-2`` outputs the penultimate representation.
 * Submodules are created and called in forward (input -> output) order, each
   exactly once, and an ``nn.BatchNorm`` is called immediately after the Conv it

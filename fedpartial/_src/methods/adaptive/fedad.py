@@ -1,4 +1,4 @@
-"""FedAD (adaptive dropout) and FedDHAD (FedAD aggregated with FedDH's weights), SPEC §5.
+"""FedAD (adaptive dropout) and FedDHAD (FedAD aggregated with FedDH's weights), docs/decisions.md#feddhad.
 
 FedAD follows Algorithm 2 of the FedDHAD paper: every round each sampled device
 trains a sub-model from which each unit was dropped with its own rate, and the rates

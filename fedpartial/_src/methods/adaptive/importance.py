@@ -1,5 +1,6 @@
-"""Per-unit importance for FedAD (SPEC §5, FedDHAD paper §5.2.1): HRank of conv filters, input-weight sums of
-dense neurons.
+"""Per-unit importance for FedAD: HRank of conv filters, input-weight sums of dense neurons.
+
+Decisions: docs/decisions.md#feddhad; the FedDHAD paper's §5.2.1.
 
 FedAD turns these values into per-neuron dropout rates (a softmax over all conv
 units and, separately, over all dense units), so it needs one value per output

@@ -1,4 +1,6 @@
-"""FedAD's dropout rates (SPEC §5, Algorithm 2 of the FedDHAD paper): importance, targets, per-unit rates, masks.
+"""FedAD's dropout rates: importance, targets, per-unit rates, masks.
+
+Decisions: docs/decisions.md#feddhad; Algorithm 2 of the FedDHAD paper.
 
 **Rates** (recomputed in ``update``, on the round's cohort ``SD``):
 

@@ -1,6 +1,6 @@
 """FedLDF (layer divergence feedback) and the baselines it is compared with: Random, HDFL, FedADP.
 
-**FedLDF** (SPEC §2).  Every sampled client trains the whole model from the global
+**FedLDF** (docs/decisions.md#fedldf).  Every sampled client trains the whole model from the global
 model ``θ^t`` (FedAvg's local training; steps/epochs are the engine's).  Each client
 then reports, per layer ``l``, its divergence ``d_{k,l} = ||θ_{k,l} - θ^t_l||₂`` over
 all of the layer's parameters flattened (kernel, bias, and the scale/bias of the
@@ -12,7 +12,7 @@ layer ``l`` over its ``n`` selected clients, so every layer always has exactly `
 contributors; with the 'global' BatchNorm policy a layer's running statistics are
 aggregated over the same clients.  ``n = K`` is FedAvg.
 
-Decisions (SPEC §2 where the paper is vague): the feedback is computed against the
+Decisions (docs/decisions.md#fedldf where the paper is vague): the feedback is computed against the
 previous global model (the one the clients started from); divergence scalars are
 float32; a padding client is never selected while a real one is left; the server
 optimizer (SGD(1) for the paper) applies to the aggregate as for every method.

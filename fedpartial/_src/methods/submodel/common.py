@@ -1,6 +1,6 @@
 """Shared pieces of the neuron-level personalised methods (FedSPU and the dropout family).
 
-* **Client tiers** (SPEC §3): the population is split into equal clusters by client
+* **Client tiers** (docs/decisions.md#fedspu): the population is split into equal clusters by client
   id, cluster ``c`` having keep ratio ``tiers[c]`` (default 0.2, 0.4, 0.6, 0.8, 1.0 —
   clients ``0 … N/5-1`` keep 20%).  Ratios become per-layer neuron *counts* through a
   static table, so every cohort runs the same compiled code whatever its tiers.

@@ -1,4 +1,4 @@
-"""The dropout baselines FedSPU is compared with (SPEC §3), as sub-model methods.
+"""The dropout baselines FedSPU is compared with (docs/decisions.md#fedspu), as sub-model methods.
 
 A sub-model method gives every sampled client a set of neurons per layer; the
 others are *removed* from its forward pass (their activations are zero, their

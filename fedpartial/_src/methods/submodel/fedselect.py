@@ -1,7 +1,7 @@
-"""FedSelect — a growing personal part chosen by how much it changed (SPEC §3 baseline).
+"""FedSelect — a growing personal part chosen by how much it changed (docs/decisions.md#fedspu baseline).
 
-SPEC: "per-client selection of the most-changed parameters as personal, starting at
-keep 0.25 and growing to 0.5 over training."  Our reading, at neuron granularity so
+The decision (docs/decisions.md#fedspu): per-client selection of the most-changed parameters as
+personal, starting at keep 0.25 and growing to 0.5 over training.  Our reading, at neuron granularity so
 masks stay structured:
 
 * The personal fraction ``f_t`` ramps linearly from ``start`` (first round) to

@@ -1,4 +1,4 @@
-"""FedSPU — federated learning with stochastic parameter update (SPEC §3, Algorithm 1).
+"""FedSPU — federated learning with stochastic parameter update (docs/decisions.md#fedspu, Algorithm 1).
 
 Every client keeps a full personal model across rounds (``MethodState.clients``,
 ``[N]``-stacked; initially the broadcast ``w⁰``).  In round ``t``, for each sampled

@@ -1,6 +1,6 @@
 """EmbracingFL (Lee et al.): every client trains as many output-side layers as it can hold.
 
-Algorithm (the paper's Alg. 1–2, SPEC §4), per round:
+Algorithm (the paper's Alg. 1–2, docs/decisions.md#embracingfl), per round:
 
 1. the server sends the global model to the cohort;
 2. a **strong** client runs τ local SGD steps on the whole model (as FedAvg);
@@ -19,7 +19,7 @@ time is real.  ``cached=False`` builds the *mask-only* variant instead — the
 whole model with the prefix frozen by the train mask (its gradient is computed
 and discarded) — which gives the same parameters and exists to prove it.
 
-**Cuts** (first trained stage of moderate, weak): SPEC §4 for ResNet20 (4, 7:
+**Cuts** (first trained stage of moderate, weak): docs/decisions.md#embracingfl for ResNet20 (4, 7:
 stem + 3 / + 6 residual blocks frozen), the FEMNIST CNN (2, 3) and the BiLSTM
 (1, 1: the embedding frozen; weak clients also see only the first half of every
 sequence, as in the paper's Table 1).  Any other staged model: moderate trains
@@ -60,7 +60,7 @@ from fedpartial._src.methods.tiered.tiers import (
 )
 from fedpartial._src.models.adapter import Model
 
-#: SPEC §4 cuts (moderate, weak) by zoo model name
+#: docs/decisions.md#embracingfl cuts (moderate, weak) by zoo model name
 DEFAULT_CUTS: dict[str, tuple[int, int]] = {"resnet20": (4, 7), "femnist_cnn": (2, 3), "bilstm": (1, 1)}
 #: the share of each input sequence a tier sees (strong, moderate, weak); 1.0 everywhere else
 SEQUENCE_FRACTIONS: dict[str, tuple[float, float, float]] = {"bilstm": (1.0, 1.0, 0.5)}
@@ -208,7 +208,7 @@ def tier_footprint(model: Model, cut: int, *, batch_size: int, fraction: float =
 
 
 def capacity_table(model: Model, *, batch_size: int = 32, cut=None) -> list[dict]:
-    """One row per tier: cut stage, trained parameters, activations and capacity (SPEC §4)."""
+    """One row per tier: cut stage, trained parameters, activations and capacity (docs/decisions.md#embracingfl)."""
     cuts = resolve_cuts(model, cut)
     fractions = sequence_fractions(model)
     rows = [dict(tier=TIER_NAMES[t], cut=cuts[t], cut_stage=model.stage_names[cuts[t]], sequence_fraction=fractions[t],

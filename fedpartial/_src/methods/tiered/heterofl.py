@@ -1,4 +1,4 @@
-"""HeteroFL, static version (Diao et al. 2021): width reduction, EmbracingFL's baseline (SPEC §4).
+"""HeteroFL, static version (Diao et al. 2021): width reduction, EmbracingFL's baseline (docs/decisions.md#embracingfl).
 
 Algorithm, per round:
 

@@ -1,4 +1,4 @@
-"""HeteroFL's and FedRolex's width tiers as capacities: the paper's Table 10 (SPEC §4).
+"""HeteroFL's and FedRolex's width tiers as capacities: the paper's Table 10 (docs/decisions.md#embracingfl).
 
 A client of width ratio ``r`` trains every parameter of its narrow model and the Conv/Dense outputs of one
 batch; its capacity is that count over the full model's (:func:`capacity_table`).  The tiers are
@@ -32,7 +32,8 @@ def tier_footprint(model: Model, ratio: float, *, batch_size: int, module=None) 
 
 def capacity_table(model: Model, *, batch_size: int = 32, widths: Sequence[float] = DEFAULT_WIDTHS,
                    module=None) -> list[dict]:
-    """One row per tier: width ratio, parameters, activations and capacity (SPEC §4, the paper's Table 10)."""
+    """One row per tier: width ratio, parameters, activations and capacity (the paper's Table 10; capacity as
+    docs/decisions.md#embracingfl defines it)."""
     rows = [dict(tier=TIER_NAMES[t], width=r, **tier_footprint(model, r, batch_size=batch_size, module=module))
             for t, r in enumerate(tier_ratios(widths))]
     full = rows[0]["params"] + rows[0]["activations"]

@@ -1,4 +1,4 @@
-"""FedDH's non-IID degree (SPEC §5): label distributions, JS divergence, ``D_k``, ``q_k`` and ``∇F``.
+"""FedDH's non-IID degree (docs/decisions.md#feddhad): label distributions, JS divergence, ``D_k``, ``q_k`` and ``∇F``.
 
 ``P_m`` is the ``n_k``-weighted mean of the known clients' label distributions ``P_k``
 (:func:`population_distribution`), ``JS_k = JS(P_k || P_m)`` (Formula 5, natural

@@ -1,4 +1,4 @@
-"""FedDHE's server-side estimate of the clients' label distributions (SPEC §5, Formula 8).
+"""FedDHE's server-side estimate of the clients' label distributions (docs/decisions.md#feddhad, Formula 8).
 
 On a small class-balanced server set, ``s_i = ||∇L_i(θ_k)||²`` is the squared norm
 of the gradient of the mean loss over the server's class-``i`` examples at client
@@ -15,10 +15,10 @@ Decisions:
   aggregation, whose weights already use it) and cached; later rounds reuse it.
   ``P_m`` is the ``n_k``-weighted mean of the estimates known so far (the server
   knows ``n_k`` as in FedAvg).  The true label counts are never read.
-* **FedDHE's sign.**  SPEC §5 writes ``P_k(i) ∝ exp(β·||∇L_i||²)``; the paper's
+* **FedDHE's sign.**  docs/decisions.md#feddhad writes ``P_k(i) ∝ exp(β·||∇L_i||²)``; the paper's
   Formula 8 reads ``exp(β / ||∇L_i||²)``.  A client fits the classes it holds
   many of, so their gradient is *small*: both forms put the mass there only with
-  the right sign of β.  We keep SPEC's form (bounded exponents: no overflow when a
+  the right sign of β.  We keep the decisions page's form (bounded exponents: no overflow when a
   gradient vanishes) and require ``β < 0``.  ``L_i`` is the mean cross-entropy of
   the class-``i`` server examples (evaluation mode) and the norm runs over all
   parameters.  The paper gives no β; the default ``-0.03`` is the best of a sweep

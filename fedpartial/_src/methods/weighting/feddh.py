@@ -1,4 +1,4 @@
-"""FedDH, FedJS and FedDHE (SPEC §5): weightings that compose with any method (:func:`reweight`).
+"""FedDH, FedJS and FedDHE (docs/decisions.md#feddhad): weightings that compose with any method (:func:`reweight`).
 
 **FedDH** (dynamic heterogeneous aggregation, the paper's Algorithm 1).  Each
 client's label distribution ``P_k`` is known to the server; ``P_m`` is the
