@@ -77,7 +77,7 @@ def reference(global_params, data):
 
 
 def test_engine_matches_a_plain_python_reference():
-    r = FederatedRound(adapt(SMALL, (4,)), get_method("fiarse", tiers=RATIOS), num_clients=N, cohort_size=3,
+    r = FederatedRound(adapt(SMALL, (4,)), get_method("fiarse", ratios=RATIOS), num_clients=N, cohort_size=3,
                        client_optimizer=client_sgd(LR, momentum=MOMENTUM), strategy=stepwise(1))
     state = start(r)
     expected = reference(jax.device_get(state.variables["params"]), cohorts())
@@ -89,7 +89,7 @@ def test_engine_matches_a_plain_python_reference():
 def test_every_ratio_one_is_fedavg():
     model = adapt(SMALL, (4,))
     results = []
-    for method in (get_method("fiarse", tiers=(1.0,)), get_method("fedavg")):
+    for method in (get_method("fiarse", ratios=(1.0,)), get_method("fedavg")):
         r = build(model, method, n=N, k=3)
         state = start(r)
         for t, c in enumerate(cohorts(2)):
@@ -100,7 +100,7 @@ def test_every_ratio_one_is_fedavg():
 
 def test_upload_and_download_bytes_by_hand():
     """Per client: 4 bytes a held value, plus per leaf min(bitmap ⌈size/8⌉, 4 bytes an index)."""
-    r = build(adapt(SMALL, (4,)), get_method("fiarse", tiers=RATIOS), n=N, k=3)
+    r = build(adapt(SMALL, (4,)), get_method("fiarse", ratios=RATIOS), n=N, k=3)
     state = start(r)
     c = cohorts(1)[0]
     want = []
@@ -154,7 +154,7 @@ def test_the_tcb_gd_gradient():
 
 
 def test_bad_options_are_one_sentence():
-    with pytest.raises(UserError, match=r"^fiarse: --tiers = \(0\.0, 1\.0\) must be keep ratios in \(0, 1\], "):
-        get_method("fiarse", tiers=(0.0, 1.0))
-    with pytest.raises(UserError, match=r"^fiarse: --tiers = \(1\.5,\) must be keep ratios in \(0, 1\]"):
-        fiarse(tiers=(1.5,))  # the factory called directly checks too
+    with pytest.raises(UserError, match=r"^fiarse: --ratios = \(0\.0, 1\.0\) must be keep ratios in \(0, 1\], "):
+        get_method("fiarse", ratios=(0.0, 1.0))
+    with pytest.raises(UserError, match=r"^fiarse: --ratios = \(1\.5,\) must be keep ratios in \(0, 1\]"):
+        fiarse(ratios=(1.5,))  # the factory called directly checks too

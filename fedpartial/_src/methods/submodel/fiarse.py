@@ -30,9 +30,10 @@ Decisions where the paper and its code leave room:
 * **Ratio 1.**  The code's training script thresholds a full-size client too (``τ = min |θ|``); a client of
   ratio 1 here holds the whole model with ``τ = 0`` (the code's non-top-k branch), so its TCB-GD gradient is
   the plain gradient and FIARSE with every ratio 1 is FedAvg.
-* **Ratios.**  The keep ratios are ``--tiers``, equal client clusters by id (:mod:`.common`), as the paper
-  gives its clients (``--model-size 1.0 0.25 0.0625 0.015625 --model-dist 25 25 25 25`` in the authors'
-  README; also ``1, 0.64, 0.36, 0.16, 0.04``); the shared default is FedSPU's ``0.2, …, 1.0``.
+* **Ratios.**  ``--ratios r,r,...``: the keep ratios of equal client clusters by id (:mod:`.common`'s tiers),
+  as the paper gives its clients (``--model-size 1.0 0.25 0.0625 0.015625 --model-dist 25 25 25 25`` in the
+  authors' README, i.e. ``--ratios 1,0.25,0.0625,0.015625``; also ``1, 0.64, 0.36, 0.16, 0.04``); the
+  default is the tiers' ``0.2, …, 1.0``.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ from fedpartial._src.core import masks
 from fedpartial._src.core.structure import leaf_paths
 from fedpartial._src.methods.base import (
     Capabilities, ClientPlan, Method, MethodContext, RoundView, cross_entropy, make_method)
-from fedpartial._src.methods.registry import MethodSpec, check_values
-from fedpartial._src.methods.submodel.common import DEFAULT_TIERS, TIERS_OPTION, tier_of
+from fedpartial._src.methods.registry import MethodSpec, Option, check_values, ratios_in_unit_interval
+from fedpartial._src.methods.registry import ratios as parse_ratios
+from fedpartial._src.methods.submodel.common import DEFAULT_TIERS, tier_of
 
-OPTIONS = (TIERS_OPTION,)
+OPTIONS = (Option("ratios", parse_ratios, DEFAULT_TIERS, "FIARSE: keep ratios r_k of equal client clusters by id, "
+                  "e.g. 1,0.25,0.0625,0.015625 (the paper's)", ratios_in_unit_interval),)
 
 
 def kept_count(ratio: float, size: int) -> int:
@@ -116,12 +119,12 @@ def objective(ctx: MethodContext, params, step):
     return cross_entropy(ctx, jax.tree.unflatten(jax.tree.structure(params), sub), step)
 
 
-def fiarse(tiers: Sequence[float] = DEFAULT_TIERS) -> Method:
+def fiarse(ratios: Sequence[float] = DEFAULT_TIERS) -> Method:
     """FIARSE: each client holds, trains (TCB-GD) and uploads the ``r_k`` of the global model's parameters of
-    largest magnitude, ``r_k`` from ``tiers`` (equal client clusters by id); each element averaged over its
+    largest magnitude, ``r_k`` from ``ratios`` (equal client clusters by id); each element averaged over its
     holders with ``n_k`` weights."""
-    check_values("fiarse", OPTIONS, tiers=tiers)
-    ratios = tuple(float(r) for r in tiers)
+    check_values("fiarse", OPTIONS, ratios=ratios)
+    ratios = tuple(float(r) for r in ratios)
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         elements, thresholds = extract(ctx, view.global_vars["params"], ratios, view.cohort.client_ids)
