@@ -115,3 +115,46 @@ def test_codecs_compose_with_dp_and_a_wrapped_codec_is_refused(mlp):
     assert "dp_clipped_fraction" in metrics[-1]
     with pytest.raises(UserError, match="upload codec sign cannot wrap fedavg\\+topk0.1: it already encodes"):
         upload_codec(upload_codec(fedavg(), "topk:0.1"), "sign")
+
+
+def test_the_round_keeps_what_top_k_left_out_for_the_cohort_only(mlp):
+    """Error feedback through the engine: after a round, a cohort client's residual is its update on exactly the
+    entries top-k did not send (the rest 0); clients outside the cohort keep theirs (0); keeping everything
+    leaves no residual at all."""
+    r = FederatedRound(mlp, upload_codec(fedavg(), "topk:0.25"), num_clients=N, cohort_size=K,
+                       client_optimizer=client_sgd(0.1, momentum=0.9))
+    state, _ = r(r.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2, client_ids=[0, 2, 4]), jax.random.key(1))
+    residual = jax.device_get(state.method_state.clients[1])
+    for path, leaf in jax.tree_util.tree_leaves_with_path(residual):
+        rows = np.asarray(leaf).reshape(N, -1)
+        assert not rows[[1, 3, 5]].any()  # outside the cohort
+        for k in (0, 2, 4):
+            size = rows.shape[1]
+            left = np.count_nonzero(rows[k])
+            assert left <= size - math.ceil(0.25 * size - 1e-4)  # the sent entries leave nothing behind
+            if path[-1].key == "kernel":  # what was not sent stays (dead ReLU columns may not have moved at all)
+                assert left > (size - math.ceil(0.25 * size - 1e-4)) // 2
+    r = FederatedRound(mlp, upload_codec(fedavg(), "topk:1"), num_clients=N, cohort_size=K,
+                       client_optimizer=client_sgd(0.1, momentum=0.9))
+    state, _ = r(r.init(jax.random.key(0)), make_cohort((4,), k=K, steps=2, client_ids=[0, 2, 4]), jax.random.key(1))
+    assert not any(np.asarray(a).any() for a in jax.tree.leaves(jax.device_get(state.method_state.clients[1])))
+
+
+def test_a_codec_refuses_the_streamed_strategy_in_one_sentence(mlp):
+    """A codec keeps per-client state and reads the whole cohort; any method with an encode hook cannot be
+    streamed (the streamed round aggregates chunk by chunk, before anything could be encoded)."""
+    from fedpartial._src.engine.strategy import streamed
+    from fedpartial._src.methods.base import Capabilities, make_method
+
+    def build(method):
+        FederatedRound(mlp, method, num_clients=N, cohort_size=K, client_optimizer=client_sgd(0.1),
+                       strategy=streamed(1))
+
+    with pytest.raises(UserError, match=r"^method fedavg\+sign needs the whole cohort at once, so it cannot be "
+                                        r"streamed; use the fused, stepwise or debug strategy\.$"):
+        build(upload_codec(fedavg(), "sign"))
+    own = make_method("own", encode=lambda ctx, view: view.trained_vars["params"],
+                      capabilities=Capabilities(streamable="per_client"))
+    with pytest.raises(UserError, match=r"^method own aggregates in its own way \(not the one formula\) or encodes "
+                                        r"its uploads, so it cannot be streamed"):
+        build(own)

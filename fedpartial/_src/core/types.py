@@ -25,7 +25,7 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     update        (cohort)      (ctx, RoundView)           -> MethodState
     metrics       (cohort)      (ctx, RoundView)           -> {name: array}   reaches metrics.jsonl
 
-``select``, ``aggregate`` and ``server_correct`` may instead return ``Carry(result, value)``: the later
+``select``, ``encode``, ``aggregate`` and ``server_correct`` may instead return ``Carry(result, value)``: the later
 hooks of the round read ``value`` as ``RoundView.carried[hook]`` (nothing is computed twice in a round).
 
 and outside the round ``personal`` (each client's own model) and
@@ -168,16 +168,16 @@ class Selection(NamedTuple):
 class Carry(NamedTuple):
     """A hook's result with a value it hands on to the later hooks of the same round, so that nothing is
     computed twice in a round (e.g. DP-FedAvg's clip factors, computed in ``aggregate`` and read by ``update``
-    and ``metrics``).  ``select``, ``aggregate`` and ``server_correct`` may return one instead of their result;
-    the later hooks read ``RoundView.carried[hook]``.  (Under the streamed strategy ``select`` runs a chunk of
-    clients at a time and may not carry.)"""
+    and ``metrics``).  ``select``, ``encode``, ``aggregate`` and ``server_correct`` may return one instead of
+    their result; the later hooks read ``RoundView.carried[hook]``.  (Under the streamed strategy ``select``
+    runs a chunk of clients at a time and may not carry.)"""
 
     result: Any
     value: Any
 
 
 #: the hooks that may return a :class:`Carry`, in the order a round calls them
-CARRYING_HOOKS = ("select", "aggregate", "server_correct")
+CARRYING_HOOKS = ("select", "encode", "aggregate", "server_correct")
 
 
 class MethodState(NamedTuple):

@@ -153,8 +153,8 @@ class RoundProgram:
         view = view._replace(carried=carried)
         uploaded = trained["params"]
         if self.method.encode is not None:  # e.g. an upload codec: what the server receives is not what was trained
-            uploaded = self.method.encode(self.ctx, view._replace(selection=selection,
-                                                                  key=jax.random.fold_in(keys.update, 3)))
+            uploaded, view = carry("encode", self.method.encode(
+                self.ctx, view._replace(selection=selection, key=jax.random.fold_in(keys.update, 3))), view)
         view = view._replace(uploaded=uploaded)
         own = self.method.aggregate is not None  # the method replaces the formula for params (e.g. DP's noise)
         aggregated, received = aggregation.aggregate(

@@ -28,8 +28,9 @@ Decisions:
   update) and noises their sum, so the clip bounds exactly what is summed and the privacy guarantee holds
   whatever a codec does (QSGD's stochastic rounding can lengthen a vector: clipping before encoding would not
   bound what is sent).  Error feedback then keeps what the codec dropped, not what clipping removed.
-* The error-feedback residual is ``a − (uploaded − θ^t)``: the server's decoded value, so it is exact up to
-  one float rounding of ``θ^t + sent``.  One codec a method: wrapping a method that already encodes is refused.
+* The error-feedback residual ``a − sent`` is computed once, in ``encode``, and handed to ``update``
+  (:class:`~fedpartial._src.core.types.Carry`).  One codec a method: wrapping a method that already encodes
+  is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.structure import leaf_paths
 from fedpartial._src.methods.base import (
+    Carry,
     InitView,
     Method,
     MethodContext,
@@ -165,17 +167,19 @@ def upload_codec(method: Method, codec: Codec | str) -> Method:
             return jax.tree.unflatten(jax.tree.structure(a_k), leaves)
 
         sent = jax.vmap(one)(keys, a, on)
-        g = view.global_vars["params"]
-        return jax.tree.map(lambda s, p, t, m: jnp.where(m, p[None] + s, t), sent, g, view.trained_vars["params"], on)
+        g, valid = view.global_vars["params"], view.cohort.valid
+        uploaded = jax.tree.map(lambda s, p, t, m: jnp.where(m, p[None] + s, t), sent, g, view.trained_vars["params"],
+                                on)
+        if not codec.feedback:
+            return uploaded
+        # what the codec left out, handed on to update (Carry): e ← a − sent where the client uploaded
+        residual = jax.tree.map(lambda x, s, m, e: jnp.where(m & valid.reshape((-1,) + (1,) * (x.ndim - 1)), x - s, e),
+                                a, sent, on, view.client_state)
+        return Carry(uploaded, residual)
 
     def update(ctx: MethodContext, view: RoundView, inner_state: MethodState) -> MethodState:
-        a, on = updates(ctx, view)
-        g, valid = view.global_vars["params"], view.cohort.valid
-        rows = jax.tree.map(lambda x, u, p, m, e: jnp.where(m & valid.reshape((-1,) + (1,) * (x.ndim - 1)),
-                                                           x - (u - p[None]), e),
-                            a, view.uploaded, g, on, view.client_state)
-        return view.method_state._replace(
-            clients=scatter_clients(view.method_state.clients, cohort_rows(view), rows, view.cohort.valid))
+        return view.method_state._replace(clients=scatter_clients(
+            view.method_state.clients, cohort_rows(view), view.carried["encode"], view.cohort.valid))
 
     def select(ctx: MethodContext, view: RoundView, sel: Selection) -> Selection:
         g = view.global_vars["params"]
