@@ -1,5 +1,6 @@
 """The command line: a small end-to-end run, its files, and one-sentence errors with status 2."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -108,10 +109,21 @@ def test_default_run_reaches_sensible_accuracy(tmp_path):
 
 
 def test_method_flags_come_from_the_methods(capsys, tmp_path):
+    """Each method's options are flags; --help shows the named method's only, and points to them without one."""
     from fedpartial._src.cli.main import build_parser
-    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
-    for flag in ("--mu", "--n", "--adp-fraction", "--tiers", "--select-start", "--select-end"):
-        assert flag in text
+
+    def run_help(*argv):
+        return build_parser(["run", *argv, "--help"])._subparsers._group_actions[0].choices["run"].format_help()
+
+    for method, flags in {"fedprox": ("--mu",), "fedldf": ("--n",), "fedadp": ("--adp-fraction",),
+                          "fedspu": ("--tiers",), "fedselect": ("--select-start", "--select-end")}.items():
+        text = run_help("--method", method)
+        assert f"options of {method}" in text and all(flag in text for flag in flags)
+        assert "--mu" not in text or method == "fedprox"  # another method's option is not shown
+    plain = run_help()
+    assert "--mu" not in plain and "--tiers" not in plain
+    assert "fedpartial run --method NAME --help" in plain
+    assert len(plain.splitlines()) < 260  # was 367 lines with every method's options
     # A flag of another method is refused in one sentence.
     assert main(["run", "--method", "fedavg", "--mu", "0.1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -172,10 +184,11 @@ def test_every_flag_shows_its_default():
     commands = build_parser()._subparsers._group_actions[0].choices
     for name, sub in commands.items():
         for action in sub._actions:
-            if action.option_strings and action.dest != "help":
+            if action.option_strings and action.dest != "help" and action.help != argparse.SUPPRESS:
                 assert "default" in sub._get_formatter()._get_help_string(action), (name, action.option_strings)
     text = commands["run"].format_help()
-    for phrase in ("communication rounds (with --resume: extend the run to this many, more than it planned) (default: 40)", "client batch size (default: 16)",
+    for phrase in ("communication rounds (with --resume: extend the run to this many) [rounds] (default: 40)",
+                   "the client batch size [examples] (default: 16)",
                    "(default: 0)", "(default: 2 when --local-steps"):
         assert phrase in " ".join(text.split()), phrase
     # --local-epochs has one default, said once.

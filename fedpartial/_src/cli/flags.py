@@ -16,8 +16,10 @@ import sys
 from collections.abc import Iterable
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment.config import DEFAULT_LOCAL_EPOCHS, RunConfig
 import dataclasses
+
+from fedpartial._src.experiment import settings
+from fedpartial._src.experiment.config import RunConfig
 
 from fedpartial._src.methods.catalog import METHODS, all_methods, find_method
 from fedpartial._src.methods.registry import MethodSpec, boolean, ratios
@@ -95,145 +97,85 @@ def named_methods(argv: Iterable[str]) -> list[str]:
     return names
 
 
-def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | None = None) -> None:
-    """Every flag of ``fedpartial run``, in the order ``--help`` shows them (``compare`` copies most of them);
-    ``specs``: the methods whose options become flags (default :func:`method_specs`)."""
-    d = RunConfig()
+#: the types of generated flags, by what the field takes (a switch has none)
+_PARSERS = {"int": whole_number, "float": number, "str": None}
+
+
+def _setting_flag(parser, field) -> None:
+    """The flag of one RunConfig field, from its description (:mod:`fedpartial._src.experiment.settings`)."""
+    s = settings.described(field)
+    flag, kind = settings.flag_of(field), settings.kind(field)
+    unit = f" [{s.unit}]" if s.unit else ""
+    help_text = f"{s.help}{unit} (default: {settings.default_text(field)})"
+    if kind == "bool":
+        parser.add_argument(flag, action="store_true", help=help_text)
+        return
+    default = field.default if field.default is not dataclasses.MISSING else None
+    parser.add_argument(flag, type=_PARSERS[kind], default=default, metavar=s.metavar, help=help_text)
+
+
+def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | None = None,
+                  shown: Iterable[str] | None = None) -> None:
+    """Every flag of ``fedpartial run``, in the order ``--help`` shows them (``compare`` copies most of them):
+    a group per section of :class:`RunConfig`, each flag generated from its field's description, then the
+    method options and the flags of the command itself.  ``specs``: the methods whose options become flags
+    (default :func:`method_specs`); ``shown``: the methods whose options ``--help`` shows (default none: it
+    says how to see a method's)."""
     specs = method_specs() if specs is None else list(specs)
     run.add_argument("--config", default=None, metavar="TOML",
                      help="read run flags from a TOML file (keys are these flags without --; the command line "
                           "overrides them)")
     run.add_argument("--quiet", action="store_true",
                      help="no progress and no summary table: print only the run directory")
-    run.add_argument("--method", default=d.method,
-                     help=", ".join(s.name for s in specs if ":" not in s.name) + " or package.module:factory")
-    run.add_argument("--dataset", default=d.dataset, help="digits (offline), synthetic, mnist, cifar10, ...")
-    run.add_argument("--data-dir", default=d.data_dir,
-                     help="tensorflow-datasets data directory (default: tensorflow-datasets' own)")
-    run.add_argument("--model", default=d.model, help="'auto' or a zoo model name")
-    run.add_argument("--partition", default=d.partition, help="iid, dirichlet, shards or natural")
-    run.add_argument("--alpha", type=number, default=d.alpha, help="Dirichlet α (also Synthetic α and β)")
-    run.add_argument("--max-samples", type=whole_number, default=None, metavar="N",
-                     help="synthetic: cap each client's examples at N (fewer per client, e.g. for 1,000,000 clients)")
-    run.add_argument("--classes-per-client", type=whole_number, default=d.classes_per_client,
-                     help="classes per client of the shards partition")
-    run.add_argument("--clients", type=whole_number, default=d.num_clients, help="population size N")
-    run.add_argument("--cohort", type=whole_number, default=d.cohort_size, help="clients per round K")
-    run.add_argument("--rounds", type=whole_number, default=d.rounds, help="communication rounds (with --resume: extend the run to this many, more than it planned)")
-    local = run.add_mutually_exclusive_group()
-    local.add_argument("--local-steps", type=whole_number, default=None,
-                       help="local steps per round (default: none, --local-epochs sets the local work)")
-    local.add_argument("--local-epochs", type=number, default=None,
-                       help=f"local epochs per round (default: {DEFAULT_LOCAL_EPOCHS:g} when --local-steps "
-                            "is not given)")
-    run.add_argument("--batch-size", type=whole_number, default=d.batch_size, help="client batch size")
-    run.add_argument("--lr", type=number, default=d.client_lr, help="client learning rate")
-    run.add_argument("--momentum", type=number, default=d.momentum, help="client SGD momentum, in [0, 1)")
-    run.add_argument("--weight-decay", type=number, default=d.weight_decay, help="client L2 weight decay")
-    run.add_argument("--server-opt", default=d.server_optimizer, help="sgd, adam, yogi, adagrad")
-    run.add_argument("--server-lr", type=number, default=d.server_lr, help="server learning rate")
-    method_option_flags(run, specs)
-    run.add_argument("--es", action="store_true",
-                     help="early stopping: a client stops for good when its λ-mixed train/val loss rises")
-    run.add_argument("--train-fraction", type=number, default=None,
-                     help="λ: each client's training share, the rest held out "
-                          "(default: 0.7 for personalised methods and --es, else 1)")
-    run.add_argument("--upload-codec", default=None, metavar="CODEC",
-                     help="compress what each client uploads: topk:F (the largest fraction F of its update, with "
-                          "error feedback), qsgd:B (B-bit QSGD, unbiased) or sign (scaled sign, error feedback); "
-                          "traffic is counted in bits")
-    run.add_argument("--sparse-flops", action="store_true",
-                     help="count the FLOPs of a client that trains an element mask (feddst, fiarse) as if it computed "
-                          "only the weights it trains (default: dense, as the engine computes)")
-    privacy = run.add_argument_group(
-        "differential privacy (DP-FedAvg around the method, docs/privacy.md: each client's update is clipped to "
-        "norm C, Gaussian noise of std z·C is added to their sum, ε at δ is reported every round)")
-    privacy.add_argument("--dp-clip", type=number, default=None, metavar="C",
-                         help="clip each client's update (on what it uploads) to this L2 norm; turns DP on")
-    privacy.add_argument("--dp-noise-multiplier", type=number, default=None, metavar="Z",
-                         help="noise std over the clipping norm (0: clipping only, no privacy)")
-    privacy.add_argument("--dp-clip-per-layer", action="store_true",
-                         help="clip each layer to C/√L (L layers) instead of the whole upload to C")
-    privacy.add_argument("--dp-delta", type=number, default=None,
-                         help="the δ at which ε is reported (default: 1/N, N the population)")
-    privacy.add_argument("--dp-target-quantile", type=number, default=None, metavar="Q",
-                         help="adaptive clipping (Andrew et al. 2021): C follows this quantile of the clients' "
-                              "update norms, starting from --dp-clip")
-    run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
-    run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk], stream:chunk, "
-                     "stream-stepwise:chunk, debug")
-    run.add_argument("--data-placement", default=d.data_placement,
-                     help="where the training data lives: device (placed once, batches gathered on the device), "
-                          "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "
-                          "of its free memory, else host)")
-    run.add_argument("--client-state", default=d.client_state,
-                     help="where the method's per-client state (e.g. FedSPU's N personal models) lives: device, "
-                          "host (RAM; only the cohort's rows travel each round), disk (memory-mapped files in the "
-                          "temporary folder, $TMPDIR) or auto (device while it takes at most half the device's free "
-                          "memory, then host, then disk)")
-    run.add_argument("--devices", type=whole_number, default=d.devices, metavar="N",
-                     help="split each round's cohort over N local devices (fused strategy; the cohort is padded "
-                          "to a multiple of N with clients that weigh nothing); default: all local devices for "
-                          "the fused strategy on a GPU/TPU, else 1")
+    for name, (title, summary) in settings.SECTIONS.items():
+        group = run.add_argument_group(title.lower(), summary[0].upper() + summary[1:])
+        exclusive = {}
+        for field in settings.fields(RunConfig, name):
+            if not settings.flag_of(field):
+                continue
+            key = settings.described(field).exclusive
+            if key is not None and key not in exclusive:
+                exclusive[key] = group.add_mutually_exclusive_group()
+            target = group if key is None else exclusive[key]
+            _setting_flag(target, field)
+        if name == "method":
+            method_option_flags(run, specs, shown)
+        if name == "data":
+            _replica_flags(group)
+        if name == "execution":
+            _process_flags(run)
+    runs = run.add_argument_group("checkpoints")
+    runs.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                      help="save the whole simulation state to RUN_DIR/checkpoints every N rounds "
+                           "(the final state is always saved)")
+    runs.add_argument("--resume", default=None, metavar="RUN_DIR",
+                      help="continue a stopped run from its newest checkpoint, with the configuration in "
+                           "RUN_DIR/config.json (other run options are ignored, except --checkpoint-every)")
+
+
+def _replica_flags(group) -> None:
+    """``--seeds``, ``--lrs``, ``--server-lrs``: replicas run as one simulation (not RunConfig fields)."""
+    group.add_argument("--seeds", default=None, metavar="S,S,...",
+                       help="one replica per seed, e.g. 0,1,2,3, run as one simulation (the fused round, jitted "
+                            "once): a run folder per seed and a mean ± std summary (instead of --seed)")
+    group.add_argument("--lrs", default=None, metavar="LR,LR,...",
+                       help="one replica per client learning rate (with every seed of --seeds), e.g. 0.01,0.05,0.1, "
+                            "run as one simulation like --seeds: a run folder each and a mean ± std row per rate "
+                            "(instead of --lr)")
+    group.add_argument("--server-lrs", default=None, metavar="LR,LR,...",
+                       help="one replica per server learning rate (with every client rate of --lrs and every seed "
+                            "of --seeds), e.g. 0.3,1.0, run as one simulation like --seeds: a run folder each and a "
+                            "mean ± std row per rate (instead of --server-lr)")
+
+
+def _process_flags(run) -> None:
     hosts = run.add_argument_group(
-        "several processes (multi-host: every process runs the same command with its own --process-id; "
-        "the cohort is split over every process's devices; see docs/multihost.md)")
+        "several processes", "multi-host: every process runs the same command with its own --process-id; the "
+        "cohort is split over every process's devices (docs/multihost.md)")
     hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="address of process 0, for jax.distributed.initialize")
     hosts.add_argument("--num-processes", type=whole_number, default=None, metavar="P", help="processes in all")
     hosts.add_argument("--process-id", type=whole_number, default=None, metavar="I", help="this process, 0 to P-1")
-    run.add_argument("--seed", type=whole_number, default=d.seed, help="seed of every random choice")
-    run.add_argument("--seeds", default=None, metavar="S,S,...",
-                     help="one replica per seed, e.g. 0,1,2,3, run as one simulation (the fused round, jitted once): "
-                          "a run folder per seed and a mean ± std summary (instead of --seed)")
-    run.add_argument("--lrs", default=None, metavar="LR,LR,...",
-                     help="one replica per client learning rate (with every seed of --seeds), e.g. 0.01,0.05,0.1, "
-                          "run as one simulation like --seeds: a run folder each and a mean ± std row per rate "
-                          "(instead of --lr)")
-    run.add_argument("--server-lrs", default=None, metavar="LR,LR,...",
-                     help="one replica per server learning rate (with every client rate of --lrs and every seed of "
-                          "--seeds), e.g. 0.3,1.0, run as one simulation like --seeds: a run folder each and a "
-                          "mean ± std row per rate (instead of --server-lr)")
-    run.add_argument("--eval-every", type=whole_number, default=d.eval_every, help="test every this many rounds")
-    run.add_argument("--out", default=d.out_dir, help="directory for run folders")
-    run.add_argument("--name", default=None,
-                     help="run folder name, made unique (default: METHOD-DATASET-seedSEED)")
-    run.add_argument("--record-decisions", action="store_true",
-                     help="save every round's plan and selection masks to RUN_DIR/decisions/round-NNNNN.npz")
-    run.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
-                     help="save the whole simulation state to RUN_DIR/checkpoints every N rounds "
-                          "(the final state is always saved)")
-    run.add_argument("--resume", default=None, metavar="RUN_DIR",
-                     help="continue a stopped run from its newest checkpoint, with the configuration in "
-                          "RUN_DIR/config.json (other run options are ignored, except --checkpoint-every)")
-    devices = run.add_argument_group(
-        "device model (simulated time: a client takes FLOPs/speed + bytes down/bandwidth + bytes up/bandwidth, "
-        "a round its slowest client; DIST is a number, lognormal:MEDIAN:SIGMA or uniform:LOW:HIGH)")
-    devices.add_argument("--device-profiles", default=None, metavar="CSV",
-                         help="device profiles with columns compute_flops_per_s, download_bytes_per_s, "
-                              "upload_bytes_per_s; client i gets row i mod rows (replaces the distributions)")
-    devices.add_argument("--compute-speed", default=d.compute_speed, metavar="DIST", help="FLOP/s per client")
-    devices.add_argument("--download-bandwidth", default=d.download_bandwidth, metavar="DIST",
-                         help="bytes/s per client")
-    devices.add_argument("--upload-bandwidth", default=d.upload_bandwidth, metavar="DIST", help="bytes/s per client")
-    devices.add_argument("--target-accuracy", type=number, default=None,
-                         help="report the simulated time (and round) at which test accuracy first reaches this")
-    timed = run.add_argument_group(
-        "deadlines, stragglers and availability (docs/deadlines.md: each client's time is predicted before the round "
-        "from the device model)")
-    deadline = timed.add_mutually_exclusive_group()
-    deadline.add_argument("--round-deadline", type=number, default=None, metavar="SECONDS",
-                          help="a round waits this many simulated seconds for its clients")
-    deadline.add_argument("--deadline-quantile", type=number, default=None, metavar="Q",
-                          help="the deadline is this quantile of the cohort's predicted times, each round")
-    timed.add_argument("--straggler-policy", default=d.straggler_policy,
-                       help="a client past the deadline: drop (its work is lost) or partial (it trains the steps "
-                            "that fit and uploads them)")
-    timed.add_argument("--over-select", type=number, default=d.over_select, metavar="F",
-                       help="sample ceil(F·K) clients and keep the first K to report")
-    timed.add_argument("--availability", default=d.availability,
-                       help="who may be sampled: always, a probability (e.g. 0.7), diurnal[:LOW:HIGH[:PERIOD_S]] "
-                            "or a CSV trace with columns client_id,start_s,end_s")
 
 
 def method_flag_users(specs: Iterable[MethodSpec]) -> dict[str, list]:
@@ -298,24 +240,37 @@ def _option_type(opt):
     return parse
 
 
-def method_option_flags(parser: argparse.ArgumentParser, specs: Iterable[MethodSpec]) -> None:
-    """One flag per method option of ``specs`` (the methods' own descriptions), stored as ``option:FLAG``.
+def method_option_flags(parser: argparse.ArgumentParser, specs: Iterable[MethodSpec],
+                        shown: Iterable[str] | None = None) -> None:
+    """One flag per method option of ``specs`` (the methods' own descriptions), stored as ``option:FLAG``;
+    ``--help`` shows those of the methods ``shown`` (none by default: it says how to see them).
 
     The one place where method flags are made: ``run`` passes :func:`method_specs`.
     """
-    group = parser.add_argument_group("method options (each applies to the methods named)")
+    shown = set(shown or ())
+    names = ", ".join(sorted(shown))
+    group = parser.add_argument_group(
+        f"options of {names}" if shown else "method options",
+        "each method's own options, with their defaults" if shown else
+        "each method has its own options: fedpartial run --method NAME --help shows them (or fedpartial list "
+        "options NAME)")
     for flag, users in method_flag_users(specs).items():
         opt = users[0][1]
-        names = ", ".join(name for name, _ in users)
         default = ",".join(map(str, opt.default)) if isinstance(opt.default, tuple) else opt.default
         metavar = flag.lstrip("-").upper().replace("-", "_")
+        mine = [o for name, o in users if name in shown]
+        if mine:
+            opt = mine[0]
+            choices = f"; one of {', '.join(map(str, opt.choices))}" if opt.choices else ""
+            text = f"{opt.help}{choices} (default: {'none' if default is None else default})"
+        else:
+            text = argparse.SUPPRESS  # another method's option: parsed (to refuse it by name), not shown
         if opt.type is boolean:  # a switch: --name / --no-name, no value
             group.add_argument(flag, dest=f"option:{flag}", action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=f"{opt.help} [{names}] (default: {default})")
+                               default=argparse.SUPPRESS, help=text)
             continue
         group.add_argument(flag, dest=f"option:{flag}", type=_option_type(opt), default=argparse.SUPPRESS,
-                           metavar=metavar,
-                           help=f"{opt.help} [{names}] (default: {default})")
+                           metavar=metavar, help=text)
 
 
 def method_options(args: argparse.Namespace, specs: Iterable[MethodSpec] | None = None) -> dict:
@@ -341,28 +296,11 @@ def refuse_flag_clashes(names: Iterable[str]) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The :class:`RunConfig` of parsed ``run`` (or ``compare``) flags."""
+    """The :class:`RunConfig` of parsed ``run`` (or ``compare``) flags: each field from its flag."""
     refuse_flag_clashes([args.method])
-    local_steps, local_epochs = args.local_steps, args.local_epochs
-    options = method_options(args)
-    return RunConfig(
-        method=args.method, dataset=args.dataset, data_dir=args.data_dir, model=args.model,
-        partition=args.partition, alpha=args.alpha, classes_per_client=args.classes_per_client,
-        num_clients=args.clients, cohort_size=args.cohort, rounds=args.rounds,
-        local_steps=local_steps, local_epochs=local_epochs, batch_size=args.batch_size,
-        client_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        server_optimizer=args.server_opt, server_lr=args.server_lr, options=options,
-        early_stopping=args.es, train_fraction=args.train_fraction,
-        bn_policy=args.bn_policy, strategy=args.strategy, devices=args.devices,
-        data_placement=args.data_placement, client_state=args.client_state, seed=args.seed,
-        eval_every=args.eval_every,
-        out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
-        device_profiles=args.device_profiles, compute_speed=args.compute_speed,
-        download_bandwidth=args.download_bandwidth, upload_bandwidth=args.upload_bandwidth,
-        target_accuracy=args.target_accuracy, max_samples=args.max_samples,
-        upload_codec=args.upload_codec, sparse_flops=args.sparse_flops,
-        dp_clip=args.dp_clip, dp_noise_multiplier=args.dp_noise_multiplier, dp_clip_per_layer=args.dp_clip_per_layer,
-        dp_delta=args.dp_delta, dp_target_quantile=args.dp_target_quantile,
-        round_deadline=args.round_deadline, deadline_quantile=args.deadline_quantile,
-        straggler_policy=args.straggler_policy, over_select=args.over_select, availability=args.availability,
-    )
+    values = {}
+    for field in settings.fields(RunConfig):
+        flag = settings.flag_of(field)
+        if flag:
+            values[field.name] = getattr(args, flag[2:].replace("-", "_"))
+    return RunConfig(**values, options=method_options(args))

@@ -9,7 +9,8 @@ from rich.console import Console
 from fedpartial._src.cli.flags import Formatter
 from fedpartial._src.data.sources import DATASETS
 from fedpartial._src.experiment.config import DATASET_SHAPES, DEFAULT_MODELS
-from fedpartial._src.methods.catalog import all_methods
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.methods.catalog import all_methods, find_method
 from fedpartial._src.models.registry import MODELS
 
 #: one line per dataset for ``fedpartial list datasets`` (the shape and default model are added)
@@ -30,15 +31,37 @@ DATASET_SUMMARIES = {
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    lister = subparsers.add_parser("list", help="the methods, models or datasets, one line each",
-                                   formatter_class=Formatter)
-    lister.add_argument("what", nargs="?", choices=("methods", "models", "datasets"), default=None,
-                        help="what to list (default: all three)")
+    lister = subparsers.add_parser("list", help="the methods, models or datasets, one line each; a method's options",
+                                   formatter_class=Formatter,
+                                   usage="fedpartial list [methods [--options] | models | datasets | options METHOD]")
+    lister.add_argument("what", nargs="?", choices=("methods", "models", "datasets", "options"), default=None,
+                        help="what to list (default: methods, models and datasets); options METHOD: one method's "
+                             "options")
+    lister.add_argument("method", nargs="?", default=None, help="the method whose options to list (with options)")
+    lister.add_argument("--options", action="store_true", help="with methods: each method's options under it")
     return lister
+
+
+def option_lines(spec, indent: str = "  ") -> list[str]:
+    """One line per option of the method ``spec``: its flag, what it takes, its default and its help."""
+    lines = []
+    for opt in spec.options:
+        default = ",".join(map(str, opt.default)) if isinstance(opt.default, tuple) else opt.default
+        choices = f"; one of {', '.join(map(str, opt.choices))}" if opt.choices else ""
+        lines.append(f"{indent}{opt.cli_flag}  {opt.help}{choices} (default: {'none' if default is None else default})")
+    return lines or [f"{indent}(no options)"]
 
 
 def handle(args, console: Console | None = None, argv: list[str] | None = None) -> int:
     """``fedpartial list``: one plain line per name (no table: easy to grep)."""
+    if args.what == "options" or args.method is not None:
+        if args.what != "options" or args.method is None:
+            raise UserError("give a method after options, e.g. fedpartial list options fedldf.")
+        spec = find_method(args.method)  # an unknown name: one sentence naming the known ones
+        print("\n".join([f"{spec.name}: {spec.summary}", *option_lines(spec)]))
+        return 0
+    if args.options and args.what not in (None, "methods"):
+        raise UserError(f"--options goes with fedpartial list methods, not {args.what}.")
     rows = {
         "methods": [(n, s.summary + (" [neuron-level: sequential models only]" if _neuron_level(s) else ""))
                     for n, s in all_methods().items()],
@@ -53,8 +76,11 @@ def handle(args, console: Console | None = None, argv: list[str] | None = None) 
         if not args.what:
             print(f"{what}:")
         width = max(len(n) for n, _ in rows[what])
+        specs = all_methods() if what == "methods" and args.options else {}
         for name, summary in rows[what]:
             print(f"{'  ' if not args.what else ''}{name:<{width}}  {summary}")
+            if name in specs:
+                print("\n".join(option_lines(specs[name], "    " if not args.what else "  ")))
     return 0
 
 

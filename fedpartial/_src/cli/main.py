@@ -41,7 +41,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = Parser(prog="fedpartial", description="Federated learning with partial model training.")
     parser.add_argument("--version", action="version", version=f"fedpartial {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    run_parser = run.add_parser(sub, method_specs(named_methods(sys.argv[1:] if argv is None else argv)))
+    argv = sys.argv[1:] if argv is None else argv
+    named = named_methods(argv)
+    asked_help = any(a in ("-h", "--help") for a in argv)  # --help shows the named methods' options only
+    run_parser = run.add_parser(sub, method_specs(named), shown=named if asked_help else ())
     compare.add_parser(sub, run_parser)
     plot.add_parser(sub)
     capacity.add_parser(sub)

@@ -23,6 +23,7 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment.settings import ConfigError, attributes_doc, flag_of, setting
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.methods.codecs import parse_codec
 from fedpartial._src.methods.registry import shown
@@ -45,15 +46,6 @@ SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
 CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
 
 
-class ConfigError(UserError):
-    """An invalid run configuration; the message is one sentence for a person."""
-
-
-#: command-line flag of each RunConfig field whose flag is not ``--field-name``: messages name what people type
-_FLAGS = {
-    "num_clients": "--clients", "cohort_size": "--cohort", "client_lr": "--lr", "server_lr": "--server-lr",
-    "server_optimizer": "--server-opt", "early_stopping": "--es", "out_dir": "--out", "run_name": "--name",
-}
 #: one example's shape for each dataset whose shape is fixed, so a model that cannot take it is refused
 #: before data is loaded (imdb_reviews' default sequence length; synthetic_text's default is 64)
 DATASET_SHAPES = {
@@ -65,7 +57,8 @@ _MAX_SEED = 2**32 - 1
 
 
 def _flag(field: str) -> str:
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+    """The flag of the RunConfig field named ``field``: what messages name."""
+    return flag_of(field, RunConfig)
 
 
 _shown = shown  # a value as people type it
@@ -114,92 +107,159 @@ def _check_output(out_dir: str | None, run_name: str | None) -> None:
 
 @dataclasses.dataclass
 class RunConfig:
-    """One simulation run. Defaults: the offline digits job of the quick start."""
+    """One simulation run; the defaults are the offline digits job of the quick start.
 
-    # --- method and model ---
-    method: str = "fedavg"
-    options: dict = dataclasses.field(default_factory=dict)  # the method's options, by name (see METHODS)
-    early_stopping: bool = False  # a client leaves for good when its train/held-out loss rises (--es)
-    model: str = "auto"  # 'auto': the dataset's model in DEFAULT_MODELS
+    Every field is a setting described once (:mod:`fedpartial._src.experiment.settings`): its section, its
+    meaning, unit and default, and its flag of ``fedpartial run`` (which is generated from it, as is the
+    configuration reference page, ``docs/configuration.md``).  :meth:`validate` judges the settings alone,
+    naming each bad value by its flag.
+
+    Example:
+      >>> import fedpartial as fp
+      >>> config = fp.RunConfig(method="fedldf", options={"n": 2}, rounds=5, out_dir=None)
+      >>> config.validate()
+      >>> config.num_clients, config.cohort_size
+      (20, 10)
+    """
 
     # --- data and population ---
-    dataset: str = "digits"
-    data_dir: str | None = None
-    partition: str = "dirichlet"
-    alpha: float = 0.5
-    classes_per_client: int = 2
-    num_clients: int = 20
-    cohort_size: int = 10
-    # each client's share of its data to train on, the rest held out (None: DEFAULT_TRAIN_FRACTION when the method
-    # or early stopping needs held-out data, else 1)
-    train_fraction: float | None = None
-    # synthetic only: each client's examples capped at this (its minimum min(50, cap)), so that a population of
-    # a million clients fits in memory (None: the generator's lognormal sizes, a mean of about 450)
-    max_samples: int | None = None
-    seed: int = 0  # the partition and held-out split, cohorts, initial model, drawn device profiles
+    dataset: str = setting("digits", section="data", help="the dataset (fedpartial list datasets); digits, "
+                           "mnist5k, synthetic and synthetic_text are offline")
+    data_dir: str | None = setting(None, section="data", help="tensorflow-datasets data directory",
+                                   default_text="tensorflow-datasets' own")
+    partition: str = setting("dirichlet", section="data", help="how the data is split over the clients: iid, "
+                             "dirichlet (label skew), shards (a few classes each) or natural (the dataset's own "
+                             "writers/users)")
+    alpha: float = setting(0.5, section="data", help="the Dirichlet α of the dirichlet partition (smaller: more "
+                           "skewed); for synthetic also its α and β")
+    classes_per_client: int = setting(2, section="data", help="classes per client of the shards partition")
+    num_clients: int = setting(20, section="data", help="the population N", flag="--clients", unit="clients")
+    cohort_size: int = setting(10, section="data", help="clients sampled per round K", flag="--cohort",
+                               unit="clients")
+    train_fraction: float | None = setting(None, section="data", help="each client's share of its data to train "
+                                           "on, the rest held out (personalised evaluation, --es)",
+                                           default_text="0.7 when the method or --es needs held-out data, else 1")
+    max_samples: int | None = setting(None, section="data", help="synthetic only: cap each client's examples at "
+                                      "N (its minimum min(50, N)), so that a million clients fit in memory",
+                                      unit="examples", metavar="N",
+                                      default_text="none: the generator's lognormal sizes, a mean of about 450")
+    seed: int = setting(0, section="data", help="the seed of every random choice: the partition and held-out "
+                        "split, cohorts, initial model, drawn device profiles")
+
+    # --- model ---
+    model: str = setting("auto", section="model", help="a zoo model (fedpartial list models), or auto: the "
+                         "dataset's usual model (cnn2c1f for digits, mlp for synthetic, ...)")
+    bn_policy: str = setting("global", section="model", help="BatchNorm statistics: global (aggregated like "
+                             "weights) or static (not tracked; batch statistics at test time)")
 
     # --- local training ---
-    local_steps: int | None = None
-    local_epochs: float | None = None  # None with no local_steps: DEFAULT_LOCAL_EPOCHS
-    batch_size: int = 16
-    client_lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    bn_policy: str = "global"
+    local_steps: int | None = setting(None, section="training", help="local SGD steps per round",
+                                      unit="steps", exclusive="local", default_text="none: --local-epochs")
+    local_epochs: float | None = setting(None, section="training", help="local epochs per round",
+                                         unit="epochs", exclusive="local",
+                                         default_text=f"{DEFAULT_LOCAL_EPOCHS:g} when --local-steps is not given")
+    batch_size: int = setting(16, section="training", help="the client batch size", unit="examples")
+    client_lr: float = setting(0.05, section="training", help="the client learning rate", flag="--lr")
+    momentum: float = setting(0.9, section="training", help="the client SGD momentum, in [0, 1)")
+    weight_decay: float = setting(0.0, section="training", help="the client L2 weight decay (never reaches frozen "
+                                  "elements)")
+
+    # --- method ---
+    method: str = setting("fedavg", section="method", help="the method (fedpartial list methods), or "
+                          "package.module:factory for your own")
+    options: dict = setting(section="method", factory=dict, flag="",
+                            help="the method's options by name, e.g. {'n': 4}; on the command line each option "
+                                 "is a flag of its own (fedpartial run --method NAME --help)")
+    early_stopping: bool = setting(False, section="method", flag="--es",
+                                   help="early stopping: a client leaves for good when its λ-mixed train/held-out "
+                                        "loss rises")
+    upload_codec: str | None = setting(None, section="method", metavar="CODEC",
+                                       help="compress what each client uploads: topk:F (the largest fraction F of "
+                                            "its update, with error feedback), qsgd:B (B-bit QSGD, unbiased) or "
+                                            "sign (scaled sign, error feedback); traffic is counted in bits")
 
     # --- server ---
-    rounds: int = 40
-    server_optimizer: str = "sgd"
-    server_lr: float = 1.0
+    rounds: int = setting(40, section="server", help="communication rounds (with --resume: extend the run to this "
+                          "many)", unit="rounds")
+    server_optimizer: str = setting("sgd", section="server", flag="--server-opt",
+                                    help="the server optimizer applied to the round's aggregate: sgd, adam, yogi "
+                                         "or adagrad")
+    server_lr: float = setting(1.0, section="server", help="the server learning rate")
 
-    # --- what a client sends: an upload codec around the method (docs/methods.md); off unless given ---
-    upload_codec: str | None = None  # 'topk:F' (top-k with error feedback), 'qsgd:B' (B-bit QSGD) or 'sign'
-    # the device model credits a client that trains an element mask (FedDST, FIARSE) with computing sparsely: its
-    # layers' FLOPs scale with the share it trains (the engine itself computes densely); default dense
-    sparse_flops: bool = False
+    # --- differential privacy ---
+    dp_clip: float | None = setting(None, section="privacy", metavar="C", unit="L2 norm",
+                                    help="C: clip each client's update (on what it uploads) to this norm; turns DP "
+                                         "on")
+    dp_noise_multiplier: float | None = setting(None, section="privacy", metavar="Z",
+                                                help="z: Gaussian noise of std z·C on the sum of clipped updates "
+                                                     "(0: clipping only, no privacy)")
+    dp_clip_per_layer: bool = setting(False, section="privacy", help="clip each layer to C/√L (L layers) instead "
+                                      "of the whole upload to C")
+    dp_delta: float | None = setting(None, section="privacy", help="the δ at which ε is reported",
+                                     default_text="1/N, N the population")
+    dp_target_quantile: float | None = setting(None, section="privacy", metavar="Q",
+                                               help="adaptive clipping (Andrew et al. 2021): C follows this "
+                                                    "quantile of the clients' update norms, starting from --dp-clip")
 
-    # --- differential privacy: DP-FedAvg around the method (docs/privacy.md); off unless dp_clip is given ---
-    dp_clip: float | None = None  # C: each client's update (on what it uploads) clipped to this L2 norm
-    dp_noise_multiplier: float | None = None  # z: Gaussian noise of std z·C on the sum of clipped updates
-    dp_clip_per_layer: bool = False  # clip each layer to C/√L instead of the whole upload to C
-    dp_delta: float | None = None  # the δ at which ε is reported (None: 1/N)
-    dp_target_quantile: float | None = None  # adaptive clipping: C follows this quantile of the update norms
+    # --- simulated time: devices, deadlines and availability ---
+    device_profiles: str | None = setting(None, section="time", metavar="CSV",
+                                          help="device profiles with columns compute_flops_per_s, "
+                                               "download_bytes_per_s, upload_bytes_per_s; client i gets row i mod "
+                                               "rows (replaces the three distributions)")
+    compute_speed: str = setting(devices.DEFAULT_COMPUTE, section="time", metavar="DIST", unit="FLOP/s",
+                                 help="each client's compute speed: a number, lognormal:MEDIAN:SIGMA or "
+                                      "uniform:LOW:HIGH, drawn with the seed")
+    download_bandwidth: str = setting(devices.DEFAULT_DOWNLOAD, section="time", metavar="DIST", unit="bytes/s",
+                                      help="each client's download bandwidth (a distribution, as --compute-speed)")
+    upload_bandwidth: str = setting(devices.DEFAULT_UPLOAD, section="time", metavar="DIST", unit="bytes/s",
+                                    help="each client's upload bandwidth (a distribution, as --compute-speed)")
+    sparse_flops: bool = setting(False, section="time",
+                                 help="count the FLOPs of a client that trains an element mask (feddst, fiarse) as "
+                                      "if it computed only the weights it trains (the engine itself computes "
+                                      "densely)", default_text="off: dense")
+    round_deadline: float | None = setting(None, section="time", metavar="SECONDS", unit="seconds",
+                                           exclusive="deadline",
+                                           help="a round waits this long (simulated time) for its clients")
+    deadline_quantile: float | None = setting(None, section="time", metavar="Q", exclusive="deadline",
+                                              help="the deadline is this quantile of the cohort's predicted times, "
+                                                   "each round")
+    straggler_policy: str = setting("drop", section="time", help="a client past the deadline: drop (its work is "
+                                    "lost) or partial (it trains the steps that fit and uploads them)")
+    over_select: float = setting(1.0, section="time", metavar="F", help="sample ceil(F·K) clients and keep the "
+                                 "first K to report")
+    availability: str = setting("always", section="time", help="who may be sampled: always, a probability (e.g. "
+                                "0.7), diurnal[:LOW:HIGH[:PERIOD_S]] or a CSV trace with columns "
+                                "client_id,start_s,end_s")
 
-    # --- deadlines, stragglers and availability (docs/deadlines.md); off by default ---
-    round_deadline: float | None = None  # seconds of simulated time a round waits for its clients
-    deadline_quantile: float | None = None  # or: the deadline is this quantile of the cohort's predicted times
-    straggler_policy: str = "drop"  # a client past the deadline: 'drop' (lost) or 'partial' (the steps that fit)
-    over_select: float = 1.0  # sample ceil(F·K) clients, keep the first K to report
-    availability: str = "always"  # 'always', a probability, 'diurnal[:LOW:HIGH[:PERIOD_S]]' or a CSV trace
+    # --- execution ---
+    strategy: str = setting("auto", section="execution", help="how the cohort's clients run: auto, "
+                            "fused[:chunk], stepwise[:chunk], stream:chunk, stream-stepwise:chunk or debug "
+                            "(docs/scale.md)")
+    data_placement: str = setting("auto", section="execution", help="where the training data lives: device "
+                                  "(placed once, batches gathered on the device), host (packed every round) or "
+                                  "auto (device on a GPU/TPU when it takes at most a quarter of its free memory, "
+                                  "else host)")
+    client_state: str = setting("auto", section="execution", help="where the method's per-client state (e.g. "
+                                "FedSPU's N personal models) lives: device, host (RAM; only the cohort's rows travel "
+                                "each round), disk (memory-mapped files in $TMPDIR) or auto (device while it takes "
+                                "at most half the device's free memory, then host, then disk)")
+    # Last: the name hides the devices module from the class body.
+    devices: int | None = setting(None, section="execution", metavar="N", unit="devices",
+                                  help="split each round's cohort over N local devices (fused strategy; the cohort "
+                                       "is padded to a multiple of N with clients that weigh nothing)",
+                                  default_text="every local device for the fused strategy on a GPU/TPU, else 1")
 
     # --- evaluation and output ---
-    eval_every: int = 1
-    target_accuracy: float | None = None  # the summary reports the simulated time at which it is reached
-    out_dir: str | None = "runs"
-    run_name: str | None = None
-    record_decisions: bool = False  # save every round's plan and selection masks (decisions/*.npz)
-
-    # --- devices and simulated time ---
-    # Device model (simulated time, fedpartial._src.costs.devices): a CSV of device profiles (rows cycled by client
-    # id) or, without one, distributions drawn with the seed: a number, 'lognormal:MEDIAN:SIGMA' or
-    # 'uniform:LOW:HIGH' in FLOP/s (compute) and bytes/s (bandwidths).
-    device_profiles: str | None = None
-    compute_speed: str = devices.DEFAULT_COMPUTE
-    download_bandwidth: str = devices.DEFAULT_DOWNLOAD
-    upload_bandwidth: str = devices.DEFAULT_UPLOAD
-
-    # --- execution: the round's strategy, where data and per-client state live, devices ---
-    strategy: str = "auto"
-    # Where the clients' training data lives: 'device' (placed once, each round's batches gathered in jit),
-    # 'host' (packed with numpy every round) or 'auto' (device on an accelerator when it fits in a quarter of
-    # its free memory, host on CPU: Simulation.data_placement).
-    data_placement: str = "auto"
-    # Where the method's per-client state (e.g. FedSPU's N personal models) lives: 'device', 'host' (RAM),
-    # 'disk' (memory-mapped files) or 'auto' (Simulation.client_state; fedpartial._src.experiment.client_state.resolve).
-    client_state: str = "auto"
-    # Devices the client axis is split over (None: see num_devices).  Last: the name hides the devices module
-    # from the class body.
-    devices: int | None = None
+    eval_every: int = setting(1, section="output", help="test the global model every this many rounds",
+                              unit="rounds")
+    target_accuracy: float | None = setting(None, section="output", help="report the simulated time (and round) "
+                                            "at which test accuracy first reaches this")
+    out_dir: str | None = setting("runs", section="output", flag="--out", help="the directory run folders are "
+                                  "made in (None in Python: write nothing)")
+    run_name: str | None = setting(None, section="output", flag="--name", help="the run folder's name, made "
+                                   "unique", default_text="METHOD-DATASET-seedSEED")
+    record_decisions: bool = setting(False, section="output", help="save every round's plan and selection masks "
+                                     "to RUN_DIR/decisions/round-NNNNN.npz")
 
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
@@ -477,3 +537,7 @@ class RunConfig:
         spec = find_method(self.method)  # an unknown name: one sentence naming the known methods
         settings = {name: getattr(self, name) for name in spec.run_settings}
         return spec.factory(**spec.check(dict(self.options)), **settings)
+
+
+RunConfig.__doc__ += "\n" + "\n".join("    " + line if line else line
+                                       for line in attributes_doc(RunConfig).splitlines())
