@@ -122,7 +122,8 @@ def figure(rows: list[dict], path: str) -> None:
                       key=lambda r: METHODS.index(r["method"]))
         y = np.arange(len(mine))
         ax.barh(y, [100 * r["personal_accuracy"] for r in mine], xerr=[100 * r["personal_accuracy_std"] for r in mine],
-                color=["0.5" if r["method"] == "fedavg_ft" else f"C{i % 10}" for i, r in enumerate(mine)], capsize=2)
+                color=["0.3" if r["method"] == "fedavg_ft" else plt.cm.tab20(METHODS.index(r["method"]) % 20)
+                       for r in mine], capsize=2)
         ax.set_yticks(y, [r["label"] for r in mine], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, 100)

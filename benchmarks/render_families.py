@@ -61,7 +61,7 @@ def _order(values: dict, names: tuple[str, ...], labels: dict) -> str:
     if not all(n in values for n in names):
         return "not measured"
     held = all(values[a] >= values[b] for a, b in zip(names, names[1:]))
-    shown = " ≥ ".join(f"{labels[n]} {100 * values[n]:.1f}" for n in names)
+    shown = ", ".join(f"{labels[n]} {100 * values[n]:.1f}" for n in names)
     return ("yes" if held else "no") + f" ({shown})"
 
 
