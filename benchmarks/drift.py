@@ -4,7 +4,8 @@ Every method trains the whole model from the same seeds, partitions and cohorts;
 accuracy each gets for the rounds it runs and for the bytes it sends.  SCAFFOLD sends its control variates
 with the model both ways (twice FedAvg's traffic); FedProx and FedDyn change only the local objective
 (their defaults, μ = 0.01 and α = 0.01), FedNova the aggregation.  Clients train with plain SGD (no
-momentum), as SCAFFOLD's and FedNova's analyses assume.  digits: the CNN of FedSPU's paper,
+momentum), as SCAFFOLD's and FedNova's analyses assume, for one local epoch (so clients of different sizes
+take different numbers of steps, which FedNova normalises).  digits: the CNN of FedSPU's paper,
 Dirichlet α; Synthetic(α, α) with the MLP (its natural partition).  Accuracy is the global model's on the
 test set, the mean over seeds at every evaluation; bytes are upload plus download, cumulative.
 
@@ -31,15 +32,17 @@ from fedpartial._src.experiment.config import RunConfig
 
 METHODS = ("fedavg", "scaffold", "fedprox", "fednova", "feddyn")
 LABELS = {"fedavg": "FedAvg", "scaffold": "SCAFFOLD", "fedprox": "FedProx", "fednova": "FedNova", "feddyn": "FedDyn"}
-#: dataset -> (model, batch, client lr, momentum, local steps, partition)
+#: dataset -> (model, batch, client lr, momentum, local epochs, partition).  Local epochs, not steps: clients
+#: of different sizes then take different numbers of steps, which is what FedNova normalises (with equal
+#: steps it is FedAvg).
 SETUPS = {
-    "digits": ("cnn2c1f", 16, 0.05, 0.0, 10, "dirichlet"),
-    "mnist5k": ("cnn2c1f", 16, 0.05, 0.0, 10, "dirichlet"),
-    "synthetic": ("mlp", 10, 0.01, 0.0, 20, "natural"),
+    "digits": ("cnn2c1f", 16, 0.05, 0.0, 1.0, "dirichlet"),
+    "mnist5k": ("cnn2c1f", 16, 0.05, 0.0, 1.0, "dirichlet"),
+    "synthetic": ("mlp", 10, 0.01, 0.0, 1.0, "natural"),
 }
 SIZES = {
-    "cpu": dict(datasets=("digits", "synthetic"), alphas=(0.1,), seeds=(0, 1), clients=40, cohort=8, rounds=30,
-                eval_every=3),
+    "cpu": dict(datasets=("digits", "synthetic"), alphas=(0.1,), seeds=(0, 1), clients=40, cohort=8, rounds=40,
+                eval_every=4),
     "paper": dict(datasets=("digits", "mnist5k", "synthetic"), alphas=(0.1, 0.5), seeds=(0, 1), clients=100,
                   cohort=10, rounds=200, eval_every=5),
     "tiny": dict(datasets=("synthetic",), alphas=(0.1,), seeds=(0, 1), clients=8, cohort=4, rounds=2, eval_every=1),
@@ -47,9 +50,9 @@ SIZES = {
 
 
 def config_for(dataset: str, alpha: float, method: str, s: dict) -> RunConfig:
-    model, batch, lr, momentum, steps, partition = SETUPS[dataset]
+    model, batch, lr, momentum, epochs, partition = SETUPS[dataset]
     return RunConfig(method=method, dataset=dataset, model=model, partition=partition, alpha=alpha,
-                     num_clients=s["clients"], cohort_size=s["cohort"], rounds=s["rounds"], local_steps=steps,
+                     num_clients=s["clients"], cohort_size=s["cohort"], rounds=s["rounds"], local_epochs=epochs,
                      batch_size=batch, client_lr=lr, momentum=momentum, seed=s["seeds"][0],
                      eval_every=s["eval_every"], out_dir=None)
 
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
     if bad := [d for d in s["datasets"] if d not in SETUPS]:
         p.error(f"dataset {bad[0]!r} has no setup here; choose from {', '.join(SETUPS)}")
     settings = {**s, "methods": methods,
-                "setups": {d: dict(zip(("model", "batch_size", "client_lr", "momentum", "local_steps", "partition"),
+                "setups": {d: dict(zip(("model", "batch_size", "client_lr", "momentum", "local_epochs", "partition"),
                                        SETUPS[d])) for d in s["datasets"]}}
     progress = families.Progress("drift", families.result_path(args.out, "drift", args.size, args.tag), settings,
                                  ("dataset", "alpha", "method"), argv, fresh=args.fresh, figure=figure)

@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import drift, families, personalised, render_families, tiers
 
+pytestmark = pytest.mark.xdist_group("families")  # the module fixture runs the benchmarks once, on one worker
+
 
 def result(out, benchmark):
     (path,) = out.glob(f"{benchmark}-*-tiny.json")
