@@ -41,8 +41,8 @@ SETUPS = {
     "synthetic": ("mlp", 10, 0.01, 0.0, 1.0, "natural"),
 }
 SIZES = {
-    "cpu": dict(datasets=("digits", "synthetic"), alphas=(0.1,), seeds=(0, 1), clients=40, cohort=8, rounds=40,
-                eval_every=4),
+    "cpu": dict(datasets=("digits", "synthetic"), alphas=(0.1,), seeds=(0, 1), clients=40, cohort=8, rounds=50,
+                eval_every=5),
     "paper": dict(datasets=("digits", "mnist5k", "synthetic"), alphas=(0.1, 0.5), seeds=(0, 1), clients=100,
                   cohort=10, rounds=200, eval_every=5),
     "tiny": dict(datasets=("synthetic",), alphas=(0.1,), seeds=(0, 1), clients=8, cohort=4, rounds=2, eval_every=1),

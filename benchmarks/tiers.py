@@ -58,7 +58,7 @@ SETUPS = {
 }
 SIZES = {
     "cpu": dict(datasets=("digits", "synthetic"), alphas=(0.5,), cases=(5, 10), seeds=(0, 1), clients=32,
-                cohort=8, rounds=30, eval_every=5),
+                cohort=8, rounds=50, eval_every=5),
     "paper": dict(datasets=("digits", "mnist5k", "synthetic"), alphas=(0.1, 0.5), cases=(5, 10), seeds=(0, 1),
                   clients=100, cohort=10, rounds=200, eval_every=10),
     "tiny": dict(datasets=("synthetic",), alphas=(0.5,), cases=(10,), seeds=(0, 1), clients=8, cohort=4, rounds=2,
