@@ -46,7 +46,7 @@ IMAGES = ("digits", "mnist5k")
 #: clients, cohort, rounds, local epochs (digits, mnist5k; Synthetic runs its setup's 20 local steps), seeds
 SIZES = {
     "cpu": dict(datasets=("digits", "synthetic"), alphas=(0.1, 0.5), seeds=(0, 1), clients=40, cohort=8,
-                rounds=20, local_epochs=1.0, eval_every=5),
+                rounds=30, local_epochs=1.0, eval_every=5),
     "paper": dict(datasets=("digits", "mnist5k", "synthetic"), alphas=(0.1, 0.5), seeds=(0, 1), clients=100,
                   cohort=10, rounds=200, local_epochs=5.0, eval_every=20),
     "tiny": dict(datasets=("synthetic",), alphas=(0.5,), seeds=(0, 1), clients=8, cohort=4, rounds=2,
