@@ -57,6 +57,14 @@ def test_a_rerun_continues_the_file_and_other_settings_are_refused(ran, monkeypa
     assert json.loads(path.read_text())["rows"] == before["rows"]
     with pytest.raises(families.SettingsDiffer, match="other settings \\(methods\\).*--fresh"):
         drift.main(["--size", "tiny", "--methods", "fedavg", "--out", str(ran)])
+    # cut off after its first row: the file keeps that row, and a re-run measures only the missing one
+    cut = dict(before, rows=before["rows"][:1])
+    path.write_text(json.dumps(cut))
+    ran_rows = []
+    monkeypatch.setattr(drift, "run_row", lambda dataset, alpha, method, s: ran_rows.append(method) or next(
+        r for r in before["rows"] if r["method"] == method))
+    assert drift.main(["--size", "tiny", "--methods", "fedavg,scaffold", "--out", str(ran)]) == 0
+    assert ran_rows == ["scaffold"] and json.loads(path.read_text())["rows"] == before["rows"]
 
 
 def test_the_docs_show_each_family_with_its_figure_and_the_papers_orderings(ran, monkeypatch):
@@ -84,3 +92,19 @@ def test_fiarse_clusters_line_up_with_the_capacity_tiers():
     # case 10 at N = 40 is 5 strong, 5 moderate, 30 weak: eight clusters of five, one per tier share
     assert tiers.fiarse_ratios(40, 10) == (1.0, 0.191406, *[0.035156] * 6)
     assert tiers.fiarse_ratios(32, 5) == (1.0, 0.035156)  # 16 strong, 16 weak
+
+
+@pytest.mark.parametrize("size", ["cpu", "paper"])
+def test_every_row_of_the_cpu_and_paper_sizes_is_a_valid_run(size):
+    """No training: each benchmark's configurations at the two sizes are accepted (methods, options, data)."""
+    for bench, extra in ((personalised, ()), (drift, ()), (tiers, ("cases",))):
+        s = bench.SIZES[size]
+        assert s["seeds"] == (0, 1) and (size == "cpu" or (s["clients"], s["cohort"]) == (100, 10))
+        for dataset in s["datasets"]:
+            for alpha in s["alphas"]:
+                for method in bench.METHODS:
+                    for case in (s["cases"] if extra else [None]):
+                        args = (dataset, alpha, case, method, s) if extra else (dataset, alpha, method, s)
+                        bench.config_for(*args).validate()
+    assert personalised.SIZES["paper"]["datasets"] == ("digits", "mnist5k", "synthetic")
+    assert len(tiers.fiarse_ratios(100, 10)) == 100 and len(tiers.fiarse_ratios(100, 5)) == 2
