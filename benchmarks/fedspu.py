@@ -63,7 +63,8 @@ from fedpartial._src.experiment.simulation import Simulation, run
 #: every method, in the column order of the tables: the paper's order (PruneFL, FjORD,
 #: Hermes, FedMP, FedSelect, FedSPU) with FedDrop, which the paper does not tabulate, first.
 #: The personalised partial-model methods (personal layers) come after them: not the paper's, run when named
-#: (``benchmarks/personalised.py`` names them), compared with FedSPU apart from the dropout baselines.
+#: (``benchmarks/personalised.py`` runs them beside FedSPU in its own benchmark), compared with FedSPU apart from the
+#: dropout baselines.
 METHODS = ("feddrop", "prunefl", "fjord", "hermes", "fedmp", "fedselect", "fedspu", "fedper", "lgfedavg", "fedrep",
            "fedbabu", "ditto")
 PAPER_METHODS = METHODS[:7]

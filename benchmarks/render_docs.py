@@ -21,11 +21,14 @@ import re
 import statistics
 import sys
 
+from benchmarks import render_families
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BLOCK_PAGES = ("README.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
-               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md")
+               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md",
+               "docs/reproductions/families.md")
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
@@ -37,7 +40,8 @@ SCRIPTS = {
     "fedldf": "python -m benchmarks.fedldf", "fedspu": "python -m benchmarks.fedspu",
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
-    "conv_probe": "python -m benchmarks.conv_probe",
+    "conv_probe": "python -m benchmarks.conv_probe", "personalised": "python -m benchmarks.personalised",
+    "tiers": "python -m benchmarks.tiers", "drift": "python -m benchmarks.drift",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
@@ -631,6 +635,12 @@ SECTIONS = (
     ("FedDHAD", "See [the FedDHAD reproduction](reproductions/feddhad.md).", feddhad),
     ("Deadlines and availability", "See [Deadlines, stragglers and availability](deadlines.md). "
      "`python -m benchmarks.deadlines`.", deadlines),
+    ("Personalised methods", "See [the method families side by side](reproductions/families.md). "
+     "`python -m benchmarks.personalised`.", lambda r: render_families.personalised(r, "")),
+    ("Capacity tiers", "See [the method families side by side](reproductions/families.md). "
+     "`python -m benchmarks.tiers`.", lambda r: render_families.tiers(r, "")),
+    ("Drift correction", "See [the method families side by side](reproductions/families.md). "
+     "`python -m benchmarks.drift`.", lambda r: render_families.drift(r, "")),
 )
 
 
@@ -680,7 +690,8 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
             "feddh": "\n".join(feddh(results)).rstrip(),
             "feddhad": "\n".join(feddhad(results)).rstrip(),
             "deadlines": "\n".join(deadlines(results)).rstrip()
-            or "No result file yet: run `python -m benchmarks.deadlines`."}
+            or "No result file yet: run `python -m benchmarks.deadlines`.",
+            **render_families.blocks(results)}
 
 
 def fill_blocks(text: str, generated: dict[str, str]) -> str:
@@ -705,9 +716,12 @@ def outputs(root: pathlib.Path = ROOT) -> dict[pathlib.Path, str]:
 
 
 def stale(root: pathlib.Path = ROOT) -> list[str]:
-    """The pages whose committed text differs from what this script renders."""
-    return [str(p.relative_to(root)) for p, text in outputs(root).items()
-            if not p.exists() or p.read_text() != text]
+    """The pages whose committed text differs from what this script renders, and the figures the pages show
+    that are missing or differ from their result's."""
+    pages = [str(p.relative_to(root)) for p, text in outputs(root).items() if not p.exists() or p.read_text() != text]
+    shown = render_families.figures(load_results())
+    return pages + [str(copy.relative_to(root)) for copy, png in shown.items()
+                    if not copy.exists() or copy.read_bytes() != png.read_bytes()]
 
 
 def main(argv=None) -> int:
@@ -724,6 +738,11 @@ def main(argv=None) -> int:
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
+    for copy, png in render_families.figures(load_results()).items():  # the figures the pages show
+        if not copy.exists() or copy.read_bytes() != png.read_bytes():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(png.read_bytes())
+            print(f"wrote {copy.relative_to(ROOT)}")
     return 0
 
 

@@ -1,10 +1,10 @@
 """The FedSPU reproduction benchmark runs end to end on a tiny protocol and reports every table, a personal-layers
-method (benchmarks/personalised.py's) next to the dropout baseline."""
+method next to the dropout baseline."""
 
 import json
 import math
 
-from benchmarks import fedspu, personalised
+from benchmarks import fedspu
 
 
 def test_fedspu_benchmark_quick(tmp_path):
@@ -38,11 +38,3 @@ def test_fedspu_benchmark_quick(tmp_path):
     reductions = [memory[p]["reduction"] for p in (0.2, 0.4, 0.6, 0.8)]
     assert all(a > b for a, b in zip(reductions, reductions[1:])) and reductions[-1] > 0  # smaller p, less memory
     assert next(tmp_path.glob("fedspu-memory-*-quick.png")).stat().st_size > 0
-
-
-def test_the_personalised_benchmark_adds_its_defaults_and_keeps_given_options(monkeypatch):
-    monkeypatch.setattr(personalised, "device_slug", lambda: "dev")
-    args = personalised.arguments(["--datasets", "digits", "--es=both"])
-    assert args == ["--datasets", "digits", "--es=both", "--methods",
-                    "fjord,hermes,fedspu,fedper,lgfedavg,fedrep,fedbabu,ditto", "--tag", "dev-personalised"]
-    assert all(m in fedspu.METHODS for m in personalised.DEFAULTS["--methods"].split(","))

@@ -508,3 +508,14 @@ def test_auto_placed_data_gives_way_to_the_replicas_then_their_parallelism(monke
     with pytest.raises(ConfigError, match=r"^2 replicas all at once \(vmap\) would need about 417 MiB but 298 MiB of "
                                           r"Fake GPU memory is available; use replica_axis='map' \(one at a time\)\.$"):
         replicas.Replicas(config, [0, 1], dataset_for=lambda c: dataset, replica_axis="vmap")
+
+
+def test_fine_tuning_replicas_train_at_their_own_rate_as_separate_runs(tmp_path):
+    """FedBABU's evaluation fine-tunes every client: a replica (whose round runs at rate 1, its rate in its
+    cohort) fine-tunes at its own rate, so its personalised accuracy equals its separate run's."""
+    config = RunConfig(method="fedbabu", dataset="digits", model="mlp", num_clients=6, cohort_size=2, rounds=1,
+                       batch_size=16, local_epochs=0.5, client_lr=0.05, seed=0, options={"finetune_epochs": 1.0})
+    done = replicas.run_seeds(config, [0, 1], replica_axis="map")
+    alone, _, _ = _separate(config, 1)  # one seed is enough (a separate run is a compile)
+    mine, theirs = done["results"][1]["records"][-1], alone["records"][-1]
+    assert mine["personal_accuracy"] == pytest.approx(theirs["personal_accuracy"], rel=RTOL, abs=ATOL)

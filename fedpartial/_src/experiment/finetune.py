@@ -97,6 +97,7 @@ def evaluate_own_models(sim, batch_statistics: bool) -> dict:
         personal = sim.method.personal(sim.round.ctx, sim.method_state(), sim.state.variables)
         return evaluate_clients(sim.model, personal, x, y, mask, batch_statistics=batch_statistics)
     seed = int(np.random.default_rng([sim.config.seed, 0xF17E, sim.progress["round"]]).integers(2**31))
-    return evaluate_finetuned(sim.model, sim.state.variables, sim.round.client_optimizer, sim.dataset.x_train,
+    optimizer = sim.finetune_optimizer if sim.finetune_optimizer is not None else sim.round.client_optimizer
+    return evaluate_finetuned(sim.model, sim.state.variables, optimizer, sim.dataset.x_train,
                               sim.dataset.y_train, sim.clients, sim.holdout, epochs=epochs,
                               batch_size=sim.config.batch_size, seed=seed, batch_statistics=batch_statistics)

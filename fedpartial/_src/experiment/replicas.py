@@ -342,6 +342,8 @@ class Replicas:
                                 make_server_optimizer(dataclasses.replace(c, server_lr=1.0)),
                                 data_placement="host" if auto_data else None)
                      for c in configs]
+        for sim, c in zip(self.sims, configs):  # fine-tuning (FedBABU's evaluation) trains at the replica's own rate
+            sim.finetune_optimizer = make_client_optimizer(c)
         self._server_lrs = server_lrs is not None
         num_steps = max(sim.num_steps for sim in self.sims)
         holdouts = [sim.holdout for sim in self.sims if sim.holdout is not None]

@@ -76,6 +76,9 @@ class Simulation:
         self._model_devices()
         self._init_method_state()
         self.last_decisions = None
+        #: the optimizer per-client fine-tuning trains with (:mod:`.finetune`); None: the round's client optimizer
+        #: (replicas, whose round runs at rate 1 with each replica's rate in its cohort, set their own rate here)
+        self.finetune_optimizer = None
         #: host-side totals :meth:`rounds` carries between rounds (rounds done, traffic, simulated time and the
         #: clock availability reads); with ``state`` everything a checkpoint restores (:mod:`.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
