@@ -162,6 +162,15 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
     run.add_argument("--bn-policy", default=d.bn_policy, help="global or static")
     run.add_argument("--strategy", default=d.strategy, help="auto, fused[:chunk], stepwise[:chunk], stream:chunk, "
                      "stream-stepwise:chunk, debug")
+    run.add_argument("--conv-impl", default=d.conv_impl,
+                     help="how convolutions are lowered: auto (the fastest, timed once per model, batch and cohort "
+                          "on this machine and kept in the cache folder), lax, im2col or hybrid")
+    run.add_argument("--compute-dtype", default=d.compute_dtype,
+                     help="dtype of training's forward/backward pass: float32 or bfloat16 (parameters, optimizer "
+                          "state and aggregation stay float32)")
+    run.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                     help="do not keep compiled programs in the cache folder ($XDG_CACHE_HOME/fedpartial/jax, "
+                          "else ~/.cache/fedpartial/jax)")
     run.add_argument("--data-placement", default=d.data_placement,
                      help="where the training data lives: device (placed once, batches gathered on the device), "
                           "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "
@@ -355,6 +364,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         early_stopping=args.es, train_fraction=args.train_fraction,
         bn_policy=args.bn_policy, strategy=args.strategy, devices=args.devices,
         data_placement=args.data_placement, client_state=args.client_state, seed=args.seed,
+        conv_impl=args.conv_impl, compute_dtype=args.compute_dtype, compile_cache=args.compile_cache,
         eval_every=args.eval_every,
         out_dir=args.out, run_name=args.name, record_decisions=args.record_decisions,
         device_profiles=args.device_profiles, compute_speed=args.compute_speed,

@@ -27,6 +27,8 @@ from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.methods.codecs import parse_codec
 from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
+from fedpartial._src.models.conv import CONV_IMPLS
+from fedpartial._src.models.precision import COMPUTE_DTYPES
 
 #: Model used when ``model='auto'``.
 DEFAULT_MODELS = {
@@ -197,6 +199,15 @@ class RunConfig:
     # Where the method's per-client state (e.g. FedSPU's N personal models) lives: 'device', 'host' (RAM),
     # 'disk' (memory-mapped files) or 'auto' (Simulation.client_state; fedpartial._src.experiment.client_state.resolve).
     client_state: str = "auto"
+    # How the model's convolutions are lowered: 'auto' (the fastest lowering and cohort layout, timed once per
+    # setting and kept in the cache folder), 'lax', 'im2col' or 'hybrid' (fedpartial._src.models.conv).
+    conv_impl: str = "auto"
+    # The training forward/backward pass's dtype: 'float32' or 'bfloat16' (parameters, optimizer state and
+    # aggregation stay float32; fedpartial._src.models.precision).
+    compute_dtype: str = "float32"
+    # Keep compiled programs in JAX's persistent cache, in the cache folder (docs/running.md), so a second
+    # identical run does not compile again; False: --no-compile-cache.
+    compile_cache: bool = True
     # Devices the client axis is split over (None: see num_devices).  Last: the name hides the devices module
     # from the class body.
     devices: int | None = None
@@ -292,6 +303,10 @@ class RunConfig:
         if self.data_placement not in ondevice.PLACEMENTS:
             bad(f"--data-placement {self.data_placement!r} is unknown; choose one of "
                 f"{', '.join(ondevice.PLACEMENTS)}.")
+        if self.conv_impl not in ("auto", *CONV_IMPLS):
+            bad(f"--conv-impl {self.conv_impl!r} is unknown; choose one of auto, {', '.join(CONV_IMPLS)}.")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            bad(f"--compute-dtype {self.compute_dtype!r} is unknown; choose one of {', '.join(COMPUTE_DTYPES)}.")
         try:
             strategy = engine_strategy.parse_strategy(self.strategy)
         except ValueError as e:
@@ -413,12 +428,13 @@ class RunConfig:
         fused = engine_strategy.parse_strategy(self.strategy).kind == "fused"
         return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
 
-    def run_strategy(self, num_devices: int | None = None, model=None) -> engine_strategy.Strategy:
+    def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None
+                     ) -> engine_strategy.Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
         ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
         if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
             return engine_strategy.fused()
-        return engine_strategy.parse_strategy(self.strategy, model)
+        return engine_strategy.parse_strategy(self.strategy, model, layout)
 
     def _check_model(self, custom_method: bool) -> None:
         """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""

@@ -29,17 +29,20 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
-from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time, timing
+from fedpartial._src.engine import conv_choice, sharding
+from fedpartial._src.experiment import checkpoint, compile_cache, finetune, layout, population, privacy
+from fedpartial._src.experiment import simulated_time, timing
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
-from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer, model_outputs
+from fedpartial._src.experiment.parts import (build_model, choose_conv, make_client_optimizer, make_server_optimizer,
+                                             model_outputs)
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
+from fedpartial._src.models.precision import with_compute_dtype
 
 
 class Simulation:
@@ -63,6 +66,8 @@ class Simulation:
                  data_placement: str | None = None):
         # Cheap checks first: a bad setting is refused before data is loaded or anything is built.
         self.config = self._checked_config(config, method, data_placement)
+        #: the persistent compilation cache's folder (None: off)
+        self.compile_cache_dir = compile_cache.enable(self.config.compile_cache)
         self._load_dataset(dataset)
         self._choose_method(method)
         self._split_population()
@@ -146,9 +151,14 @@ class Simulation:
         """The model (the caller's, else the config's adapted by the method), refused if it cannot take the data."""
         dataset = self.dataset
         if model is None:
-            model = build_model(self.config.model, dataset)
+            self.conv_choice = choose_conv(self.config, dataset)
+            model = build_model(self.config.model, dataset, conv_impl=self.conv_choice.impl,
+                                compute_dtype=self.config.compute_dtype)
             if self.method.adapt_model is not None:  # e.g. MOON's projection head
                 model = self.method.adapt_model(model)
+        else:
+            self.conv_choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
+            model = with_compute_dtype(model, self.config.compute_dtype)
         self.model = model
         if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
             raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
@@ -195,7 +205,8 @@ class Simulation:
             num_clients=config.num_clients, cohort_size=padded_size,
             padding=padded_size - config.sampled_size,
             client_optimizer=self._client_optimizer, server_optimizer=self._server_optimizer,
-            bn_policy=config.bn_policy, strategy=strategy or config.run_strategy(num_devices, self.model),
+            bn_policy=config.bn_policy,
+            strategy=strategy or config.run_strategy(num_devices, self.model, self.conv_choice.layout),
             rounds=config.rounds,
             record_decisions=config.record_decisions, server_data=self.server_data,
             label_counts=self.label_counts, devices=self.mesh, client_state=client_state,
