@@ -1,6 +1,7 @@
 """--conv-impl auto (engine/conv_choice.py), --compute-dtype bfloat16 (models/precision.py) and the compilation
 cache folder (experiment/compile_cache.py): measured once and kept, what a run records, and what they compute."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,6 +82,10 @@ def test_a_run_records_its_lowering_dtype_and_compile_time(tmp_path):
     config = RunConfig(model="cnn2c1f", num_clients=4, cohort_size=2, rounds=2, local_steps=1, local_epochs=None,
                        conv_impl="im2col", compute_dtype="bfloat16", out_dir=str(tmp_path), run_name="r")
     summary = run(config)
+    plain = run(dataclasses.replace(config, conv_impl="lax", compute_dtype="float32", out_dir=None))
+    # the simulated devices' work is the model's, however the simulator lowers or rounds it
+    assert summary["total_client_flops"] == plain["total_client_flops"] > 0
+    assert summary["total_simulated_time_s"] == plain["total_simulated_time_s"]
     env = json.loads((tmp_path / "r" / "environment.json").read_text())
     assert env["conv_impl"]["impl"] == "im2col" and env["conv_impl"]["how"] == "--conv-impl"
     assert env["compute_dtype"] == "bfloat16" and env["compile_cache_dir"] == jax.config.jax_compilation_cache_dir

@@ -57,6 +57,23 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset) -> conv_choice
         cache_dir=compile_cache.cache_folder() if config.compile_cache else None)
 
 
+def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None, adapt=None
+               ) -> tuple[Model, Model | None, conv_choice.ConvChoice]:
+    """A run's model (the caller's ``model``, else the config's adapted by ``adapt``, the method's
+    ``adapt_model``) lowered and in the dtype the config says; the same model plain (lax, float32) when the run's
+    is not, else None; and the lowering's :class:`~fedpartial._src.engine.conv_choice.ConvChoice`."""
+    dtype = config.compute_dtype
+    if model is not None:
+        choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
+        return with_compute_dtype(model, dtype), None if dtype == "float32" else model, choice
+    choice = choose_conv(config, dataset)
+    model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype)
+    plain = None if (choice.impl, dtype) == ("lax", "float32") else build_model(config.model, dataset)
+    if adapt is not None:  # e.g. MOON's projection head
+        model, plain = adapt(model), plain and adapt(plain)
+    return model, plain, choice
+
+
 def model_outputs(model: Model, dtype=np.float32) -> int:
     """How many logits ``model`` gives per example of ``dtype`` (from shapes alone: nothing is computed)."""
     variables = jax.eval_shape(model.init_variables, jax.random.key(0))

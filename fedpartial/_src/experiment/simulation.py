@@ -29,20 +29,18 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
-from fedpartial._src.engine import conv_choice, sharding
+from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import checkpoint, compile_cache, finetune, layout, population, privacy
 from fedpartial._src.experiment import simulated_time, timing
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
-from fedpartial._src.experiment.parts import (build_model, choose_conv, make_client_optimizer, make_server_optimizer,
-                                             model_outputs)
+from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer, model_outputs, run_models
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
-from fedpartial._src.models.precision import with_compute_dtype
 
 
 class Simulation:
@@ -150,15 +148,9 @@ class Simulation:
     def _build_model(self, model: Model | None) -> None:
         """The model (the caller's, else the config's adapted by the method), refused if it cannot take the data."""
         dataset = self.dataset
-        if model is None:
-            self.conv_choice = choose_conv(self.config, dataset)
-            model = build_model(self.config.model, dataset, conv_impl=self.conv_choice.impl,
-                                compute_dtype=self.config.compute_dtype)
-            if self.method.adapt_model is not None:  # e.g. MOON's projection head
-                model = self.method.adapt_model(model)
-        else:
-            self.conv_choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
-            model = with_compute_dtype(model, self.config.compute_dtype)
+        #: the model, and the same model lowered by lax in float32 when the run's is not (the device model counts its
+        #: FLOPs; None: it is), and how its convolutions are lowered
+        model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model)
         self.model = model
         if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
             raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
@@ -193,7 +185,8 @@ class Simulation:
         if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
             self.round = self._new_round("host")
 
-    def _new_round(self, client_state: str, strategy: engine_strategy.Strategy | None = None) -> engine.FederatedRound:
+    def _new_round(self, client_state: str, strategy: engine_strategy.Strategy | None = None,
+                   model: Model | None = None) -> engine.FederatedRound:
         """This run's round with its per-client state on the ``device`` or handed in from the ``host``, running
         ``strategy`` (default: the config's for this model and these devices)."""
         config = self.config
@@ -201,7 +194,7 @@ class Simulation:
         # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
         padded_size = sharding.padded_size(config.sampled_size, num_devices)
         return engine.FederatedRound(
-            self.model, self.method,
+            model or self.model, self.method,
             num_clients=config.num_clients, cohort_size=padded_size,
             padding=padded_size - config.sampled_size,
             client_optimizer=self._client_optimizer, server_optimizer=self._server_optimizer,
@@ -242,7 +235,11 @@ class Simulation:
         """The simulated devices (compute speeds and bandwidths), the FLOPs of their local work, and the clock that
         decides who is available and who reports in time (:mod:`fedpartial._src.experiment.timing`)."""
         self.devices = self.config.device_model()  # [N] compute speeds and bandwidths (simulated time)
-        self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
+        # FLOPs of local work, compiled once per shape; counted on the plain model: a device's simulated time does
+        # not depend on how the simulator lowers or rounds its arithmetic
+        counted = self.round if self.plain_model is None else self._new_round(self.client_state, self.round.strategy,
+                                                                              self.plain_model)
+        self.costs = devices.CostModel(counted)
         self.clock = timing.RoundClock(self.config, self.round, self.costs, self.devices)
 
     def _init_method_state(self) -> None:
