@@ -168,9 +168,10 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
     run.add_argument("--compute-dtype", default=d.compute_dtype,
                      help="dtype of training's forward/backward pass: float32 or bfloat16 (parameters, optimizer "
                           "state and aggregation stay float32)")
-    run.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                     help="do not keep compiled programs in the cache folder ($XDG_CACHE_HOME/fedpartial/jax, "
-                          "else ~/.cache/fedpartial/jax)")
+    run.add_argument("--compile-cache", default=d.compile_cache, action=argparse.BooleanOptionalAction,
+                     help="keep compiled programs in the cache folder ($XDG_CACHE_HOME/fedpartial/jax, else "
+                          "~/.cache/fedpartial/jax), so a second identical run does not compile again; "
+                          "--no-compile-cache: do not")
     run.add_argument("--data-placement", default=d.data_placement,
                      help="where the training data lives: device (placed once, batches gathered on the device), "
                           "host (packed every round) or auto (device on a GPU/TPU when it takes at most a quarter "
