@@ -92,7 +92,8 @@ def time_plain(module, shape, packed, cfg) -> tuple[dict, dict]:
     return {"warmup_s": warmup, "round_s": min(times)}, params1
 
 
-def run_row(row: str, cfg: dict, peak: float, skip: set[str]) -> dict:
+def run_row(row: str, cfg: dict, peak: float, skip: set[str], save=lambda record: None) -> dict:
+    """One row's cells; ``save(record)`` after each (a run cut off keeps what it measured)."""
     model_name, shape, k = parse_row(row)
     s, b, dtype = cfg["local_steps"], cfg["batch_size"], cfg["dtype"]
     packed = kit.make_data(k, batch_size=b, local_steps=s, input_shape=shape, seed=0)
@@ -106,6 +107,7 @@ def run_row(row: str, cfg: dict, peak: float, skip: set[str]) -> dict:
             cell.update(rounds_per_s=1 / cell["round_s"], gflops_per_s=work / cell["round_s"] / 1e9,
                         share_of_matmul=work / cell["round_s"] / peak)
         record["cells"][name] = cell
+        save(record)
         shown = (f"{cell['rounds_per_s']:8.3f} rounds/s {cell['gflops_per_s']:7.2f} GFLOP/s "
                  f"({cell['share_of_matmul']:.1%} of matmul), warm-up {cell['warmup_s']:.1f} s"
                  if "round_s" in cell else cell.get("skipped") or cell.get("error"))
@@ -199,7 +201,12 @@ def main(argv=None) -> int:
         for row in args.rows:
             cfg = dict(rounds=args.rounds, local_steps=args.local_steps, batch_size=args.batch_size, lr=args.lr,
                        lowerings=args.lowerings, strategies=args.strategies, dtype=dtype, auto=args.auto)
-            report["results"].append(run_row(row, cfg, device["matmul_flops_per_s"], set(args.skip)))
+            done = list(report["results"])
+
+            def save(record, done=done):
+                kit.write_json(out, {**report, "results": [*done, record]})
+
+            report["results"].append(run_row(row, cfg, device["matmul_flops_per_s"], set(args.skip), save))
             print(table(report["results"][-1]) + "\n", flush=True)
             kit.write_json(out, report)
     print(f"wrote {out}")
