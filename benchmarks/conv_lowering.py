@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     bad = [(r["row"], n) for r in report["results"] for n, c in r["cells"].items()
            if r["dtype"] == "float32" and c.get("max_abs_diff_vs_plain", 0) > TOLERANCE]
     for row, name in bad:
-        print(f"CORRECTNESS FAILURE: {row} {name} differs from the plain loop by more than {TOLERANCE}", file=sys.stderr)
+        print(f"CORRECTNESS FAILURE: {row} {name} differs from the plain loop by more than {TOLERANCE}",
+              file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -6,5 +6,5 @@ from fedpartial._src.models.conv import lowering as conv_lowering
 from fedpartial._src.models.exits import MultiExitModel, with_exits
 from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
 
-__all__ = ["CONV_IMPLS", "MODELS", "Model", "conv_lowering", "ModelSpec", "MultiExitModel", "build_model", "from_linen", "from_nnx", "from_stages",
-           "with_exits"]
+__all__ = ["CONV_IMPLS", "MODELS", "Model", "conv_lowering", "ModelSpec", "MultiExitModel", "build_model", "from_linen",
+           "from_nnx", "from_stages", "with_exits"]
