@@ -10,7 +10,8 @@ candidate is a lowering and a *layout*:
 
 ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is the fused round of today; on
 XLA:CPU it measured 10-80x slower than the loop.  Each candidate is compiled, run once, then timed twice (the
-best counts); a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients and scaled.  The choice is
+best counts); a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
+(on a CPU both layouts' time grows linearly with the clients; a GPU's vmapped step gains from more).  The choice is
 kept in ``conv-impl.json`` in the cache folder, keyed by backend, device, model, input shape, per-client batch,
 cohort size, compute dtype and the JAX version, so it is measured once per setting.  The strategy chooser
 (:func:`fedpartial._src.engine.strategy.default_strategy`) takes the layout: ``vmap`` runs the fused round.
@@ -33,8 +34,8 @@ from fedpartial._src.models.adapter import Model
 __all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "candidates", "choose"]
 
 LAYOUTS = ("loop", "vmap")
-#: a cohort larger than this is timed on this many clients and scaled (the layouts scale linearly in K)
-MAX_TIMED_CLIENTS = 50
+#: a cohort larger than this is timed on this many clients and scaled, by platform
+MAX_TIMED_CLIENTS = {"cpu": 8, "other": 256}
 CACHE_FILE = "conv-impl.json"
 
 
@@ -85,7 +86,7 @@ def _best(fn: Callable, repeats: int = 2) -> float:
 
 def time_candidate(model: Model, layout: str, batch_size: int, cohort_size: int) -> float:
     """Seconds for one local step of ``cohort_size`` clients of ``batch_size`` examples, laid out as ``layout``."""
-    k = min(cohort_size, MAX_TIMED_CLIENTS)
+    k = min(cohort_size, MAX_TIMED_CLIENTS["cpu" if jax.default_backend() == "cpu" else "other"])
     variables = model.init_variables(jax.random.key(0))
     params, stats = variables["params"], variables["batch_stats"]
     rng = np.random.default_rng(0)
