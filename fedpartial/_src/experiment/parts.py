@@ -54,7 +54,7 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset) -> conv_choice
     return conv_choice.choose(
         lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype),
         batch_size=config.batch_size, cohort_size=config.cohort_size, dtype=config.compute_dtype,
-        cache_dir=compile_cache.cache_folder() if config.compile_cache else None)
+        cache_dir=compile_cache.cache_folder())
 
 
 def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None, adapt=None
