@@ -323,7 +323,7 @@ def conv_lowering(results) -> list[str]:
         matmul = d["device"]["matmul_flops_per_s"] / 1e9
         lines += [source(name, d) + f"; matmul {matmul:.0f} GFLOP/s; git {str(d.get('git_revision'))[:10]}", ""]
         lines += table(["row (model@input:K)", "dtype", "lowering/strategy", "rounds/s", "vs loop", "GFLOP/s",
-                        "of matmul", "max|diff|"], rows)
+                        "of matmul", "max abs diff vs loop"], rows)
     return lines
 
 
