@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 __all__ = ["cache_folder", "enable"]
 
@@ -35,4 +36,5 @@ def enable(on: bool = True) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # a program compiled before this call found no cache: look again
     return path
