@@ -40,7 +40,8 @@ SCRIPTS = {
     "fedldf": "python -m benchmarks.fedldf", "fedspu": "python -m benchmarks.fedspu",
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
-    "conv_probe": "python -m benchmarks.conv_probe", "personalised": "python -m benchmarks.personalised",
+    "conv_probe": "python -m benchmarks.conv_probe", "conv_lowering": "python -m benchmarks.conv_lowering",
+    "personalised": "python -m benchmarks.personalised",
     "tiers": "python -m benchmarks.tiers", "drift": "python -m benchmarks.drift",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
@@ -307,6 +308,27 @@ def conv_probe(results) -> list[str]:
                              str(sum(grouped.values())) if variant == "vmapped" else ""])
         lines += [source(name, d), ""] + table(["model", "K", "one step of the cohort", "ms", "TFLOP/s", "of matmul",
                                                 "vs plain", "grouped convs"], rows)
+    return lines
+
+
+def conv_lowering(results) -> list[str]:
+    lines = []
+    for name, d in family(results, "conv_lowering").items():
+        rows = []
+        for r in d["results"]:
+            auto = (r.get("auto") or {}).get("cell")
+            for cell, c in r["cells"].items():
+                if "round_s" not in c:
+                    rows.append([r["row"], r["dtype"], cell, "skipped" if "skipped" in c else "error", "", "", "", ""])
+                    continue
+                rows.append([r["row"], r["dtype"], cell + (" (auto)" if cell == auto else ""),
+                             num(c["rounds_per_s"], 3), num(c.get("speedup_vs_plain"), 2, "×"),
+                             num(c["gflops_per_s"], 1), f"{c['share_of_matmul']:.1%}",
+                             "" if c.get("max_abs_diff_vs_plain") is None else f"{c['max_abs_diff_vs_plain']:.0e}"])
+        matmul = d["device"]["matmul_flops_per_s"] / 1e9
+        lines += [source(name, d) + f"; matmul {matmul:.0f} GFLOP/s; git {str(d.get('git_revision'))[:10]}", ""]
+        lines += table(["row (model@input:K)", "dtype", "lowering/strategy", "rounds/s", "vs loop", "GFLOP/s",
+                        "of matmul", "max abs diff vs loop"], rows)
     return lines
 
 
@@ -615,6 +637,9 @@ SECTIONS = (
      "vmapped over the clients' own weights (the fused round's step: XLA makes its convs grouped), in "
      "`lax.map`, and one model's step on all K·B examples (the same FLOPs as ordinary convs). "
      "`python -m benchmarks.conv_probe`.", conv_probe),
+    ("Convolution lowerings", "Every lowering of the models' convolutions (`--conv-impl`) under each strategy, "
+     "against the plain loop (lax's convolution), FedAvg on random data of each row's shape; `(auto)` marks what "
+     "`--conv-impl auto` picked for the row. `python -m benchmarks.conv_lowering`.", conv_lowering),
     ("Seeds and learning rates as replicas", "`--seeds` / `--lrs` / `--server-lrs` replicas in one jitted round "
      "against the same runs one after another. `python -m benchmarks.seeds`.", seeds),
     ("Data placement", "Host packing against gathering on the device, medians per round. "

@@ -41,6 +41,11 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# --conv-impl auto measures the lowerings (seconds per model and cohort) and may pick one whose float32 rounding
+# differs from lax's: the suite's runs use lax's convolution, as before, and tests/models/test_conv.py and
+# tests/engine/test_conv_choice.py check the lowerings and the chooser themselves.  Subprocesses inherit it.
+os.environ.setdefault("FEDPARTIAL_CONV_IMPL", "lax")
+
 
 class TinyMLP(nn.Module):
     """Dense(6) → BN → ReLU → Dense(5) → ReLU → Dense(3): three layers, one BatchNorm.

@@ -1,8 +1,10 @@
 """Model zoo (Flax linen) and adapters turning any Flax module into an engine :class:`Model`."""
 
 from fedpartial._src.models.adapter import Model, from_linen, from_nnx, from_stages
+from fedpartial._src.models.conv import CONV_IMPLS
+from fedpartial._src.models.conv import lowering as conv_lowering
 from fedpartial._src.models.exits import MultiExitModel, with_exits
 from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
 
-__all__ = ["MODELS", "Model", "ModelSpec", "MultiExitModel", "build_model", "from_linen", "from_nnx", "from_stages",
-           "with_exits"]
+__all__ = ["CONV_IMPLS", "MODELS", "Model", "conv_lowering", "ModelSpec", "MultiExitModel", "build_model", "from_linen",
+           "from_nnx", "from_stages", "with_exits"]

@@ -20,7 +20,7 @@ def plan(*args, out=None, python=None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60)
 
 
-ESSENTIALS = ["check", "cnn1000", "vgg9", "seeds", "cohort10k"]
+ESSENTIALS = ["check", "convcnn", "convvgg", "seeds", "cohort10k"]
 
 
 def steps(out, which="all") -> dict[str, list[str]]:
@@ -36,8 +36,8 @@ def limited_steps(out, which="all") -> dict[str, tuple[int, list[str]]]:
 
 def test_list_names_every_step_with_its_limit_and_purpose():
     listed = [line.split(None, 2) for line in plan("list").stdout.splitlines()]
-    assert [name for name, _, _ in listed] == [*ESSENTIALS, "probe", "seeds100", "fedldf", "models", "placement",
-                                               "replicas", "tests", "essentials"]
+    assert [name for name, _, _ in listed] == [*ESSENTIALS, "cnn1000", "vgg9", "probe", "seeds100", "fedldf", "models",
+                                               "placement", "replicas", "tests", "essentials"]
     assert all(what.strip() and limit.endswith("s") for _, limit, what in listed)
 
 
@@ -84,7 +84,7 @@ def test_every_bench_step_parses_and_writes_into_out(tmp_path):
                                                                                                 "stream:1000"}
 
 
-@pytest.mark.parametrize("name", ["seeds", "probe", "seeds100", "placement", "replicas"])
+@pytest.mark.parametrize("name", ["seeds", "probe", "seeds100", "placement", "replicas", "convcnn", "convvgg"])
 def test_every_benchmark_module_step_names_flags_its_module_takes(tmp_path, name):
     argv = steps(tmp_path)[name]
     module = argv[argv.index("-m") + 1]

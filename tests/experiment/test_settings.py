@@ -51,9 +51,9 @@ def test_the_flags_are_the_fields(parser):
         if not flag or (exclusive is not None and exclusive in taken):
             continue
         taken.add(exclusive)
-        if kind == "bool":
-            argv.append(flag)
-            expected[field.name] = True
+        if kind == "bool":  # a switch: given, it turns on; one on by default is turned off by --no-
+            argv.append(flag if field.default is False else "--no-" + flag[2:])
+            expected[field.name] = field.default is False
         else:
             argv += [flag, samples[kind][0]]
             expected[field.name] = samples[kind][1]

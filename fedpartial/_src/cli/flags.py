@@ -107,8 +107,10 @@ def _setting_flag(parser, field) -> None:
     flag, kind = settings.flag_of(field), settings.kind(field)
     unit = f" [{s.unit}]" if s.unit else ""
     help_text = f"{s.help}{unit} (default: {settings.default_text(field)})"
-    if kind == "bool":
-        parser.add_argument(flag, action="store_true", help=help_text)
+    if kind == "bool":  # a switch; one that is on by default has its --no- form
+        on = field.default is True
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction if on else "store_true", default=on,
+                            help=help_text)
         return
     default = field.default if field.default is not dataclasses.MISSING else None
     parser.add_argument(flag, type=_PARSERS[kind], default=default, metavar=s.metavar, help=help_text)

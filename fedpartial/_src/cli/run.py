@@ -203,6 +203,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
                      + (f" ({summary['strategy_note']})" if "strategy_note" in summary else "")
                      + ("" if summary.get("client_state", "device") == "device"
                         else f", clients' state on the {summary['client_state']}")),
+        ("convolutions", f"{summary['conv_impl']}, training in {summary['compute_dtype']}"),
         ("rounds", str(summary["rounds"])
          + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
@@ -232,7 +233,9 @@ def _run_stoppable(args, console: Console, stop) -> int:
             f"{duration(summary['time_to_target_s'])} (round {summary['round_to_target']})"
             if summary["time_to_target_s"] is not None else f"not reached in {summary['rounds']} rounds")]
           if config.target_accuracy is not None else []),
-        ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s)"),
+        ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s; first round "
+                            f"{summary['first_round_time_s']:.2f} s, of which compiling ≈ "
+                            f"{summary['compile_time_s']:.2f} s)"),
         ("results", str(summary["run_dir"])),
     ]
     for k, v in rows:

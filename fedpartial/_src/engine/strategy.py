@@ -90,7 +90,7 @@ def debug() -> Strategy:
     return Strategy("debug")
 
 
-def default_strategy(platform: str | None = None, model: Model | None = None) -> Strategy:
+def default_strategy(platform: str | None = None, model: Model | None = None, layout: str | None = None) -> Strategy:
     """The strategy 'auto' resolves to, by platform and model (README "Throughput" has the measurements).
 
     * GPU/TPU: ``fused(None)``, the whole cohort vmapped in one jit, for every model (H100: 9-40x a
@@ -102,7 +102,13 @@ def default_strategy(platform: str | None = None, model: Model | None = None) ->
       0.22-1.04x; vmapped conv steps run 10-20x slower than a loop of jitted steps, and for dense-only
       models no vmapped or chunked variant beat ``stepwise(1)`` either, so the model does not change
       the choice on CPU today.
+
+    ``layout``: the cohort layout ``--conv-impl auto`` measured fastest for this model's lowering
+    (:mod:`fedpartial._src.engine.conv_choice`): ``"vmap"`` runs the fused round, ``"loop"`` one client at a time,
+    whatever the platform (with im2col on CPU, the fused round of the 8x8 digits CNN beat the loop).
     """
+    if layout is not None:
+        return fused(None) if layout == "vmap" else stepwise(1)
     platform = platform or jax.default_backend()
     del model  # measured: the same choice for conv and dense-only models on both platforms
     return stepwise(1) if platform == "cpu" else fused(None)
@@ -135,13 +141,13 @@ def bounded_strategy(clients_that_fit: int, platform: str | None = None, model: 
     return streamed(1 if has_conv else min(DENSE_CPU_CHUNK, clients_that_fit), stepwise=True)
 
 
-def parse_strategy(text: str, model: Model | None = None) -> Strategy:
+def parse_strategy(text: str, model: Model | None = None, layout: str | None = None) -> Strategy:
     """'auto', 'fused', 'fused:N' (N clients vmapped at a time), 'fused-unrolled[:N]',
     'stepwise', 'stepwise:N', 'stream:N' (N clients at a time, bounded memory), 'stream-stepwise:N'
     (the same, each chunk trained step by step) or 'debug'.  'auto' is :func:`default_strategy` for
-    this platform and ``model``."""
+    this platform, ``model`` and the measured conv ``layout``."""
     if text == "auto":
-        return default_strategy(model=model)
+        return default_strategy(model=model, layout=layout)
     if text == "debug":
         return debug()
     kind, _, chunk = text.partition(":")

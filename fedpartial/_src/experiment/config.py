@@ -28,6 +28,8 @@ from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.methods.codecs import parse_codec
 from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
+from fedpartial._src.models.conv import CONV_IMPLS
+from fedpartial._src.models.precision import COMPUTE_DTYPES
 
 #: Model used when ``model='auto'``.
 DEFAULT_MODELS = {
@@ -243,6 +245,17 @@ class RunConfig:
                                 "FedSPU's N personal models) lives: device, host (RAM; only the cohort's rows travel "
                                 "each round), disk (memory-mapped files in $TMPDIR) or auto (device while it takes "
                                 "at most half the device's free memory, then host, then disk)")
+    conv_impl: str = setting("auto", section="execution",
+                             help="how convolutions are lowered: auto (the fastest lowering and cohort layout, timed "
+                                  "once per model, batch and cohort on this machine and kept in the cache folder), "
+                                  "lax, im2col or hybrid (docs/models.md)")
+    compute_dtype: str = setting("float32", section="execution",
+                                 help="dtype of training's forward/backward pass: float32 or bfloat16 (parameters, "
+                                      "optimizer state, aggregation and evaluation stay float32)")
+    compile_cache: bool = setting(True, section="execution",
+                                  help="keep compiled programs in the cache folder ($XDG_CACHE_HOME/fedpartial/jax, "
+                                       "else ~/.cache/fedpartial/jax), so a second identical run does not compile "
+                                       "again; --no-compile-cache: do not")
     # Last: the name hides the devices module from the class body.
     devices: int | None = setting(None, section="execution", metavar="N", unit="devices",
                                   help="split each round's cohort over N local devices (fused strategy; the cohort "
@@ -352,6 +365,10 @@ class RunConfig:
         if self.data_placement not in ondevice.PLACEMENTS:
             bad(f"--data-placement {self.data_placement!r} is unknown; choose one of "
                 f"{', '.join(ondevice.PLACEMENTS)}.")
+        if self.conv_impl not in ("auto", *CONV_IMPLS):
+            bad(f"--conv-impl {self.conv_impl!r} is unknown; choose one of auto, {', '.join(CONV_IMPLS)}.")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            bad(f"--compute-dtype {self.compute_dtype!r} is unknown; choose one of {', '.join(COMPUTE_DTYPES)}.")
         try:
             strategy = engine_strategy.parse_strategy(self.strategy)
         except ValueError as e:
@@ -473,12 +490,13 @@ class RunConfig:
         fused = engine_strategy.parse_strategy(self.strategy).kind == "fused"
         return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
 
-    def run_strategy(self, num_devices: int | None = None, model=None) -> engine_strategy.Strategy:
+    def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None
+                     ) -> engine_strategy.Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
         ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
         if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
             return engine_strategy.fused()
-        return engine_strategy.parse_strategy(self.strategy, model)
+        return engine_strategy.parse_strategy(self.strategy, model, layout)
 
     def _check_model(self, custom_method: bool) -> None:
         """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""

@@ -136,7 +136,7 @@ class RunWriter:
                 with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
                     f.write(run_record.to_toml(full))
                 checkpoint.write_json(os.path.join(self.run_dir, "environment.json"),
-                                      run_record.environment(config))
+                                      {**run_record.environment(config), **execution_facts(sim)})
             except OSError as error:
                 reason = disk.out_of_space(error)
                 if reason is None:
@@ -342,6 +342,27 @@ def save_decisions(path: str, decisions: dict) -> None:
     np.savez_compressed(path, **arrays)
 
 
+def execution_facts(sim) -> dict:
+    """How the run's model executes: the convolution lowering (and what ``auto`` measured), the compute dtype,
+    the compilation cache folder."""
+    choice = getattr(sim, "conv_choice", None)
+    conv = None if choice is None else {"impl": choice.impl, "layout": choice.layout, "how": choice.how,
+                                        "seconds_per_cohort_step": choice.seconds}
+    return {"conv_impl": conv, "compute_dtype": sim.config.compute_dtype,
+            "compile_cache_dir": getattr(sim, "compile_cache_dir", None)}
+
+
+def _round_times(records: list[dict]) -> dict:
+    """The first round's time (it compiles the round) apart from the others': ``compile_time_s`` is the first
+    round's time less the median of the rest (an estimate: compiling, or loading from the cache, and warming up)."""
+    times = [r["round_time_s"] for r in records]
+    if len(times) < 2:
+        return {"first_round_time_s": times[0] if times else math.nan, "compile_time_s": math.nan}
+    rest = sorted(times[1:])
+    return {"first_round_time_s": times[0], "compile_time_s": max(0.0, times[0] - rest[len(rest) // 2]),
+            "steady_rounds_per_s": len(rest) / sum(rest) if sum(rest) else math.nan}
+
+
 def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: float, *, status: str = "complete",
               resumed_from: int | None = None) -> dict:
     """The run's totals from its records.  Values that do not exist yet (no evaluated round) are NaN here
@@ -369,6 +390,8 @@ def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: 
         "num_params": sim.num_params,
         "strategy": f"{sim.round.strategy.name}:{sim.round.strategy.chunk_size}",
         **({"strategy_note": sim.strategy_note} if sim.strategy_note else {}),
+        "conv_impl": sim.conv_choice.describe() if getattr(sim, "conv_choice", None) else None,
+        "compute_dtype": sim.config.compute_dtype,
         "devices": 1 if sim.mesh is None else sim.mesh.size,
         "backend": jax.default_backend(),
         "data_placement": sim.data_placement,
@@ -396,6 +419,7 @@ def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: 
         "round_to_target": reached["round"] if reached else None,
         "train_time_s": train_time,
         "rounds_per_s": len(records) / train_time if train_time else math.nan,
+        **_round_times(records),
         "wall_time_s": wall,
         "planned_rounds": config.rounds,
         "resumed_from_round": resumed_from,

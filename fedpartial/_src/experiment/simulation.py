@@ -30,12 +30,13 @@ from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, finetune, layout, population, privacy, simulated_time, timing
+from fedpartial._src.experiment import checkpoint, compile_cache, finetune, layout, population, privacy
+from fedpartial._src.experiment import simulated_time, timing
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
-from fedpartial._src.experiment.parts import build_model, make_client_optimizer, make_server_optimizer, model_outputs
+from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer, model_outputs, run_models
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
@@ -63,6 +64,8 @@ class Simulation:
                  data_placement: str | None = None):
         # Cheap checks first: a bad setting is refused before data is loaded or anything is built.
         self.config = self._checked_config(config, method, data_placement)
+        #: the persistent compilation cache's folder (None: off)
+        self.compile_cache_dir = compile_cache.enable(self.config.compile_cache)
         self._load_dataset(dataset)
         self._choose_method(method)
         self._split_population()
@@ -148,10 +151,9 @@ class Simulation:
     def _build_model(self, model: Model | None) -> None:
         """The model (the caller's, else the config's adapted by the method), refused if it cannot take the data."""
         dataset = self.dataset
-        if model is None:
-            model = build_model(self.config.model, dataset)
-            if self.method.adapt_model is not None:  # e.g. MOON's projection head
-                model = self.method.adapt_model(model)
+        #: the model, and the same model lowered by lax in float32 when the run's is not (the device model counts its
+        #: FLOPs; None: it is), and how its convolutions are lowered
+        model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model)
         self.model = model
         if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
             raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
@@ -186,7 +188,8 @@ class Simulation:
         if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
             self.round = self._new_round("host")
 
-    def _new_round(self, client_state: str, strategy: engine_strategy.Strategy | None = None) -> engine.FederatedRound:
+    def _new_round(self, client_state: str, strategy: engine_strategy.Strategy | None = None,
+                   model: Model | None = None) -> engine.FederatedRound:
         """This run's round with its per-client state on the ``device`` or handed in from the ``host``, running
         ``strategy`` (default: the config's for this model and these devices)."""
         config = self.config
@@ -194,11 +197,12 @@ class Simulation:
         # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
         padded_size = sharding.padded_size(config.sampled_size, num_devices)
         return engine.FederatedRound(
-            self.model, self.method,
+            model or self.model, self.method,
             num_clients=config.num_clients, cohort_size=padded_size,
             padding=padded_size - config.sampled_size,
             client_optimizer=self._client_optimizer, server_optimizer=self._server_optimizer,
-            bn_policy=config.bn_policy, strategy=strategy or config.run_strategy(num_devices, self.model),
+            bn_policy=config.bn_policy,
+            strategy=strategy or config.run_strategy(num_devices, self.model, self.conv_choice.layout),
             rounds=config.rounds,
             record_decisions=config.record_decisions, server_data=self.server_data,
             label_counts=self.label_counts, devices=self.mesh, client_state=client_state,
@@ -234,7 +238,11 @@ class Simulation:
         """The simulated devices (compute speeds and bandwidths), the FLOPs of their local work, and the clock that
         decides who is available and who reports in time (:mod:`fedpartial._src.experiment.timing`)."""
         self.devices = self.config.device_model()  # [N] compute speeds and bandwidths (simulated time)
-        self.costs = devices.CostModel(self.round)  # FLOPs of local work, compiled once per shape
+        # FLOPs of local work, compiled once per shape; counted on the plain model: a device's simulated time does
+        # not depend on how the simulator lowers or rounds its arithmetic
+        counted = self.round if self.plain_model is None else self._new_round(self.client_state, self.round.strategy,
+                                                                              self.plain_model)
+        self.costs = devices.CostModel(counted)
         self.clock = timing.RoundClock(self.config, self.round, self.costs, self.devices)
 
     def _init_method_state(self) -> None:

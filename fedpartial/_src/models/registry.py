@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.models import resnet, text, zoo
+from fedpartial._src.models import conv, resnet, text, zoo
 
 __all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model"]
 
@@ -85,8 +85,11 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax") -> nn.Module:
     """Build zoo model ``name`` for ``num_classes`` classes and examples of ``input_shape``.
+
+    ``conv_impl``: how its convolutions are lowered (:data:`fedpartial._src.models.conv.CONV_IMPLS`; the same
+    parameters and, within float32 rounding, the same results); a model without convolutions ignores it.
 
     Raises:
       ValueError: unknown ``name``, ``num_classes`` not a positive integer, or an
@@ -111,7 +114,10 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
             f"batch axis, got {input_shape!r}."
         )
     shape = tuple(int(d) for d in shape)
+    conv.check_conv_impl(conv_impl)
     module = MODELS[name].factory(int(num_classes), shape)
+    if conv_impl != "lax" and hasattr(module, "conv_impl"):
+        module = module.clone(conv_impl=conv_impl)
     validate = getattr(module, "validate_input_shape", None)
     if validate is not None:
         validate(shape)

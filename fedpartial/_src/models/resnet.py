@@ -13,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedpartial._src.models.conv import lowering
 from fedpartial._src.models.zoo import batch_norm, he_normal, image_hw, prepare_input, stage_range, train_scaled
 
 __all__ = ["BasicBlock", "ResNet20"]
@@ -47,6 +48,7 @@ class BasicBlock(nn.Module):
     shortcut: str = "projection"
     shortcut_offset: int | None = None
     train_scale: float = 1.0
+    conv_impl: str = "lax"  # how the convolutions are lowered (fedpartial._src.models.conv.CONV_IMPLS)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -57,12 +59,12 @@ class BasicBlock(nn.Module):
         # option-A subsampling x[:, ::2, ::2] picks.
         y = nn.Conv(
             self.features, (3, 3), strides=s, padding=1, use_bias=False,
-            kernel_init=he_normal, name="conv1",
+            kernel_init=he_normal, name="conv1", conv_general_dilated=lowering(self.conv_impl),
         )(x)
         y = nn.relu(batch_norm(train, "bn1")(train_scaled(y, train, self.train_scale)))
         y = nn.Conv(
             self.features, (3, 3), padding=1, use_bias=False,
-            kernel_init=he_normal, name="conv2",
+            kernel_init=he_normal, name="conv2", conv_general_dilated=lowering(self.conv_impl),
         )(y)
         y = batch_norm(train, "bn2")(train_scaled(y, train, self.train_scale))
         if self.strides != 1 or in_features != self.features:
@@ -70,6 +72,7 @@ class BasicBlock(nn.Module):
                 r = nn.Conv(
                     self.features, (1, 1), strides=s, padding=0, use_bias=False,
                     kernel_init=he_normal, name="shortcut_conv",
+                    conv_general_dilated=lowering(self.conv_impl),
                 )(x)
                 r = batch_norm(train, "shortcut_bn")(train_scaled(r, train, self.train_scale))
             elif self.shortcut_offset is None:  # "zeros": option A, parameter-free
@@ -119,6 +122,7 @@ class ResNet20(nn.Module):
     blocks_per_stage: int = 3
     shortcut_offsets: tuple[int, ...] | None = None
     train_scale: float = 1.0
+    conv_impl: str = "lax"  # how the convolutions are lowered (fedpartial._src.models.conv.CONV_IMPLS)
 
     _width_fields = ("stage_features",)
 
@@ -165,6 +169,7 @@ class ResNet20(nn.Module):
                 x = nn.Conv(
                     self.stage_features[0], (3, 3), padding=1, use_bias=False,
                     kernel_init=he_normal, name="conv1",
+                    conv_general_dilated=lowering(self.conv_impl),
                 )(x)
                 x = nn.relu(batch_norm(train, "bn1")(train_scaled(x, train, self.train_scale)))
             elif s == len(names) - 1:
@@ -176,6 +181,7 @@ class ResNet20(nn.Module):
                 offset = None if self.shortcut_offsets is None or bi else self.shortcut_offsets[si]
                 x = BasicBlock(
                     self.stage_features[si], strides=strides, shortcut=self.shortcut,
-                    shortcut_offset=offset, train_scale=self.train_scale, name=names[s],
+                    shortcut_offset=offset, train_scale=self.train_scale, conv_impl=self.conv_impl,
+                    name=names[s],
                 )(x, train=train)
         return x

@@ -55,6 +55,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.models.conv import lowering
 
 __all__ = [
     "CNN2C1F",
@@ -95,12 +96,13 @@ def train_scaled(x, train: bool, scale: float):
 
 
 def _conv_relu_pool(x, index: int, features: int, kernel_size: int, padding: Any = "SAME", *,
-                    train: bool = False, scale: float = 1.0):
+                    train: bool = False, scale: float = 1.0, conv_impl: str = "lax"):
     """Stage ``conv{index + 1}``: conv -> (train scale) -> ReLU -> 2x2 max-pool.
 
     Called from a parent's ``@nn.compact`` ``__call__``: the conv becomes its child.
     """
-    x = nn.Conv(features, (kernel_size, kernel_size), padding=padding, name=f"conv{index + 1}")(x)
+    x = nn.Conv(features, (kernel_size, kernel_size), padding=padding, name=f"conv{index + 1}",
+                conv_general_dilated=lowering(conv_impl))(x)
     return _max_pool(nn.relu(train_scaled(x, train, scale)))
 
 
@@ -121,11 +123,17 @@ def stage_range(num_stages: int, start: int = 0, stop: int | None = None) -> ran
     return range(int(start), int(stop))
 
 
+def as_float(x):
+    """``x`` as float32, unless it already is a half-precision float (a bfloat16/float16 compute dtype)."""
+    x = jnp.asarray(x)
+    return x if x.dtype in (jnp.bfloat16, jnp.float16) else x.astype(jnp.float32)
+
+
 def prepare_input(module, x, start: int):
     """Checks and casts the raw input; a later stage's input is passed through untouched."""
     if start != 0:
         return x
-    x = jnp.asarray(x, jnp.float32)
+    x = as_float(x)
     module.validate_input_shape(x.shape[1:])
     return x
 
@@ -185,7 +193,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False, start: int = 0, stop: int | None = None):
         if start == 0:
-            x = jnp.asarray(x, jnp.float32)
+            x = as_float(x)
         for s in stage_range(len(self.stage_names), start, stop):
             if s == 0:
                 x = _flatten(x)
@@ -215,6 +223,7 @@ class CNN2C1F(nn.Module):
     features: tuple[int, int] = (32, 64)
     kernel_size: int = 5
     train_scale: float = 1.0
+    conv_impl: str = "lax"  # how the convolutions are lowered (fedpartial._src.models.conv.CONV_IMPLS)
 
     _width_fields = ("features",)
 
@@ -231,7 +240,8 @@ class CNN2C1F(nn.Module):
         x = prepare_input(self, x, start)
         for s in stage_range(len(self.stage_names), start, stop):
             if s < len(self.features):
-                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, train=train, scale=self.train_scale)
+                x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, train=train, scale=self.train_scale,
+                                    conv_impl=self.conv_impl)
             else:
                 x = nn.Dense(self.num_classes, name="head")(_flatten(x))
         return x
@@ -268,6 +278,7 @@ class CNN2C3F(nn.Module):
     kernel_size: int = 5
     padding: str = "auto"
     train_scale: float = 1.0
+    conv_impl: str = "lax"  # how the convolutions are lowered (fedpartial._src.models.conv.CONV_IMPLS)
 
     _model_name = "cnn2c3f"
     _width_fields = ("features", "hidden")
@@ -333,7 +344,7 @@ class CNN2C3F(nn.Module):
                         "for_input_shape(input_shape) or an explicit padding."
                     )
                 x = _conv_relu_pool(x, s, self.features[s], self.kernel_size, padding, train=train,
-                                    scale=self.train_scale)
+                                    scale=self.train_scale, conv_impl=self.conv_impl)
             elif s < n_conv + n_fc:
                 if s == n_conv:
                     x = _flatten(x)
@@ -381,6 +392,7 @@ class VGG9(nn.Module):
     features: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512)
     pool_after: tuple[int, ...] = (2, 4, 6, 8)  # 1-based conv indices
     train_scale: float = 1.0
+    conv_impl: str = "lax"  # how the convolutions are lowered (fedpartial._src.models.conv.CONV_IMPLS)
 
     _width_fields = ("features",)
 
@@ -408,6 +420,7 @@ class VGG9(nn.Module):
                 use_bias=False,
                 kernel_init=he_normal,
                 name=f"conv{i}",
+                conv_general_dilated=lowering(self.conv_impl),
             )(x)
             x = nn.relu(batch_norm(train, f"bn{i}")(train_scaled(x, train, self.train_scale)))
             if i in self.pool_after:
@@ -434,6 +447,7 @@ class FEMNISTCNN(nn.Module):
     features: tuple[int, int] = (32, 64)
     hidden: int = 2048
     train_scale: float = 1.0
+    conv_impl: str = "lax"  # how the convolutions are lowered (fedpartial._src.models.conv.CONV_IMPLS)
 
     _width_fields = ("features", "hidden")
 
@@ -451,7 +465,8 @@ class FEMNISTCNN(nn.Module):
         n_conv = len(self.features)
         for s in stage_range(len(self.stage_names), start, stop):
             if s < n_conv:
-                x = _conv_relu_pool(x, s, self.features[s], 5, train=train, scale=self.train_scale)
+                x = _conv_relu_pool(x, s, self.features[s], 5, train=train, scale=self.train_scale,
+                                    conv_impl=self.conv_impl)
             elif s == n_conv:
                 x = nn.Dense(self.hidden, name="fc1")(_flatten(x))
                 x = nn.relu(train_scaled(x, train, self.train_scale))

@@ -1,0 +1,190 @@
+"""How a convolution is lowered: the same ``nn.Conv`` (same parameters, same result) computed one of several ways.
+
+A cohort's local step is one client's step ``vmap``-ped over the clients, each with its own weights; XLA
+lowers a vmapped convolution to a *grouped* convolution, which XLA:CPU (and, less so, GPUs) runs far below the
+chip's matmul rate.  A *lowering* is a drop-in for ``lax.conv_general_dilated`` that a Flax ``nn.Conv`` takes
+as its ``conv_general_dilated`` argument (:func:`lowering`); the parameters, their names and shapes, and the
+result (within float32 rounding) do not change:
+
+* ``"lax"`` — ``lax.conv_general_dilated`` itself (grouped when vmapped): the default, bit for bit as before.
+* ``"im2col"`` — the image's patches (one strided slice per kernel tap, concatenated) times the kernel as a
+  matrix: a vmapped conv with per-client weights is then a *batched* matrix product, and its gradient too.
+* ``"hybrid"`` — ``lax`` for one client; under ``vmap`` (a cohort) im2col's batched matrix product where each
+  client has its own weights, and one ordinary convolution over all clients' examples where they share them
+  (``jax.custom_batching.custom_vmap``, inside a ``jax.custom_vjp`` so the gradient is batched the same way).
+
+:data:`CONV_IMPLS` names them; ``auto`` (:mod:`fedpartial._src.engine.conv_choice`) times them.  A user's Flax
+model takes one argument: ``nn.Conv(32, (5, 5), conv_general_dilated=fedpartial.models.conv_lowering("im2col"))``.
+Only channels-last layouts (``NHWC``/``HWIO``, as ``nn.Conv`` uses) without input dilation are rewritten; any
+other call falls back to ``lax.conv_general_dilated``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fedpartial._src.core.errors import UserError
+
+__all__ = ["CONV_IMPLS", "check_conv_impl", "im2col_conv", "hybrid_conv", "lowering"]
+
+#: the lowerings, in the order ``auto`` tries them (``lax`` first: ties go to the default)
+CONV_IMPLS = ("lax", "im2col", "hybrid")
+
+
+def check_conv_impl(impl: str, allowed: tuple[str, ...] = CONV_IMPLS) -> str:
+    """``impl`` if it names a lowering, else a :class:`UserError` in one sentence."""
+    if impl not in allowed:
+        raise UserError(f"convolution lowering {impl!r} is unknown; use one of {', '.join(allowed)}.")
+    return impl
+
+
+def _spec(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+          feature_group_count, batch_group_count):
+    """The static description of a channels-last convolution im2col can compute, or None (use lax)."""
+    nd = lhs.ndim - 2
+    if nd < 1 or batch_group_count != 1 or any(d != 1 for d in (lhs_dilation or (1,) * nd)):
+        return None
+    channels_last = lax.conv_dimension_numbers(
+        lhs.shape, rhs.shape, ("N" + "HWD"[:nd] + "C", "HWD"[:nd] + "IO", "N" + "HWD"[:nd] + "C"))
+    if dimension_numbers is None or lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) \
+            != channels_last:
+        return None
+    kernel = tuple(rhs.shape[:nd])
+    dilation = tuple(rhs_dilation or (1,) * nd)
+    strides = tuple(window_strides)
+    dilated = tuple((k - 1) * d + 1 for k, d in zip(kernel, dilation))
+    if isinstance(padding, str):
+        pads = lax.padtype_to_pads(lhs.shape[1:-1], dilated, strides, padding)
+    else:
+        pads = padding
+    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+    return kernel, dilation, strides, pads, int(feature_group_count)
+
+
+def _patches(x, kernel, dilation, strides, pads):
+    """``[N, *out, taps, C]``: for every output pixel, the input pixels under each kernel tap (row-major taps)."""
+    x = jnp.pad(x, ((0, 0), *pads, (0, 0)))
+    spatial = x.shape[1:-1]
+    out = tuple((s - ((k - 1) * d + 1)) // st + 1 for s, k, d, st in zip(spatial, kernel, dilation, strides))
+    taps = []
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        start = (0, *(t * d for t, d in zip(tap, dilation)), 0)
+        limit = (x.shape[0], *(b + (o - 1) * st + 1 for b, o, st in zip(start[1:-1], out, strides)), x.shape[-1])
+        taps.append(lax.slice(x, start, limit, (1, *strides, 1)))
+    return jnp.stack(taps, axis=-2)
+
+
+def _im2col(x, w, spec, precision=None, preferred_element_type=None):
+    kernel, dilation, strides, pads, groups = spec
+    p = _patches(x, kernel, dilation, strides, pads)  # [N, *out, T, C]
+    t, c_in, c_out = p.shape[-2], w.shape[-2], w.shape[-1]
+    if groups == 1:
+        p = p.reshape((*p.shape[:-2], t * c_in))
+        return jnp.matmul(p, w.reshape((t * c_in, c_out)), precision=precision,
+                          preferred_element_type=preferred_element_type)
+    p = p.reshape((*p.shape[:-1], groups, c_in))  # input channels group-major, as lax groups them
+    wg = w.reshape((t, c_in, groups, c_out // groups))
+    y = jnp.einsum("...tgc,tcgo->...go", p, wg, precision=precision, preferred_element_type=preferred_element_type)
+    return y.reshape((*y.shape[:-2], c_out))
+
+
+def _lax(x, w, spec, precision=None, preferred_element_type=None):
+    kernel, dilation, strides, pads, groups = spec
+    nd = len(kernel)
+    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("N" + "HWD"[:nd] + "C", "HWD"[:nd] + "IO",
+                                                       "N" + "HWD"[:nd] + "C"))
+    return lax.conv_general_dilated(x, w, strides, pads, rhs_dilation=dilation, dimension_numbers=dn,
+                                    feature_group_count=groups, precision=precision,
+                                    preferred_element_type=preferred_element_type)
+
+
+def _conv_args(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+               feature_group_count=1, batch_group_count=1, precision=None, preferred_element_type=None):
+    spec = _spec(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                 feature_group_count, batch_group_count)
+    fallback = functools.partial(lax.conv_general_dilated, lhs, rhs, window_strides, padding, lhs_dilation,
+                                 rhs_dilation, dimension_numbers, feature_group_count, batch_group_count, precision,
+                                 preferred_element_type)
+    return spec, fallback
+
+
+def im2col_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                feature_group_count=1, batch_group_count=1, precision=None, preferred_element_type=None):
+    """``lax.conv_general_dilated``'s result as patches times a matrix (same signature)."""
+    spec, fallback = _conv_args(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                                feature_group_count, batch_group_count, precision, preferred_element_type)
+    if spec is None:
+        return fallback()
+    return _im2col(lhs, rhs, spec, precision, preferred_element_type)
+
+
+# ---- hybrid: lax for one client, im2col's batched GEMM across a cohort ------------------------------------
+
+
+def _broadcast(a, batched: bool, size: int):
+    return a if batched else jnp.broadcast_to(a, (size, *a.shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _hybrid_parts(spec, precision) -> tuple[Callable, Callable]:
+    """The forward and backward convolutions of one static ``spec``, each with its own batching rule."""
+
+    @jax.custom_batching.custom_vmap
+    def forward(x, w):
+        return _lax(x, w, spec, precision)
+
+    @forward.def_vmap
+    def _(axis_size, in_batched, x, w):
+        xb, wb = in_batched
+        if not wb:  # shared weights: the clients' examples are one batch of an ordinary conv
+            x = _broadcast(x, xb, axis_size)
+            y = _lax(x.reshape((-1, *x.shape[2:])), w, spec, precision)
+            return y.reshape((axis_size, x.shape[1], *y.shape[1:])), True
+        x = _broadcast(x, xb, axis_size)
+        return jax.vmap(lambda a, b: _im2col(a, b, spec, precision))(x, w), True
+
+    @jax.custom_batching.custom_vmap
+    def backward(x, w, g):
+        return jax.vjp(lambda a, b: _lax(a, b, spec, precision), x, w)[1](g)
+
+    @backward.def_vmap
+    def _(axis_size, in_batched, x, w, g):
+        x, w, g = (_broadcast(a, b, axis_size) for a, b in zip((x, w, g), in_batched))
+        one = lambda a, b, c: jax.vjp(lambda u, v: _im2col(u, v, spec, precision), a, b)[1](c)  # noqa: E731
+        return jax.vmap(one)(x, w, g), (True, True)
+
+    @jax.custom_vjp
+    def conv(x, w):
+        return forward(x, w)
+
+    conv.defvjp(lambda x, w: (forward(x, w), (x, w)), lambda res, g: backward(*res, g))
+    return conv, forward
+
+
+def hybrid_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                feature_group_count=1, batch_group_count=1, precision=None, preferred_element_type=None):
+    """``lax.conv_general_dilated`` for one client; under ``vmap``, im2col's batched GEMM (same signature)."""
+    spec, fallback = _conv_args(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                                feature_group_count, batch_group_count, precision, preferred_element_type)
+    if spec is None or preferred_element_type is not None:
+        return fallback()
+    return _hybrid_parts(spec, precision)[0](lhs, rhs)
+
+
+_LOWERINGS: dict[str, Any] = {"lax": None, "im2col": im2col_conv, "hybrid": hybrid_conv}
+
+
+def lowering(impl: str = "lax") -> Callable | None:
+    """What ``nn.Conv(..., conv_general_dilated=lowering(impl))`` takes for lowering ``impl`` (None for
+    ``"lax"``: Flax's own default, so the module is exactly the plain ``nn.Conv``).
+
+    Raises:
+      UserError: ``impl`` is not one of :data:`CONV_IMPLS`.
+    """
+    return _LOWERINGS[check_conv_impl(impl)]

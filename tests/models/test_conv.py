@@ -1,0 +1,80 @@
+"""The convolution lowerings (fedpartial._src.models.conv) compute lax's convolution: forward and gradient,
+for one client and vmapped over clients with their own or shared weights, for every conv shape the zoo uses."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.models import registry
+from fedpartial._src.models.conv import CONV_IMPLS, lowering
+
+# (kernel, conv keyword arguments): cnn2c1f/femnist (5x5 SAME), lenet5 (5x5 VALID), vgg9 (3x3 SAME, no bias),
+# resnet20 (3x3 pad 1 stride 2, 1x1 shortcut stride 2), and dilation / feature groups, which no zoo model uses
+# (5x5 SAME is the hybrid test's and the zoo test's)
+CASES = {
+    "5x5-valid": ((5, 5), {"padding": "VALID"}),
+    "3x3-stride2-nobias": ((3, 3), {"strides": (2, 2), "padding": 1, "use_bias": False}),
+    "1x1-stride2": ((1, 1), {"strides": (2, 2), "padding": 0}),
+    "3x3-dilated-grouped": ((3, 3), {"kernel_dilation": (2, 2), "feature_group_count": 2}),
+}
+K = 3  # clients
+
+
+def _loss(impl, kernel, kw):
+    conv = nn.Conv(4, kernel, conv_general_dilated=lowering(impl), **kw)
+    return lambda v, x: jnp.sum(jnp.sin(conv.apply(v, x)))
+
+
+def _results(impl, kernel, kw, v, vs, x, xs):
+    """Loss and gradients for one client, K clients with their own weights, K clients sharing ``v`` (one jit)."""
+    grad = jax.value_and_grad(_loss(impl, kernel, kw), argnums=(0, 1))
+    return jax.jit(lambda *a: (grad(a[0], a[2]), jax.vmap(grad)(a[1], a[3]), jax.vmap(grad, in_axes=(None, 0))(
+        a[0], a[3])))(v, vs, x, xs)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    x = jax.random.normal(jax.random.key(0), (2, 7, 7, 4))
+    xs = jax.random.normal(jax.random.key(1), (K, *x.shape))
+    return x, xs
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lowerings_equal_lax_forward_and_gradient(case, inputs):
+    kernel, kw = CASES[case]
+    x, xs = inputs
+    v = nn.Conv(4, kernel, **kw).init(jax.random.key(2), x)
+    vs = jax.tree.map(lambda a: a[None] + 0.1 * jax.random.normal(jax.random.key(3), (K, *a.shape)), v)  # own
+    want = _results("lax", kernel, kw, v, vs, x, xs)
+    for impl in CONV_IMPLS[1:]:
+        got = _results(impl, kernel, kw, v, vs, x, xs)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(w))),
+                                       err_msg=f"{impl} {case}")
+
+
+def test_hybrid_is_lax_for_one_client_and_a_batched_matmul_across_clients(inputs):
+    x, xs = inputs
+    conv = nn.Conv(4, (5, 5), conv_general_dilated=lowering("hybrid"))
+    v = conv.init(jax.random.key(2), x)
+    plain = nn.Conv(4, (5, 5)).apply(v, x)
+    np.testing.assert_array_equal(conv.apply(v, x), plain)  # one client: lax itself, bit for bit
+    vs = jax.tree.map(lambda a: jnp.stack([a] * K), v)
+    hlo = jax.jit(jax.vmap(conv.apply)).lower(vs, xs).compile().as_text()
+    assert "feature_group_count" not in hlo and "convolution(" not in hlo  # no grouped conv: a batched dot
+
+
+def test_zoo_models_keep_their_parameters_and_outputs():
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+    lax_model = registry.build_model("cnn2c1f", 10, (8, 8, 1))
+    v = lax_model.init(jax.random.key(1), x)
+    want = lax_model.apply(v, x)
+    for impl in CONV_IMPLS[1:]:
+        model = registry.build_model("cnn2c1f", 10, (8, 8, 1), conv_impl=impl)
+        assert jax.tree.map(jnp.shape, model.init(jax.random.key(1), x)) == jax.tree.map(jnp.shape, v)
+        np.testing.assert_allclose(model.apply(v, x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(UserError, match="'winograd' is unknown"):
+        registry.build_model("cnn2c1f", 10, (8, 8, 1), conv_impl="winograd")
