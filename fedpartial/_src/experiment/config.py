@@ -23,8 +23,8 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.experiment.settings import ConfigError, attributes_doc, flag_of, setting
-from fedpartial._src.methods.catalog import find_method
+from fedpartial._src.experiment.settings import ConfigError, attributes_doc, flag_of, reference_markdown, setting
+from fedpartial._src.methods.catalog import METHODS, find_method
 from fedpartial._src.methods.codecs import parse_codec
 from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
@@ -559,3 +559,12 @@ class RunConfig:
 
 RunConfig.__doc__ += "\n" + "\n".join("    " + line if line else line
                                        for line in attributes_doc(RunConfig).splitlines())
+
+
+def reference_page() -> str:
+    """``docs/configuration.md``: every RunConfig setting by section, and the built-in methods' options."""
+    return reference_markdown(RunConfig, METHODS.values())
+
+
+if __name__ == "__main__":  # python -m fedpartial._src.experiment.config > docs/configuration.md
+    print(reference_page(), end="")

@@ -30,8 +30,8 @@ from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import checkpoint, compile_cache, finetune, layout, population, privacy
-from fedpartial._src.experiment import simulated_time, timing
+from fedpartial._src.experiment import (checkpoint, compile_cache, finetune, layout, population, privacy,
+                                       simulated_time, timing)
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
@@ -568,8 +568,7 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
 
     SIGINT/SIGTERM (through ``stop``, or a :class:`~fedpartial._src.experiment.checkpoint.StopFlag` installed
     here) stop the run after the current round: a checkpoint, ``status.json`` (``interrupted``) and the
-    summary are written, then
-    :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` is raised.  A ``DivergedError`` from
+    summary are written, then :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` is raised.  A ``DivergedError`` from
     :meth:`Simulation.rounds` leaves status ``diverged`` and the last good checkpoint;
     any other error status ``failed``; both are raised again after the summary is written.
     Result files are strict JSON: a non-finite number is written as ``null``.
