@@ -162,7 +162,7 @@ class ClientPlan(NamedTuple):
       lr_scale: ``[K]`` multipliers of each client's optimizer updates, or None for 1.
         The engine multiplies in the cohort's ``lr_scale`` after the method plans.
       window: ``[K]`` int32 where each client's width window starts (FedRolex rolls it
-        every round): a windowed graph (:func:`fedpartial._src.engine.graphs.width`) then holds
+        every round): a windowed graph (``width``) then holds
         units ``window … window + n - 1`` (mod the layer's units) instead of the leading ``n``;
         None: the leading units.  Graphs without windows (the whole model) ignore it.
     """
@@ -209,7 +209,7 @@ class Carry(NamedTuple):
       result: what the hook returns without a carry (a ``Selection``, params, ...).
       value: any pytree the later hooks of this round read as ``RoundView.carried[hook]``.
 
-    Example:
+    Examples:
       >>> import fedpartial as fp
       >>> fp.Carry(result=1.0, value={"clip": 0.5}).value["clip"]
       0.5
@@ -257,7 +257,7 @@ class ClientOptimizer(NamedTuple):
     """The clients' local optimizer: an optax transformation at rate 1 (``direction``) and the rate.
 
     The engine multiplies every local update by the client's rate in one place
-    (:mod:`fedpartial._src.engine.client`): ``lr`` × the cohort's ``CohortInfo.lr_scale``
+    (the engine): ``lr`` × the cohort's ``CohortInfo.lr_scale``
     (replicas that sweep the rate share one round built with ``lr`` 1) × the plan's
     ``ClientPlan.lr_scale`` (a method's own per-client rates).  A method reads the result as
     ``LocalStep.lr`` and ``RoundView.client_lr``, never by multiplying scales itself.
@@ -291,7 +291,7 @@ def client_sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> C
     Returns:
       The :class:`ClientOptimizer` to give a run (``Simulation(config, client_optimizer=...)``).
 
-    Example:
+    Examples:
       >>> import fedpartial as fp
       >>> fp.client_sgd(0.05, momentum=0.9).lr
       0.05
@@ -394,7 +394,7 @@ class ClientGroup:
       name: shown in errors and metrics.
       size: clients per round in this group (static for the run).
       members: population ids this group samples from (None: everyone).
-      graph: the group's local graph (e.g. :func:`fedpartial._src.engine.graphs.suffix`).
+      graph: the group's local graph (e.g. ``suffix``).
     """
 
     name: str
@@ -427,13 +427,13 @@ class Capabilities(NamedTuple):
         anything are trained again (same keys, same results) and aggregated.  None: not streamable.
       host_client_state: the method reads its per-client state only as the cohort's rows
         (``RoundView.client_state``) and writes it only at ``RoundView.client_rows``
-        (:func:`~fedpartial._src.core.population.cohort_rows`), so a run may keep the ``[N]`` state on
+        (:func:`~fedpartial.cohort_rows`), so a run may keep the ``[N]`` state on
         the host or on disk (``--client-state host|disk``); ``personal`` and ``active_clients`` then
         receive numpy arrays.  False: the state stays on the device.
       finetune_epochs: personalised by fine-tuning (FedBABU): each client's own model is the global model
         trained this many epochs on the client's training data (the whole model, cross-entropy, the run's
         client optimizer and batch size) and then evaluated on its held-out split; the driver does it
-        (:mod:`fedpartial._src.experiment.finetune`) and does not read ``personal``.  0: no fine-tuning.
+        (the driver) and does not read ``personal``.  0: no fine-tuning.
       local_passes: how many models a client trains over its local steps in a round, on the same batches
         (Ditto: 2, the global model and then its personal one); the device model counts each client's FLOPs of
         local work, and so its simulated time, this many times.
@@ -504,7 +504,7 @@ class Method(NamedTuple):
       aggregate: ``(ctx, RoundView) -> (params, received)``, replacing the one formula (None: the formula).
       encode: ``(ctx, RoundView) -> params [K, ...]``, what the server receives (None: ``trained_vars``).
 
-    Example:
+    Examples:
       >>> import fedpartial as fp
       >>> method = fp.make_method("mine")
       >>> method.name, method.aggregate is None

@@ -75,7 +75,7 @@ class RoundView(NamedTuple):
       uploaded: the params ``[K, ...]`` as the server receives them: ``encode``'s, else ``trained_vars``'
         (from ``aggregate`` on).
 
-    Example:
+    Examples:
       >>> import fedpartial as fp
       >>> sorted(fp.VIEW_FIELDS["plan"])[:3]
       ['client_rows', 'client_state', 'cohort']

@@ -46,14 +46,30 @@ class Simulation:
     """A run's data, model and round, advanced one round at a time by :meth:`rounds`.
 
     ``method``, ``model`` and the optimizers default to what ``config`` names; pass
-    your own (e.g. a method built with :func:`fedpartial.methods.make_method`) and it
+    your own (e.g. a method built with :func:`fedpartial.make_method`) and it
     gets the same sampling, early stopping, personalised evaluation and logging.
 
-    ``check_memory``: before any array is built, refuse (:class:`ConfigError`) a run whose
-    estimated peak memory (:mod:`fedpartial._src.core.memory`) exceeds what is available.
-    ``data_placement``: where the training data goes, ``host`` or ``device``, decided by the caller instead of
-    ``config.data_placement`` (:mod:`fedpartial._src.experiment.replicas` decides ``auto`` for all its replicas
-    together).
+    Args:
+      config: the run's settings (:class:`~fedpartial.RunConfig`).
+      dataset: an :class:`~fedpartial.data.ArrayDataset` instead of ``config.dataset``, or None.
+      method: a :class:`~fedpartial.Method` instead of ``config.method``'s, or None.
+      model: a :class:`~fedpartial.models.Model` instead of ``config.model``, or None.
+      client_optimizer: :func:`~fedpartial.client_sgd` or any optax transformation instead of ``config``'s.
+      server_optimizer: an optax optimizer instead of ``config.server_opt``'s, or None.
+      check_memory: refuse, before any array is built, a run whose estimated peak memory exceeds what is
+        available.
+      data_placement: ``host`` or ``device`` instead of ``config.data_placement`` (None: the config's).
+
+    Raises:
+      UserError: a setting that cannot run, in one sentence naming it.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> config = fp.RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=3, rounds=2,
+      ...                       local_steps=1, out_dir=None)
+      >>> records = list(fp.Simulation(config).rounds())
+      >>> [r["round"] for r in records]
+      [1, 2]
     """
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
@@ -549,19 +565,36 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
     ``metrics.jsonl``, ``metrics.csv`` (scalar fields), ``summary.json``, ``status.json``
     and orbax checkpoints (every ``checkpoint_every`` rounds, and always at the end) to a fresh run directory.
 
-    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``, or any of :class:`Simulation`'s
-    ``method``, ``model``, ``client_optimizer``, ``server_optimizer`` to use your own.  ``resume``: an existing
-    run directory whose newest readable checkpoint is loaded into ``sim`` (build it from :func:`load_config`);
-    the run continues there, ``metrics.jsonl`` truncated to the checkpoint's round.  Returns the summary dict
-    (also holding ``run_dir`` and the per-round records).
-
-    SIGINT/SIGTERM (through ``stop``, or a :class:`~fedpartial._src.experiment.checkpoint.StopFlag` installed
-    here) stop the run after the current round: a checkpoint, ``status.json`` (``interrupted``) and the
-    summary are written, then
-    :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` is raised.  A ``DivergedError`` from
-    :meth:`Simulation.rounds` leaves status ``diverged`` and the last good checkpoint;
+    SIGINT/SIGTERM stop the run after the current round: a checkpoint, ``status.json`` (``interrupted``) and
+    the summary are written, then a ``KeyboardInterrupt`` is raised.  A :class:`~fedpartial.DivergedError`
+    from :meth:`Simulation.rounds` leaves status ``diverged`` and the last good checkpoint;
     any other error status ``failed``; both are raised again after the summary is written.
     Result files are strict JSON: a non-finite number is written as ``null``.
+
+    Args:
+      config: the run's settings (:class:`~fedpartial.RunConfig`); ``config.out_dir`` is where the run
+        folder is made.
+      on_round: called with each round's record (a dict) as it finishes, or None.
+      sim: an already-built :class:`Simulation` of ``config`` to reuse, or None.
+      checkpoint_every: rounds between checkpoints (None: only at the end).
+      resume: a run directory whose newest readable checkpoint is loaded into ``sim`` (built from that
+        folder's ``config.toml``); ``metrics.jsonl`` is truncated to the checkpoint's round.
+      stop: a stop flag of the caller's (None: one is installed here for SIGINT/SIGTERM).
+      **parts: any of :class:`Simulation`'s ``method``, ``model``, ``client_optimizer``, ``server_optimizer``.
+
+    Returns:
+      The summary dict (``summary.json``'s fields, ``run_dir`` and the per-round records).
+
+    Raises:
+      UserError: a setting that cannot run.
+      DivergedError: the loss became non-finite.
+
+    Examples:
+      >>> import tempfile, fedpartial as fp
+      >>> config = fp.RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=3, rounds=1,
+      ...                       local_steps=1, out_dir=tempfile.mkdtemp())
+      >>> 0 <= fp.run(config)["final_test_accuracy"] <= 1
+      True
     """
     t0 = time.perf_counter()
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)

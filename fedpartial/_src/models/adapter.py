@@ -88,7 +88,7 @@ class Model:
       record_outputs: ``(variables, x, train) -> dict`` behind
         :meth:`intermediates`; None records only the logits.
       at_width: ``(ratio, scaler) -> Model``, this model with ``⌈ratio·C⌉``
-        channels/units in every hidden layer (width tiers, :mod:`fedpartial._src.models.narrow`);
+        channels/units in every hidden layer (width tiers, width tiers);
         ``scaler``: hidden outputs × ``1/ratio`` in training (HeteroFL's Scaler).
         None: the model cannot rebuild itself narrower (:func:`from_linen`'s ``width`` sets it).
     """
@@ -221,7 +221,7 @@ def from_linen(
     neuron-level masks (dropout, FedSPU) are wired across layers only then.
 
     A module with a ``stage_names`` attribute is staged: its ``__call__`` also
-    takes ``start``/``stop`` (the contract of :mod:`fedpartial._src.models.zoo`), and
+    takes ``start``/``stop`` (the contract of the model zoo's), and
     which stage owns each layer is found by initialising the stages one at a
     time.  A module whose architecture depends on the input shape may provide
     ``for_input_shape(input_shape) -> module`` to fix it for ``input_shape``.
@@ -231,6 +231,17 @@ def from_linen(
     channels/units in every hidden layer, the classifier keeping every class, whose
     variables are this module's leading channels/units on every axis; with
     ``scaler`` its hidden outputs are multiplied by ``1/ratio`` in training.
+
+    Args:
+      module: the linen module.
+      input_shape: one example's shape (no batch axis).
+      num_classes: output classes.
+      sequential: the layers form a chain (no residual connections).
+      name: the model's display name (default: the module's class name).
+      width: ``width(ratio, scaler) -> module``, making the model narrowable, or None.
+
+    Returns:
+      The :class:`~fedpartial.models.Model`.
     """
     input_shape = tuple(input_shape)
     fix_shape = getattr(module, "for_input_shape", None)
@@ -414,6 +425,17 @@ def from_stages(
     Its variables live under its stage name (``names``; default ``stage0``,
     ``stage1``, ...).  ``sequential`` as in :func:`from_linen`.
 
+    Args:
+      stages: the linen modules, input to output.
+      input_shape: one example's shape (no batch axis).
+      num_classes: output classes.
+      names: the stages' names (default ``stage0``, ``stage1``, ...).
+      sequential: the layers form a chain (no residual connections).
+      name: the model's display name.
+
+    Returns:
+      The :class:`~fedpartial.models.Model`, one stage per module.
+
     Raises:
       ValueError: no stages, ``names`` of the wrong length or not distinct, or a
         last stage that does not produce ``[batch, num_classes]``.
@@ -460,6 +482,16 @@ def from_nnx(
     and returns the module's own initial values (NNX modules are initialised when
     constructed).  The layer order is recorded from one forward pass.  The model
     is a single stage.
+
+    Args:
+      module: the initialised ``nnx`` module.
+      input_shape: one example's shape (no batch axis).
+      num_classes: output classes.
+      sequential: the layers form a chain (no residual connections).
+      name: the model's display name (default: the module's class name).
+
+    Returns:
+      The :class:`~fedpartial.models.Model`.
     """
     from flax import nnx
 
