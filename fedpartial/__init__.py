@@ -3,7 +3,7 @@
 The cohort is one stacked parameter pytree with a leading client axis; per-client
 structured masks say what each client trains, keeps and uploads.
 
-The public API is this namespace and three curated subpackages:
+The public API is this namespace and four curated subpackages:
 
 * ``fedpartial`` — running (:class:`RunConfig`, :class:`Simulation`, :func:`run`), the round
   (:class:`FederatedRound` and its strategies) and everything a method author needs
