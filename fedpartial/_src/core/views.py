@@ -2,19 +2,17 @@
 :data:`VIEW_FIELDS` saying which fields each hook can see) and :class:`LocalStep` (a local step's objective),
 and what an objective reports besides its loss (:class:`LossAux`).  The records they hold
 (:class:`~fedpartial._src.core.types.CohortInfo`, ``Batch``, ``ClientPlan``, ...) are in
-:mod:`fedpartial._src.core.types`, which re-exports these.
+:mod:`fedpartial._src.core.records`; :mod:`fedpartial._src.core.types` re-exports both.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 
 from fedpartial._src.core.fielddocs import document_fields
-
-if TYPE_CHECKING:
-    from fedpartial._src.core.types import Batch, ClientPlan, CohortInfo, Holdout, MethodState, Selection, ServerData
+from fedpartial._src.core.records import Batch, ClientPlan, CohortInfo, Holdout, MethodState, Selection, ServerData
 
 
 @document_fields
