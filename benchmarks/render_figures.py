@@ -13,7 +13,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = ROOT / "docs" / "assets" / "benchmarks"
 #: the figures the benchmarks page leads with: (file, what it shows)
 AT_A_GLANCE = (
-    ("throughput-cpu-cpu-20261123.png", "Each strategy's speed relative to a plain per-client loop, FedAvg and FedLDF (CPU, 2 cores)"),
+    ("throughput-cpu-cpu-20261123.png",
+     "Each strategy's speed relative to a plain per-client loop, FedAvg and FedLDF (CPU, 2 cores)"),
     ("fedldf-gpu-nvidia-h100-80gb-hbm3.png", "FedLDF and its baselines: test error against cumulative upload"),
     ("fedspu-curves-gpu-nvidia-h100-80gb-hbm3.png", "FedSPU and the dropout baselines: accuracy against rounds (GPU)"),
     ("privacy-cpu-cpu.png", "DP-FedAvg and DP-FedLDF: test accuracy against ε (mnist5k, 1,000 clients)"),
