@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from fedpartial._src.bench.provenance import stamp
 
 HERE = Path(__file__).resolve().parent
 BENCH = Path("benchmarks") / "strategies.py"
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
             "comparison": rows,
         }
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        out.write_text(json.dumps(stamp(report), indent=2))
         print(f"wrote {out}")
         return status
     finally:

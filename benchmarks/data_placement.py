@@ -38,6 +38,7 @@ import jax
 from benchmarks.strategies import device_info, log
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.bench.provenance import stamp
 
 #: name -> (description, RunConfig fields); evaluation every round, as ``fedpartial run`` does by default
 CASES = {
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
         report["cases"].append(measure_case(name, description, fields, rounds))
         report["complete"] = len(report["cases"]) == len(cases)
         with open(out, "w") as f:  # after every case, so that a cut-off run keeps what it measured
-            json.dump(report, f, indent=2)
+            json.dump(stamp(report), f, indent=2)
     print("\n".join(table_rows(e) for e in report["cases"]))
     print(f"wrote {out}")
     return 0

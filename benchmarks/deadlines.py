@@ -48,6 +48,7 @@ from benchmarks import device_slug
 from fedpartial._src.costs import devices
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.bench.provenance import stamp
 
 METHODS = ("fedavg", "feddhad", "embracingfl", "heterofl", "fedrolex")
 TIERED = ("embracingfl", "heterofl", "fedrolex")
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
               "summary": rows, "runs": runs, "total_time_s": time.perf_counter() - t0}
     json_path = os.path.join(args.out, f"deadlines-{slug}.json")
     with open(json_path, "w") as f:
-        json.dump(result, f)
+        json.dump(stamp(result), f)
     plot(runs, ["deadline", "deadline + availability"], os.path.join(args.out, f"deadlines-{slug}.png"))
     print(f"\nwrote {json_path}")
     return 0

@@ -45,6 +45,7 @@ from fedpartial._src.data.sources import DataError
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASES, resolve_mix
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.bench.provenance import stamp
 
 METHODS = ("embracingfl", "heterofl", "fedrolex", "depthfl", "inclusivefl")
 LABELS = {"embracingfl": "EmbracingFL", "heterofl": "Width red.", "fedrolex": "FedRolex", "depthfl": "DepthFL",
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
     }
     json_path = os.path.join(args.out, f"embracingfl-{slug}.json")
     with open(json_path, "w") as f:
-        json.dump(result, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        json.dump(stamp(result), f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
     if runs:
         plot(runs, os.path.join(args.out, f"embracingfl-{slug}.png"))
     print(f"\nwrote {json_path}")

@@ -77,6 +77,7 @@ from benchmarks import device_slug
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.bench.provenance import stamp
 
 METHODS = ("fedavg", "fedprox", "fednova", "moon", "feddyn", "fedjs", "feddh", "feddhe")
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
@@ -431,7 +432,7 @@ def compare(argv, bench: Comparison) -> int:
     }
     json_path = os.path.join(args.out, f"{bench.name}-{slug}.json")
     with open(json_path, "w") as f:
-        json.dump(result, f, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        json.dump(stamp(result), f, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
     if runs:
         plot(runs, rows, os.path.join(args.out, f"{bench.name}-{slug}.png"), methods_all, labels,
              bench.highlight)

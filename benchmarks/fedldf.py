@@ -34,6 +34,7 @@ from benchmarks import device_slug
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.bench.provenance import stamp
 
 METHODS = ("fedavg", "fedldf", "random", "hdfl", "fedadp")
 LABELS = {"fedavg": "FedAvg", "fedldf": "FedLDF", "random": "Random", "hdfl": "HDFL", "fedadp": "FedADP"}
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
     }
     json_path = os.path.join(args.out, f"fedldf-{slug}.json")
     with open(json_path, "w") as f:
-        json.dump(result, f)
+        json.dump(stamp(result), f)
     if runs:
         plot(runs, os.path.join(args.out, f"fedldf-{slug}.png"))
     print(f"\nwrote {json_path}")

@@ -59,6 +59,7 @@ from fedpartial._src.methods.submodel.common import DEFAULT_TIERS
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.parts import build_model
 from fedpartial._src.experiment.simulation import Simulation, run
+from fedpartial._src.bench.provenance import stamp
 
 #: every method, in the column order of the tables: the paper's order (PruneFL, FjORD,
 #: Hermes, FedMP, FedSelect, FedSPU) with FedDrop, which the paper does not tabulate, first.
@@ -505,7 +506,7 @@ def main(argv=None) -> int:
     }
     json_path = os.path.join(args.out, f"fedspu-{tag}.json")
     with open(json_path, "w") as f:
-        json.dump(result, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+        json.dump(stamp(result), f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
     plot_memory(memory, os.path.join(args.out, f"fedspu-memory-{tag}.png"))
     if runs:
         plot_curves(runs, os.path.join(args.out, f"fedspu-curves-{tag}.png"))

@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.strategies import device_info, log
 from fedpartial._src.data import ondevice
+from fedpartial._src.bench.provenance import stamp
 
 CLIENTS, FEATURES, STEPS, BATCH = 1000, 60, 10, 32
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
                                    f"gather-{device['backend']}-{datetime.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(stamp(report), f, indent=2)
     log(f"wrote {out}")
     return 0
 

@@ -38,6 +38,7 @@ from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.privacy.accountant import noise_multiplier_for
 from fedpartial._src.models import zoo
 from fedpartial.models import from_linen
+from fedpartial._src.bench.provenance import stamp
 
 #: (row name, method, private, per-layer clipping)
 VARIANTS = (("FedAvg", "fedavg", False, False), ("FedLDF", "fedldf", False, False),
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
               "total_time_s": time.perf_counter() - t0}
     json_path = os.path.join(args.out, f"privacy-{slug}.json")
     with open(json_path, "w") as f:
-        json.dump(result, f)
+        json.dump(stamp(result), f)
     plot(rows, os.path.join(args.out, f"privacy-{slug}.png"))
     print(f"\nwrote {json_path}")
     return 0

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from fedpartial._src.bench.provenance import stamp
 
 COMMON = dict(method="fedspu", dataset="synthetic", cohort_size=50, local_steps=2, batch_size=16, max_samples=20,
               out_dir=None)
@@ -108,8 +109,9 @@ def main(argv=None) -> int:
                                f"{b / 2**30:.2f}" for b in r["device_peak_after_round"]) + " GiB")))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"benchmark": "replica_memory", "device": device, "settings": {**COMMON, "clients": args.clients,
-                   "seeds": seeds, "rounds": args.rounds}, "results": results}, f, indent=2)
+        settings = {**COMMON, "clients": args.clients, "seeds": seeds, "rounds": args.rounds}
+        json.dump(stamp({"benchmark": "replica_memory", "device": device, "settings": settings, "results": results}), f,
+                  indent=2)
     log(f"wrote {out}")
     return 1 if any("error" in r for r in results) else 0
 

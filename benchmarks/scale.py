@@ -22,6 +22,7 @@ import resource
 import subprocess
 import sys
 import time
+from fedpartial._src.bench.provenance import stamp
 
 CASES = {
     # A 10,000-client cohort (every client of the population every round), streamed 1,000 at a time.
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
                   "total_time_s": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(stamp(report), f, indent=2)
     return 0
 
 

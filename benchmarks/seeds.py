@@ -44,6 +44,7 @@ from benchmarks.strategies import device_info, log
 from fedpartial._src.experiment import replicas
 from fedpartial._src.experiment.config import SERVER_OPTIMIZERS, RunConfig
 from fedpartial._src.experiment.simulation import run
+from fedpartial._src.bench.provenance import stamp
 
 VARIANTS = ("vmapped", "mapped", "sequential_fused", "sequential_default")
 #: the replica variants and their ``replica_axis``
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
                       "each run's first round"}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(stamp(report), f, indent=2)
     print(table(results))
     log(f"wrote {out}")
     return 0 if all(r[f"{v}_equals_sequential_fused"] for r in results for v in REPLICA_AXIS) else 1

@@ -22,6 +22,7 @@ import resource
 import subprocess
 import sys
 import time
+from fedpartial._src.bench.provenance import stamp
 
 STRATEGIES = ("stepwise:1", "stream-stepwise:1")
 
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     if len(params) > 1:
         report["max_abs_param_diff"] = done[1]["max_abs_param_diff_to_first"]
     with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(stamp(report), f, indent=2)
     log(f"wrote {out}")
     return 0
 

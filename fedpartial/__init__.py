@@ -3,7 +3,7 @@
 The cohort is one stacked parameter pytree with a leading client axis; per-client
 structured masks say what each client trains, keeps and uploads.
 
-The public API is this namespace and three curated subpackages:
+The public API is this namespace and four curated subpackages:
 
 * ``fedpartial`` — running (:class:`RunConfig`, :class:`Simulation`, :func:`run`), the round
   (:class:`FederatedRound` and its strategies) and everything a method author needs
@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference
     from fedpartial._src.core.structure import ModelStructure
     from fedpartial._src.engine.metrics import traffic_totals
     from fedpartial._src.experiment.evaluation import evaluate
+    from fedpartial._src.core.views import VIEW_FIELDS, InitView, LocalStep, LossAux, RoundView
     from fedpartial._src.core.types import (
-        VIEW_FIELDS,
         Batch,
         Capabilities,
         Carry,
@@ -39,16 +39,12 @@ if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference
         ClientPlan,
         CohortInfo,
         Holdout,
-        InitView,
         LocalGraph,
-        LocalStep,
-        LossAux,
         Method,
         MethodContext,
         MethodState,
         OptimizerSettings,
         PersonalModels,
-        RoundView,
         Selection,
         ServerData,
         client_sgd,
@@ -80,7 +76,7 @@ _WHERE = {
     "ModelStructure": "fedpartial._src.core.structure",
     "traffic_totals": "fedpartial._src.engine.metrics",
     "evaluate": "fedpartial._src.experiment.evaluation",
-    "VIEW_FIELDS": "fedpartial._src.core.types",
+    "VIEW_FIELDS": "fedpartial._src.core.views",
     "Batch": "fedpartial._src.core.types",
     "Capabilities": "fedpartial._src.core.types",
     "Carry": "fedpartial._src.core.types",
@@ -89,16 +85,16 @@ _WHERE = {
     "ClientPlan": "fedpartial._src.core.types",
     "CohortInfo": "fedpartial._src.core.types",
     "Holdout": "fedpartial._src.core.types",
-    "InitView": "fedpartial._src.core.types",
+    "InitView": "fedpartial._src.core.views",
     "LocalGraph": "fedpartial._src.core.types",
-    "LocalStep": "fedpartial._src.core.types",
-    "LossAux": "fedpartial._src.core.types",
+    "LocalStep": "fedpartial._src.core.views",
+    "LossAux": "fedpartial._src.core.views",
     "Method": "fedpartial._src.core.types",
     "MethodContext": "fedpartial._src.core.types",
     "MethodState": "fedpartial._src.core.types",
     "OptimizerSettings": "fedpartial._src.core.types",
     "PersonalModels": "fedpartial._src.core.types",
-    "RoundView": "fedpartial._src.core.types",
+    "RoundView": "fedpartial._src.core.views",
     "Selection": "fedpartial._src.core.types",
     "ServerData": "fedpartial._src.core.types",
     "client_sgd": "fedpartial._src.core.types",

@@ -219,3 +219,16 @@ def test_nothing_points_outside_the_repository():
     cited = {m for folder in ("fedpartial", "benchmarks", "tests") for path in (ROOT / folder).rglob("*.py")
              for m in re.findall(r"decisions\.md#([a-z]+)", path.read_text(encoding="utf-8"))}
     assert cited and cited <= sections, cited - sections
+
+
+def test_each_reproduction_page_shows_its_figures_and_the_site_reaches_them():
+    """The figures the benchmarks draw are on the pages, copied where mkdocs builds from (docs/), and the
+    benchmarks page leads with plots and folds its long tables."""
+    for rel in ("docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md", "docs/reproductions/embracingfl.md",
+                "docs/reproductions/feddhad.md", "docs/benchmarks.md"):
+        page = ROOT / rel
+        shown = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page.read_text())
+        assert shown, f"{rel} shows no figure"
+        assert all((page.parent / src).resolve().is_file() for src in shown), (rel, shown)
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert bench.index("## At a glance") < bench.index("## Execution strategies") and '??? note "' in bench

@@ -385,7 +385,7 @@ def test_cli_lrs_without_seeds_uses_the_seed(tmp_path, capsys):
     assert main(["run", "--dataset", "synthetic", "--clients", "6", "--cohort", "2", "--rounds", "1",
                  "--local-steps", "1", "--seed", "3", "--lrs", "0.1,0.01", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    layout = out.index("replica axis map, data on the host")  # CPU's auto, nothing moved (no note)
+    layout = out.index("2 replicas in one jitted round (replica axis: map), data on the host")  # CPU's auto
     assert out[layout - 4].startswith("| method | seeds |") and out[layout + 1].startswith("results:")  # 2 rows
     assert sorted(p.name for p in (tmp_path / "fedavg-synthetic-seeds3-lrs0.1_0.01").iterdir()) == [
         "fedavg-synthetic-seed3-lr0.01", "fedavg-synthetic-seed3-lr0.1", "job.json", "seeds_summary.json",

@@ -22,6 +22,7 @@ import jaxlib
 import numpy as np
 import optax
 
+from fedpartial._src.bench.provenance import stamp
 from fedpartial._src.data.packing import CohortBatches, pack_cohort
 
 NUM_CLASSES = 10
@@ -158,9 +159,10 @@ def device_info() -> dict:
 
 
 def write_json(path: str, report: dict) -> None:
+    """Writes a result file, stamped with its time and command (:func:`stamp`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(stamp(report), f, indent=2)
 
 
 def int_list(text: str) -> tuple[int, ...]:

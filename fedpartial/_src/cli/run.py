@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from fedpartial._src.cli.display import duration, mb
+from fedpartial._src.cli import progress as progress_lib
 from fedpartial._src.cli.flags import Formatter, Parser, add_run_flags, config_from_args
 from fedpartial._src.core.errors import UserError
 
@@ -160,35 +160,30 @@ def _run_stoppable(args, console: Console, stop) -> int:
     live = not args.quiet and console.is_terminal
     progress = Progress(
         TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-        TextColumn("acc {task.fields[acc]}"), TextColumn("loss {task.fields[loss]}"),
+        TextColumn("acc {task.fields[acc]}"), TextColumn("train loss {task.fields[loss]}"),
         TextColumn("traffic {task.fields[traffic]}"), TextColumn("{task.fields[rate]} rounds/s"),
         TextColumn("ETA {task.fields[eta]}"),
         console=console, transient=False,
     ) if live else None
     every = max(1, math.ceil(config.rounds / 50))
-    shown = {"acc": "–", "start": None}
+    shown = {"acc": "–"}
+    clock = progress_lib.RoundClock(config.rounds)
+    if not live and not args.quiet:
+        print("compiling the round… (the first round includes it; the ETA counts the rounds after it)", flush=True)
 
     def on_round(r):
-        if shown["start"] is None:  # a resumed run starts at its checkpoint: rates count this session's rounds
-            shown["start"] = r["round"] - 1
         if "test_accuracy" in r:
             shown["acc"] = f"{r['test_accuracy']:.4f}"
-        shown["wall"] = shown.get("wall", 0.0) + r.get("wall_time_s", 0.0)  # each record times its own round
-        rate = (r["round"] - shown["start"]) / shown["wall"] if shown["wall"] > 0 else math.nan
-        fields = dict(acc=shown["acc"], loss=f"{r['train_loss']:.3f}",
-                      traffic=mb(r["cumulative_upload_bytes"] + r["cumulative_download_bytes"]),
-                      rate=f"{rate:.2f}" if math.isfinite(rate) else "–",
-                      eta=duration((config.rounds - r["round"]) / rate) if math.isfinite(rate) and rate > 0 else "–")
+        fields = progress_lib.round_fields(r, shown["acc"], clock)
         if progress is not None:
-            progress.update(task, completed=r["round"], **fields)
+            progress.update(task, completed=r["round"], **{k: v for k, v in fields.items() if k != "compile"})
         elif not args.quiet and (r["round"] % every == 0 or r["round"] == config.rounds):
-            print(f"round {r['round']}/{config.rounds}  acc {fields['acc']}  loss {fields['loss']}  "
-                  f"traffic {fields['traffic']}  {fields['rate']} rounds/s  ETA {fields['eta']}", flush=True)
+            print(progress_lib.round_line(r, config.rounds, fields), flush=True)
 
     with progress if progress is not None else contextlib.nullcontext():
         if progress is not None:
             task = progress.add_task("run", total=config.rounds, acc="–", loss="–", traffic="0 MB", rate="–",
-                                     eta="–")
+                                     eta=progress_lib.COMPILING)
         summary = simulation.run(config, on_round=on_round, sim=sim, checkpoint_every=args.checkpoint_every,
                                  resume=args.resume, stop=stop)
     summary["wall_time_s"] = time.perf_counter() - t0
@@ -196,51 +191,11 @@ def _run_stoppable(args, console: Console, stop) -> int:
         print(summary["run_dir"], flush=True)
         return 0
     table = Table(title=f"fedpartial {config.method} on {summary['dataset']}", show_header=False)
-    rows = [
-        ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
-        ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
-        ("strategy", f"{summary['strategy']} on {summary['backend']}, data on the {summary['data_placement']}"
-                     + (f" ({summary['strategy_note']})" if "strategy_note" in summary else "")
-                     + ("" if summary.get("client_state", "device") == "device"
-                        else f", clients' state on the {summary['client_state']}")),
-        ("convolutions", f"{summary['conv_impl']}, training in {summary['compute_dtype']}"),
-        ("rounds", str(summary["rounds"])
-         + (f" (early stopping saved {summary['rounds_saved']})" if "rounds_saved" in summary else "")),
-        ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
-        ("best test accuracy", f"{summary['best_test_accuracy']:.4f}"),
-        ("final test loss", f"{summary['final_test_loss']:.4f}"),
-        *([("exits, shallow → deep",
-            " / ".join(f"{v:.4f}" for k, v in summary.items() if k.startswith("final_test_accuracy_exit"))
-            + f"; ensemble {summary['final_test_accuracy_ensemble']:.4f}")]
-          if "final_test_accuracy_ensemble" in summary else []),
-        *([("personal accuracy (mean ± std over clients)",
-             f"{summary['final_personal_accuracy']:.4f} ± {summary['final_personal_accuracy_std']:.4f}"),
-            ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),
-            ("personal state", mb(summary["personal_state_bytes"]))]
-          if "final_personal_accuracy" in summary else []),
-        *([("differential privacy", f"ε = {summary['final_dp_epsilon']:.3g} at δ = {summary['dp_delta']:.3g} "
-                                    f"(clip {config.dp_clip:g}, noise multiplier {config.dp_noise_multiplier:g})")]
-          if "final_dp_epsilon" in summary else []),
-        ("upload / download", f"{mb(summary['total_upload_bytes'])} / {mb(summary['total_download_bytes'])}"),
-        ("simulated device time", (f"{duration(summary['total_simulated_time_s'])} "
-                                   f"({summary['total_client_flops'] / 1e9:,.2f} GFLOPs of local work)")),
-        *([("stragglers and availability", f"{summary['total_clients_dropped']:,} sampled clients did not report, "
-                                           f"wasting {summary['total_wasted_flops'] / 1e9:,.2f} GFLOPs and "
-                                           f"{mb(summary['total_wasted_bytes'])}; clock "
-                                           f"{duration(summary['simulated_clock_s'])}")]
-          if config.deadlines or config.availability != "always" else []),
-        *([(f"time to {config.target_accuracy:g} test accuracy",
-            f"{duration(summary['time_to_target_s'])} (round {summary['round_to_target']})"
-            if summary["time_to_target_s"] is not None else f"not reached in {summary['rounds']} rounds")]
-          if config.target_accuracy is not None else []),
-        ("time (rounds/s)", f"{summary['wall_time_s']:.1f} s ({summary['rounds_per_s']:.2f} rounds/s; first round "
-                            f"{summary['first_round_time_s']:.2f} s, of which compiling ≈ "
-                            f"{summary['compile_time_s']:.2f} s)"),
-        ("results", str(summary["run_dir"])),
-    ]
-    for k, v in rows:
+    for k, v in progress_lib.closing_rows(config, summary):
         table.add_row(k, v)
     console.print(table)
+    for warning in progress_lib.closing_warnings(summary, getattr(sim.model, "num_classes", None)):
+        console.print(f"warning: {warning}", markup=False)
     return 0
 
 
@@ -301,13 +256,15 @@ def _run_seeds(args, console: Console, stop) -> int:
     replicas.replica_strategy(config.strategy)
     every = max(1, math.ceil(config.rounds / 50))
 
+    labels = progress_lib.replica_labels(replicas.replica_settings(seeds, lrs, server_lrs), args.seeds is not None)
+    if not args.quiet:
+        print(f"compiling one round for the {len(labels)} replicas…", flush=True)
+
     def on_round(t, records):
-        shown = [r for r in records if r is not None]
-        if args.quiet or not shown or not ((t + 1) % every == 0 or t + 1 == config.rounds):
+        due = (t + 1) % every == 0 or t + 1 == config.rounds
+        if args.quiet or not due or all(r is None for r in records):
             return
-        accs = [f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "–" for r in shown]
-        print(f"round {t + 1}/{config.rounds}  acc {' '.join(accs)}  "
-              f"{len(shown)} of {len(records)} replicas running", flush=True)
+        print(progress_lib.replica_line(t, config.rounds, labels, records), flush=True)
 
     done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every,
                               lrs=lrs, server_lrs=server_lrs)
@@ -318,7 +275,8 @@ def _run_seeds(args, console: Console, stop) -> int:
         if done["out_dir"]:
             with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
                 print(f.read(), end="")
-        console.print(f"replica axis {done['replica_axis']}, data on the {done['data_placement']}"
+        console.print(f"{len(labels)} replicas in one jitted round (replica axis: {done['replica_axis']}), "
+                      f"data on the {done['data_placement']}"
                       + (f" ({done['note']})" if done["note"] else ""), markup=False)
         for name, r in failed:
             console.print(f"{name}: {r['status']} ({r['run_dir']})")

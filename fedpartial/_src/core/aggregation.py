@@ -75,7 +75,7 @@ def weighted_sums(cohort_tree: Any, weights: jax.Array, *, element_masks: Any = 
 
 
 def contract_with_dots() -> bool:
-    """Whether :func:`weighted_sums` contracts the client axis with dot products (not on a CPU)."""
+    """Whether ``weighted_sums`` contracts the client axis with dot products (not on a CPU)."""
     return jax.default_backend() != "cpu"
 
 
@@ -157,11 +157,22 @@ def aggregate(
     """Aggregates the named collections under structured upload masks ``[K]``.
 
     Collections not named are returned unchanged from ``global_vars``.  The masks
-    are expanded client by client right where they are consumed (:func:`weighted_sums`).
+    are expanded client by client right where they are consumed (``weighted_sums``).
 
     Returns:
       ``(new_vars, received)``: ``received`` is a boolean tree shaped like the
       ``params`` collection, True where at least one client's weight arrived.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      global_vars: the global model's variables (kept where nobody uploaded).
+      cohort_vars: the cohort's variables, leading ``[K]``.
+      upload: the upload masks ``[K]``.
+      weights: ``[K]`` aggregation weights.
+      collections: the collections aggregated.
+
+    Returns:
+      The aggregated variables of ``collections``.
     """
     out = dict(global_vars)
     received = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), bool), global_vars.get("params", {}))

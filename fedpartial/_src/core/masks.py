@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.fielddocs import document_fields
 from fedpartial._src.core.structure import ModelStructure, leaf_paths
 
 
+@document_fields
 class Mask(NamedTuple):
     """Layer and neuron booleans; leading axes (e.g. ``[K]``) are shared by all fields.
 
@@ -41,13 +43,13 @@ class Mask(NamedTuple):
       inputs: None (the default) wires each layer's input axis to the previous
         layer's ``neurons``; otherwise a tuple, per layer, of ``[..., units_f]``
         bools for the units of the layer ``f`` feeding it (any shape for a layer
-        fed by nobody).  :func:`unwired` uses it for masks that select a neuron
+        fed by nobody).  ``unwired`` uses it for masks that select a neuron
         together with its whole incoming weight column (FedADP).  A layer the
         structure leaves unwired (``feeds_from`` None, e.g. inside a residual
         network) may be wired here explicitly with a non-empty ``[..., n]``
         vector: each of its ``n`` units feeds ``fan_in / n`` input rows (NHWC
         tiling); an empty ``[..., 0]`` leaves it unwired.  Width reduction uses
-        this for ResNet20 (:mod:`fedpartial._src.methods.tiered.heterofl`).
+        this for ResNet20 (:mod:`~fedpartial.methods.heterofl`).
       norms: None (the default): a layer's normaliser (BatchNorm scale, bias and
         statistics) is on with its layer; otherwise ``[..., L]`` bool, whether each
         layer's normaliser is on as well (FedBN keeps them off: local).
@@ -68,7 +70,23 @@ class Mask(NamedTuple):
 
 
 def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool = True) -> Mask:
-    """A mask with every layer and neuron set to ``value``."""
+    """A mask with every layer and neuron set to ``value``.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      batch_shape: leading axes, e.g. ``(K,)`` for a cohort.
+      value: every boolean's value.
+
+    Returns:
+      The :class:`~fedpartial.Mask`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from fedpartial import masks, models
+      >>> model = models.from_linen(models.build_model("mlp", 10, (64,)), input_shape=(64,), num_classes=10)
+      >>> masks.full(model.structure, (4,)).layers.shape
+      (4, 3)
+    """
     batch_shape = tuple(batch_shape)
     return Mask(
         layers=jnp.full((*batch_shape, structure.num_layers), value, bool),
@@ -77,21 +95,61 @@ def full(structure: ModelStructure, batch_shape: Sequence[int] = (), value: bool
 
 
 def from_layers(structure: ModelStructure, layers: jax.Array) -> Mask:
-    """A layer-level mask ``[..., L]``; every neuron of an on-layer is on."""
+    """A layer-level mask ``[..., L]``; every neuron of an on-layer is on.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      layers: ``[..., L]`` bool, one per layer, any leading axes.
+
+    Returns:
+      The :class:`~fedpartial.Mask`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from fedpartial import masks, models
+      >>> model = models.from_linen(models.build_model("mlp", 10, (64,)), input_shape=(64,), num_classes=10)
+      >>> m = masks.from_layers(model.structure, jnp.array([[True, False, True]]))
+      >>> int(masks.count_elements(model.structure, m, model.init_variables(jax.random.key(0))["params"])[0])
+      15010
+    """
     layers = jnp.asarray(layers, bool)
     batch = layers.shape[:-1]
     return Mask(layers=layers, neurons=tuple(jnp.ones((*batch, u), bool) for u in structure.units))
 
 
 def from_neurons(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mask:
-    """A neuron-level mask; every layer is on."""
+    """A neuron-level mask; every layer is on.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      neurons: per layer, ``[..., units_l]`` bool, with the same leading axes.
+
+    Returns:
+      The :class:`~fedpartial.Mask`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from fedpartial import masks, models
+      >>> model = models.from_linen(models.build_model("mlp", 10, (64,)), input_shape=(64,), num_classes=10)
+      >>> units = [jnp.arange(u) < u // 2 for u in model.structure.units]
+      >>> masks.from_neurons(model.structure, units).neurons[0].sum()
+      Array(100, dtype=int32)
+    """
     neurons = tuple(jnp.asarray(n, bool) for n in neurons)
     batch = neurons[0].shape[:-1]
     return Mask(layers=jnp.ones((*batch, structure.num_layers), bool), neurons=neurons)
 
 
 def intersect(a: Mask, b: Mask) -> Mask:
-    """Element-wise AND of two masks with the same wiring (an element is on iff on in both)."""
+    """Element-wise AND of two masks with the same wiring (an element is on iff on in both).
+
+    Args:
+      a: a mask.
+      b: a mask with ``a``'s wiring and leading axes.
+
+    Returns:
+      Their element-wise AND.
+    """
     elements = a.elements if b.elements is None else b.elements if a.elements is None \
         else jax.tree.map(jnp.logical_and, a.elements, b.elements)
     return jax.tree.map(jnp.logical_and, a._replace(elements=None), b._replace(elements=None))._replace(
@@ -101,7 +159,15 @@ def intersect(a: Mask, b: Mask) -> Mask:
 def with_elements(mask: Mask, elements: Any) -> Mask:
     """``mask`` with an element level: ``elements`` is shaped like the parameters, each leaf ``[..., *leaf
     shape]`` bool (a sparse leaf: which of its elements are on) or ``[...]`` (a dense leaf, on or off as a
-    whole), ``...`` the mask's leading axes (e.g. the cohort's ``[K]``)."""
+    whole), ``...`` the mask's leading axes (e.g. the cohort's ``[K]``).
+
+    Args:
+      mask: the mask to add the level to.
+      elements: the element level, shaped as above.
+
+    Returns:
+      ``mask`` with ``elements`` set.
+    """
     batch = mask.layers.shape[:-1]
     elements = jax.tree.map(lambda e: jnp.asarray(e, bool), elements)
     for e in jax.tree.leaves(elements):
@@ -111,7 +177,15 @@ def with_elements(mask: Mask, elements: Any) -> Mask:
 
 
 def within(mask: Mask, submodel: Mask) -> Mask:
-    """``mask`` restricted to the neurons that exist in ``submodel`` (its dropout mask)."""
+    """``mask`` restricted to the neurons that exist in ``submodel`` (its dropout mask).
+
+    Args:
+      mask: the mask to restrict.
+      submodel: the client's sub-model (its neuron mask).
+
+    Returns:
+      ``mask`` with the neurons outside ``submodel`` off.
+    """
     return mask._replace(neurons=tuple(jnp.logical_and(a, b) for a, b in zip(mask.neurons, submodel.neurons)))
 
 
@@ -126,7 +200,14 @@ def unwired(structure: ModelStructure, mask: Mask) -> Mask:
 
 
 def protect_output(mask: Mask) -> Mask:
-    """Forces the classifier's output units on (they are never dropped or frozen per neuron)."""
+    """Forces the classifier's output units on (they are never dropped or frozen per neuron).
+
+    Args:
+      mask: any mask.
+
+    Returns:
+      ``mask`` with every output unit on.
+    """
     neurons = (*mask.neurons[:-1], jnp.ones_like(mask.neurons[-1]))
     return mask._replace(neurons=neurons)
 
@@ -169,7 +250,17 @@ def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_va
 
 
 def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "params") -> Any:
-    """Expands one client's mask (no leading axis) to a boolean tree shaped like ``tree``."""
+    """Expands one client's mask (no leading axis) to a boolean tree shaped like ``tree``.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      mask: one client's mask (no leading axis).
+      tree: one model's variables of ``collection`` (any leaf values).
+      collection: the variables collection ``tree`` belongs to.
+
+    Returns:
+      A tree of bool arrays shaped as ``tree``'s leaves.
+    """
     flat = leaf_paths(tree)
     leaves = [
         _leaf_values(structure, collection, path, jnp.shape(leaf), mask.layers, mask.neurons,
@@ -183,7 +274,16 @@ def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "
 
 
 def expand_variables(structure: ModelStructure, mask: Mask, variables: dict) -> dict:
-    """:func:`expand` over every collection of a variables dict."""
+    """:func:`expand` over every collection of a variables dict.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      mask: one client's mask (no leading axis).
+      variables: one model's variables dict.
+
+    Returns:
+      A dict of bool trees shaped as ``variables``.
+    """
     return {c: expand(structure, mask, t, c) for c, t in variables.items()}
 
 
@@ -229,7 +329,15 @@ INDEX_BYTES = 4
 
 def position_bytes(size: int, count: jax.Array) -> jax.Array:
     """Bytes that say where ``count`` on-elements of a leaf of ``size`` elements are: a bitmap (one bit an
-    element) or their indices (:data:`INDEX_BYTES` each), whichever is smaller."""
+    element) or their indices (``INDEX_BYTES`` each), whichever is smaller.
+
+    Args:
+      size: the leaf's number of elements.
+      count: how many of them are on.
+
+    Returns:
+      The bytes, as ``count``'s shape.
+    """
     return jnp.minimum(-(-size // 8), INDEX_BYTES * count)
 
 
@@ -322,13 +430,32 @@ def count_elements(structure: ModelStructure, mask: Mask, tree: Any, collection:
     """Exact number of on-elements of ``tree`` under ``mask``, per leading index, without expanding.
 
     ``tree`` holds one model (no client axis); the mask may carry leading axes.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      mask: the mask, any leading axes.
+      tree: one model's variables of ``collection``.
+      collection: the variables collection ``tree`` belongs to.
+
+    Returns:
+      The count, shaped as the mask's leading axes.
     """
     return sum(_layer_counts(structure, mask, _leaves(tree, collection)))
 
 
 def count_bytes(structure: ModelStructure, mask: Mask, variables: dict, collections: Sequence[str]) -> jax.Array:
     """Bytes of the on-elements of the named collections (exact, from the leaves' dtypes); a sparse leaf of an
-    element mask also sends where its elements are (:func:`position_bytes`)."""
+    element mask also sends where its elements are (:func:`position_bytes`).
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      mask: the mask, any leading axes.
+      variables: one model's variables dict.
+      collections: the collections counted (e.g. ``("params",)``).
+
+    Returns:
+      The bytes, shaped as the mask's leading axes.
+    """
     return sum(_layer_counts(structure, mask, _byte_leaves(variables, collections), positions=True))
 
 
@@ -345,7 +472,16 @@ def count_bytes_per_layer(structure: ModelStructure, mask: Mask, variables: dict
 
     One layer's bytes fit int32 for any model that fits a device; a cohort's total
     need not (128 clients × 26 MB overflows it), so totals are summed on the host
-    in int64 (:func:`fedpartial._src.engine.round.traffic_totals`).
+    in int64 (:func:`~fedpartial.traffic_totals`).
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      mask: the mask, any leading axes.
+      variables: one model's variables dict.
+      collections: the collections counted.
+
+    Returns:
+      ``[..., L]`` int32 bytes.
     """
     return jnp.stack(_layer_counts(structure, mask, _byte_leaves(variables, collections), positions=True), axis=-1)
 
@@ -361,7 +497,23 @@ def layer_densities(structure: ModelStructure, mask: Mask, params: Any) -> jax.A
 
 
 def keep_count(fraction: float, units: int) -> int:
-    """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2)."""
+    """``max(1, round(fraction · units))``, rounding halves up (2.5 → 3, not Python's 2).
+
+    Args:
+      fraction: the kept fraction, in (0, 1].
+      units: the layer's units.
+
+    Returns:
+      The number of units kept.
+
+    Raises:
+      ValueError: ``fraction`` outside (0, 1].
+
+    Examples:
+      >>> from fedpartial import masks
+      >>> masks.keep_count(0.25, 10)
+      3
+    """
     if not 0 < fraction <= 1:
         raise ValueError(f"a kept fraction must be in (0, 1], got {fraction}.")
     # p·u in float can land a hair below an exact half (0.35·90 = 31.499…96): snap first.

@@ -78,10 +78,10 @@ class ModelStructure:
     output unit (``units``).  A method reads it as ``ctx.structure``; ``describe()`` prints the table.
 
     Attributes:
-      layers: the layers (:class:`Layer`: name, kind, units, fan-in, which layer feeds it, its normaliser
+      layers: the layers (``Layer``: name, kind, units, fan-in, which layer feeds it, its normaliser
         paths), input to output.  A BatchNorm belongs to the layer it follows.
       roles: collection name (``'params'``, ``'batch_stats'``) -> leaf path (inside the collection) ->
-        :class:`LeafRole` (its layer, whether it is a normaliser's, whether it has an input axis).
+        ``LeafRole`` (its layer, whether it is a normaliser's, whether it has an input axis).
       sequential: whether the layers form a chain (no residual connections), which neuron masks need.
 
     Example::

@@ -42,9 +42,12 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import optax
 
+from fedpartial._src.core.fielddocs import document_fields
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.core.structure import ModelStructure
-
+from fedpartial._src.core.records import (  # noqa: F401  (re-exported: the records hooks exchange)
+    Batch, ClientPlan, CohortInfo, Holdout, MethodState, Selection, ServerData)
+from fedpartial._src.core.views import VIEW_FIELDS, InitView, LocalStep, LossAux, RoundView  # noqa: F401  (re-exported)
 
 
 class ModelLike(Protocol):
@@ -75,102 +78,23 @@ class ModelLike(Protocol):
     def init_variables(self, key: jax.Array) -> dict: ...
 
 
-class CohortInfo(NamedTuple):
-    """Who is in the cohort. All ``[K]``."""
-
-    client_ids: jax.Array  # int32, index into the population
-    num_samples: jax.Array  # float32, n_k
-    valid: jax.Array  # bool, False for padding clients (they weigh 0)
-    # float32, each client's learning rate over the client optimizer's (its updates are multiplied
-    # by it), or None for 1: replicas that sweep the learning rate share one round built with rate 1
-    lr_scale: jax.Array | None = None
-
-
-class Batch(NamedTuple):
-    """One local step's data for one client (or ``[K, S, ...]`` for a cohort)."""
-
-    x: jax.Array
-    y: jax.Array
-    example_mask: jax.Array
-    step_mask: jax.Array
-
-
-class Holdout(NamedTuple):
-    """A cohort's held-out (validation) examples, ``[K, H, ...]``; padded examples masked."""
-
-    x: jax.Array
-    y: jax.Array
-    example_mask: jax.Array
-
-
-class ServerData(NamedTuple):
-    """Examples the server holds (e.g. FedDHE's class-balanced set), ``[M, ...]``."""
-
-    x: jax.Array
-    y: jax.Array
-
-
-class ClientPlan(NamedTuple):
-    """What each client of the cohort trains, keeps and receives. Leading ``[K]``.
-
-    Attributes:
-      train: elements a client may change, or None for "everything".
-      dropout: neurons that exist in the client's sub-model (its ``neurons``
-        field), or None for "no dropout".
-      dropout_scale: per-unit forward multipliers ``[K, units_l]`` (e.g. the
-        inverted-dropout ``1/(1-d)``), or None to use the dropout mask as 0/1.
-      download: elements sent to the client (for traffic accounting), or None
-        for the whole model.
-      extra_download_bytes: ``[K]`` bytes sent besides parameters (e.g. the
-        indices of a client's active neurons), or None for none.
-      extra: any per-client array data a method's per-step hooks need (e.g.
-        per-neuron dropout rates to resample masks from); leading ``[K]``.
-      download_bytes_per_layer: ``[K, L]`` parameter bytes sent per layer when the
-        payload is not what ``download`` masks (e.g. FedDST's sparse values and
-        bit-masks), or None to count the masked elements.
-      lr_scale: ``[K]`` multipliers of each client's optimizer updates, or None for 1.
-        The engine multiplies in the cohort's ``lr_scale`` after the method plans.
-      window: ``[K]`` int32 where each client's width window starts (FedRolex rolls it
-        every round): a windowed graph (:func:`fedpartial._src.engine.graphs.width`) then holds
-        units ``window … window + n - 1`` (mod the layer's units) instead of the leading ``n``;
-        None: the leading units.  Graphs without windows (the whole model) ignore it.
-    """
-
-    train: Mask | None = None
-    dropout: Mask | None = None
-    dropout_scale: tuple[jax.Array, ...] | None = None
-    download: Mask | None = None
-    extra_download_bytes: jax.Array | None = None
-    extra: Any = None
-    download_bytes_per_layer: jax.Array | None = None
-    lr_scale: jax.Array | None = None
-    window: jax.Array | None = None
-
-
-class Selection(NamedTuple):
-    """What the server aggregates. Leading ``[K]``.
-
-    Attributes:
-      upload: elements each client uploads.
-      weights: aggregation weights ``w_k`` (padding clients are zeroed by the engine).
-      extra_upload_bytes: bytes uploaded besides parameters (feedback, indices).
-      upload_bytes_per_layer: ``[K, L]`` parameter bytes uploaded per layer when the
-        payload is not what ``upload`` masks (e.g. sparse values), or None to count
-        the masked elements.  Aggregation still reads ``upload``.
-    """
-
-    upload: Mask
-    weights: jax.Array
-    extra_upload_bytes: jax.Array
-    upload_bytes_per_layer: jax.Array | None = None
-
-
+@document_fields
 class Carry(NamedTuple):
     """A hook's result with a value it hands on to the later hooks of the same round, so that nothing is
     computed twice in a round (e.g. DP-FedAvg's clip factors, computed in ``aggregate`` and read by ``update``
     and ``metrics``).  ``select``, ``encode``, ``aggregate`` and ``server_correct`` may return one instead of
     their result; the later hooks read ``RoundView.carried[hook]``.  (Under the streamed strategy ``select``
-    runs a chunk of clients at a time and may not carry.)"""
+    runs a chunk of clients at a time and may not carry.)
+
+    Attributes:
+      result: what the hook returns without a carry (a ``Selection``, params, ...).
+      value: any pytree the later hooks of this round read as ``RoundView.carried[hook]``.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> fp.Carry(result=1.0, value={"clip": 0.5}).value["clip"]
+      0.5
+    """
 
     result: Any
     value: Any
@@ -180,36 +104,42 @@ class Carry(NamedTuple):
 CARRYING_HOOKS = ("select", "encode", "aggregate", "server_correct")
 
 
-class MethodState(NamedTuple):
-    """A method's state: server-side part and per-client part with leading ``[N]``."""
-
-    server: Any = ()
-    clients: Any = ()
-
-
+@document_fields
 class PersonalModels(NamedTuple):
-    """Every client's own model: ``variables`` with leading ``[N]`` (or one unstacked
-    model shared by all) and, for sub-model methods, the ``[N]`` neuron mask of the
-    sub-model each client holds (None: the full model)."""
+    """Every client's own model, as a personalised method's ``personal`` hook returns it.
+
+    Attributes:
+      variables: the models' variables with leading ``[N]`` (or one unstacked model shared by all).
+      submodel: for sub-model methods, the ``[N]`` neuron mask of the sub-model each client holds
+        (None: the full model).
+      stacked: False when ``variables`` is one model shared by every client.
+    """
 
     variables: dict
     submodel: Mask | None = None
     stacked: bool = True
 
 
+@document_fields
 class ClientOptimizer(NamedTuple):
     """The clients' local optimizer: an optax transformation at rate 1 (``direction``) and the rate.
 
     The engine multiplies every local update by the client's rate in one place
-    (:mod:`fedpartial._src.engine.client`): ``lr`` × the cohort's ``CohortInfo.lr_scale``
+    (the engine): ``lr`` × the cohort's ``CohortInfo.lr_scale``
     (replicas that sweep the rate share one round built with ``lr`` 1) × the plan's
     ``ClientPlan.lr_scale`` (a method's own per-client rates).  A method reads the result as
     ``LocalStep.lr`` and ``RoundView.client_lr``, never by multiplying scales itself.
     Build one with :func:`client_sgd`; a plain optax transformation given instead applies its
     own rate, which the engine then cannot tell a method (``lr`` None).
+
+    Attributes:
+      direction: an optax ``GradientTransformation`` at rate 1 (its updates point downhill, unscaled).
+      lr: the learning rate, or None when ``direction`` applies its own.
+      momentum: the SGD momentum (0: none), for methods that read it.
+      weight_decay: the L2 weight decay (0: none), for methods that read it.
     """
 
-    direction: Any  # optax.GradientTransformation at rate 1 (its updates point downhill, unscaled)
+    direction: Any
     lr: float | None
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -220,6 +150,19 @@ def client_sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> C
 
     The same arithmetic as ``optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(lr, momentum))``
     bit for bit: ``(-u)·lr`` and ``u·(-lr)`` round alike.
+
+    Args:
+      lr: the learning rate (> 0).
+      momentum: the momentum coefficient (0: plain SGD).
+      weight_decay: the L2 weight decay coefficient (0: none).
+
+    Returns:
+      The :class:`ClientOptimizer` to give a run (``Simulation(config, client_optimizer=...)``).
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> fp.client_sgd(0.05, momentum=0.9).lr
+      0.05
     """
     parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
     parts.append(optax.sgd(1.0, momentum=momentum or None))
@@ -227,9 +170,15 @@ def client_sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> C
                            weight_decay=float(weight_decay))
 
 
+@document_fields
 class OptimizerSettings(NamedTuple):
     """The client optimizer's settings a method may read (``MethodContext.client_optimizer``).  The
-    learning rate is not here: it may differ per client and per replica (``LocalStep.lr``)."""
+    learning rate is not here: it may differ per client and per replica (``LocalStep.lr``).
+
+    Attributes:
+      momentum: the client optimizer's momentum (0: none).
+      weight_decay: the client optimizer's L2 weight decay (0: none).
+    """
 
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -237,17 +186,26 @@ class OptimizerSettings(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class MethodContext:
-    """Static facts a method may use (hashable; never traced)."""
+    """Static facts a method may use (hashable; never traced): every hook's first argument ``ctx``.
+
+    Attributes:
+      model: the model the run trains (its ``structure``, ``apply``, ``num_classes``, ...).
+      num_clients: the population ``N``.
+      cohort_size: rows of every cohort ``K``, padding rows included.
+      rounds: planned number of rounds, for schedules (None: unknown).
+      batch_statistics: 'static' BatchNorm: evaluate with batch statistics.
+      padding: the last ``padding`` rows of every cohort are padding clients (never valid) that fill the
+        devices the cohort is split over; client groups put them in their last group.
+      client_optimizer: the client optimizer's momentum and weight decay (None: a plain optax
+        transformation, settings unknown).
+    """
 
     model: ModelLike
     num_clients: int
     cohort_size: int
-    rounds: int | None = None  # planned number of rounds, for schedules (None: unknown)
-    batch_statistics: bool = False  # 'static' BatchNorm: evaluate with batch statistics
-    # The last ``padding`` rows of every cohort are padding clients (never valid) that fill the devices the
-    # cohort is split over; ``cohort_size`` counts them.  Client groups put them in their last group.
+    rounds: int | None = None
+    batch_statistics: bool = False
     padding: int = 0
-    # The client optimizer's momentum and weight decay (None: a plain optax transformation, settings unknown)
     client_optimizer: OptimizerSettings | None = None
 
     @property
@@ -260,112 +218,10 @@ class MethodContext:
         return self.cohort_size - self.padding
 
 
-class InitView(NamedTuple):
-    """What ``init`` may read."""
-
-    global_vars: dict
-    key: jax.Array
-    server_data: ServerData | None = None
-    label_counts: jax.Array | None = None  # [N, C] every client's training examples per class (None: not given)
-    execution_times: jax.Array | None = None  # [N] seconds of full-model local work per device (None: no device model)
-
-
-class RoundView(NamedTuple):
-    """What a cohort-level hook reads.  One record for every hook; a field is None where its
-    hook runs before the value exists.  :data:`VIEW_FIELDS` lists, per hook, the fields that
-    can be set (``tests/core/test_views.py`` proves no hook sees more, under every strategy).
-
-    ``key`` is the calling hook's own key (plan, select, update and metrics each
-    get a different one).  Under the streamed strategy no hook sees ``data``, and
-    ``update`` and ``metrics`` see no ``trained_vars`` or ``start_vars``.
-    """
-
-    # ---- every hook --------------------------------------------------------------
-    key: jax.Array
-    round: jax.Array
-    global_vars: dict
-    method_state: MethodState
-    client_state: Any  # the cohort's rows of method_state.clients
-    cohort: CohortInfo
-    data: Batch  # the cohort's local data [K, S, B, ...]
-    # ---- from summarize on: after local training ---------------------------------------
-    plan: ClientPlan | None = None
-    trained_vars: dict | None = None  # [K, ...] after local training
-    # ---- from server_correct on: after selection and aggregation ------------------------
-    selection: Selection | None = None
-    # ---- update and metrics: after the server optimizer ---------------------------------
-    new_global_vars: dict | None = None
-    # ---- every hook, when the run holds out validation data ------------------------------
-    holdout: Holdout | None = None  # the cohort's validation data
-    # ---- from summarize on -------------------------------------------------------------
-    client_loss: jax.Array | None = None  # [K] mean local training loss
-    start_vars: dict | None = None  # [K, ...] the model each client started local training from
-    client_steps: jax.Array | None = None  # [K] int32 real local steps each client took
-    # ---- from server_correct on ----------------------------------------------------------
-    aggregated: dict | None = None  # Σ w m θ / Σ w m (else global), before server_correct and the server optimizer
-    # ---- from select on, when the method has ``summarize`` --------------------------------
-    summary: Any = None  # [K, ...] the method's per-client statistic of the trained cohort (``Method.summarize``)
-    # ---- every hook ----------------------------------------------------------------------
-    # [K] int32: the cohort's rows of ``method_state.clients`` — its client ids, or 0…K-1 when the round holds
-    # only the cohort's rows (per-client state kept off the device); write rows back at these (``scatter_clients``)
-    client_rows: jax.Array | None = None
-    # ---- from summarize on, when the client optimizer's rate is known (``ClientOptimizer``) -----
-    # [K] float32 the rate each client trained with: the optimizer's ``lr`` × every ``lr_scale`` (see ClientOptimizer)
-    client_lr: jax.Array | None = None
-    # ---- from aggregate on: what earlier hooks of this round handed on (:class:`Carry`) -------------
-    carried: dict | None = None  # {hook: value} for each of CARRYING_HOOKS that returned a Carry so far
-    # ---- from aggregate on: the params [K, ...] as the server receives them (``encode``'s, else trained_vars')
-    uploaded: Any = None
-
-
-_BEFORE_TRAINING = ("key", "round", "global_vars", "method_state", "client_state", "cohort", "data", "holdout",
-                    "client_rows")
-_TRAINED = _BEFORE_TRAINING + ("plan", "trained_vars", "client_loss", "start_vars", "client_steps", "client_lr")
-#: hook -> the :class:`RoundView` fields that can be set when it runs (the rest are None)
-VIEW_FIELDS: dict[str, frozenset[str]] = {
-    "plan": frozenset(_BEFORE_TRAINING),
-    "summarize": frozenset(_TRAINED),
-    "select": frozenset(_TRAINED + ("summary",)),
-    "encode": frozenset(_TRAINED + ("summary", "selection", "carried")),
-    "aggregate": frozenset(_TRAINED + ("summary", "selection", "carried", "uploaded")),
-    "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated", "carried", "uploaded")),
-    "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried", "uploaded")),
-    "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried", "uploaded")),
-}
-
-
-class LossAux(NamedTuple):
-    """What an objective reports besides the value it minimises."""
-
-    loss: jax.Array  # the data loss (reported as the client's training loss)
-    batch_stats: dict  # updated running statistics (the input ones when not tracked)
-
-
-class LocalStep(NamedTuple):
-    """One client's inputs to one local step's objective.
-
-    ``forward(params, x)`` runs the client's (possibly truncated, possibly
-    sub-model) graph in train mode on ``x`` with this step's example mask and
-    returns ``(logits, batch_stats)``; an objective should call it rather than
-    the model, so dropout and client groups apply.
-    """
-
-    batch: Batch  # this step's data (x may be prepared inputs, e.g. prefix activations)
-    key: jax.Array  # this step's own key: the client's round key folded with the step index
-    index: jax.Array  # the step index
-    plan: ClientPlan  # this step's plan (after ``step_plan``)
-    global_vars: dict
-    client_state: Any  # this client's rows of the method's per-client state
-    forward: Callable[[Any, jax.Array], tuple[jax.Array, dict]]
-    server_state: Any = ()  # the method's server state (``MethodState.server``), e.g. SCAFFOLD's control variate
-    # this client's learning rate (a scalar array: the optimizer's rate × every ``lr_scale``), or None when the
-    # client optimizer is a plain optax transformation whose rate the engine cannot read (see ClientOptimizer)
-    lr: jax.Array | None = None
-
-
 Objective = Callable[[MethodContext, Any, LocalStep], tuple[jax.Array, LossAux]]
 
 
+@document_fields
 class LocalGraph(NamedTuple):
     """How one client group sees the model during local training (all pure).
 
@@ -376,6 +232,14 @@ class LocalGraph(NamedTuple):
     round (None: the raw data); ``apply(variables, x, train, example_mask)`` is
     the group's forward pass.  A ``windowed`` graph's ``extract(tree, window)`` and
     ``insert(full, part, window)`` also take a client's window start (``ClientPlan.window``).
+
+    Attributes:
+      extract: ``extract(tree[, window])``: a full-shaped tree to the group's own.
+      insert: ``insert(full, part[, window])``: a group tree written back into a full-shaped one.
+      apply: ``apply(variables, x, train, example_mask)``: the group's forward pass.
+      prepare: ``prepare(variables, data, batch_statistics)``: a client's local data to the steps'
+        inputs, once per round (None: the raw data).
+      windowed: whether ``extract`` and ``insert`` take a window start.
     """
 
     extract: Callable[..., Any]
@@ -398,7 +262,7 @@ class ClientGroup:
       name: shown in errors and metrics.
       size: clients per round in this group (static for the run).
       members: population ids this group samples from (None: everyone).
-      graph: the group's local graph (e.g. :func:`fedpartial._src.engine.graphs.suffix`).
+      graph: the group's local graph (e.g. ``suffix``).
     """
 
     name: str
@@ -407,6 +271,7 @@ class ClientGroup:
     graph: LocalGraph | None = None
 
 
+@document_fields
 class Capabilities(NamedTuple):
     """What a method needs from a run and which executions it allows — read by the driver and the
     engine from this record, never from a method's name.
@@ -430,13 +295,13 @@ class Capabilities(NamedTuple):
         anything are trained again (same keys, same results) and aggregated.  None: not streamable.
       host_client_state: the method reads its per-client state only as the cohort's rows
         (``RoundView.client_state``) and writes it only at ``RoundView.client_rows``
-        (:func:`~fedpartial._src.core.population.cohort_rows`), so a run may keep the ``[N]`` state on
+        (:func:`~fedpartial.cohort_rows`), so a run may keep the ``[N]`` state on
         the host or on disk (``--client-state host|disk``); ``personal`` and ``active_clients`` then
         receive numpy arrays.  False: the state stays on the device.
       finetune_epochs: personalised by fine-tuning (FedBABU): each client's own model is the global model
         trained this many epochs on the client's training data (the whole model, cross-entropy, the run's
         client optimizer and batch size) and then evaluated on its held-out split; the driver does it
-        (:mod:`fedpartial._src.experiment.finetune`) and does not read ``personal``.  0: no fine-tuning.
+        (the driver) and does not read ``personal``.  0: no fine-tuning.
       local_passes: how many models a client trains over its local steps in a round, on the same batches
         (Ditto: 2, the global model and then its personal one); the device model counts each client's FLOPs of
         local work, and so its simulated time, this many times.
@@ -453,6 +318,7 @@ class Capabilities(NamedTuple):
     local_passes: int = 1
 
 
+@document_fields
 class Method(NamedTuple):
     """A federated method: small pure functions (hooks) and one :class:`Capabilities` record.
     Build one with :func:`fedpartial.make_method`, which fills every hook not given with FedAvg's.
@@ -484,6 +350,33 @@ class Method(NamedTuple):
       still be sampled).
 
     Optional hooks are None where the method has no such step.
+
+    Attributes:
+      name: the method's name (run folders, tables).
+      init: ``(ctx, InitView) -> MethodState``, once.
+      plan: ``(ctx, RoundView) -> ClientPlan``, per cohort before training.
+      client_start: ``(ctx, global_vars, client_state, plan) -> variables``, where a client starts training.
+      step_plan: ``(ctx, plan, key, step) -> ClientPlan`` per local step (None: the round's plan).
+      objective: ``(ctx, params, LocalStep) -> (loss, LossAux)``, the local loss.
+      select: ``(ctx, RoundView) -> Selection``: upload masks and aggregation weights.
+      update: ``(ctx, RoundView) -> MethodState`` after the server optimizer.
+      metrics: ``(ctx, RoundView) -> {name: array}`` for ``metrics.jsonl`` (None: none).
+      groups: ``(ctx) -> ClientGroup…``, how the cohort is split (None: one group).
+      personal: ``(ctx, MethodState, global_vars) -> PersonalModels``, every client's own model.
+      active_clients: ``(ctx, MethodState) -> [N] bool``, who may still be sampled (None: everyone).
+      server_correct: ``(ctx, RoundView) -> params``, a server step other than the aggregate (None: none).
+      adapt_model: the model the method trains, made from the run's (None: the run's model).
+      summarize: ``(ctx, RoundView) -> [K, ...]``, set as ``RoundView.summary`` (None: none).
+      transform_grads: ``(ctx, grads, LocalStep) -> grads`` each step (None: unchanged).
+      capabilities: what the method needs of a run, :class:`Capabilities`.
+      aggregate: ``(ctx, RoundView) -> (params, received)``, replacing the one formula (None: the formula).
+      encode: ``(ctx, RoundView) -> params [K, ...]``, what the server receives (None: ``trained_vars``).
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> method = fp.make_method("mine")
+      >>> method.name, method.aggregate is None
+      ('mine', True)
     """
 
     name: str
@@ -507,5 +400,12 @@ class Method(NamedTuple):
     encode: Callable[[MethodContext, RoundView], Any] | None = None
 
     def with_capabilities(self, **changes) -> "Method":
-        """The same method with some capabilities changed (e.g. a wrapper that needs held-out data)."""
+        """The same method with some capabilities changed (e.g. a wrapper that needs held-out data).
+
+        Args:
+          **changes: :class:`Capabilities` fields and their new values.
+
+        Returns:
+          A new :class:`Method`; this one is unchanged.
+        """
         return self._replace(capabilities=self.capabilities._replace(**changes))

@@ -18,9 +18,16 @@ class DataError(UserError):
 class ArrayDataset:
     """A dataset held in host memory.
 
-    ``natural_partition`` (when not None) lists, per client, indices into the
-    train split (e.g. Synthetic's per-client data); ``natural_test_partition``
-    does the same for the test split.
+    Attributes:
+      name: the dataset's name (``--dataset``).
+      x_train: training features ``[n, ...]``.
+      y_train: int training labels ``[n]``.
+      x_test: test features ``[m, ...]``.
+      y_test: int test labels ``[m]``.
+      num_classes: the number of classes ``C``.
+      natural_partition: per client, indices into the train split (e.g. Synthetic's per-client data),
+        or None when clients are made by ``partition``.
+      natural_test_partition: the same for the test split, or None.
     """
 
     name: str

@@ -51,19 +51,29 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedpartial._src.core.fielddocs import document_fields
 from fedpartial._src.data.sources import DataError
 
 __all__ = ["CohortBatches", "steps_for_client", "max_steps", "pack_cohort"]
 
 
+@document_fields
 class CohortBatches(NamedTuple):
-    """A cohort's local data, padded to a common shape (K clients, S steps, B examples)."""
+    """A cohort's local data, padded to a common shape (K clients, S steps, B examples).
 
-    x: np.ndarray  # [K, S, B, *feature_shape] float32 (integer features keep their dtype)
-    y: np.ndarray  # [K, S, B] int32
-    example_mask: np.ndarray  # [K, S, B] bool, False for padded examples
-    step_mask: np.ndarray  # [K, S] bool, False for padded steps
-    num_samples: np.ndarray  # [K] float32, n_k = the client's number of training examples
+    Attributes:
+      x: ``[K, S, B, *feature_shape]`` float32 (integer features keep their dtype).
+      y: ``[K, S, B]`` int32 labels.
+      example_mask: ``[K, S, B]`` bool, False for padded examples.
+      step_mask: ``[K, S]`` bool, False for padded steps.
+      num_samples: ``[K]`` float32, ``n_k``, the client's number of training examples.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    example_mask: np.ndarray
+    step_mask: np.ndarray
+    num_samples: np.ndarray
 
 
 def _check_mode(local_steps: int | None, local_epochs: float | None) -> None:
@@ -112,7 +122,22 @@ def steps_for_client(
     local_steps: int | None,
     local_epochs: float | None,
 ) -> int:
-    """Number of real local steps of a client with ``num_examples`` examples."""
+    """Number of real local steps of a client with ``num_examples`` examples.
+
+    Args:
+      num_examples: the client's training examples.
+      batch_size: examples per step.
+      local_steps: a fixed number of local steps (or None).
+      local_epochs: epochs of local data (or None); exactly one of the two is given.
+
+    Returns:
+      The number of steps.
+
+    Examples:
+      >>> from fedpartial import data
+      >>> data.steps_for_client(100, 32, local_steps=None, local_epochs=1)
+      4
+    """
     _check_mode(local_steps, local_epochs)
     batch_size = _check_positive_int("batch_size", batch_size)
     if not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
@@ -127,7 +152,17 @@ def max_steps(
     local_steps: int | None,
     local_epochs: float | None,
 ) -> int:
-    """Largest :func:`steps_for_client` over a population of client sizes."""
+    """Largest :func:`steps_for_client` over a population of client sizes.
+
+    Args:
+      sizes: every client's training examples.
+      batch_size: examples per step.
+      local_steps: a fixed number of local steps (or None).
+      local_epochs: epochs of local data (or None); exactly one of the two is given.
+
+    Returns:
+      The largest number of steps.
+    """
     sizes = list(sizes)
     if not sizes:
         raise DataError("max_steps needs the size of at least one client.")
@@ -155,6 +190,20 @@ def pack_cohort(
     own ``numpy.random.default_rng([seed, client_keys[k]])`` (``seed`` an int), so its
     batches do not depend on which other clients are packed with it — what packing a
     cohort a chunk at a time needs.  None: every client draws from ``seed`` in turn.
+
+    Args:
+      x: every training example's features.
+      y: every training example's labels.
+      client_indices: per cohort member, its indices into ``x``.
+      batch_size: examples per step ``B``.
+      num_steps: steps ``S`` every client is padded to.
+      local_steps: a fixed number of local steps (or None).
+      local_epochs: epochs of local data (or None); exactly one of the two is given.
+      seed: the shuffling seed (or a numpy generator).
+      client_keys: one integer per client (above), or None.
+
+    Returns:
+      The :class:`~fedpartial.data.CohortBatches`.
     """
     _check_mode(local_steps, local_epochs)
     batch = _check_positive_int("batch_size", batch_size)

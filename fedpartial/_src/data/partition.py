@@ -89,7 +89,29 @@ def partition(
 
     ``alpha`` is required by (and only accepted with) ``dirichlet``,
     ``classes_per_client`` by (and only with) ``shards``. Bad arguments raise
-    :class:`~fedpartial._src.data.sources.DataError`.
+    :class:`~fedpartial.data.DataError`.
+
+    Args:
+      labels: every training example's label.
+      num_clients: the population.
+      scheme: one of :data:`~fedpartial.data.SCHEMES` (e.g. ``iid``, ``dirichlet``, ``shards``).
+      alpha: the Dirichlet concentration (``dirichlet`` only).
+      classes_per_client: classes per client (``shards`` only).
+      seed: the partition's seed.
+      min_size: the fewest examples a client gets.
+
+    Returns:
+      Per client, a sorted array of example indices.
+
+    Raises:
+      DataError: bad arguments.
+
+    Examples:
+      >>> import numpy as np
+      >>> from fedpartial import data
+      >>> parts = data.partition(np.arange(100) % 10, 4, "iid")
+      >>> sum(len(p) for p in parts)
+      100
     """
     labels = np.asarray(labels)
     if labels.ndim != 1 or not (np.issubdtype(labels.dtype, np.integer) or labels.size == 0):
@@ -160,6 +182,14 @@ def train_holdout_split(
     training, clipped to ``[1, n_k]`` so every client keeps at least one; the
     rest is held out (possibly none for a client with one example). Both parts
     are sorted ``int64`` arrays. Deterministic given ``seed``.
+
+    Args:
+      indices: per client, its example indices.
+      train_fraction: each client's share kept for training.
+      seed: the split's seed.
+
+    Returns:
+      ``(train, holdout)``: per client, sorted index arrays.
     """
     if not _is_real(train_fraction) or not 0.0 < train_fraction <= 1.0:
         raise DataError(

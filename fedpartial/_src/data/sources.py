@@ -101,8 +101,8 @@ def load_dataset(
     ``data_dir`` is the tfds data folder (default: tfds's own, normally
     ``~/tensorflow_datasets``). Options by source: ``digits``, ``mnist5k``:
     ``test_fraction``; ``synthetic``: the keywords of
-    :func:`fedpartial._src.data.synthetic.make_synthetic`; ``synthetic_text``: those
-    of :func:`fedpartial._src.data.text.make_synthetic_text`; ``imdb_reviews``:
+    :func:`~fedpartial.data.make_synthetic`; ``synthetic_text``: those
+    of ``make_synthetic_text``; ``imdb_reviews``:
     ``vocab_size``, ``seq_len``; other tfds datasets: ``config``.
 
     A tfds dataset that is not prepared locally raises :class:`DataError`
@@ -112,6 +112,24 @@ def load_dataset(
     and copy the ``~/tensorflow_datasets/cifar10`` folder into the data
     folder used here. The ``array_record`` format matters: random access
     cannot read tfds's default ``tfrecord`` files.
+
+    Args:
+      name: one of :data:`~fedpartial.data.DATASETS`.
+      data_dir: the tfds data folder (None: tfds's own).
+      seed: drives every random choice of the source.
+      **options: the source's options (above).
+
+    Returns:
+      The :class:`~fedpartial.data.ArrayDataset`.
+
+    Raises:
+      DataError: an unknown name or option, or a tfds dataset not prepared locally.
+
+    Examples:
+      >>> from fedpartial import data
+      >>> ds = data.load_dataset("digits")
+      >>> ds.num_classes, ds.feature_shape
+      (10, (8, 8, 1))
     """
     if name == "digits":
         test_fraction = options.pop("test_fraction", 0.2)

@@ -89,7 +89,21 @@ def make_synthetic(
     max_samples: int | None = None,
     test_fraction: float = 0.2,
 ) -> ArrayDataset:
-    """Generate Synthetic(alpha, beta) with ``num_clients`` clients (see module doc)."""
+    """Generate Synthetic(alpha, beta) with ``num_clients`` clients (see module doc).
+
+    Args:
+      alpha: how much the clients' models differ.
+      beta: how much the clients' inputs differ.
+      num_clients: the population.
+      seed: the generator's seed.
+      iid: one model and input distribution for every client.
+      min_samples: the fewest examples a client has.
+      max_samples: the most (None: no bound).
+      test_fraction: each client's share of examples in the test split.
+
+    Returns:
+      The :class:`~fedpartial.data.ArrayDataset`, with its natural partition.
+    """
     _validate(alpha, beta, num_clients, min_samples, max_samples, test_fraction)
     seq = np.random.SeedSequence(int(seed))
     shared_seq, *client_seqs = seq.spawn(num_clients + 1)

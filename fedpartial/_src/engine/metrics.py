@@ -85,6 +85,12 @@ def traffic_totals(metrics: dict) -> dict:
 
     Returns ``upload_bytes`` / ``download_bytes`` (Python ints) and the per-client
     ``upload_bytes_per_client`` / ``download_bytes_per_client`` (int64 arrays).
+
+    Args:
+      metrics: a round's metrics (``FederatedRound``'s output).
+
+    Returns:
+      The totals dict.
     """
     out = {}
     fetched = jax.device_get((metrics["upload_bytes_per_layer"], metrics["download_bytes_per_layer"]))

@@ -39,7 +39,7 @@ nothing (it reports failure instead of a model).  ``client_loss`` keeps its raw
 (NaN) loss.  The metric ``diverged`` is True when every real client failed (the
 global model then comes back unchanged: nobody uploaded anything) or the new global
 variables are not finite; the round is not undone (that would copy the whole state
-every round), :class:`fedpartial._src.experiment.simulation.Simulation` stops the run with a
+every round), :class:`~fedpartial.Simulation` stops the run with a
 :class:`fedpartial._src.core.errors.DivergedError` and the last good checkpoint stays.
 
 **Per-client state** (``MethodState.clients``, ``[N, ...]``) is gathered at the
@@ -94,7 +94,7 @@ class FederatedRound:
 
     ``init(key)`` builds the server state; calling the object runs one round and
     returns ``(state, metrics)`` (device arrays; see
-    :func:`~fedpartial._src.engine.metrics.traffic_totals`) by its strategy's :attr:`runner`.
+    :func:`~fedpartial.traffic_totals`) by its strategy's ``runner``.
     The pure pieces are :attr:`functions`.  :attr:`trace_count` counts how often the
     jitted pieces were traced (a round with the same shapes must not retrace).
 
@@ -109,12 +109,12 @@ class FederatedRound:
         a simulation sets it once it has counted a step's FLOPs, before ``init``.
       devices: split the client axis over devices (fused strategy only): a number ``D``
         of this process's devices, or a :class:`jax.sharding.Mesh` with one axis
-        ``'clients'`` (:func:`fedpartial._src.engine.sharding.client_mesh`; several processes: the
+        ``'clients'`` (a client mesh; several processes: the
         multi-host mesh).  None or 1: one device.  The cohort size must be a multiple of
         the device count (pad the cohort with padding clients, as
-        :class:`~fedpartial._src.experiment.simulation.Simulation` does, and say how many in ``padding``).
+        :class:`~fedpartial.Simulation` does, and say how many in ``padding``).
         The cohort is split over the devices, each device trains its own clients, and the
-        server state is replicated (see :mod:`fedpartial._src.engine.sharding`).  A client group whose
+        server state is replicated (see docs/multihost.md).  A client group whose
         size is not a multiple of the device count trains with copies of its first rows
         added up to one (their results are dropped).
       padding: the last ``padding`` rows of every cohort are padding clients (``valid``
@@ -123,7 +123,7 @@ class FederatedRound:
         its last group.
       client_state: where the method's per-client state (``MethodState.clients``, ``[N, ...]``)
         lives.  ``"device"``: in the state, gathered and written back inside the round.
-        ``"host"``: off the device (:class:`fedpartial._src.experiment.client_state.HostClientState`, RAM or
+        ``"host"``: off the device (a host store, RAM or
         memory-mapped files): ``init`` leaves it out (``clients`` is ``()``), the caller
         passes each round the cohort's rows ``[K, ...]`` in cohort order in
         ``state.method_state.clients`` and gets them back updated; :meth:`client_state_shapes`
@@ -302,7 +302,7 @@ class FederatedRound:
 
     def __call__(self, state: ServerState, cohort: Cohort, key: jax.Array):
         """Runs one round; returns ``(new_state, metrics)``, device arrays (nothing waits for the device:
-        :func:`~fedpartial._src.engine.metrics.traffic_totals` turns the per-layer traffic into int64
+        :func:`~fedpartial.traffic_totals` turns the per-layer traffic into int64
         totals on the host)."""
         checks.check_cohort(self, cohort, state)
         return self.runner(state, cohort, key)

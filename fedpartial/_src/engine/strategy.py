@@ -15,7 +15,7 @@ Three execution strategies compute the same round (:mod:`fedpartial._src.engine.
 * :func:`debug` — nothing jitted, one client at a time, so an error inside a
   method's hook points at the method's own line.
 
-:func:`default_strategy` and :func:`bounded_strategy` are what ``auto`` resolves to;
+``default_strategy`` and :func:`bounded_strategy` are what ``auto`` resolves to;
 :func:`parse_strategy` reads ``--strategy``.
 """
 
@@ -33,13 +33,25 @@ STRATEGY_KINDS = ("fused", "stepwise", "debug", "stream")
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """How a round executes. Build with :func:`fused`, :func:`stepwise`, :func:`debug` or :func:`streamed`."""
+    """How a round executes. Build with :func:`fused`, :func:`stepwise`, :func:`debug` or :func:`streamed`.
+
+    Attributes:
+      kind: ``"fused"`` (one jitted round), ``"stepwise"`` (a host loop of jitted steps), ``"debug"``
+        (nothing jitted) or ``"stream"`` (the cohort a chunk of clients at a time).
+      chunk_size: clients trained at once (None: the whole cohort).
+      unroll: the local-step ``lax.scan``'s unroll (``True``: fully unrolled).
+      stepwise_chunks: the streamed strategy only: each chunk trained by a host loop of jitted steps (the
+        stepwise layout, fast for conv models on CPU) instead of one jitted ``lax.scan`` over its steps.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> str(fp.streamed(100)), str(fp.parse_strategy("fused:50"))
+      ('stream:100', 'fused:50')
+    """
 
     kind: str
     chunk_size: int | None = None
     unroll: int | bool = 1
-    #: the streamed strategy only: each chunk trained by a host loop of jitted steps (the stepwise layout,
-    #: fast for conv models on CPU) instead of one jitted ``lax.scan`` over its steps
     stepwise_chunks: bool = False
 
     def __post_init__(self):
@@ -64,12 +76,36 @@ def fused(chunk_size: int | None = None, unroll: int | bool = 1) -> Strategy:
 
     ``unroll`` is passed to the local-step ``lax.scan``: ``True`` unrolls all steps,
     which on CPU lets XLA give convolutions their fast layout (compiles longer).
+
+    Args:
+      chunk_size: clients vmapped at a time (None: all).
+      unroll: the local-step scan's unroll.
+
+    Returns:
+      The :class:`~fedpartial.Strategy`.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> str(fp.fused(50))
+      'fused:50'
     """
     return Strategy("fused", chunk_size, unroll)
 
 
 def stepwise(chunk_size: int = 1) -> Strategy:
-    """Host loop over local steps of a jitted step over ``chunk_size`` clients."""
+    """Host loop over local steps of a jitted step over ``chunk_size`` clients.
+
+    Args:
+      chunk_size: clients vmapped in each jitted step.
+
+    Returns:
+      The :class:`~fedpartial.Strategy`.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> str(fp.stepwise())
+      'stepwise:1'
+    """
     return Strategy("stepwise", chunk_size)
 
 
@@ -79,7 +115,20 @@ def streamed(chunk_size: int, stepwise: bool = False) -> Strategy:
 
     ``stepwise``: each chunk is trained by a host loop of jitted steps, as :func:`stepwise` trains
     (``chunk_size`` 1: one client, un-vmapped), instead of one jitted ``lax.scan`` of vmapped steps,
-    which on CPU runs conv models several times slower than a plain loop."""
+    which on CPU runs conv models several times slower than a plain loop.
+
+    Args:
+      chunk_size: clients trained at once.
+      stepwise: train each chunk step by step.
+
+    Returns:
+      The :class:`~fedpartial.Strategy`.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> str(fp.streamed(100, stepwise=True))
+      'stream-stepwise:100'
+    """
     if chunk_size is None:
         raise ValueError("the streamed strategy needs a chunk size (clients trained at a time).")
     return Strategy("stream", chunk_size, stepwise_chunks=stepwise)
@@ -144,8 +193,21 @@ def bounded_strategy(clients_that_fit: int, platform: str | None = None, model: 
 def parse_strategy(text: str, model: Model | None = None, layout: str | None = None) -> Strategy:
     """'auto', 'fused', 'fused:N' (N clients vmapped at a time), 'fused-unrolled[:N]',
     'stepwise', 'stepwise:N', 'stream:N' (N clients at a time, bounded memory), 'stream-stepwise:N'
-    (the same, each chunk trained step by step) or 'debug'.  'auto' is :func:`default_strategy` for
-    this platform, ``model`` and the measured conv ``layout``."""
+    (the same, each chunk trained step by step) or 'debug'.  'auto' is ``default_strategy`` for
+    this platform, ``model`` and the measured conv ``layout``.
+
+    Args:
+      text: the ``--strategy`` value.
+      model: the run's model, for ``auto`` (None: decided for the platform alone).
+      layout: how ``--conv-impl auto`` measured the cohort's convolutions best laid out (``vmap`` or
+        ``loop``), for ``auto``; None: the platform's rule.
+
+    Returns:
+      The :class:`~fedpartial.Strategy`.
+
+    Raises:
+      ValueError: text that is none of the above.
+    """
     if text == "auto":
         return default_strategy(model=model, layout=layout)
     if text == "debug":

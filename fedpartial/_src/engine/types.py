@@ -13,18 +13,28 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from fedpartial._src.core.fielddocs import document_fields
 from fedpartial._src.core.types import Batch, ClientPlan, CohortInfo, Holdout
 
 
+@document_fields
 class ServerState(NamedTuple):
-    """Everything the server carries between rounds."""
+    """Everything the server carries between rounds.
+
+    Attributes:
+      round: int32 scalar, rounds done so far.
+      variables: the global model's variables (``{'params', 'batch_stats'}``).
+      opt_state: the server optimizer's state.
+      method_state: the method's ``MethodState``.
+      server_lr_scale: a scalar that multiplies the server optimizer's updates (the replicas of
+        ``--server-lrs`` carry each replica's server learning rate here, with the optimizer built at
+        rate 1); None: 1, no leaf.
+    """
 
     round: jax.Array
-    variables: dict  # global {'params', 'batch_stats'}
-    opt_state: Any  # server optimizer state
+    variables: dict
+    opt_state: Any
     method_state: Any
-    # A scalar that multiplies the server optimizer's updates (the replicas of ``--server-lrs`` carry each
-    # replica's server learning rate here, with the optimizer built at rate 1); None: 1, no leaf.
     server_lr_scale: Any = None
 
 
@@ -64,12 +74,19 @@ def data_spec(cohort: "Cohort") -> "Cohort":
     return cohort._replace(data=cohort.data.spec) if isinstance(cohort.data, ClientData) else cohort
 
 
+@document_fields
 class Cohort(NamedTuple):
-    """A round's input: the cohort's local data and who the clients are."""
+    """A round's input: the cohort's local data and who the clients are.
 
-    data: Batch | ClientData  # [K, S, B, ...]
+    Attributes:
+      data: the cohort's local data ``[K, S, B, ...]`` (a ``Batch``, or the rows of data kept on the device).
+      info: who the clients are (``CohortInfo``).
+      holdout: ``[K, H, ...]`` validation data (early stopping needs it), or None.
+    """
+
+    data: Batch | ClientData
     info: CohortInfo
-    holdout: Holdout | None = None  # [K, H, ...] validation data (early stopping needs it)
+    holdout: Holdout | None = None
 
 
 class RoundFunctions(NamedTuple):

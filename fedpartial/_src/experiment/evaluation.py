@@ -43,9 +43,20 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
     The last batch is padded to ``batch_size`` with masked examples, so the whole
     set compiles once.  ``batch_statistics=True`` evaluates BatchNorm with the
     statistics of each evaluation batch (the 'static' policy, as HeteroFL's sBN).
-    A model with exits (:class:`~fedpartial._src.models.exits.MultiExitModel`) also gives
+    A model with exits (:class:`~fedpartial.models.MultiExitModel`) also gives
     ``exit_accuracy``, every exit's accuracy (shallow to deep), and ``ensemble_accuracy``, that
-    of the mean of their logits; ``accuracy`` is its ``apply``'s output (:func:`record_fields`).
+    of the mean of their logits; ``accuracy`` is its ``apply``'s output .
+
+    Args:
+      model: the :class:`~fedpartial.models.Model`.
+      variables: its variables.
+      x: inputs ``[n, ...]``.
+      y: int labels ``[n]``.
+      batch_size: examples per evaluation batch.
+      batch_statistics: evaluate BatchNorm with each batch's statistics.
+
+    Returns:
+      ``{'accuracy', 'loss', ...}``.
     """
     n = len(y)
     if n == 0:

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -35,6 +34,7 @@ from fedpartial._src.experiment import (checkpoint, compile_cache, finetune, lay
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
+from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
 from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer, model_outputs, run_models
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
@@ -46,15 +46,27 @@ from fedpartial._src.models.adapter import Model
 class Simulation:
     """A run's data, model and round, advanced one round at a time by :meth:`rounds`.
 
-    ``method``, ``model`` and the optimizers default to what ``config`` names; pass
-    your own (e.g. a method built with :func:`fedpartial.methods.make_method`) and it
-    gets the same sampling, early stopping, personalised evaluation and logging.
+    ``method``, ``model`` and the optimizers default to what ``config`` names; your own (e.g. from
+    :func:`fedpartial.make_method`) gets the same sampling, early stopping, personalised evaluation and logging.
 
-    ``check_memory``: before any array is built, refuse (:class:`ConfigError`) a run whose
-    estimated peak memory (:mod:`fedpartial._src.core.memory`) exceeds what is available.
-    ``data_placement``: where the training data goes, ``host`` or ``device``, decided by the caller instead of
-    ``config.data_placement`` (:mod:`fedpartial._src.experiment.replicas` decides ``auto`` for all its replicas
-    together).
+    Args:
+      config: the run's settings (:class:`~fedpartial.RunConfig`).
+      dataset: an :class:`~fedpartial.data.ArrayDataset` instead of ``config.dataset``, or None.
+      method: a :class:`~fedpartial.Method` instead of ``config.method``'s, or None.
+      model: a :class:`~fedpartial.models.Model` instead of ``config.model``, or None.
+      client_optimizer: :func:`~fedpartial.client_sgd` or any optax transformation instead of ``config``'s.
+      server_optimizer: an optax optimizer instead of ``config.server_opt``'s, or None.
+      check_memory: refuse, before building anything, a run whose estimated peak memory does not fit.
+      data_placement: ``host`` or ``device`` instead of ``config.data_placement`` (None: the config's).
+
+    Raises:
+      UserError: a setting that cannot run, in one sentence naming it.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> config = fp.RunConfig(dataset="digits", num_clients=6, cohort_size=3, rounds=2, local_steps=1, out_dir=None)
+      >>> [r["round"] for r in fp.Simulation(config).rounds()]
+      [1, 2]
     """
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
@@ -538,40 +550,39 @@ class Simulation:
         return record
 
 
-class PreparedRound(NamedTuple):
-    """One round's host inputs (:meth:`Simulation.prepare_round`): who takes part and their data."""
-
-    round: int  # t, counted from 0
-    ids: np.ndarray  # [K] client ids
-    valid: np.ndarray  # [K] which are real
-    key: jax.Array  # the round key
-    cohort: engine_types.Cohort
-    start: float  # time.perf_counter() when preparation began
-    host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
-    draw: tuple[int, int] | None = None  # (N, K) of the draw, for a DP run's accountant (privacy.draw_share)
-    timing: timing.Timing | None = None  # the wait for availability and the deadline's decisions
-
-
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
         sim: Simulation | None = None, checkpoint_every: int | None = None, resume: str | None = None,
         stop: checkpoint.StopFlag | None = None, **parts) -> dict:
-    """Runs a whole simulation; writes ``config.json`` (every value resolved), ``config.toml`` (the same, for
-    ``fedpartial run --config``), ``environment.json`` (versions, devices, command line, time),
-    ``metrics.jsonl``, ``metrics.csv`` (scalar fields), ``summary.json``, ``status.json``
-    and orbax checkpoints (every ``checkpoint_every`` rounds, and always at the end) to a fresh run directory.
+    """Runs a whole simulation, writing ``config.json``, ``config.toml`` (for ``--config``), ``environment.json``,
+    ``metrics.jsonl``, ``metrics.csv``, ``summary.json``, ``status.json`` and checkpoints to a new run folder.
 
-    Pass ``sim`` to reuse an already-built :class:`Simulation` of ``config``, or any of :class:`Simulation`'s
-    ``method``, ``model``, ``client_optimizer``, ``server_optimizer`` to use your own.  ``resume``: an existing
-    run directory whose newest readable checkpoint is loaded into ``sim`` (build it from :func:`load_config`);
-    the run continues there, ``metrics.jsonl`` truncated to the checkpoint's round.  Returns the summary dict
-    (also holding ``run_dir`` and the per-round records).
+    SIGINT/SIGTERM stop the run after the current round (a checkpoint, ``status.json`` ``interrupted`` and
+    the summary are written, then ``KeyboardInterrupt`` is raised).  A :class:`~fedpartial.DivergedError`
+    leaves status ``diverged`` and the last good checkpoint, any other error ``failed``; both are raised
+    again after the summary is written.  Result files are strict JSON (non-finite numbers are ``null``).
 
-    SIGINT/SIGTERM (through ``stop``, or a :class:`~fedpartial._src.experiment.checkpoint.StopFlag` installed
-    here) stop the run after the current round: a checkpoint, ``status.json`` (``interrupted``) and the
-    summary are written, then :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` is raised.  A ``DivergedError`` from
-    :meth:`Simulation.rounds` leaves status ``diverged`` and the last good checkpoint;
-    any other error status ``failed``; both are raised again after the summary is written.
-    Result files are strict JSON: a non-finite number is written as ``null``.
+    Args:
+      config: the run's settings (:class:`~fedpartial.RunConfig`); the folder is made in ``config.out_dir``.
+      on_round: called with each round's record (a dict) as it finishes, or None.
+      sim: an already-built :class:`Simulation` of ``config`` to reuse, or None.
+      checkpoint_every: rounds between checkpoints (None: only at the end).
+      resume: a run directory whose newest readable checkpoint is loaded into ``sim`` (built from that
+        folder's ``config.toml``); ``metrics.jsonl`` is truncated to the checkpoint's round.
+      stop: a stop flag of the caller's (None: one is installed here for SIGINT/SIGTERM).
+      **parts: any of :class:`Simulation`'s ``method``, ``model``, ``client_optimizer``, ``server_optimizer``.
+
+    Returns:
+      The summary dict (``summary.json``'s fields, ``run_dir`` and the per-round records).
+
+    Raises:
+      UserError: a setting that cannot run.
+      DivergedError: the loss became non-finite.
+
+    Examples:
+      >>> import tempfile, fedpartial as fp
+      >>> config = fp.RunConfig(num_clients=6, cohort_size=3, rounds=1, local_steps=1, out_dir=tempfile.mkdtemp())
+      >>> 0 <= fp.run(config)["final_test_accuracy"] <= 1
+      True
     """
     t0 = time.perf_counter()
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)

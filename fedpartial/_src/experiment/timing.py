@@ -150,3 +150,16 @@ class RoundClock:
                            "clients_dropped": sampled - finished, "wasted_flops": round(wasted[0]),
                            "wasted_bytes": round(wasted[1]), "simulated_clock_s": progress["simulated_clock_s"]}
 
+
+class PreparedRound(NamedTuple):
+    """One round's host inputs (:meth:`Simulation.prepare_round`): who takes part and their data."""
+
+    round: int  # t, counted from 0
+    ids: np.ndarray  # [K] client ids
+    valid: np.ndarray  # [K] which are real
+    key: jax.Array  # the round key
+    cohort: engine_types.Cohort
+    start: float  # time.perf_counter() when preparation began
+    host_time: float  # seconds of sampling and packing (device placement: the gather's dispatch)
+    draw: tuple[int, int] | None = None  # (N, K) of the draw, for a DP run's accountant (privacy.draw_share)
+    timing: Timing | None = None  # the wait for availability and the deadline's decisions

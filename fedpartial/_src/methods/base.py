@@ -81,7 +81,16 @@ def start_from_global(ctx: MethodContext, global_vars: dict, client_state: Any, 
 
 
 def cross_entropy(ctx: MethodContext, params: Any, step: LocalStep) -> tuple[jax.Array, LossAux]:
-    """The default local objective: mean cross-entropy over the step's real examples."""
+    """The default local objective: mean cross-entropy over the step's real examples.
+
+    Args:
+      ctx: the method's context.
+      params: the client's trainable parameters.
+      step: the step's :class:`~fedpartial.LocalStep` (its ``forward`` runs the client's graph).
+
+    Returns:
+      ``(loss, LossAux)``.
+    """
     del ctx
     logits, stats = step.forward(params, step.batch.x)
     loss = masked_cross_entropy(logits, step.batch.y, step.batch.example_mask)
@@ -93,6 +102,13 @@ def with_penalty(term: Callable[[MethodContext, Any, LocalStep], jax.Array],
     """``objective`` plus ``term(ctx, params, step)`` (e.g. FedProx's proximal term).
 
     The reported training loss stays the data loss of ``objective``.
+
+    Args:
+      term: ``term(ctx, params, step) -> scalar`` added to the objective.
+      objective: the objective to add it to.
+
+    Returns:
+      The new objective.
     """
 
     def penalised(ctx, params, step):
@@ -111,7 +127,15 @@ def trained_part(ctx: MethodContext, plan: ClientPlan, cohort_size: int) -> Mask
 
 
 def upload_trained(ctx: MethodContext, view: RoundView) -> Selection:
-    """Each client uploads what it trained, weighted by ``n_k``."""
+    """Each client uploads what it trained, weighted by ``n_k``.
+
+    Args:
+      ctx: the method's context.
+      view: the round's :class:`~fedpartial.RoundView`.
+
+    Returns:
+      The :class:`~fedpartial.Selection`: upload masks from ``view.plan.train``.
+    """
     k = view.cohort.num_samples.shape[0]
     return Selection(
         upload=trained_part(ctx, view.plan, k),
@@ -165,6 +189,37 @@ def make_method(
     the method needs from a run and which executions it allows (:class:`Capabilities`; by default none
     of either, except that a method with no state of its own (``init`` left out) has ``host_client_state``,
     so that a wrapper's per-client state may leave the device around it).
+
+    Args:
+      name: the method's name (run folders, tables).
+      init: the ``init`` hook (:class:`~fedpartial.Method`).
+      plan: the ``plan`` hook (:class:`~fedpartial.Method`).
+      client_start: the ``client_start`` hook (:class:`~fedpartial.Method`).
+      step_plan: the ``step_plan`` hook (:class:`~fedpartial.Method`).
+      objective: the ``objective`` hook (:class:`~fedpartial.Method`).
+      transform_grads: the ``transform_grads`` hook (:class:`~fedpartial.Method`).
+      select: the ``select`` hook (:class:`~fedpartial.Method`).
+      update: the ``update`` hook (:class:`~fedpartial.Method`).
+      metrics: the ``metrics`` hook (:class:`~fedpartial.Method`).
+      groups: the ``groups`` hook (:class:`~fedpartial.Method`).
+      personal: the ``personal`` hook (:class:`~fedpartial.Method`).
+      active_clients: the ``active_clients`` hook (:class:`~fedpartial.Method`).
+      server_correct: the ``server_correct`` hook (:class:`~fedpartial.Method`).
+      adapt_model: the ``adapt_model`` hook (:class:`~fedpartial.Method`).
+      summarize: the ``summarize`` hook (:class:`~fedpartial.Method`).
+      capabilities: what the method needs from a run (:class:`~fedpartial.Capabilities`).
+      aggregate: the ``aggregate`` hook.
+      encode: the ``encode`` hook.
+
+    Returns:
+      The :class:`~fedpartial.Method`.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> def select(ctx, view):  # FedAvg's selection with uniform weights
+      ...     return fp.upload_trained(ctx, view)._replace(weights=view.cohort.valid.astype("float32"))
+      >>> fp.make_method("uniform", select=select).name
+      'uniform'
     """
     if init is no_state:  # no per-client state: nothing is read from the population, so it may live anywhere
         capabilities = capabilities._replace(host_client_state=True)

@@ -1,7 +1,7 @@
 """Methods by name: :data:`METHODS` maps each built-in one to its self-describing
 :class:`~fedpartial._src.methods.registry.MethodSpec` (factory, options, summary); other packages add
 theirs through the entry-point group :data:`ENTRY_POINT_GROUP`, and any method can be named as
-``package.module:factory``.  :func:`find_method` resolves a name, :func:`get_method` builds one with
+``package.module:factory``.  ``find_method`` resolves a name, :func:`get_method` builds one with
 checked options.
 """
 
@@ -133,6 +133,22 @@ def find_method(name: str) -> MethodSpec:
 
 
 def get_method(name: str, **options) -> Method:
-    """Builds a method by name (see :func:`find_method`) with checked options; bad names or values raise a
-    one-sentence UserError."""
+    """Builds a method by name (see ``find_method``) with checked options; bad names or values raise a
+    one-sentence UserError.
+
+    Args:
+      name: a registered method name (``fedpartial list methods``) or ``module:factory``.
+      **options: the method's options (its :class:`~fedpartial.Option` s), checked.
+
+    Returns:
+      The :class:`~fedpartial.Method`.
+
+    Raises:
+      UserError: an unknown name or an option value the method refuses.
+
+    Examples:
+      >>> from fedpartial.methods import get_method
+      >>> get_method("fedldf", n=4).name
+      'fedldf'
+    """
     return find_method(name).build(**options)

@@ -138,7 +138,15 @@ def parse_codec(text: str) -> Codec:
 
 
 def upload_codec(method: Method, codec: Codec | str) -> Method:
-    """``method`` whose clients send their update through ``codec`` (module docstring)."""
+    """``method`` whose clients send their update through ``codec`` (module docstring).
+
+    Args:
+      method: any method without an ``encode`` hook of its own.
+      codec: a codec or its ``--upload-codec`` name (e.g. ``topk:0.1``).
+
+    Returns:
+      The wrapped :class:`~fedpartial.Method`.
+    """
     codec = parse_codec(codec) if isinstance(codec, str) else codec
 
     def updates(ctx: MethodContext, view: RoundView):

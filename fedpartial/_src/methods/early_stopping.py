@@ -64,7 +64,15 @@ def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
 
 
 def early_stopping(method: Method, lam: float = 0.7) -> Method:
-    """``method`` whose clients stop for good once their λ-mixed train/val loss rises."""
+    """``method`` whose clients stop for good once their λ-mixed train/val loss rises.
+
+    Args:
+      method: any method.
+      lam: λ, the weight of the training loss in ``λ·train + (1 − λ)·val``.
+
+    Returns:
+      The wrapped :class:`~fedpartial.Method` (it needs held-out data).
+    """
     if not 0 <= lam <= 1:
         raise UserError(f"early stopping: λ = {lam!r} must be in [0, 1].")
 

@@ -49,16 +49,16 @@ class Option:
 
     Attributes:
       name: the factory's keyword argument.
-      type: parses a command-line string (``float``, ``int``, :func:`ratios`); :func:`boolean` makes
+      type: parses a command-line string (``float``, ``int``, ``ratios``); ``boolean`` makes
         the option a switch (``--name`` / ``--no-name``, no value).
       default: the factory's default.
       help: one line for ``--help``.
-      check: validates a value (see :data:`Check`): a declarative :class:`Range` (:func:`at_least`,
-        :func:`between`, :data:`probability`, :data:`positive_int`, ...), :func:`one_of`, or any function
+      check: validates a value (see ``Check``): a declarative ``Range`` (``at_least``,
+        ``between``, ``probability``, ``positive_int``, ...), ``one_of``, or any function
         of your own; None: anything the type parses.
       flag: the command-line flag (default ``--name`` with ``_`` → ``-``); methods
         that share a flag (e.g. ``--tiers``) must agree on its type and default.
-      choices: the values allowed, when they are few (said in ``--help``; checked as :func:`one_of`).
+      choices: the values allowed, when they are few (said in ``--help``; checked as ``one_of``).
 
     :meth:`problem` is the one place an option's value is judged: NaN and ±inf are never allowed, a
     ``None`` default stays allowed (the option left unset), then ``choices`` and ``check`` decide.
@@ -113,11 +113,23 @@ class MethodSpec:
     """A registered method: ``build(**options)`` checks the options and calls ``factory``.
 
     ``run_settings`` names settings of the run (fields of
-    :class:`fedpartial._src.experiment.simulation.RunConfig`) that the factory also takes as keyword
+    :class:`~fedpartial.RunConfig`) that the factory also takes as keyword
     arguments — e.g. FedNova's ``momentum``, which must be the clients' optimizer's.
     They are not options (no flag of their own): ``RunConfig.build_method`` passes the
     run's values, and ``build`` / :func:`~fedpartial.methods.get_method` leave the
     factory's defaults.
+
+    Attributes:
+      name: the ``--method`` name.
+      factory: the function that builds the :class:`~fedpartial.Method` from the options.
+      summary: one line for ``fedpartial list methods``.
+      options: the method's :class:`Option` s (its flags).
+      run_settings: the run's settings the factory also takes (see above).
+
+    Examples:
+      >>> from fedpartial.methods import METHODS
+      >>> METHODS["fedldf"].build(n=4).name
+      'fedldf'
     """
 
     name: str

@@ -179,7 +179,18 @@ def _nest_carry(out: Any, inner_value: Any = None, own_carries: bool = True) -> 
 def wrap(method: Method, wrapper: Wrapper) -> Method:
     """``method`` with ``wrapper`` around it: every hook composed by the one rule (module docstring).
 
-    Raises a one-sentence :class:`UserError` when ``method`` has a hook the wrapper refuses."""
+    Raises a one-sentence :class:`UserError` when ``method`` has a hook the wrapper refuses.
+
+    Args:
+      method: any method.
+      wrapper: the :class:`~fedpartial.Wrapper`.
+
+    Returns:
+      The wrapped :class:`~fedpartial.Method`.
+
+    Raises:
+      UserError: ``method`` has a hook the wrapper refuses.
+    """
     label = wrapper.label or wrapper.name("").lstrip("+-") or "this wrapper"
     for hook, why in wrapper.refuses.items():
         if getattr(method, hook) is not None:

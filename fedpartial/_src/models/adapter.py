@@ -88,7 +88,7 @@ class Model:
       record_outputs: ``(variables, x, train) -> dict`` behind
         :meth:`intermediates`; None records only the logits.
       at_width: ``(ratio, scaler) -> Model``, this model with ``⌈ratio·C⌉``
-        channels/units in every hidden layer (width tiers, :mod:`fedpartial._src.models.narrow`);
+        channels/units in every hidden layer (width tiers);
         ``scaler``: hidden outputs × ``1/ratio`` in training (HeteroFL's Scaler).
         None: the model cannot rebuild itself narrower (:func:`from_linen`'s ``width`` sets it).
     """
@@ -216,21 +216,30 @@ def from_linen(
 ) -> Model:
     """Adapts a linen module ``__call__(x, train=False)``.
 
-    The layer order is recorded by intercepting module calls during one ``init``.
-    Pass ``sequential=True`` only for chains without residual/skip connections:
-    neuron-level masks (dropout, FedSPU) are wired across layers only then.
+    The layer order is recorded by intercepting module calls during one ``init``. Pass ``sequential=True`` only
+    for chains without residual/skip connections: neuron-level masks (dropout, FedSPU) are wired across layers
+    only then.
 
-    A module with a ``stage_names`` attribute is staged: its ``__call__`` also
-    takes ``start``/``stop`` (the contract of :mod:`fedpartial._src.models.zoo`), and
-    which stage owns each layer is found by initialising the stages one at a
-    time.  A module whose architecture depends on the input shape may provide
-    ``for_input_shape(input_shape) -> module`` to fix it for ``input_shape``.
+    A module with a ``stage_names`` attribute is staged: its ``__call__`` also takes ``start``/``stop`` (the
+    model zoo's contract), and which stage owns each layer is found by initialising the stages one at a
+    time.  A module whose architecture depends on the input shape may provide ``for_input_shape(input_shape) ->
+    module`` to fix it for ``input_shape``.
 
-    ``width(ratio, scaler) -> module`` makes the model narrowable (HeteroFL /
-    FjORD width tiers, :attr:`Model.at_width`): the same network with ``⌈ratio·C⌉``
-    channels/units in every hidden layer, the classifier keeping every class, whose
-    variables are this module's leading channels/units on every axis; with
-    ``scaler`` its hidden outputs are multiplied by ``1/ratio`` in training.
+    ``width(ratio, scaler) -> module`` makes the model narrowable (HeteroFL / FjORD width tiers,
+    :attr:`Model.at_width`): the same network with ``⌈ratio·C⌉`` channels/units in every hidden layer, the
+    classifier keeping every class, whose variables are this module's leading channels/units on every axis;
+    with ``scaler`` its hidden outputs are multiplied by ``1/ratio`` in training.
+
+    Args:
+      module: the linen module.
+      input_shape: one example's shape (no batch axis).
+      num_classes: output classes.
+      sequential: the layers form a chain (no residual connections).
+      name: the model's display name (default: the module's class name).
+      width: ``width(ratio, scaler) -> module``, making the model narrowable, or None.
+
+    Returns:
+      The :class:`~fedpartial.models.Model`.
     """
     input_shape = tuple(input_shape)
     fix_shape = getattr(module, "for_input_shape", None)
@@ -408,11 +417,20 @@ def from_stages(
 ) -> Model:
     """Adapts a list of linen modules run in order, each a stage of the model.
 
-    Stage ``i`` is called as ``stage(x, train=train)`` (just ``stage(x)`` when its
-    ``__call__`` has no ``train`` parameter, e.g. ``nn.Dense``) on the previous
-    stage's output; the last stage must return the logits ``[batch, num_classes]``.
-    Its variables live under its stage name (``names``; default ``stage0``,
-    ``stage1``, ...).  ``sequential`` as in :func:`from_linen`.
+    Stage ``i`` is called as ``stage(x, train=train)`` (``stage(x)`` when its ``__call__`` has no ``train``, e.g.
+    ``nn.Dense``) on the previous stage's output; the last must return the logits ``[batch, num_classes]``. Its
+    variables live under its stage name (``names``; default ``stage0``, ``stage1``, ...).
+
+    Args:
+      stages: the linen modules, input to output.
+      input_shape: one example's shape (no batch axis).
+      num_classes: output classes.
+      names: the stages' names (default ``stage0``, ``stage1``, ...).
+      sequential: the layers form a chain (no residual connections), as in :func:`from_linen`.
+      name: the model's display name.
+
+    Returns:
+      The :class:`~fedpartial.models.Model`, one stage per module.
 
     Raises:
       ValueError: no stages, ``names`` of the wrong length or not distinct, or a
@@ -455,11 +473,19 @@ def from_nnx(
 ) -> Model:
     """Adapts an initialised ``flax.nnx`` module ``__call__(x)``.
 
-    Its parameters (``nnx.Param``) become ``variables['params']`` and its
-    ``nnx.BatchStat`` leaves ``variables['batch_stats']``; ``init`` ignores the key
-    and returns the module's own initial values (NNX modules are initialised when
-    constructed).  The layer order is recorded from one forward pass.  The model
-    is a single stage.
+    Its ``nnx.Param`` leaves become ``variables['params']``, its ``nnx.BatchStat`` leaves ``variables['batch_stats']``;
+    ``init`` ignores the key and returns the module's own initial values (an NNX module is initialised when
+    constructed).  The layer order is recorded from one forward pass; the model is a single stage.
+
+    Args:
+      module: the initialised ``nnx`` module.
+      input_shape: one example's shape (no batch axis).
+      num_classes: output classes.
+      sequential: the layers form a chain (no residual connections).
+      name: the model's display name (default: the module's class name).
+
+    Returns:
+      The :class:`~fedpartial.models.Model`.
     """
     from flax import nnx
 

@@ -75,9 +75,9 @@ def pool(h: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as Model
 class MultiExitModel(Model):
-    """A :class:`Model` with exits (:func:`with_exits`).
+    """A :class:`Model` with exits (:func:`with_exits`); it has :class:`Model`'s fields and these.
 
-    Attributes (besides :class:`Model`'s):
+    Attributes:
       body: the staged model the exits were added to.
       exit_stages: per exit, shallow to deep, the stage whose output it reads; the last is the
         model's own classifier stage.

@@ -88,8 +88,21 @@ def _is_int(value) -> bool:
 def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax") -> nn.Module:
     """Build zoo model ``name`` for ``num_classes`` classes and examples of ``input_shape``.
 
-    ``conv_impl``: how its convolutions are lowered (:data:`fedpartial._src.models.conv.CONV_IMPLS`; the same
-    parameters and, within float32 rounding, the same results); a model without convolutions ignores it.
+    Args:
+      name: a zoo model (``fedpartial list models``; :data:`~fedpartial.models.MODELS`).
+      num_classes: output classes.
+      input_shape: one example's shape (no batch axis).
+      conv_impl: how its convolutions are lowered (:data:`fedpartial.models.CONV_IMPLS`; the same parameters
+        and, within float32 rounding, the same results); a model without convolutions ignores it.
+
+    Returns:
+      The Flax linen module (adapt it with :func:`from_linen`).
+
+    Examples:
+      >>> from fedpartial import models
+      >>> module = models.build_model("mlp", 10, (64,))
+      >>> models.from_linen(module, input_shape=(64,), num_classes=10).structure.num_layers
+      3
 
     Raises:
       ValueError: unknown ``name``, ``num_classes`` not a positive integer, or an

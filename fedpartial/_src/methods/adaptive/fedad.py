@@ -195,7 +195,25 @@ def feddhad(rate: float | None = None, measure_every: int = 2, patience: int = 4
             resample: str = "round", importance_batches: int = 2, lanczos_steps: int = 16,
             target: str = "time-matched", lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999,
             lr_b: float = 1e-4, decay_b: float = 0.99) -> Method:
-    """FedDHAD: FedAD's sub-models aggregated with FedDH's learned non-IID weights."""
+    """FedDHAD: FedAD's sub-models aggregated with FedDH's learned non-IID weights.
+
+    Args:
+      rate: as FedAD's (:func:`fedpartial.methods.fedad`).
+      measure_every: as FedAD's (:func:`fedpartial.methods.fedad`).
+      patience: as FedAD's (:func:`fedpartial.methods.fedad`).
+      max_rate: as FedAD's (:func:`fedpartial.methods.fedad`).
+      resample: as FedAD's (:func:`fedpartial.methods.fedad`).
+      importance_batches: as FedAD's (:func:`fedpartial.methods.fedad`).
+      lanczos_steps: as FedAD's (:func:`fedpartial.methods.fedad`).
+      target: as FedAD's (:func:`fedpartial.methods.fedad`).
+      lr_upsilon: the learning rate of the non-IID degrees υ.
+      decay_upsilon: the decay of υ's learning rate per round.
+      lr_b: the learning rate of the bias b.
+      decay_b: the decay of b's learning rate per round.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method feddhad``).
+    """
     return reweight(fedad(rate, measure_every, patience, max_rate, resample, importance_batches, lanczos_steps,
                           target),
                     feddh_weighting(lr_upsilon, decay_upsilon, lr_b, decay_b), name="feddhad")

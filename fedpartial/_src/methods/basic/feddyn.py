@@ -81,7 +81,14 @@ def _per_client(a: jax.Array, leaf: jax.Array) -> jax.Array:
 
 
 def feddyn(alpha: float = 0.01) -> Method:
-    """FedDyn with regularisation strength ``alpha`` (α = 0: FedAvg with uniform weights)."""
+    """FedDyn with regularisation strength ``alpha`` (α = 0: FedAvg with uniform weights).
+
+    Args:
+      alpha: the regularisation strength α (``--alpha``; 0: FedAvg with uniform weights).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method feddyn``).
+    """
     check_values("feddyn", SPEC.options, alpha=alpha)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:

@@ -75,7 +75,14 @@ def _shares(view: RoundView) -> jax.Array:
 
 
 def fednova(momentum: float = 0.0) -> Method:
-    """FedNova for clients training with heavy-ball ``momentum`` (the client optimizer's; 0: plain SGD)."""
+    """FedNova for clients training with heavy-ball ``momentum`` (the client optimizer's; 0: plain SGD).
+
+    Args:
+      momentum: the client optimizer's heavy-ball momentum (0: plain SGD); a run passes its own ``--momentum``.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fednova``).
+    """
     if not 0 <= momentum < 1:
         raise UserError(f"FedNova momentum = {momentum!r} must be the client optimizer's momentum, in [0, 1).")
 

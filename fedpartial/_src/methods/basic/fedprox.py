@@ -22,7 +22,14 @@ def proximal_term(mu: float):
 
 
 def fedprox(mu: float = 0.01) -> Method:
-    """FedProx with proximal coefficient ``mu``."""
+    """FedProx with proximal coefficient ``mu``.
+
+    Args:
+      mu: the proximal coefficient μ of ``μ/2·‖w − w^t‖²`` (``--mu``; 0: FedAvg).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedprox``).
+    """
     check_values("fedprox", SPEC.options, mu=mu)
     return make_method("fedprox", objective=with_penalty(proximal_term(mu)), capabilities=Capabilities(streamable="per_client"))
 

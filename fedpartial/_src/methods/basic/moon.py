@@ -93,7 +93,16 @@ def contrastive_loss(z: jax.Array, z_glob: jax.Array, z_prev: jax.Array, tempera
 
 
 def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -> Method:
-    """MOON with contrastive weight ``mu``, temperature ``temperature`` and a ``projection_dim``-wide head."""
+    """MOON with contrastive weight ``mu``, temperature ``temperature`` and a ``projection_dim``-wide head.
+
+    Args:
+      mu: the weight of the contrastive term.
+      temperature: the contrastive softmax's temperature τ.
+      projection_dim: the width of the projection head added to the model.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method moon``).
+    """
     check_values("moon", SPEC.options, mu=mu, temperature=temperature, projection_dim=projection_dim)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:

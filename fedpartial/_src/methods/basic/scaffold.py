@@ -51,7 +51,15 @@ def _param_bytes(ctx: MethodContext, mask, variables: dict, k: int) -> jax.Array
 
 
 def control_variates(method: Method, name: str | None = None) -> Method:
-    """``method`` with SCAFFOLD's control variates (option II) on the elements its clients upload."""
+    """``method`` with SCAFFOLD's control variates (option II) on the elements its clients upload.
+
+    Args:
+      method: any method whose clients start from the global model on what they upload.
+      name: the new method's name (default ``method``'s with ``+scaffold``).
+
+    Returns:
+      The wrapped :class:`~fedpartial.Method`.
+    """
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         c = jax.tree.map(jnp.zeros_like, view.global_vars["params"])

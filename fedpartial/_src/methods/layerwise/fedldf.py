@@ -99,7 +99,14 @@ def uploads_per_client(ctx: MethodContext, view: RoundView) -> dict:
 
 
 def fedldf(n: int = 4) -> Method:
-    """FedLDF: per layer, the ``n`` clients whose layer moved farthest from the global model."""
+    """FedLDF: per layer, the ``n`` clients whose layer moved farthest from the global model.
+
+    Args:
+      n: clients that upload each layer (``--n``; at most the cohort).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedldf``).
+    """
     init, n = _check_n("fedldf", n), int(n)
 
     def summarize(ctx: MethodContext, view: RoundView):
@@ -132,7 +139,14 @@ def fedldf(n: int = 4) -> Method:
 
 
 def random_layers(n: int = 4) -> Method:
-    """Random: per layer, ``n`` clients drawn uniformly at random by the server (no feedback)."""
+    """Random: per layer, ``n`` clients drawn uniformly at random by the server (no feedback).
+
+    Args:
+      n: clients drawn per layer (``--n``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method random``).
+    """
     init, n = _check_n("random", n), int(n)
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
@@ -148,7 +162,14 @@ def random_layers(n: int = 4) -> Method:
 
 
 def hdfl(n: int = 4) -> Method:
-    """HDFL: ``n`` clients drawn at random upload their whole model, the others nothing."""
+    """HDFL: ``n`` clients drawn at random upload their whole model, the others nothing.
+
+    Args:
+      n: clients that upload their whole model (``--n``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method hdfl``).
+    """
     init, n = _check_n("hdfl", n), int(n)
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
@@ -171,7 +192,14 @@ def index_bytes(units: int, kept: int) -> int:
 
 
 def fedadp(fraction: float = 0.2) -> Method:
-    """FedADP: each client uploads, per layer, its ``fraction`` of neurons with the largest update."""
+    """FedADP: each client uploads, per layer, its ``fraction`` of neurons with the largest update.
+
+    Args:
+      fraction: each layer's share of neurons a client uploads, in (0, 1].
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedadp``).
+    """
     selection.keep_count(fraction, 1)  # validates the fraction now
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:

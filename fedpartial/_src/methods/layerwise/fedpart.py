@@ -57,7 +57,16 @@ OPTIONS = (
 
 
 def fedpart(layers_per_round: int = 1, rounds_per_layer: int = 1, full_rounds: int = 0) -> Method:
-    """FedPart: the whole cohort trains and uploads the same few layers a round, cycling input to output."""
+    """FedPart: the whole cohort trains and uploads the same few layers a round, cycling input to output.
+
+    Args:
+      layers_per_round: layers trained and uploaded each round.
+      rounds_per_layer: rounds each group of layers is trained before moving on.
+      full_rounds: rounds of whole-model training (FedAvg) before the cycle starts.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedpart``).
+    """
     check_values("fedpart", OPTIONS, layers_per_round=layers_per_round, rounds_per_layer=rounds_per_layer,
                  full_rounds=full_rounds)
     settings = dict(layers_per_round=int(layers_per_round), rounds_per_layer=int(rounds_per_layer),

@@ -36,7 +36,14 @@ from fedpartial._src.methods.registry import MethodSpec, Option, at_least, check
 
 
 def ditto(lam: float = 0.1) -> Method:
-    """Ditto: FedAvg's global model, and a personal model per client trained with ``λ/2·‖v − w^t‖²``."""
+    """Ditto: FedAvg's global model, and a personal model per client trained with ``λ/2·‖v − w^t‖²``.
+
+    Args:
+      lam: the proximal weight λ tying each personal model to the global one.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method ditto``).
+    """
     check_values("ditto", SPEC.options, lam=lam)
     personal_step = make_method("ditto-personal", objective=with_penalty(proximal_term(lam)))
 

@@ -27,7 +27,15 @@ from fedpartial._src.methods.registry import MethodSpec, Option, at_least
 
 def fedbabu(head_layers: int = 1, finetune_epochs: float = 5) -> Method:
     """FedBABU: the body is trained and shared, the head frozen at its initialisation; personalised accuracy
-    after ``finetune_epochs`` epochs of per-client fine-tuning."""
+    after ``finetune_epochs`` epochs of per-client fine-tuning.
+
+    Args:
+      head_layers: the number of output-side layers in the head.
+      finetune_epochs: epochs of per-client fine-tuning before personalised evaluation.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedbabu``).
+    """
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         head_of("fedbabu", head_layers, ctx.structure.num_layers)  # a bad split is refused before anything runs

@@ -15,7 +15,14 @@ from fedpartial._src.methods.registry import MethodSpec
 
 
 def fedper(head_layers: int = 1) -> Method:
-    """FedPer: the last ``head_layers`` layers are each client's own, the body is shared."""
+    """FedPer: the last ``head_layers`` layers are each client's own, the body is shared.
+
+    Args:
+      head_layers: the number of output-side layers in the head.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedper``).
+    """
     return personal_layers("fedper", lambda num_layers: head_of("fedper", head_layers, num_layers))
 
 

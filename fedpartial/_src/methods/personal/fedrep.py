@@ -35,7 +35,15 @@ BODY_FRACTION_OPTION = Option("body_fraction", float, 0.1,
 
 
 def fedrep(head_layers: int = 1, body_fraction: float = 0.1) -> Method:
-    """FedRep: head steps (body frozen), then body steps (head frozen); the body is shared, the head personal."""
+    """FedRep: head steps (body frozen), then body steps (head frozen); the body is shared, the head personal.
+
+    Args:
+      head_layers: the number of output-side layers in the head.
+      body_fraction: the share of each client's local steps spent on the body (the rest on the head).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedrep``).
+    """
     base = personal_layers("fedrep", lambda num_layers: head_of("fedrep", head_layers, num_layers))
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:

@@ -16,7 +16,14 @@ from fedpartial._src.methods.registry import MethodSpec
 
 
 def lgfedavg(head_layers: int = 1) -> Method:
-    """LG-FedAvg: every layer below the last ``head_layers`` is each client's own, the head is shared."""
+    """LG-FedAvg: every layer below the last ``head_layers`` is each client's own, the head is shared.
+
+    Args:
+      head_layers: the number of output-side layers in the head.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method lgfedavg``).
+    """
     return personal_layers("lgfedavg", lambda num_layers: ~head_of("lgfedavg", head_layers, num_layers))
 
 

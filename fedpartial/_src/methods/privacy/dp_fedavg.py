@@ -160,10 +160,24 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
     """``method`` with its clients' updates clipped to ``clip`` and Gaussian noise of std
     ``noise_multiplier · clip`` on their sum, divided by a fixed denominator (module docstring).
 
-    Example::
+    Args:
+      method: any method whose server step is the aggregate (no ``server_correct``, no ``aggregate``).
+      clip: the L2 norm ``C`` each client's update is clipped to (> 0).
+      noise_multiplier: ``z``: the noise's std is ``z·C`` (0: clipping only, no privacy).
+      per_layer: clip each layer to ``C/√L`` instead of the whole upload to ``C``.
+      target_quantile: adaptive clipping: ``C`` follows this quantile of the update norms (None: fixed ``C``).
+      clip_lr: adaptive clipping's step size.
 
-        method = fedpartial.dp_fedavg(fedpartial.methods.fedldf(n=4), clip=1.0, noise_multiplier=1.1,
-                                      per_layer=True)
+    Returns:
+      The private :class:`~fedpartial.Method` (its metrics hold ``dp_clip``, ``dp_clipped_fraction``, ...).
+
+    Raises:
+      UserError: a ``clip``, ``noise_multiplier`` or ``target_quantile`` out of range.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> fp.dp_fedavg(fp.methods.fedldf(n=4), clip=1.0, noise_multiplier=1.1, per_layer=True).name
+      'dp-fedldf'
     """
     z = _checked_noise(clip, noise_multiplier, target_quantile)
 

@@ -135,6 +135,13 @@ def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS, dense_only: bool = 
     every client).  ``dense_only``: only the hidden dense (fully connected) layers are thinned and
     every convolution keeps all its filters — FedDHAD's FedDrop baseline (``--dense-only --tiers 0.5``);
     the index bytes then name the dense layers' units only.  The classifier always keeps all outputs.
+
+    Args:
+      tiers: keep ratios ``p`` in (0, 1], assigned to equal clusters of clients by id (``--tiers``).
+      dense_only: thin only the hidden dense layers (convolutions keep every filter).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method feddrop``).
     """
     check_values("feddrop", (DENSE_ONLY_OPTION,), dense_only=dense_only)
     if dense_only:
@@ -149,6 +156,15 @@ def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS, tier_mix=None, capaci
 
     ``p_k`` comes from equal clusters of ``tiers`` or, given ``tier_mix`` or
     ``capacity_case``, from EmbracingFL's capacity tiers with ratios ``(1, *widths)``.
+
+    Args:
+      tiers: keep ratios ``p`` in (0, 1], assigned to equal clusters of clients by id (``--tiers``).
+      tier_mix: EmbracingFL's capacity tiers' mix (strong, moderate, weak) instead of ``tiers``, or None.
+      capacity_case: one of EmbracingFL's capacity cases instead of ``tier_mix``, or None.
+      widths: the moderate and weak tiers' keep ratios when ``tier_mix`` or ``capacity_case`` is given.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fjord``).
     """
     if tier_mix is None and capacity_case is None:
         return submodel_method("fjord", _leftmost, tiers=tiers, rounding="ceil", chosen_by="server",
@@ -165,17 +181,38 @@ def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS, tier_mix=None, capaci
 
 
 def hermes(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
-    """Hermes: each client keeps its ``p_k`` neurons of largest parameter L2 norm."""
+    """Hermes: each client keeps its ``p_k`` neurons of largest parameter L2 norm.
+
+    Args:
+      tiers: keep ratios ``p`` in (0, 1], assigned to equal clusters of clients by id (``--tiers``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method hermes``).
+    """
     return submodel_method("hermes", _by_parameter_norm(2), tiers=tiers)
 
 
 def fedmp(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
-    """FedMP: each client keeps its ``p_k`` neurons of largest parameter L1 norm."""
+    """FedMP: each client keeps its ``p_k`` neurons of largest parameter L1 norm.
+
+    Args:
+      tiers: keep ratios ``p`` in (0, 1], assigned to equal clusters of clients by id (``--tiers``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedmp``).
+    """
     return submodel_method("fedmp", _by_parameter_norm(1), tiers=tiers)
 
 
 def prunefl(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
-    """PruneFL: each client keeps its ``p_k`` neurons of largest gradient L2 norm."""
+    """PruneFL: each client keeps its ``p_k`` neurons of largest gradient L2 norm.
+
+    Args:
+      tiers: keep ratios ``p`` in (0, 1], assigned to equal clusters of clients by id (``--tiers``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method prunefl``).
+    """
     return submodel_method("prunefl", _by_gradient_norm, tiers=tiers)
 
 

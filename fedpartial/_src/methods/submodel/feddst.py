@@ -137,7 +137,17 @@ def personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> Perso
 def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float = 0.05,
            min_votes: int = 1) -> Method:
     """FedDST at kernel ``sparsity`` s, adjusting masks every ``adjust_every`` rounds by an annealed
-    ``adjust_fraction`` α; an element needs ``min_votes`` clients to stay in the global mask."""
+    ``adjust_fraction`` α; an element needs ``min_votes`` clients to stay in the global mask.
+
+    Args:
+      sparsity: the share of every kernel's elements pruned, in [0, 1).
+      adjust_every: rounds between mask adjustments.
+      adjust_fraction: the share α of kept elements pruned and regrown at an adjustment (annealed).
+      min_votes: clients that must keep an element for it to stay in the global mask.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method feddst``).
+    """
     check_values("feddst", SPEC.options, sparsity=sparsity, adjust_every=adjust_every,
                  adjust_fraction=adjust_fraction, min_votes=min_votes)
 

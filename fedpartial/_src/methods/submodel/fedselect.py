@@ -63,7 +63,15 @@ def _complement(mask: masks.Mask) -> masks.Mask:
 
 
 def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
-    """FedSelect with the personal fraction growing from ``start`` to ``end`` over the run."""
+    """FedSelect with the personal fraction growing from ``start`` to ``end`` over the run.
+
+    Args:
+      start: the personal fraction of every layer in the first round, in [0, 1].
+      end: the personal fraction in the last round, at least ``start``.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedselect``).
+    """
     submodel.check_tiers("fedselect", (start, end))
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:

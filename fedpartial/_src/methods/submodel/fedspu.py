@@ -50,7 +50,14 @@ from fedpartial._src.methods.registry import MethodSpec
 
 
 def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
-    """FedSPU with keep ratios ``tiers`` assigned to equal clusters of clients."""
+    """FedSPU with keep ratios ``tiers`` assigned to equal clusters of clients.
+
+    Args:
+      tiers: keep ratios ``p`` in (0, 1], assigned to equal clusters of clients by id (``--tiers``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedspu``).
+    """
     tiers = submodel.check_tiers("fedspu", tiers)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:

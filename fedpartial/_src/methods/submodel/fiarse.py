@@ -122,7 +122,14 @@ def objective(ctx: MethodContext, params, step):
 def fiarse(ratios: Sequence[float] = DEFAULT_TIERS) -> Method:
     """FIARSE: each client holds, trains (TCB-GD) and uploads the ``r_k`` of the global model's parameters of
     largest magnitude, ``r_k`` from ``ratios`` (equal client clusters by id); each element averaged over its
-    holders with ``n_k`` weights."""
+    holders with ``n_k`` weights.
+
+    Args:
+      ratios: keep ratios ``r`` in (0, 1], assigned to equal clusters of clients by id (``--ratios``).
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fiarse``).
+    """
     check_values("fiarse", OPTIONS, ratios=ratios)
     ratios = tuple(float(r) for r in ratios)
 

@@ -40,7 +40,18 @@ from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_
 
 def depthfl(tier_mix=None, capacity_case: int | None = None, depths=None, distill: float = 1.0,
             temperature: float = 1.0):
-    """DepthFL with the given tier mix (default: all strong), depths and distillation weight and temperature."""
+    """DepthFL with the given tier mix (default: all strong), depths and distillation weight and temperature.
+
+    Args:
+      tier_mix: the shares of strong, moderate and weak clients (None: all strong).
+      capacity_case: one of EmbracingFL's capacity cases instead of ``tier_mix``, or None.
+      depths: per tier, the stages it trains (None: the model's default split).
+      distill: the self-distillation weight between exits.
+      temperature: the distillation temperature.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method depthfl``).
+    """
     check_values("depthfl", SPEC.options, distill=distill, temperature=temperature)
 
     def objective(ctx: MethodContext, params, step: LocalStep):

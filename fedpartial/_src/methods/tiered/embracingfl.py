@@ -148,7 +148,18 @@ def tier_train_layers(model: Model, cuts: Sequence[int]) -> np.ndarray:
 
 def embracingfl(tier_mix=None, capacity_case: int | None = None, cut=None, *, cached: bool = True,
                 name: str = "embracingfl"):
-    """EmbracingFL with the given tier mix (default: all strong, i.e. FedAvg) and cuts."""
+    """EmbracingFL with the given tier mix (default: all strong, i.e. FedAvg) and cuts.
+
+    Args:
+      tier_mix: the shares of strong, moderate and weak clients (None: all strong).
+      capacity_case: one of EmbracingFL's capacity cases instead of ``tier_mix``, or None.
+      cut: per tier, the stage where its trained suffix starts (None: the paper's cuts).
+      cached: reuse a client's frozen prefix activations across its local steps.
+      name: the method's name.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method embracingfl``).
+    """
 
     def tiers_of(ctx: MethodContext) -> tuple[TierMix, tuple[int, int, int], tuple[int, ...]]:
         mix = resolve_mix(ctx.num_clients, tier_mix, capacity_case)

@@ -37,7 +37,19 @@ def fedrolex(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
              weighting: str = "uniform", *, scaler: bool = True, module=None, name: str = "fedrolex"):
     """FedRolex with the given tier mix (default: all strong, i.e. FedAvg with ``weighting`` weights).
 
-    Arguments as :func:`fedpartial._src.methods.tiered.heterofl.heterofl`; the narrow tiers' windows roll.
+    Arguments as :func:`~fedpartial.methods.heterofl`; the narrow tiers' windows roll.
+
+    Args:
+      tier_mix: the shares of strong, moderate and weak clients (None: all strong).
+      capacity_case: one of EmbracingFL's capacity cases instead of ``tier_mix``, or None.
+      widths: the moderate and weak tiers' width ratios.
+      weighting: ``uniform`` or ``samples`` (``n_k``) aggregation weights.
+      scaler: multiply hidden outputs by ``1/ratio`` in training (HeteroFL's scaler).
+      module: a narrowable model to use instead of the run's, or None.
+      name: the method's name.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method fedrolex``).
     """
     return width_tiers(name, tier_mix, capacity_case, widths, weighting, scaler=scaler, module=module, rolling=True)
 

@@ -158,7 +158,7 @@ def heterofl(tier_mix=None, capacity_case: int | None = None, widths: Sequence[f
 
     Args:
       tier_mix (tuple[int, int, int] | str | None): strong, moderate and weak client counts (or ``"S,M,W"``);
-        with ``capacity_case``, the tiers (:func:`fedpartial._src.methods.tiered.tiers.resolve_mix`).
+        with ``capacity_case``, the tiers (``resolve_mix``).
       capacity_case: the EmbracingFL paper's client mix 1..10, instead of ``tier_mix``.
       widths: moderate and weak width ratios.
       weighting: ``"uniform"`` (every holder weighs 1, as HeteroFL) or ``"samples"`` (``n_k``).

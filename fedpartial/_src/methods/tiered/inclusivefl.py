@@ -40,7 +40,17 @@ from fedpartial._src.methods.tiered.tiers import CAPACITY_CASE_OPTION, TIER_MIX_
 
 
 def inclusivefl(tier_mix=None, capacity_case: int | None = None, depths=None, beta: float = 0.2):
-    """InclusiveFL with the given tier mix (default: all strong), depths and momentum distillation weight β."""
+    """InclusiveFL with the given tier mix (default: all strong), depths and momentum distillation weight β.
+
+    Args:
+      tier_mix: the shares of strong, moderate and weak clients (None: all strong).
+      capacity_case: one of EmbracingFL's capacity cases instead of ``tier_mix``, or None.
+      depths: per tier, the stages it trains (None: the model's default split).
+      beta: the momentum distillation weight β.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method inclusivefl``).
+    """
     check_values("inclusivefl", SPEC.options, beta=beta)
 
     def tiers(ctx: MethodContext) -> Tiers:

@@ -61,17 +61,18 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
 
     Everything else is ``method``'s: plan, local training, upload masks, its server
     steps (``aggregate`` and ``server_correct``, which see the new weights), personal models, who
-    may be sampled.  A :class:`~fedpartial._src.methods.wrappers.Wrapper` adding to ``select``, ``update``
+    may be sampled.  A :class:`~fedpartial.Wrapper` adding to ``select``, ``update``
     and ``metrics``: the state is ``MethodState(server=(method's, weighting's), clients=(method's,
     weighting's))``; each piece sees only its own.
 
-    Example::
+    Args:
+      method: any method.
+      weighting: the weighting: its ``init``, ``weights``, ``update`` and ``metrics`` (FedDH's learned
+        non-IID degrees are one; the built-in ``feddh`` is FedAvg reweighted by it).
+      name: the new method's name (default ``method``'s and the weighting's, e.g. ``fedldf+feddh``).
 
-        from fedpartial._src.methods.layerwise.fedldf import fedldf
-        from fedpartial._src.methods.weighting.compose import reweight
-        from fedpartial._src.methods.weighting.feddh import feddh_weighting
-
-        method = reweight(fedldf(n=4), feddh_weighting())   # name 'fedldf+feddh'
+    Returns:
+      The reweighted :class:`~fedpartial.Method`.
     """
 
     def select(ctx: MethodContext, view: RoundView, own: Selection) -> Selection | Carry:

@@ -169,7 +169,17 @@ def feddhe_weighting(beta: float = -0.03, server_examples: int = 10, lr_upsilon:
 
 def feddh(lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b: float = 1e-4,
           decay_b: float = 0.99) -> Method:
-    """FedDH: FedAvg aggregated with learned non-IID-degree weights."""
+    """FedDH: FedAvg aggregated with learned non-IID-degree weights.
+
+    Args:
+      lr_upsilon: the learning rate of the non-IID degrees υ.
+      decay_upsilon: the decay of υ's learning rate per round.
+      lr_b: the learning rate of the bias b.
+      decay_b: the decay of b's learning rate per round.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method feddh``).
+    """
     return reweight(fedavg(), feddh_weighting(lr_upsilon, decay_upsilon, lr_b, decay_b), name="feddh")
 
 
@@ -180,7 +190,19 @@ def fedjs() -> Method:
 
 def feddhe(beta: float = -0.03, server_examples: int = 10, lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999,
            lr_b: float = 1e-4, decay_b: float = 0.99) -> Method:
-    """FedDHE: FedDH with label distributions estimated on the server."""
+    """FedDHE: FedDH with label distributions estimated on the server.
+
+    Args:
+      beta: the server-side estimate's exponent β.
+      server_examples: the server's examples per class.
+      lr_upsilon: the learning rate of the non-IID degrees υ.
+      decay_upsilon: the decay of υ's learning rate per round.
+      lr_b: the learning rate of the bias b.
+      decay_b: the decay of b's learning rate per round.
+
+    Returns:
+      The :class:`~fedpartial.Method` (``--method feddhe``).
+    """
     return reweight(fedavg(), feddhe_weighting(beta, server_examples, lr_upsilon, decay_upsilon, lr_b, decay_b),
                     name="feddhe")
 
