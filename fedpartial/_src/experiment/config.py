@@ -111,9 +111,9 @@ def _check_output(out_dir: str | None, run_name: str | None) -> None:
 class RunConfig:
     """One simulation run; the defaults are the offline digits job of the quick start.
 
-    Every field is a setting described once (:mod:`fedpartial._src.experiment.settings`): its section, its
-    meaning, unit and default, and its flag of ``fedpartial run`` (which is generated from it, as is the
-    configuration reference page, ``docs/configuration.md``).  :meth:`validate` judges the settings alone,
+    Every field is a setting described once: its section, its meaning, unit and default, and its flag of
+    ``fedpartial run`` (the flags and their ``--help`` are generated from these descriptions, as is the
+    configuration reference page, ``docs/configuration.md``, and the Attributes below).  :meth:`validate` judges the settings alone,
     naming each bad value by its flag.
 
     Example:

@@ -122,14 +122,11 @@ _KIND_WORDS = {"int": "a whole number", "float": "a number", "bool": "a switch",
 
 
 def attributes_doc(cls) -> str:
-    """A Google-style ``Attributes:`` section of every described field, by section (for ``help()``)."""
+    """A Google-style ``Attributes:`` section of every described field, section by section (for ``help()`` and
+    the API reference; the sections' titles are on the configuration page)."""
     lines = ["Attributes:"]
-    for name, (title, _) in SECTIONS.items():
-        group = fields(cls, name)
-        if not group:
-            continue
-        lines.append(f"  ({title})")
-        for f in group:
+    for name in SECTIONS:
+        for f in fields(cls, name):
             s = described(f)
             unit = f" [{s.unit}]" if s.unit else ""
             flag = f"; flag {flag_of(f)}" if flag_of(f) else ""

@@ -181,8 +181,15 @@ _LOWERINGS: dict[str, Any] = {"lax": None, "im2col": im2col_conv, "hybrid": hybr
 
 
 def lowering(impl: str = "lax") -> Callable | None:
-    """What ``nn.Conv(..., conv_general_dilated=lowering(impl))`` takes for lowering ``impl`` (None for
-    ``"lax"``: Flax's own default, so the module is exactly the plain ``nn.Conv``).
+    """What ``nn.Conv(..., conv_general_dilated=lowering(impl))`` takes for lowering ``impl``.
+
+    Args:
+      impl: ``lax`` (XLA's convolution; grouped when vmapped over clients), ``im2col`` (patches and a matrix
+        product; a batched GEMM under vmap) or ``hybrid`` (lax for one client, im2col across clients).
+
+    Returns:
+      The convolution function, or None for ``"lax"``: Flax's own default, so the module is exactly the plain
+      ``nn.Conv``.
 
     Raises:
       UserError: ``impl`` is not one of :data:`CONV_IMPLS`.
