@@ -24,7 +24,8 @@ def proximal_term(mu: float):
 def fedprox(mu: float = 0.01) -> Method:
     """FedProx with proximal coefficient ``mu``."""
     check_values("fedprox", SPEC.options, mu=mu)
-    return make_method("fedprox", objective=with_penalty(proximal_term(mu)), capabilities=Capabilities(streamable="per_client"))
+    return make_method("fedprox", objective=with_penalty(proximal_term(mu)),
+                       capabilities=Capabilities(streamable="per_client", asynchronous=True))
 
 
 SPEC = MethodSpec("fedprox", fedprox, "FedAvg whose local objective adds μ/2·||w − w_global||².",
