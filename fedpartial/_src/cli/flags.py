@@ -234,6 +234,17 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
     timed.add_argument("--availability", default=d.availability,
                        help="who may be sampled: always, a probability (e.g. 0.7), diurnal[:LOW:HIGH[:PERIOD_S]] "
                             "or a CSV trace with columns client_id,start_s,end_s")
+    asynchronous = run.add_argument_group(
+        "asynchronous aggregation (docs/async.md: C clients in flight, the server steps on every M arrivals)")
+    asynchronous.add_argument("--mode", choices=("sync", "async"), default=d.mode,
+                              help="sync: rounds of a cohort; async: buffered asynchronous (FedBuff; M = 1 FedAsync)")
+    asynchronous.add_argument("--concurrency", type=whole_number, default=d.concurrency, metavar="C",
+                              help="async: clients in flight at once (default: the buffer)")
+    asynchronous.add_argument("--buffer", type=whole_number, default=d.buffer, metavar="M",
+                              help="async: the server steps when M updates have arrived (default: --cohort)")
+    asynchronous.add_argument("--staleness", default=d.staleness,
+                              help="async: weight of an update τ server steps old: constant, poly[:A] ((1+τ)^-A, "
+                                   "A 0.5) or hinge:A:B (1 up to B, then 1/(A(τ-B)+1))")
 
 
 def method_flag_users(specs: Iterable[MethodSpec]) -> dict[str, list]:
@@ -365,4 +376,5 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         dp_delta=args.dp_delta, dp_target_quantile=args.dp_target_quantile,
         round_deadline=args.round_deadline, deadline_quantile=args.deadline_quantile,
         straggler_policy=args.straggler_policy, over_select=args.over_select, availability=args.availability,
+        mode=args.mode, concurrency=args.concurrency, buffer=args.buffer, staleness=args.staleness,
     )
