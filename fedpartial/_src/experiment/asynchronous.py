@@ -211,6 +211,7 @@ class AsyncSimulation(Simulation):
             "nonfinite_clients": int(metrics["nonfinite_clients"]), "client_flops": round(float(np.sum(flops[valid]))),
             "staleness_mean": float(np.mean(tau)) if len(tau) else 0.0,
             "staleness_max": int(np.max(tau)) if len(tau) else 0,
+            "arrived_client_ids": [int(i) for i in ids[:len(tau)]], "arrived_staleness": [int(x) for x in tau],
             "simulated_time_s": 0.0, "cumulative_simulated_time_s": p["simulated_clock_s"],
             "simulated_clock_s": p["simulated_clock_s"],
         }
