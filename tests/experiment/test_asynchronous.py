@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from fedpartial._src.analysis.plots import plot_runs
 from fedpartial._src.cli.main import main
 from fedpartial._src.costs import devices
 from fedpartial._src.experiment import checkpoint
@@ -117,6 +118,9 @@ def test_stopped_between_server_steps_resumes_bit_exact(compiled, tmp_path):
     _same((sim.state, sim.pool), (base_state, base_pool))
     assert sim.progress == base_progress
     assert _records(run_dir) == records
+    # fedpartial plot takes asynchronous runs (accuracy against the simulated clock among its figures)
+    paths = plot_runs([run_dir], str(tmp_path / "figures"))
+    assert any(p.endswith("accuracy_vs_simulated_time.png") for p in paths), paths
 
 
 @pytest.mark.parametrize("changes, message", [
