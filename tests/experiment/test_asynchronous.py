@@ -13,6 +13,7 @@ import pytest
 
 from fedpartial._src.analysis.plots import plot_runs
 from fedpartial._src.cli.main import main
+from fedpartial._src.core import memory
 from fedpartial._src.costs import devices
 from fedpartial._src.experiment import checkpoint
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
@@ -121,6 +122,17 @@ def test_stopped_between_server_steps_resumes_bit_exact(compiled, tmp_path):
     # fedpartial plot takes asynchronous runs (accuracy against the simulated clock among its figures)
     paths = plot_runs([run_dir], str(tmp_path / "figures"))
     assert any(p.endswith("accuracy_vs_simulated_time.png") for p in paths), paths
+
+
+def test_a_pool_that_does_not_fit_is_refused_before_it_is_built(compiled, monkeypatch):
+    """The pool (two copies of the model per in-flight client) is in the memory estimate: with room for the round
+    but not the pool, the run is refused in one sentence naming --concurrency."""
+    sim = compiled[0]
+    assert sim.pool_bytes == sum(a.nbytes for a in jax.tree.leaves((sim.pool.trained, sim.pool.start))) + 20 * 4
+    room = int((sim.memory.total - sim.pool_bytes) / memory.HEADROOM) + 2  # the round fits, the pool does not
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (room, "test memory"))
+    with pytest.raises(ConfigError, match=r"--concurrency 4 keeps .* of in-flight updates.*lower --concurrency"):
+        AsyncSimulation(RunConfig(**ASYNC))
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedpartial._src.core import memory
 from fedpartial._src.core.errors import DivergedError
 from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.engine import metrics as engine_metrics
@@ -81,7 +82,7 @@ class AsyncSimulation(Simulation):
         self.pool_bytes = engine_async.pool_bytes(variables, self.config.async_concurrency)
         self.memory = self.memory._replace(server=self.memory.server + self.pool_bytes)
         available, where = self._device_room()
-        if check_memory and available is not None and self.memory.total > available:
+        if check_memory and available is not None and self.memory.total > memory.HEADROOM * available:
             raise ConfigError(
                 f"--concurrency {self.config.async_concurrency} keeps {human_bytes(self.pool_bytes)} of "
                 f"in-flight updates, and with the round the run needs about {human_bytes(self.memory.total)}"
