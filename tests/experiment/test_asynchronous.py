@@ -18,7 +18,8 @@ from fedpartial._src.costs import devices
 from fedpartial._src.experiment import checkpoint
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
 from fedpartial._src.experiment.config import ConfigError, RunConfig
-from fedpartial._src.experiment.simulation import Simulation, run
+from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.experiment.runs import run
 
 TINY = dict(dataset="synthetic", max_samples=40, num_clients=6, cohort_size=3, rounds=3, local_steps=2,
             batch_size=8, out_dir=None)

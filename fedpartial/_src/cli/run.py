@@ -134,7 +134,7 @@ class RunComplete(Exception):
 def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial._src.experiment import jobs, simulation
     from fedpartial._src.experiment.preflight import preflight
-    from fedpartial._src.experiment.asynchronous import simulation_for
+    from fedpartial._src.experiment.runs import simulation_for
 
     _join_processes(args)  # before anything touches a JAX backend
     if args.resume is not None and jobs.is_job_folder(args.resume):

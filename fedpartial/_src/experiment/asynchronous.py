@@ -229,8 +229,3 @@ class AsyncSimulation(Simulation):
         record["wall_time_s"] = time.perf_counter() - start
         return record
 
-
-def simulation_for(config: RunConfig, dataset=None, **parts) -> Simulation:
-    """The run's simulation: an :class:`AsyncSimulation` for ``--mode async``, else a :class:`Simulation`."""
-    cls = AsyncSimulation if config.mode == "async" else Simulation
-    return cls(config, dataset, **parts)

@@ -1,0 +1,228 @@
+"""Asynchronous against synchronous aggregation on the simulated clock (issue 53; docs/async.md).
+
+Protocol (offline data): N clients (default 100, Dirichlet α 0.5 for digits, the natural partition for
+Synthetic), 1 local epoch of batches of 16 (SGD, lr 0.05, momentum 0.9), the dataset's default model, devices
+drawn log-normal and sorted fastest first by id as in ``benchmarks.deadlines`` (so the tiered methods' strong,
+moderate and weak thirds are the fast, middling and slow devices).  Every run gets the same number of client
+updates, ``U = rounds × K``:
+
+* ``sync``: synchronous FedAvg, K a round (the reference: the target is ``--target`` × its best accuracy);
+* ``sync+deadline``: the same with a deadline at the population's median full-model round (stragglers dropped);
+* ``async M=C=K``: FedAvg with ``--mode async``, buffer = concurrency = K, constant staleness: the synchronous run
+  bit for bit (a check), whose wall time against ``sync`` is the cost of the asynchronous machinery;
+* ``fedbuff``: FedAvg, C = ``--concurrency`` (20), M = ``--buffer`` (10), staleness ``poly:0.5``;
+* ``fedasync``: FedAvg, C = 20, M = 1, staleness ``poly:0.5`` (U server steps);
+* ``fedbuff+heterofl``, ``fedbuff+fedrolex`` (tier mix thirds) and ``fedbuff+fedldf`` (n = M/2 per layer).
+
+Reported per run: time to the target on the simulated clock, accuracy at a fixed simulated time (the earliest
+clock at which every run has ended), final accuracy and wall time.  Seeds run one after another.
+
+Usage::
+
+    python -m benchmarks.async [--quick] [--datasets digits,synthetic] [--seeds 0,1] [--clients 100] [--cohort 10]
+        [--rounds 30] [--concurrency 20] [--buffer 10] [--runs sync,fedbuff,...] [--out DIR]
+
+Writes ``<out>/async-<device>.json`` and ``async-<device>.png`` (accuracy against the simulated clock, one panel
+per dataset, seed 0) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import device_slug
+from benchmarks.deadlines import evaluated, sorted_profiles, time_to
+from fedpartial._src.experiment.runs import simulation_for
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
+
+RUNS = ("sync", "sync+deadline", "async M=C=K", "fedbuff", "fedasync", "fedbuff+heterofl", "fedbuff+fedrolex",
+        "fedbuff+fedldf")
+KEPT = ("round", "test_accuracy", "simulated_clock_s", "staleness_mean", "staleness_max", "clients_in_flight",
+        "cumulative_upload_bytes", "train_loss")
+
+
+def run_config(args, name: str, dataset: str, seed: int, profiles: str, deadline: float) -> RunConfig:
+    """The configuration of run ``name`` (module docstring), each with ``rounds × cohort`` client updates."""
+    method = name.split("+")[1] if "+" in name and not name.startswith("sync") else "fedavg"
+    third = args.clients // 3
+    options = ({"tier_mix": (args.clients - 2 * third, third, third)} if method in ("heterofl", "fedrolex") else
+               {"n": max(1, args.buffer // 2)} if method == "fedldf" else {})
+    base = dict(method=method, dataset=dataset, model=args.model, num_clients=args.clients, cohort_size=args.cohort,
+                rounds=args.rounds, local_epochs=1.0, batch_size=16, client_lr=0.05, momentum=0.9,
+                eval_every=args.eval_every, out_dir=None, seed=seed, options=options, device_profiles=profiles,
+                partition="natural" if dataset == "synthetic" else "dirichlet", alpha=0.5)
+    updates = args.rounds * args.cohort
+    if name == "sync":
+        return RunConfig(**base)
+    if name == "sync+deadline":
+        return RunConfig(**base, round_deadline=deadline)
+    if name == "async M=C=K":
+        return RunConfig(**base | {"mode": "async", "staleness": "constant"})
+    m = 1 if name == "fedasync" else args.buffer
+    return RunConfig(**base | {"mode": "async", "concurrency": args.concurrency, "buffer": m,
+                               "rounds": updates // m, "eval_every": max(1, args.eval_every * args.cohort // m)})
+
+
+def run_one(cfg: RunConfig, name: str, dataset: str, seed: int) -> dict:
+    start = time.perf_counter()
+    sim = simulation_for(cfg)
+    records = [{k: r[k] for k in KEPT if k in r} for r in sim.rounds()]
+    return {"run": name, "dataset": dataset, "seed": seed, "records": records, "time_s": time.perf_counter() - start,
+            "client_updates": cfg.rounds * cfg.cohort_size if cfg.mode == "sync" else cfg.rounds * cfg.async_buffer}
+
+
+def accuracy_at(run: dict, clock: float) -> float | None:
+    """The last evaluated accuracy at or before the simulated ``clock``."""
+    before = [r["test_accuracy"] for r in evaluated(run) if r["simulated_clock_s"] <= clock]
+    return before[-1] if before else None
+
+
+def summarize(runs: list[dict], args) -> list[dict]:
+    rows = []
+    for dataset in args.datasets:
+        ours = [r for r in runs if r["dataset"] == dataset]
+        for name in args.runs:
+            group = [r for r in ours if r["run"] == name]
+            if not group:
+                continue
+            rows.append(row(name, dataset, group, ours))
+    return rows
+
+
+def row(name: str, dataset: str, group: list[dict], ours: list[dict]) -> dict:
+    """One run's seeds: time to the target (the reference's, per seed) and accuracy at the fixed clock."""
+    reached, at_fixed, finals = [], [], []
+    for run in group:
+        seed_runs = [r for r in ours if r["seed"] == run["seed"]]
+        reference = next(r for r in seed_runs if r["run"] == "sync")
+        target = run["target"] = TARGET[0] * max(r["test_accuracy"] for r in evaluated(reference))
+        fixed = min(r["records"][-1]["simulated_clock_s"] for r in seed_runs)
+        reached.append(time_to(run, target))
+        at_fixed.append(accuracy_at(run, fixed))
+        finals.append(evaluated(run)[-1]["test_accuracy"])
+    known = [t for t in reached if t is not None]
+    return {"run": name, "dataset": dataset, "seeds": len(group),
+            "time_to_target_s": float(np.mean(known)) if len(known) == len(group) else None,
+            "reached": f"{len(known)}/{len(group)}",
+            "accuracy_at_fixed_clock": float(np.mean([a for a in at_fixed if a is not None] or [np.nan])),
+            "final_accuracy": float(np.mean(finals)), "wall_s": float(np.mean([r["time_s"] for r in group])),
+            "staleness_mean": float(np.mean([np.mean([x.get("staleness_mean", 0.0) for x in r["records"]])
+                                             for r in group]))}
+
+
+TARGET = [0.9]  # the share of the reference's best accuracy (set by main)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'dataset':<10} {'run':<18} {'to target':>10} {'reached':>7} {'acc@fixed':>9} {'final':>7} "
+             f"{'staleness':>9} {'wall':>8}"]
+    for r in rows:
+        reach = "—" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
+        lines.append(f"{r['dataset']:<10} {r['run']:<18} {reach:>10} {r['reached']:>7} "
+                     f"{r['accuracy_at_fixed_clock']:>9.4f} {r['final_accuracy']:>7.4f} {r['staleness_mean']:>9.2f} "
+                     f"{r['wall_s']:>6.1f} s")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], datasets: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.2), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        first = min(r["seed"] for r in runs)
+        for i, run in enumerate(r for r in runs if r["dataset"] == dataset and r["seed"] == first):
+            ev = evaluated(run)
+            ax.plot([r["simulated_clock_s"] for r in ev], [r["test_accuracy"] for r in ev], color=f"C{i}",
+                    marker="." if len(ev) < 40 else None, label=run["run"],
+                    linestyle="--" if run["run"].startswith("sync") else "-")
+        ax.set_title(f"{dataset}, seed {first}")
+        ax.set_xlabel("simulated clock (s)")
+        ax.set_ylabel("test accuracy")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.async", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="digits and the MLP, N=12, K=4, C=6, M=2, 2 rounds' updates, 3 runs (a smoke test)")
+    p.add_argument("--datasets", default="digits,synthetic")
+    p.add_argument("--model", default="auto", help="the model (auto: each dataset's default)")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--cohort", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=30, help="synchronous rounds; every run gets rounds × cohort updates")
+    p.add_argument("--concurrency", type=int, default=20)
+    p.add_argument("--buffer", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=2, help="synchronous rounds (async: the same updates)")
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--target", type=float, default=0.9, help="the target, as a share of sync's best accuracy")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="", help="added to the result files' names")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.datasets, args.seeds, args.clients, args.cohort, args.rounds, args.concurrency, args.buffer = (
+            "digits", "0", 12, 4, 2, 6, 2)
+        args.eval_every, args.runs, args.model = 1, "sync,async M=C=K,fedbuff", "mlp"
+    args.datasets, args.runs = args.datasets.split(","), args.runs.split(",")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    TARGET[0] = args.target
+    os.makedirs(args.out, exist_ok=True)
+    t0, runs = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dataset in args.datasets:
+            for seed in args.seeds:
+                profiles = os.path.join(tmp, f"devices-{seed}.csv")
+                sorted_profiles(argparse.Namespace(clients=args.clients, seed=seed), profiles)
+                deadline = 0.0
+                if "sync+deadline" in args.runs:  # the population's median full-model round
+                    probe = Simulation(run_config(args, "sync", dataset, seed, profiles, 0.0))
+                    deadline = float(np.quantile(probe.full_model_times(), 0.5))
+                for name in args.runs:
+                    run = run_one(run_config(args, name, dataset, seed, profiles, deadline), name, dataset, seed)
+                    run["deadline_s"] = deadline
+                    runs.append(run)
+                    print(f"{dataset:<10} seed {seed} {name:<18} best "
+                          f"{max(r['test_accuracy'] for r in evaluated(run)):.4f} clock "
+                          f"{run['records'][-1]['simulated_clock_s']:.1f} s  {run['time_s']:.1f}s wall", flush=True)
+    rows = summarize(runs, args)
+    print("\n" + table(rows))
+    slug = device_slug() + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
+    device = jax.devices()[0]
+    result = {"benchmark": "async", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join(["python -m benchmarks.async", *(argv if argv is not None else sys.argv[1:])]),
+              "device": {"platform": device.platform, "device_kind": device.device_kind, "cpu_count": os.cpu_count(),
+                         "jax_version": jax.__version__},
+              "protocol": {k: v for k, v in vars(args).items()}, "summary": rows, "runs": runs,
+              "total_time_s": time.perf_counter() - t0}
+    json_path = os.path.join(args.out, f"async-{slug}.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f)
+    plot(runs, args.datasets, os.path.join(args.out, f"async-{slug}.png"))
+    print(f"\nwrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
