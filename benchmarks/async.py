@@ -161,7 +161,7 @@ def plot(runs: list[dict], datasets: list[str], path: str) -> None:
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.async", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="digits and the MLP, N=12, K=4, C=6, M=2, 2 rounds' updates, 3 runs (a smoke test)")
+                   help="digits and the MLP, N=12, K=4, C=6, M=2, 2 rounds' updates, sync and fedbuff (a smoke test)")
     p.add_argument("--datasets", default="digits,synthetic")
     p.add_argument("--model", default="auto", help="the model (auto: each dataset's default)")
     p.add_argument("--seeds", default="0,1")
@@ -179,7 +179,7 @@ def parse(argv):
     if args.quick:
         args.datasets, args.seeds, args.clients, args.cohort, args.rounds, args.concurrency, args.buffer = (
             "digits", "0", 12, 4, 2, 6, 2)
-        args.eval_every, args.runs, args.model = 1, "sync,async M=C=K,fedbuff", "mlp"
+        args.eval_every, args.runs, args.model = 1, "sync,fedbuff", "mlp"
     args.datasets, args.runs = args.datasets.split(","), args.runs.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     return args

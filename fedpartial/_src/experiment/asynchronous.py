@@ -61,8 +61,9 @@ class AsyncSimulation(Simulation):
         if config.mode != "async":
             raise ConfigError(f"an asynchronous simulation needs --mode async, not {config.mode!r}.")
         config.validate(custom_method=parts.get("method") is not None)  # before the buffer replaces the cohort
-        super().__init__(dataclasses.replace(config, cohort_size=config.async_buffer, buffer=config.async_buffer),
-                         dataset, **parts)
+        # the round is built for the buffer; per-client state stays on the device ('auto' may move it off)
+        super().__init__(dataclasses.replace(config, cohort_size=config.async_buffer, buffer=config.async_buffer,
+                                             client_state="device"), dataset, **parts)
         cfg = self.config
         self.engine = engine_async.AsyncRound(self.round, cfg.async_concurrency,
                                               engine_async.parse_staleness(cfg.staleness))
