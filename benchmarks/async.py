@@ -3,19 +3,22 @@
 Protocol (offline data): N clients (default 100, Dirichlet α 0.5 for digits, the natural partition for
 Synthetic), 1 local epoch of batches of 16 (SGD, lr 0.05, momentum 0.9), the dataset's default model, devices
 drawn log-normal and sorted fastest first by id as in ``benchmarks.deadlines`` (so the tiered methods' strong,
-moderate and weak thirds are the fast, middling and slow devices).  Every run gets the same number of client
-updates, ``U = rounds × K``:
+moderate and weak thirds are the fast, middling and slow devices).  The reference runs ``rounds`` synchronous
+rounds of K clients; every other run gets the same **simulated time** — it runs until its clock passes the
+reference's last one (at most ``--max-factor`` × the reference's ``rounds × K`` client updates):
 
 * ``sync``: synchronous FedAvg, K a round (the reference: the target is ``--target`` × its best accuracy);
 * ``sync+deadline``: the same with a deadline at the population's median full-model round (stragglers dropped);
-* ``async M=C=K``: FedAvg with ``--mode async``, buffer = concurrency = K, constant staleness: the synchronous run
-  bit for bit (a check), whose wall time against ``sync`` is the cost of the asynchronous machinery;
+* ``async M=C=K``: FedAvg with ``--mode async``, buffer = concurrency = K, constant staleness, ``rounds`` server
+  steps: the synchronous run bit for bit (a check), whose wall time against ``sync`` is the cost of the
+  asynchronous machinery for the same client updates;
 * ``fedbuff``: FedAvg, C = ``--concurrency`` (20), M = ``--buffer`` (10), staleness ``poly:0.5``;
 * ``fedasync``: FedAvg, C = 20, M = 1, staleness ``poly:0.5`` (U server steps);
 * ``fedbuff+heterofl``, ``fedbuff+fedrolex`` (tier mix thirds) and ``fedbuff+fedldf`` (n = M/2 per layer).
 
 Reported per run: time to the target on the simulated clock, accuracy at a fixed simulated time (the earliest
-clock at which every run has ended), final accuracy and wall time.  Seeds run one after another.
+clock at which every run has ended), final accuracy, client updates and wall time.  Seeds run one after another
+(an asynchronous run cannot be a vectorised replica).
 
 Usage::
 
@@ -43,6 +46,7 @@ from benchmarks import device_slug
 from benchmarks.deadlines import evaluated, sorted_profiles, time_to
 from fedpartial._src.experiment.runs import simulation_for
 from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.evaluation import record_fields
 from fedpartial._src.experiment.simulation import Simulation
 
 RUNS = ("sync", "sync+deadline", "async M=C=K", "fedbuff", "fedasync", "fedbuff+heterofl", "fedbuff+fedrolex",
@@ -61,24 +65,32 @@ def run_config(args, name: str, dataset: str, seed: int, profiles: str, deadline
                 rounds=args.rounds, local_epochs=1.0, batch_size=16, client_lr=0.05, momentum=0.9,
                 eval_every=args.eval_every, out_dir=None, seed=seed, options=options, device_profiles=profiles,
                 partition="natural" if dataset == "synthetic" else "dirichlet", alpha=0.5)
-    updates = args.rounds * args.cohort
+    cap = int(args.max_factor * args.rounds * args.cohort)  # client updates at most
     if name == "sync":
         return RunConfig(**base)
     if name == "sync+deadline":
-        return RunConfig(**base, round_deadline=deadline)
+        return RunConfig(**base | {"rounds": cap // args.cohort}, round_deadline=deadline)
     if name == "async M=C=K":
         return RunConfig(**base | {"mode": "async", "staleness": "constant"})
     m = 1 if name == "fedasync" else args.buffer
     return RunConfig(**base | {"mode": "async", "concurrency": args.concurrency, "buffer": m,
-                               "rounds": updates // m, "eval_every": max(1, args.eval_every * args.cohort // m)})
+                               "rounds": cap // m, "eval_every": max(1, args.eval_every * args.cohort // m)})
 
 
-def run_one(cfg: RunConfig, name: str, dataset: str, seed: int) -> dict:
+def run_one(cfg: RunConfig, name: str, dataset: str, seed: int, until_clock: float | None = None) -> dict:
+    """Runs ``cfg`` (until its clock passes ``until_clock``, when given; the last record is then evaluated)."""
     start = time.perf_counter()
     sim = simulation_for(cfg)
-    records = [{k: r[k] for k in KEPT if k in r} for r in sim.rounds()]
+    records, updates = [], 0
+    for r in sim.rounds():
+        updates += r["clients"]
+        if until_clock is not None and r["simulated_clock_s"] >= until_clock and "test_accuracy" not in r:
+            r.update(record_fields(sim.evaluate()))
+        records.append({k: r[k] for k in KEPT if k in r})
+        if until_clock is not None and r["simulated_clock_s"] >= until_clock:
+            break
     return {"run": name, "dataset": dataset, "seed": seed, "records": records, "time_s": time.perf_counter() - start,
-            "client_updates": cfg.rounds * cfg.cohort_size if cfg.mode == "sync" else cfg.rounds * cfg.async_buffer}
+            "client_updates": updates}
 
 
 def accuracy_at(run: dict, clock: float) -> float | None:
@@ -116,6 +128,7 @@ def row(name: str, dataset: str, group: list[dict], ours: list[dict]) -> dict:
             "reached": f"{len(known)}/{len(group)}",
             "accuracy_at_fixed_clock": float(np.mean([a for a in at_fixed if a is not None] or [np.nan])),
             "final_accuracy": float(np.mean(finals)), "wall_s": float(np.mean([r["time_s"] for r in group])),
+            "client_updates": float(np.mean([r["client_updates"] for r in group])),
             "staleness_mean": float(np.mean([np.mean([x.get("staleness_mean", 0.0) for x in r["records"]])
                                              for r in group]))}
 
@@ -125,12 +138,12 @@ TARGET = [0.9]  # the share of the reference's best accuracy (set by main)
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'dataset':<10} {'run':<18} {'to target':>10} {'reached':>7} {'acc@fixed':>9} {'final':>7} "
-             f"{'staleness':>9} {'wall':>8}"]
+             f"{'staleness':>9} {'updates':>7} {'wall':>8}"]
     for r in rows:
         reach = "—" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
         lines.append(f"{r['dataset']:<10} {r['run']:<18} {reach:>10} {r['reached']:>7} "
                      f"{r['accuracy_at_fixed_clock']:>9.4f} {r['final_accuracy']:>7.4f} {r['staleness_mean']:>9.2f} "
-                     f"{r['wall_s']:>6.1f} s")
+                     f"{r['client_updates']:>7.0f} {r['wall_s']:>6.1f} s")
     return "\n".join(lines)
 
 
@@ -171,6 +184,8 @@ def parse(argv):
     p.add_argument("--concurrency", type=int, default=20)
     p.add_argument("--buffer", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=2, help="synchronous rounds (async: the same updates)")
+    p.add_argument("--max-factor", type=float, default=4.0,
+                   help="a run other than the reference stops after this many times its client updates at most")
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--target", type=float, default=0.9, help="the target, as a share of sync's best accuracy")
     p.add_argument("--out", default="benchmarks/results")
@@ -179,7 +194,7 @@ def parse(argv):
     if args.quick:
         args.datasets, args.seeds, args.clients, args.cohort, args.rounds, args.concurrency, args.buffer = (
             "digits", "0", 12, 4, 2, 6, 2)
-        args.eval_every, args.runs, args.model = 1, "sync,fedbuff", "mlp"
+        args.eval_every, args.runs, args.model, args.max_factor = 1, "sync,fedbuff", "mlp", 2.0
     args.datasets, args.runs = args.datasets.split(","), args.runs.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     return args
@@ -199,8 +214,12 @@ def main(argv=None) -> int:
                 if "sync+deadline" in args.runs:  # the population's median full-model round
                     probe = Simulation(run_config(args, "sync", dataset, seed, profiles, 0.0))
                     deadline = float(np.quantile(probe.full_model_times(), 0.5))
+                until = None
                 for name in args.runs:
-                    run = run_one(run_config(args, name, dataset, seed, profiles, deadline), name, dataset, seed)
+                    run = run_one(run_config(args, name, dataset, seed, profiles, deadline), name, dataset, seed,
+                                  None if name in ("sync", "async M=C=K") else until)
+                    if name == "sync":
+                        until = run["records"][-1]["simulated_clock_s"]
                     run["deadline_s"] = deadline
                     runs.append(run)
                     print(f"{dataset:<10} seed {seed} {name:<18} best "
