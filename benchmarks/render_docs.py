@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BLOCK_PAGES = ("README.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
-               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md")
+               "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md",
+               "docs/async.md")
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
@@ -37,7 +38,7 @@ SCRIPTS = {
     "fedldf": "python -m benchmarks.fedldf", "fedspu": "python -m benchmarks.fedspu",
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
-    "conv_probe": "python -m benchmarks.conv_probe",
+    "conv_probe": "python -m benchmarks.conv_probe", "async": "python -m benchmarks.async",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
@@ -597,6 +598,28 @@ def deadlines(results) -> list[str]:
     return lines
 
 
+def asynchronous(results) -> list[str]:
+    """Asynchronous against synchronous aggregation on the simulated clock (docs/async.md)."""
+    lines = []
+    for name, d in family(results, "async").items():
+        p = d["protocol"]
+        lines += [source(name, d), "",
+                  f"{p['clients']} clients, {', '.join(p['datasets'])}, seeds {', '.join(map(str, p['seeds']))}; "
+                  f"the reference is {p['rounds']} synchronous FedAvg rounds of {p['cohort']}; every other run gets "
+                  f"its simulated time (at most {p['max_factor']:g}× its client updates). FedBuff: C = "
+                  f"{p['concurrency']}, M = {p['buffer']}; FedAsync: C = {p['concurrency']}, M = 1; staleness "
+                  f"`poly:0.5`. Target: {p['target']:g} × the reference's best accuracy; accuracy at the fixed clock: "
+                  "the last evaluation before the earliest end of any run of the seed. Wall times on the shared "
+                  "CPU are indicative only.", ""]
+        rows = [[r["dataset"], r["run"], "not reached" if r["time_to_target_s"] is None
+                 else num(r["time_to_target_s"], 1, " s"), r["reached"], num(r["accuracy_at_fixed_clock"], 3),
+                 num(r["final_accuracy"], 3), num(r["staleness_mean"], 2), num(r.get("client_updates"), 0),
+                 num(r["wall_s"], 1, " s")] for r in d["summary"]]
+        lines += table(["dataset", "run", "time to target", "seeds reaching it", "accuracy at the fixed clock",
+                        "final accuracy", "mean staleness", "client updates", "wall"], rows)
+    return lines
+
+
 SECTIONS = (
     ("Execution strategies", "FedAvg rounds/s of every strategy beside a plain per-client Python loop of jitted "
      "steps (what Python FL frameworks do), as the speed-up over that loop. `python -m benchmarks.strategies`.",
@@ -631,6 +654,8 @@ SECTIONS = (
     ("FedDHAD", "See [the FedDHAD reproduction](reproductions/feddhad.md).", feddhad),
     ("Deadlines and availability", "See [Deadlines, stragglers and availability](deadlines.md). "
      "`python -m benchmarks.deadlines`.", deadlines),
+    ("Asynchronous aggregation", "See [Asynchronous aggregation](async.md). `python -m benchmarks.async`.",
+     asynchronous),
 )
 
 
@@ -680,7 +705,9 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
             "feddh": "\n".join(feddh(results)).rstrip(),
             "feddhad": "\n".join(feddhad(results)).rstrip(),
             "deadlines": "\n".join(deadlines(results)).rstrip()
-            or "No result file yet: run `python -m benchmarks.deadlines`."}
+            or "No result file yet: run `python -m benchmarks.deadlines`.",
+            "async": "\n".join(asynchronous(results)).rstrip()
+            or "No result file yet: run `python -m benchmarks.async`."}
 
 
 def fill_blocks(text: str, generated: dict[str, str]) -> str:

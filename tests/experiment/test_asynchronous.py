@@ -17,6 +17,7 @@ from fedpartial._src.core import memory
 from fedpartial._src.costs import devices
 from fedpartial._src.experiment import checkpoint
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
+from fedpartial._src.experiment.availability import Availability
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.runs import run
@@ -123,6 +124,24 @@ def test_stopped_between_server_steps_resumes_bit_exact(compiled, tmp_path):
     # fedpartial plot takes asynchronous runs (accuracy against the simulated clock among its figures)
     paths = plot_runs([run_dir], str(tmp_path / "figures"))
     assert any(p.endswith("accuracy_vs_simulated_time.png") for p in paths), paths
+
+
+def test_only_available_clients_are_dispatched_and_the_run_ends_when_nobody_is_left(compiled, tmp_path):
+    """An availability trace: clients 0-3 online from 0 s (client 3 until 1e9 s), nobody else ever; with C = 4
+    every arrival is one of them.  Then a trace whose only client goes offline at once: after its one update
+    nobody is in flight or may be drawn, and the run ends early."""
+    sim = fresh(compiled, tmp_path, "unused")
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client_id,start_s,end_s\n0,0,1e12\n1,0,1e12\n2,0,1e12\n3,0,1e9\n")
+    sim.clock.availability = Availability(str(trace), sim.config.num_clients, sim.config.seed)
+    records = list(sim.rounds())
+    assert len(records) == sim.config.rounds
+    assert {i for r in records for i in r["arrived_client_ids"]} <= {0, 1, 2, 3}
+    sim = fresh(compiled, tmp_path, "unused")
+    trace.write_text("client_id,start_s,end_s\n5,0,1e-9\n")
+    sim.clock.availability = Availability(str(trace), sim.config.num_clients, sim.config.seed)
+    records = list(sim.rounds())
+    assert [r["arrived_client_ids"] for r in records] == [[5]] and records[0]["clients_in_flight"] == 0
 
 
 def test_a_pool_that_does_not_fit_is_refused_before_it_is_built(compiled, monkeypatch):

@@ -182,10 +182,9 @@ class AsyncRound:
         """A pool of ``concurrency`` zero rows shaped as :meth:`dispatch` returns them (nothing trained)."""
         variables = state.variables
         plan = jax.eval_shape(self.round.preview, state, cohort, key).plan
-        c, m = self.concurrency, self.buffer
+        c = self.concurrency
         rows = lambda tree: jax.tree.map(lambda a: jnp.zeros((c, *a.shape), a.dtype), tree)  # noqa: E731
         plan_rows = jax.tree.map(lambda a: jnp.zeros((c, *a.shape[1:]), a.dtype), plan)
-        del m
         return Dispatched(rows(variables), rows(variables), plan_rows, jnp.zeros(c, jnp.float32),
                           jnp.zeros(c, jnp.int32), jnp.zeros(c, jnp.int32), jnp.zeros(c, jnp.float32),
                           jnp.zeros(c, bool))

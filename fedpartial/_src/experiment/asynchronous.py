@@ -142,9 +142,10 @@ class AsyncSimulation(Simulation):
                     return
                 may, wait = waited
                 p["simulated_clock_s"] += wait
-            self._dispatch(d, may, free)
+            if not self._dispatch(d, may, free):
+                return  # nobody drawn (every slot of the draw a padding row): try again after the next step
 
-    def _dispatch(self, d: int, may: np.ndarray, free: np.ndarray) -> None:
+    def _dispatch(self, d: int, may: np.ndarray, free: np.ndarray) -> int:
         """Dispatch ``d``: ``M`` clients drawn from ``may`` trained on the current model, their rows put on ``free``
         slots (rows beyond the free slots are padding)."""
         p = self.progress
@@ -162,6 +163,7 @@ class AsyncSimulation(Simulation):
             p["slot_arrival_s"][s] = p["simulated_clock_s"] + float(seconds[row])
             p["slot_version"][s], p["slot_client"][s], p["slot_dispatch"][s] = p["round"], int(ids[row]), d
         p["dispatches"] = d + 1
+        return real.size
 
     def _server_step(self, t: int) -> dict | None:
         """Server step ``t`` on the next ``M`` arrivals, then dispatches on the new model; its record."""
@@ -181,12 +183,14 @@ class AsyncSimulation(Simulation):
         ids = np.asarray(p["slot_client"])[slots]
         for s in arrived:
             p["slot_arrival_s"][s], p["slot_client"][s] = None, -1
-        record = self._record(t, metrics, ids, tau[:arrived.size], start)
-        self._fill()
+        record = self._record(t, metrics, ids, tau[:arrived.size])
+        self._fill()  # the next dispatch's training is this step's work too
         record["clients_in_flight"] = self.in_flight()
+        record["wall_time_s"] = time.perf_counter() - start
+        record["round_time_s"] = record["wall_time_s"] - record.pop("_evaluation_s")
         return record
 
-    def _record(self, t: int, metrics: dict, ids: np.ndarray, tau: np.ndarray, start: float) -> dict:
+    def _record(self, t: int, metrics: dict, ids: np.ndarray, tau: np.ndarray) -> dict:
         """Server step ``t``'s record (the synchronous round's fields where they mean the same)."""
         cfg, p = self.config, self.progress
         metrics = jax.device_get(metrics)
@@ -202,14 +206,13 @@ class AsyncSimulation(Simulation):
         p["cumulative_client_flops"] += float(np.sum(flops[valid]))
         p["round"] = t + 1
         p["cumulative_simulated_time_s"] = p["simulated_clock_s"]
-        train_time = time.perf_counter() - start
         record = {
             "round": t + 1, "server_step": t + 1, "train_loss": float(metrics["train_loss"]),
             "client_steps": int(metrics["client_steps"]), "upload_bytes": int(metrics["upload_bytes"]),
             "download_bytes": int(metrics["download_bytes"]),
             "cumulative_upload_bytes": p["cumulative_upload_bytes"],
             "cumulative_download_bytes": p["cumulative_download_bytes"],
-            "round_time_s": train_time, "host_time_s": 0.0, "clients": len(tau), "clients_arrived": len(tau),
+            "round_time_s": 0.0, "host_time_s": 0.0, "clients": len(tau), "clients_arrived": len(tau),
             "nonfinite_clients": int(metrics["nonfinite_clients"]), "client_flops": round(float(np.sum(flops[valid]))),
             "staleness_mean": float(np.mean(tau)) if len(tau) else 0.0,
             "staleness_max": int(np.max(tau)) if len(tau) else 0,
@@ -223,10 +226,11 @@ class AsyncSimulation(Simulation):
                 record[name] = np.asarray(value).tolist()
         if self.accountant is not None:  # a server step is a round whose batch is the buffer
             record["dp_epsilon"] = privacy.account_round(self.accountant, p, (cfg.num_clients, len(tau)))
+        evaluated = time.perf_counter()
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
             record.update(record_fields(self.evaluate()))
             if self.holdout is not None:
                 record.update(self.evaluate_personal())
-        record["wall_time_s"] = time.perf_counter() - start
+        record["_evaluation_s"] = time.perf_counter() - evaluated
         return record
 
