@@ -1,11 +1,11 @@
 """Asynchronous against synchronous aggregation on the simulated clock (issue 53; docs/async.md).
 
 Protocol (offline data): N clients (default 100, Dirichlet α 0.5 for digits, the natural partition for
-Synthetic), 1 local epoch of batches of 16 (SGD, lr 0.05, momentum 0.9), the dataset's default model, devices
-drawn log-normal and sorted fastest first by id as in ``benchmarks.deadlines`` (so the tiered methods' strong,
-moderate and weak thirds are the fast, middling and slow devices).  The reference runs ``rounds`` synchronous
-rounds of K clients; every other run gets the same **simulated time** — it runs until its clock passes the
-reference's last one (at most ``--max-factor`` × the reference's ``rounds × K`` client updates):
+Synthetic), 1 local epoch of batches of 16 (SGD, lr 0.05 — 0.01 for Synthetic — momentum 0.9), the dataset's
+default model, devices drawn log-normal and sorted fastest first by id as in ``benchmarks.deadlines`` (so the
+tiered methods' strong, moderate and weak thirds are the fast, middling and slow devices).  The reference runs
+``rounds`` synchronous rounds of K clients; every other run gets the same **simulated time** — it runs until its
+clock passes the reference's last one (at most ``--max-factor`` × the reference's ``rounds × K`` client updates):
 
 * ``sync``: synchronous FedAvg, K a round (the reference: the target is ``--target`` × its best accuracy);
 * ``sync+deadline``: the same with a deadline at the population's median full-model round (stragglers dropped);
@@ -45,12 +45,15 @@ import numpy as np
 from benchmarks import device_slug
 from benchmarks.deadlines import evaluated, sorted_profiles, time_to
 from fedpartial._src.experiment.runs import simulation_for
+from fedpartial._src.core.errors import DivergedError
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.evaluation import record_fields
 from fedpartial._src.experiment.simulation import Simulation
 
 RUNS = ("sync", "sync+deadline", "async M=C=K", "fedbuff", "fedasync", "fedbuff+heterofl", "fedbuff+fedrolex",
         "fedbuff+fedldf")
+#: the client learning rate by dataset (Synthetic's 0.01 as FedProx's paper; 0.05 diverged there), else 0.05
+LR = {"synthetic": 0.01}
 KEPT = ("round", "test_accuracy", "simulated_clock_s", "staleness_mean", "staleness_max", "clients_in_flight",
         "cumulative_upload_bytes", "train_loss")
 
@@ -62,7 +65,7 @@ def run_config(args, name: str, dataset: str, seed: int, profiles: str, deadline
     options = ({"tier_mix": (args.clients - 2 * third, third, third)} if method in ("heterofl", "fedrolex") else
                {"n": max(1, args.buffer // 2)} if method == "fedldf" else {})
     base = dict(method=method, dataset=dataset, model=args.model, num_clients=args.clients, cohort_size=args.cohort,
-                rounds=args.rounds, local_epochs=1.0, batch_size=16, client_lr=0.05, momentum=0.9,
+                rounds=args.rounds, local_epochs=1.0, batch_size=16, client_lr=LR.get(dataset, 0.05), momentum=0.9,
                 eval_every=args.eval_every, out_dir=None, seed=seed, options=options, device_profiles=profiles,
                 partition="natural" if dataset == "synthetic" else "dirichlet", alpha=0.5)
     cap = int(args.max_factor * args.rounds * args.cohort)  # client updates at most
@@ -81,16 +84,19 @@ def run_one(cfg: RunConfig, name: str, dataset: str, seed: int, until_clock: flo
     """Runs ``cfg`` (until its clock passes ``until_clock``, when given; the last record is then evaluated)."""
     start = time.perf_counter()
     sim = simulation_for(cfg)
-    records, updates = [], 0
-    for r in sim.rounds():
-        updates += r["clients"]
-        if until_clock is not None and r["simulated_clock_s"] >= until_clock and "test_accuracy" not in r:
-            r.update(record_fields(sim.evaluate()))
-        records.append({k: r[k] for k in KEPT if k in r})
-        if until_clock is not None and r["simulated_clock_s"] >= until_clock:
-            break
+    records, updates, diverged = [], 0, None
+    try:
+        for r in sim.rounds():
+            updates += r["clients"]
+            if until_clock is not None and r["simulated_clock_s"] >= until_clock and "test_accuracy" not in r:
+                r.update(record_fields(sim.evaluate()))
+            records.append({k: r[k] for k in KEPT if k in r})
+            if until_clock is not None and r["simulated_clock_s"] >= until_clock:
+                break
+    except DivergedError as error:  # kept with the records before it
+        diverged = str(error)
     return {"run": name, "dataset": dataset, "seed": seed, "records": records, "time_s": time.perf_counter() - start,
-            "client_updates": updates}
+            "client_updates": updates, "diverged": diverged}
 
 
 def accuracy_at(run: dict, clock: float) -> float | None:

@@ -24,7 +24,7 @@ from fedpartial._src.experiment.runs import run
 
 TINY = dict(dataset="synthetic", max_samples=40, num_clients=6, cohort_size=3, rounds=3, local_steps=2,
             batch_size=8, out_dir=None)
-EQUAL = dict(compute_speed="1e9", download_bandwidth="1e6", upload_bandwidth="1e6")
+SPREAD = dict(compute_speed="lognormal:1e9:1.0", download_bandwidth="1e7", upload_bandwidth="1e7")
 WALL_CLOCK = ("round_time_s", "wall_time_s", "host_time_s")
 
 
@@ -35,10 +35,11 @@ def _same(a, b):
 
 
 def test_buffer_equal_to_concurrency_and_cohort_is_the_synchronous_run_bit_for_bit():
-    """M = C = K, equal speeds, constant staleness: every server step is the synchronous round (state, loss,
-    accuracy, traffic, FLOPs and the clock) — the same draws, keys and packing, nothing stale."""
-    sync = Simulation(RunConfig(**TINY, **EQUAL))
-    asyn = AsyncSimulation(RunConfig(**TINY, **EQUAL, mode="async", staleness="constant"))
+    """M = C = K, constant staleness, devices of different speeds: every server step is the synchronous round
+    (state, loss, accuracy, traffic, FLOPs and the clock) — the same draws, keys and packing, nothing stale, and the
+    arrivals aggregated in the cohort's order whatever order they arrived in."""
+    sync = Simulation(RunConfig(**TINY, **SPREAD))
+    asyn = AsyncSimulation(RunConfig(**TINY, **SPREAD, mode="async", staleness="constant"))
     sync_records, async_records = list(sync.rounds()), list(asyn.rounds())
     _same(asyn.state, sync.state)
     assert len(async_records) == len(sync_records) == 3

@@ -170,7 +170,9 @@ class AsyncSimulation(Simulation):
         start = time.perf_counter()
         p, m = self.progress, self.round.ctx.cohort_size
         arrival, version, busy = self._slots()
-        arrived = engine_async.next_arrivals(arrival, busy, m)
+        # aggregated in the pool's order, not the arrivals' (with M = C = K: the cohort's, so the float sums are the
+        # synchronous round's whatever the devices' speeds)
+        arrived = np.sort(engine_async.next_arrivals(arrival, busy, m))
         if arrived.size == 0:
             return None
         p["simulated_clock_s"] = max(p["simulated_clock_s"], float(arrival[arrived].max()))
