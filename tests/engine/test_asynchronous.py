@@ -92,5 +92,5 @@ def test_next_arrivals_is_top_m_by_time_ties_to_the_lower_slot():
 @pytest.mark.parametrize("method", [fednova, scaffold], ids=["fednova", "scaffold"])
 def test_methods_of_the_whole_cohort_are_refused(mlp, method):
     r = build(mlp, method(), stepwise(1))
-    with pytest.raises(UserError, match=f"method {r.method.name} .* asynchronous"):
+    with pytest.raises(UserError, match=f"method {r.method.name} is not defined on a buffer .* --mode sync"):
         asyn.AsyncRound(r, concurrency=4, staleness=("constant", ()))

@@ -110,10 +110,11 @@ def next_arrivals(arrival: np.ndarray, in_flight: np.ndarray, m: int) -> np.ndar
 def async_refusal(method: Method) -> str | None:
     """Why ``method`` cannot run asynchronously (one clause), or None when it can."""
     if not method.capabilities.asynchronous:
-        return (f"method {method.name} reads the whole synchronous cohort after training (or is not marked "
-                "asynchronous), so it cannot aggregate a buffer of updates")
+        return (f"method {method.name} is not defined on a buffer of asynchronous updates (its Capabilities."
+                "asynchronous is off; docs/async.md lists the methods that are), so run it with --mode sync")
     if method.server_correct is not None or method.capabilities.needs_holdout:
-        return f"method {method.name} has a server correction or reads held-out data, so it cannot run asynchronously"
+        return (f"method {method.name} has a server correction or reads held-out data, which a buffer of asynchronous "
+                "updates does not give, so run it with --mode sync")
     return None
 
 
