@@ -44,7 +44,7 @@ from fedpartial._src.core import memory
 from fedpartial._src.core.errors import DivergedError
 from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.engine import metrics as engine_metrics
-from fedpartial._src.experiment import privacy, simulated_time
+from fedpartial._src.experiment import population, privacy, simulated_time
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.disk import human_bytes
 from fedpartial._src.experiment.evaluation import record_fields
@@ -180,7 +180,7 @@ class AsyncSimulation(Simulation):
         rows = self.engine.take(self.pool, slots)
         rows = rows._replace(valid=rows.valid & jnp.asarray(np.arange(m) < arrived.size))
         tau = np.where(np.arange(m) < arrived.size, p["round"] - version[slots], 0)
-        key = self.sample_cohort(t)[2]  # the synchronous round t's key
+        key = population.round_keys(self.rounds_key, t)[1]  # the synchronous round t's key
         self.state, metrics = self.engine.server_step(self.state, rows, tau, key)
         ids = np.asarray(p["slot_client"])[slots]
         for s in arrived:
