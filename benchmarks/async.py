@@ -33,6 +33,7 @@ per dataset, seed 0) and prints the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -186,6 +187,32 @@ def plot(runs: list[dict], datasets: list[str], path: str) -> None:
     plt.close(fig)
 
 
+def machinery(args) -> dict:
+    """Steady-state wall time per client update of synchronous FedAvg, ``--mode async`` with M = C = K (the same
+    updates) and FedBuff (C, M), the first dataset, seed 0, after three warm-up rounds or steps (compiles
+    excluded); the synchronous run twice, before and after, to bracket the machine's drift."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        profiles = os.path.join(tmp, "devices.csv")
+        sorted_profiles(argparse.Namespace(clients=args.clients, seed=0), profiles)
+        base = run_config(args, "sync", args.datasets[0], 0, profiles, 0.0)
+        base = dataclasses.replace(base, rounds=3 + args.rounds, eval_every=10**6)
+        variants = [("sync", {}), ("async M=C=K", {"mode": "async", "staleness": "constant"}),
+                    ("fedbuff", {"mode": "async", "concurrency": args.concurrency, "buffer": args.buffer}),
+                    ("sync again", {})]
+        for name, extra in variants:
+            rounds = base.rounds if name != "fedbuff" else 3 + args.rounds * args.cohort // args.buffer
+            it = simulation_for(dataclasses.replace(base, rounds=rounds, **extra)).rounds()
+            for _ in range(3):
+                next(it)
+            start, updates = time.perf_counter(), 0
+            for record in it:
+                updates += record["clients"]
+            out[name] = (time.perf_counter() - start) / updates
+            print(f"{name:<12} {1000 * out[name]:.1f} ms per client update", flush=True)
+    return out
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.async", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
@@ -205,6 +232,8 @@ def parse(argv):
     p.add_argument("--target", type=float, default=0.9, help="the target, as a share of sync's best accuracy")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="added to the result files' names")
+    p.add_argument("--machinery", action="store_true",
+                   help="only the steady-state time per client update of sync, async M=C=K and FedBuff")
     args = p.parse_args(argv)
     if args.quick:
         args.datasets, args.seeds, args.clients, args.cohort, args.rounds, args.concurrency, args.buffer = (
@@ -219,6 +248,16 @@ def main(argv=None) -> int:
     args = parse(argv)
     TARGET[0] = args.target
     os.makedirs(args.out, exist_ok=True)
+    if args.machinery:
+        seconds = machinery(args)
+        path = os.path.join(args.out, f"async-machinery-{device_slug()}{'-' + args.tag if args.tag else ''}.json")
+        with open(path, "w") as f:
+            json.dump({"benchmark": "async_machinery", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                       "command": " ".join(["python -m benchmarks.async",
+                                            *(argv if argv is not None else sys.argv[1:])]),
+                       "protocol": {k: v for k, v in vars(args).items()}, "seconds_per_client_update": seconds}, f)
+        print(f"wrote {path}")
+        return 0
     t0, runs = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
         for dataset in args.datasets:

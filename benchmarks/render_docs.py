@@ -39,6 +39,7 @@ SCRIPTS = {
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
     "conv_probe": "python -m benchmarks.conv_probe", "async": "python -m benchmarks.async",
+    "async_machinery": "python -m benchmarks.async --machinery",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
