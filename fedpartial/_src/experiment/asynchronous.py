@@ -226,6 +226,8 @@ class AsyncSimulation(Simulation):
             if name not in engine_metrics.ENGINE_METRICS and name != simulated_time.KEEP_PROBABILITY \
                     and name not in record and name != "staleness_weight":
                 record[name] = np.asarray(value).tolist()
+        if "decisions" in metrics:  # --record-decisions: the arrived updates' plans and the step's selection
+            self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
         if self.accountant is not None:  # a server step is a round whose batch is the buffer
             record["dp_epsilon"] = privacy.account_round(self.accountant, p, (cfg.num_clients, len(tau)))
         evaluated = time.perf_counter()
