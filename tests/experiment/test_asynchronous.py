@@ -176,3 +176,19 @@ def test_the_command_line_takes_the_flags_and_refuses_in_one_sentence(capsys):
                  "--concurrency", "2", "--buffer", "3", "--staleness", "hinge:1:2", "--quiet"])
     assert code == 2
     assert "--buffer 3 is larger than --concurrency 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # (its own compile: ~15 s; the tiers and DP also ran by hand, docs/async.md#methods)
+def test_tiers_and_dp_run_asynchronously_on_stale_updates():
+    """DP-FedAvg around HeteroFL tiers, C = 6, M = 3: stale updates arrive, each step's noise is accounted (ε grows
+    step by step) and the narrow tiers upload less than the whole model (a client's tier travels with its plan)."""
+    sim = AsyncSimulation(RunConfig(**{**ASYNC, "num_clients": 9, "cohort_size": 3, "concurrency": 6},
+                                    method="heterofl", options={"tier_mix": (3, 3, 3)}, dp_clip=1.0,
+                                    dp_noise_multiplier=1.0))
+    records = list(sim.rounds())
+    assert max(r["staleness_max"] for r in records) >= 1
+    epsilons = [r["dp_epsilon"] for r in records]
+    assert all(b > a for a, b in zip(epsilons, epsilons[1:]))
+    whole = 4 * sim.num_params  # float32, no BatchNorm
+    assert all(r["upload_bytes"] <= r["clients"] * whole for r in records)
+    assert sum(r["upload_bytes"] for r in records) < sum(r["clients"] for r in records) * whole
