@@ -28,7 +28,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BLOCK_PAGES = ("README.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
                "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md",
-               "docs/reproductions/families.md")
+               "docs/reproductions/families.md", "docs/async.md")
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
@@ -43,6 +43,7 @@ SCRIPTS = {
     "conv_probe": "python -m benchmarks.conv_probe", "conv_lowering": "python -m benchmarks.conv_lowering",
     "personalised": "python -m benchmarks.personalised",
     "tiers": "python -m benchmarks.tiers", "drift": "python -m benchmarks.drift",
+    "async": "python -m benchmarks.async", "async_machinery": "python -m benchmarks.async --machinery",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
@@ -623,6 +624,29 @@ def deadlines(results) -> list[str]:
     return lines
 
 
+def asynchronous(results) -> list[str]:
+    """Asynchronous against synchronous aggregation on the simulated clock (docs/async.md)."""
+    lines = []
+    for name, d in family(results, "async").items():
+        p = d["protocol"]
+        lines += [source(name, d), "",
+                  f"{p['clients']} clients, {', '.join(p['datasets'])}, seeds {', '.join(map(str, p['seeds']))}; "
+                  f"the reference is {p['rounds']} synchronous FedAvg rounds of {p['cohort']}; every other run gets "
+                  f"its simulated time (at most {p['max_factor']:g}× its client updates). FedBuff: C = "
+                  f"{p['concurrency']}, M = {p['buffer']}; FedAsync: C = {p['concurrency']}, M = 1; staleness "
+                  f"`poly:0.5`. Target: {p['target']:g} × the reference's best accuracy; accuracy at the fixed clock: "
+                  "the last evaluation at or before half the reference's last clock (a run that ended earlier: its "
+                  "final one). Means over the seeds; a diverged run keeps its records up to the divergence. Wall "
+                  "times on the shared CPU are indicative only.", ""]
+        rows = [[r["dataset"], r["run"], "not reached" if r["time_to_target_s"] is None
+                 else num(r["time_to_target_s"], 1, " s"), r["reached"], num(r["accuracy_at_fixed_clock"], 3),
+                 num(r["final_accuracy"], 3), num(r["staleness_mean"], 2), num(r.get("client_updates"), 0),
+                 str(r.get("diverged", 0)), num(r["wall_s"], 1, " s")] for r in d["summary"]]
+        lines += table(["dataset", "run", "time to target", "seeds reaching it", "accuracy at the fixed clock",
+                        "final accuracy", "mean staleness", "client updates", "seeds diverged", "wall"], rows)
+    return lines
+
+
 SECTIONS = (
     ("Execution strategies", "FedAvg rounds/s of every strategy beside a plain per-client Python loop of jitted "
      "steps (what Python FL frameworks do), as the speed-up over that loop. `python -m benchmarks.strategies`.",
@@ -666,6 +690,8 @@ SECTIONS = (
      "`python -m benchmarks.tiers`.", lambda r: render_families.tiers(r, "")),
     ("Drift correction", "See [the method families side by side](reproductions/families.md). "
      "`python -m benchmarks.drift`.", lambda r: render_families.drift(r, "")),
+    ("Asynchronous aggregation", "See [Asynchronous aggregation](async.md). `python -m benchmarks.async`.",
+     asynchronous),
 )
 
 
@@ -724,6 +750,8 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
             "feddhad": _with_figures(feddhad(results), results, "feddhad"),
             "deadlines": _with_figures(deadlines(results), results, "deadlines", prefix="assets/benchmarks/")
             or "No result file yet: run `python -m benchmarks.deadlines`.",
+            "async": _with_figures(asynchronous(results), results, "async", prefix="assets/benchmarks/")
+            or "No result file yet: run `python -m benchmarks.async`.",
             **render_families.blocks(results)}
 
 

@@ -5,7 +5,7 @@ structured masks say what each client trains, keeps and uploads.
 
 The public API is this namespace and four curated subpackages:
 
-* ``fedpartial`` — running (:class:`RunConfig`, :class:`Simulation`, :func:`run`), the round
+* ``fedpartial`` — running (:class:`RunConfig`, :class:`Simulation`, :class:`AsyncSimulation`, :func:`run`), the round
   (:class:`FederatedRound` and its strategies) and everything a method author needs
   (:class:`Method`, :func:`make_method`, the views and plans, the default pieces) and the combinators
   around any method (:func:`early_stopping`, :func:`reweight`, :func:`dp_fedavg` with its
@@ -53,7 +53,9 @@ if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference
     from fedpartial._src.engine.strategy import Strategy, debug, fused, parse_strategy, stepwise, streamed
     from fedpartial._src.engine.types import Cohort, ServerState
     from fedpartial._src.experiment.config import RunConfig
-    from fedpartial._src.experiment.simulation import Simulation, run
+    from fedpartial._src.experiment.asynchronous import AsyncSimulation
+    from fedpartial._src.experiment.runs import run
+    from fedpartial._src.experiment.simulation import Simulation
     from fedpartial._src.core.population import broadcast_clients, cohort_rows, gather_clients, scatter_clients
     from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained, with_penalty
     from fedpartial._src.methods.early_stopping import early_stopping
@@ -109,7 +111,8 @@ _WHERE = {
     "ServerState": "fedpartial._src.engine.types",
     "RunConfig": "fedpartial._src.experiment.config",
     "Simulation": "fedpartial._src.experiment.simulation",
-    "run": "fedpartial._src.experiment.simulation",
+    "run": "fedpartial._src.experiment.runs",
+    "AsyncSimulation": "fedpartial._src.experiment.asynchronous",
     "broadcast_clients": "fedpartial._src.core.population",
     "cohort_rows": "fedpartial._src.core.population",
     "gather_clients": "fedpartial._src.core.population",
@@ -149,7 +152,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     # running
-    "RunConfig", "Simulation", "run",
+    "RunConfig", "Simulation", "AsyncSimulation", "run",
     # checking a run by hand: a model's layers, a round's traffic, evaluating given models on given data
     "ModelStructure", "evaluate", "traffic_totals",
     # the round

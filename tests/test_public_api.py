@@ -12,7 +12,7 @@ TOP = [
     "ENTRY_POINT_GROUP", "FederatedRound", "Holdout", "InitView", "LocalGraph", "LocalStep", "LossAux", "Mask",
     "Method", "MethodContext", "MethodSpec", "MethodState", "Option", "OptimizerSettings", "PersonalModels",
     "PrivacyAccountant", "RoundView", "RunConfig", "Selection", "ServerData", "ServerState", "Simulation", "Strategy",
-    "UserError",
+    "AsyncSimulation", "UserError",
     "VIEW_FIELDS", "Wrapper", "wrap", "ModelStructure", "evaluate", "traffic_totals", "__version__", "broadcast_clients", "client_sgd", "cohort_rows", "cross_entropy", "data",
     "debug", "dp_fedavg", "early_stopping", "fused", "gather_clients", "make_method", "masks", "methods", "models",
     "parse_strategy", "reweight", "run", "scatter_clients", "stepwise", "streamed", "upload_trained",

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment.preflight import check_writable_dir
-from fedpartial._src.experiment.summaries import load_run, run_curve
+from fedpartial._src.experiment.summaries import load_run, mode_label, run_curve
 
 #: file stem -> (curve key of the x axis, x label)
 FIGURES = {
@@ -74,7 +74,8 @@ def plot_runs(run_dirs: Sequence[str], out_dir: str) -> list[str]:
     """``fedpartial plot``: every run directory read first (a bad one raises before anything is drawn),
     then one line per run; labels that would repeat get the directory's name."""
     runs = [load_run(d) for d in run_dirs]
-    labels = [f"{r['config'].get('method', '?')} seed {r['config'].get('seed', '?')}" for r in runs]
+    labels = [f"{r['config'].get('method', '?')}{mode_label(r['config'])} seed {r['config'].get('seed', '?')}"
+              for r in runs]
     labels = [f"{label} ({os.path.basename(os.path.normpath(r['dir']))})" if labels.count(label) > 1 else label
               for label, r in zip(labels, runs)]
     return draw([run_curve(r, label) for r, label in zip(runs, labels)], out_dir)

@@ -63,8 +63,7 @@ def handle(args, console: Console | None = None, argv: list[str] | None = None) 
     if args.options and args.what not in (None, "methods"):
         raise UserError(f"--options goes with fedpartial list methods, not {args.what}.")
     rows = {
-        "methods": [(n, s.summary + (" [neuron-level: sequential models only]" if _neuron_level(s) else ""))
-                    for n, s in all_methods().items()],
+        "methods": [(n, s.summary + _marks(s)) for n, s in all_methods().items()],
         "models": [(n, s.description + ("" if s.sequential else " [residual: no neuron-level methods]"))
                    for n, s in MODELS.items()],
         "datasets": [(n, f"{DATASET_SUMMARIES.get(n, '')}; examples "
@@ -84,10 +83,13 @@ def handle(args, console: Console | None = None, argv: list[str] | None = None) 
     return 0
 
 
-def _neuron_level(spec) -> bool:
-    """Whether the method (built with its defaults) drops single neurons; a factory that needs arguments
-    it was not given is listed without the mark rather than failing the listing."""
+def _marks(spec) -> str:
+    """A method's marks: neuron-level (sequential models only) and whether it runs with ``--mode async``, from its
+    capabilities built with its defaults; a factory that needs arguments it was not given is listed without marks
+    rather than failing the listing."""
     try:
-        return spec.build().capabilities.neuron_masks
+        caps = spec.build().capabilities
     except Exception:  # noqa: BLE001  (another package's factory: anything may go wrong building it bare)
-        return False
+        return ""
+    return (" [neuron-level: sequential models only]" if caps.neuron_masks else "") + \
+        (" [async]" if caps.asynchronous else "")

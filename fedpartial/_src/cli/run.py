@@ -137,11 +137,14 @@ class RunComplete(Exception):
 def _run_stoppable(args, console: Console, stop) -> int:
     from fedpartial._src.experiment import jobs, simulation
     from fedpartial._src.experiment.preflight import preflight
+    from fedpartial._src.experiment.runs import simulation_for
 
     _join_processes(args)  # before anything touches a JAX backend
     if args.resume is not None and jobs.is_job_folder(args.resume):
         return _resume_replicas(args, console, stop)
     if _replicas_asked(args):
+        if getattr(args, "mode", "sync") == "async":
+            raise UserError("--mode async runs one replica at a time; give one --seed, --lr and --server-lr.")
         return _run_seeds(args, console, stop)
     if args.resume is not None:
         config = simulation.load_config(args.resume)
@@ -152,7 +155,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     config.validate(check_model=True)  # every bad value, path and combination before any set-up
     preflight(config)  # then whether this machine holds it: memory, devices, --out
     t0 = time.perf_counter()
-    sim = simulation.Simulation(config)  # data and model errors surface before the progress bar
+    sim = simulation_for(config)  # data and model errors surface before the progress bar
     if sim.holdout_note and not args.quiet:  # a default that changes what is trained on is said, not silent
         console.print(f"note: {sim.holdout_note}.")
     # Progress: a live rich line on a terminal; otherwise plain lines (one per round, at most ~50 in all,

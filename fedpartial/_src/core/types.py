@@ -305,6 +305,9 @@ class Capabilities(NamedTuple):
       local_passes: how many models a client trains over its local steps in a round, on the same batches
         (Ditto: 2, the global model and then its personal one); the device model counts each client's FLOPs of
         local work, and so its simulated time, this many times.
+      asynchronous: the method's hooks after local training are defined on any set of updates, each of one
+        client trained on the model of its own moment, so a buffered asynchronous run (``--mode async``,
+        :mod:`fedpartial._src.engine.asynchronous`) may aggregate them; False: refused there.
     """
 
     personalised: bool = False
@@ -316,6 +319,7 @@ class Capabilities(NamedTuple):
     host_client_state: bool = False
     finetune_epochs: float = 0
     local_passes: int = 1
+    asynchronous: bool = False
 
 
 @document_fields

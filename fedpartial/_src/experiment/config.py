@@ -19,6 +19,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, sources
+from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import availability
@@ -262,6 +263,17 @@ class RunConfig:
                                        "is padded to a multiple of N with clients that weigh nothing)",
                                   default_text="every local device for the fused strategy on a GPU/TPU, else 1")
 
+    # --- asynchronous aggregation (docs/async.md); off by default ---
+    mode: str = setting("sync", section="async", help="sync: rounds of a cohort; async: buffered asynchronous "
+                        "aggregation (FedBuff; --buffer 1 is FedAsync)")
+    concurrency: int | None = setting(None, section="async", metavar="C", unit="clients",
+                                      help="async: clients in flight at once", default_text="the buffer")
+    buffer: int | None = setting(None, section="async", metavar="M", unit="updates",
+                                 help="async: the server steps when M updates have arrived", default_text="--cohort")
+    staleness: str = setting("poly:0.5", section="async",
+                             help="async: the weight of an update τ server steps old: constant, poly[:A] ((1+τ)^-A, "
+                                  "A 0.5) or hinge:A:B (1 up to B, then 1/(A(τ-B)+1))")
+
     # --- evaluation and output ---
     eval_every: int = setting(1, section="output", help="test the global model every this many rounds",
                               unit="rounds")
@@ -359,6 +371,7 @@ class RunConfig:
             bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
         self._check_privacy(custom_method)
         self._check_rounds_in_time()
+        self._check_async(custom_method)
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
@@ -450,6 +463,53 @@ class RunConfig:
                 availability.load_trace(*params)
         except UserError as e:
             raise ConfigError(str(e)) from None
+
+    def _check_async(self, custom_method: bool) -> None:
+        """``--mode`` and the asynchronous flags (only with ``--mode async``; ``M ≤ C ≤ N``), and what an asynchronous
+        run cannot combine with (:mod:`fedpartial._src.engine.asynchronous`)."""
+        if self.mode not in ("sync", "async"):
+            _refuse("mode", self.mode, "sync or async")
+        if self.mode == "sync":
+            for field in ("concurrency", "buffer"):
+                if getattr(self, field) is not None:
+                    raise ConfigError(f"{_flag(field)} needs --mode async.")
+            if self.staleness != RunConfig.staleness:
+                raise ConfigError("--staleness needs --mode async.")
+            return
+        try:
+            engine_async.parse_staleness(self.staleness)
+        except UserError as e:
+            raise ConfigError(str(e)) from None
+        for field in ("concurrency", "buffer"):
+            if getattr(self, field) is not None:
+                _check_int(self, field, 1)
+        if self.async_concurrency > self.num_clients:
+            _refuse("concurrency", self.async_concurrency, f"at most --clients ({self.num_clients}): each client in "
+                                                           "flight is a different one")
+        if self.async_buffer > self.async_concurrency:
+            raise ConfigError(f"--buffer {self.async_buffer} is larger than --concurrency {self.async_concurrency}: "
+                              "the server would wait for more updates than are ever in flight.")
+        clash = ("a deadline or over-selection (a synchronous round's)" if self.deadlines else
+                 "early stopping (--es)" if self.early_stopping else "--upload-codec" if self.upload_codec else
+                 "the streamed strategy" if self.strategy.startswith("stream") else
+                 "--devices above 1" if self.devices is not None and self.devices > 1 else
+                 f"--client-state {self.client_state}" if self.client_state in ("host", "disk") else None)
+        if clash:
+            raise ConfigError(f"--mode async cannot run with {clash}; leave it out.")
+        if not custom_method:
+            problem = engine_async.async_refusal(self.build_method())
+            if problem:
+                raise ConfigError(f"--mode async is not allowed: {problem}.")
+
+    @property
+    def async_buffer(self) -> int:
+        """``M``: ``--buffer``, else ``--cohort``."""
+        return self.buffer if self.buffer is not None else self.cohort_size
+
+    @property
+    def async_concurrency(self) -> int:
+        """``C``: ``--concurrency``, else the buffer."""
+        return self.concurrency if self.concurrency is not None else self.async_buffer
 
     @property
     def deadlines(self) -> bool:

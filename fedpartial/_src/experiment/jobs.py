@@ -64,16 +64,16 @@ def is_job_folder(path: str) -> bool:
 
 def _continue(run_dir: str, config: RunConfig | None, stop) -> dict:
     """Resumes ``run_dir`` (or, when it does not exist, runs ``config`` there); its result, or its status."""
-    from fedpartial._src.experiment import simulation
+    from fedpartial._src.experiment import runs, simulation
 
     status = checkpoint.read_status(run_dir) if os.path.isdir(run_dir) else None
     if status is not None and status.get("status") == "complete":
         return {"run_dir": run_dir, "status": "complete", "resumed": False}
     try:
         if os.path.isdir(run_dir):
-            result = simulation.run(simulation.load_config(run_dir), resume=run_dir, stop=stop)
+            result = runs.run(simulation.load_config(run_dir), resume=run_dir, stop=stop)
         else:
-            result = simulation.run(config, stop=stop)
+            result = runs.run(config, stop=stop)
     except checkpoint.RunInterrupted:
         raise
     except Exception as error:  # this run ends; the job goes on with the others

@@ -119,6 +119,11 @@ def _distinct_uniform(key: jax.Array, n: int, k: int) -> np.ndarray:
     return np.fromiter(taken, np.int64, count=k)
 
 
+def round_keys(rounds_key: jax.Array, t: int) -> jax.Array:
+    """Round ``t``'s three keys from ``rounds_key``: the draw's, the round's and the packing's."""
+    return jax.random.split(jax.random.fold_in(rounds_key, t), 3)
+
+
 def sample_cohort(rounds_key: jax.Array, t: int, active: np.ndarray, groups, *, num_clients: int,
                   cohort_size: int, padded_size: int) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
     """Round ``t``'s client ids, which are real, the round key and packing seed — all from ``rounds_key``.
@@ -130,7 +135,7 @@ def sample_cohort(rounds_key: jax.Array, t: int, active: np.ndarray, groups, *, 
     devices ends with padding clients up to ``padded_size`` (ids outside the cohort, not valid); the
     draw is the same as on one device.
     """
-    sample_key, round_key, pack_key = jax.random.split(jax.random.fold_in(rounds_key, t), 3)
+    sample_key, round_key, pack_key = round_keys(rounds_key, t)
     ids, valid = [], []
     extra = padded_size - cohort_size  # padding slots, at the end
     for g, group in enumerate(groups):

@@ -28,6 +28,8 @@ SECTIONS = {
     "time": ("Simulated time: devices, deadlines and availability",
              "the device model that gives each client its simulated time (docs/costs.md), deadlines, stragglers "
              "and who may be sampled (docs/deadlines.md); deadlines are off by default"),
+    "async": ("Asynchronous aggregation", "C clients in flight, the server steps on every M arrivals "
+                                          "(docs/async.md); off by default"),
     "execution": ("Execution", "how the round runs on this machine: the strategy, where data and per-client state "
                                "live, and how many devices; none of these change what is computed"),
     "output": ("Evaluation and output", "how often the model is tested, and what is written where"),

@@ -588,6 +588,9 @@ def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
         raise UserError(f"checkpoint interval {checkpoint_every!r} must be a whole number of rounds ≥ 1.")
+    if sim is None and config.mode != "sync":
+        raise UserError("an asynchronous configuration (--mode async) runs with fedpartial.run, which builds its "
+                        "AsyncSimulation, or pass sim=AsyncSimulation(config).")
     sim = sim or Simulation(config, **parts)
     writer = RunWriter(sim, checkpoint_every=checkpoint_every, resume=resume)
     error = None

@@ -88,7 +88,15 @@ def _label(run: dict, method: str) -> str:
     """A method as tables and figures show it: the name its summary gives (``my_method``, not the import string
     ``package.module:factory`` its config.json keeps to run it again)."""
     label = (run.get("summary") or {}).get("method")
-    return label if isinstance(label, str) and label else method
+    return (label if isinstance(label, str) and label else method) + mode_label(run.get("config") or {})
+
+
+def mode_label(config: dict) -> str:
+    """``" (async C=… M=…)"`` for an asynchronous run's ``config.json``, ``""`` for a synchronous one."""
+    if config.get("mode") != "async":
+        return ""
+    buffer = config.get("buffer") or config.get("cohort_size")
+    return f" (async C={config.get('concurrency') or buffer} M={buffer})"
 
 
 def table(runs: Sequence[dict], columns: Sequence[tuple[str, str]] = COLUMNS) -> list[dict]:

@@ -99,8 +99,8 @@ class RoundClock:
             raise ConfigError(f"a deadline or over-selection cannot run with the streamed strategy "
                               f"({round.strategy}) that this round needs to fit in memory: each client's time is "
                               "predicted from the whole cohort's data; use a smaller cohort or model.")
-        self._traffic = jax.jit(lambda state, cohort, key: planned_traffic(round, state, cohort, key)) \
-            if self.on else None
+        # (built always, compiled when first called: by a deadline's cut or an asynchronous run's dispatch)
+        self._traffic = jax.jit(lambda state, cohort, key: planned_traffic(round, state, cohort, key))
 
     def join(self, t: int, active: np.ndarray, progress: dict) -> tuple[np.ndarray, float] | None:
         """Who of ``active`` may be sampled in round ``t`` at the clock ``progress["simulated_clock_s"]``, and the

@@ -205,5 +205,5 @@ def upload_codec(method: Method, codec: Codec | str) -> Method:
     hooks = {"encode": encode, "select": select, **({"update": update} if codec.feedback else {})}
     return wrap(method, Wrapper(
         lambda inner: f"{inner}+{codec.name}", init=init, hooks=hooks, label=f"upload codec {codec.name}",
-        capabilities=lambda caps: caps._replace(streamable=None),
+        capabilities=lambda caps: caps._replace(streamable=None, asynchronous=False),
         refuses={"encode": "it already encodes its uploads (one codec a method)"}))

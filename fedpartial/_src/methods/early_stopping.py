@@ -97,4 +97,5 @@ def early_stopping(method: Method, lam: float = 0.7) -> Method:
     return wrap(method, Wrapper(
         lambda name: f"{name}+es", init=init, hooks={"update": update, "active_clients": active_clients},
         # per-client state: not streamed
-        capabilities=lambda caps: caps._replace(needs_holdout=True, streamable=None), label="early stopping"))
+        capabilities=lambda caps: caps._replace(needs_holdout=True, streamable=None, asynchronous=False),
+        label="early stopping"))

@@ -12,7 +12,7 @@ from fedpartial._src.methods.registry import MethodSpec
 
 def fedavg() -> Method:
     """FedAvg: full-model local training, ``n_k``-weighted aggregation."""
-    return make_method("fedavg", capabilities=Capabilities(streamable="per_client"))
+    return make_method("fedavg", capabilities=Capabilities(streamable="per_client", asynchronous=True))
 
 
 SPEC = MethodSpec("fedavg", fedavg, "Full-model training, n_k-weighted mean (FedOpt with --server-opt).")

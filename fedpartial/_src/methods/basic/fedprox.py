@@ -31,7 +31,8 @@ def fedprox(mu: float = 0.01) -> Method:
       The :class:`~fedpartial.Method` (``--method fedprox``).
     """
     check_values("fedprox", SPEC.options, mu=mu)
-    return make_method("fedprox", objective=with_penalty(proximal_term(mu)), capabilities=Capabilities(streamable="per_client"))
+    return make_method("fedprox", objective=with_penalty(proximal_term(mu)),
+                       capabilities=Capabilities(streamable="per_client", asynchronous=True))
 
 
 SPEC = MethodSpec("fedprox", fedprox, "FedAvg whose local objective adds μ/2·||w − w_global||².",

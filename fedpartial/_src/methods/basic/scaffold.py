@@ -100,7 +100,7 @@ def control_variates(method: Method, name: str | None = None) -> Method:
         lambda inner: name or f"{inner}+scaffold", init=init, label="control variates",
         hooks={"plan": plan, "transform_grads": correct, "select": select, "update": update},
         # its own rows are read and written as the cohort's only: the state may leave the device if the inner's may
-        capabilities=lambda caps: caps._replace(streamable=None),
+        capabilities=lambda caps: caps._replace(streamable=None, asynchronous=False),  # c over the cohort
         refuses={"groups": "control variates need every client to train the whole model, and it trains per-group "
                            "graphs"}))
 

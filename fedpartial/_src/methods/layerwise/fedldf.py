@@ -135,7 +135,7 @@ def fedldf(n: int = 4) -> Method:
     # The streamed strategy keeps only the [K, L] divergences of the whole cohort, then trains the
     # selected clients again (at most n·L of them) to aggregate their layers.
     return make_method("fedldf", init=init, select=select, metrics=metrics, summarize=summarize,
-                       capabilities=Capabilities(streamable="summary"))
+                       capabilities=Capabilities(streamable="summary", asynchronous=True))
 
 
 def random_layers(n: int = 4) -> Method:
@@ -158,7 +158,8 @@ def random_layers(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("random", init=init, select=select, metrics=uploads_per_client, capabilities=Capabilities(streamable="summary"))
+    return make_method("random", init=init, select=select, metrics=uploads_per_client,
+                       capabilities=Capabilities(streamable="summary", asynchronous=True))
 
 
 def hdfl(n: int = 4) -> Method:
@@ -182,7 +183,8 @@ def hdfl(n: int = 4) -> Method:
             extra_upload_bytes=jnp.zeros((k,), jnp.int32),
         )
 
-    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client, capabilities=Capabilities(streamable="summary"))
+    return make_method("hdfl", init=init, select=select, metrics=uploads_per_client,
+                       capabilities=Capabilities(streamable="summary", asynchronous=True))
 
 
 def index_bytes(units: int, kept: int) -> int:

@@ -80,7 +80,7 @@ def fedpart(layers_per_round: int = 1, rounds_per_layer: int = 1, full_rounds: i
 
     # select is FedAvg's (upload what was trained, n_k weights); row k depends on client k only.
     return make_method("fedpart", plan=plan, metrics=uploads_per_client,
-                       capabilities=Capabilities(streamable="per_client"))
+                       capabilities=Capabilities(streamable="per_client", asynchronous=True))
 
 
 SPEC = MethodSpec("fedpart", fedpart, "Every client trains and uploads a few layers a round, cycling input to "

@@ -209,7 +209,7 @@ def afd(dropout_rate: float = DEFAULT_RATE, variant: str = "single") -> Method:
         return {**active_fraction(ctx, view), "afd_submodel_reused": reused}
 
     return base._replace(init=init, select=select, update=update, metrics=metrics,
-                         personal=global_is_personal).with_capabilities(personalised=False)
+                         personal=global_is_personal).with_capabilities(personalised=False, asynchronous=False)
 
 
 SPEC = MethodSpec(

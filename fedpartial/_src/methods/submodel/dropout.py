@@ -125,7 +125,8 @@ def submodel_method(name: str, choose: Chooser, *, tiers: Sequence[float], round
 
     return make_method(name, init=init, plan=plan, select=select, update=update, personal=personal,
                        metrics=submodel.active_fraction,
-                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
+                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True,
+                                                 asynchronous=True))
 
 
 def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS, dense_only: bool = False) -> Method:

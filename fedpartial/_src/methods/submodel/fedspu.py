@@ -82,7 +82,8 @@ def fedspu(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
 
     return make_method("fedspu", init=init, plan=plan, client_start=client_start, update=update,
                        personal=personal, metrics=submodel.active_fraction,
-                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
+                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True,
+                                                 asynchronous=True))
 
 
 SPEC = MethodSpec("fedspu", fedspu, "Random active neurons per tier; personal models keep the rest.",

@@ -140,7 +140,8 @@ def fiarse(ratios: Sequence[float] = DEFAULT_TIERS) -> Method:
         return ClientPlan(train=held, download=held, extra=thresholds)
 
     # select is FedAvg's: the held elements (what was trained), n_k weights; row k depends on client k only.
-    return make_method("fiarse", plan=plan, objective=objective, capabilities=Capabilities(streamable="per_client"))
+    return make_method("fiarse", plan=plan, objective=objective,
+                       capabilities=Capabilities(streamable="per_client", asynchronous=True))
 
 
 SPEC = MethodSpec("fiarse", fiarse, "Each client holds, trains (TCB-GD) and uploads its r_k of the global model's "

@@ -44,7 +44,7 @@ import numpy as np
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks
-from fedpartial._src.core.types import ClientGroup, ClientPlan, LocalGraph, MethodContext, RoundView
+from fedpartial._src.core.types import Capabilities, ClientGroup, ClientPlan, LocalGraph, MethodContext, RoundView
 from fedpartial._src.data.text import first_part
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import make_method
@@ -186,7 +186,8 @@ def embracingfl(tier_mix=None, capacity_case: int | None = None, cut=None, *, ca
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
         return tier_losses(tiers_of(ctx)[2], view.cohort.valid, view.client_loss)
 
-    return make_method(name, groups=groups, plan=plan, metrics=metrics)
+    return make_method(name, groups=groups, plan=plan, metrics=metrics,
+                       capabilities=Capabilities(asynchronous=True))
 
 
 SPEC = MethodSpec(

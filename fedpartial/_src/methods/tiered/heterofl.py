@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial._src.engine import graphs
-from fedpartial._src.core.types import ClientGroup, ClientPlan, MethodContext, RoundView, Selection
+from fedpartial._src.core.types import Capabilities, ClientGroup, ClientPlan, MethodContext, RoundView, Selection
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.methods.base import make_method
@@ -216,7 +216,8 @@ def width_tiers(name: str, tier_mix, capacity_case, widths, weighting, *, scaler
     def metrics(ctx: MethodContext, view: RoundView) -> dict:
         return tier_losses(sizes_of(ctx), view.cohort.valid, view.client_loss)
 
-    return make_method(name, groups=groups, plan=plan, select=select, metrics=metrics)
+    return make_method(name, groups=groups, plan=plan, select=select, metrics=metrics,
+                       capabilities=Capabilities(asynchronous=True))
 
 
 SPEC = MethodSpec(

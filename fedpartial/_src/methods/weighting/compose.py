@@ -93,5 +93,5 @@ def reweight(method: Method, weighting: Weighting, name: str | None = None) -> M
         # the weighting reads every client's trained model and, in its update, every client's label distribution
         capabilities=lambda caps: caps._replace(
             server_examples_per_class=max(caps.server_examples_per_class, weighting.server_examples_per_class),
-            streamable=None, host_client_state=False)))
+            streamable=None, host_client_state=False, asynchronous=False)))
 

@@ -1,0 +1,240 @@
+"""Buffered asynchronous runs on the simulated clock (``--mode async``; docs/async.md): the host loop.
+
+:class:`AsyncSimulation` is a :class:`~fedpartial._src.experiment.simulation.Simulation` whose round has the buffer
+``M`` as its cohort and whose :meth:`~AsyncSimulation.rounds` yields one record per *server step*; the pure pieces
+(dispatch, the pool, the server step) are :mod:`fedpartial._src.engine.asynchronous`'s.
+
+**The loop.**  ``C`` slots (``--concurrency``).  While a slot is free, ``M`` clients are drawn (the synchronous
+draw of "round" ``d``, ``d`` counting dispatches, from the clients that are active, available at the clock and
+not in flight; a slot beyond the free ones or the clients that may be drawn is a padding row), trained on the
+current model and put in the pool, each arriving at the clock plus its predicted device time (the device model's
+download, local steps and upload: :meth:`~fedpartial._src.experiment.timing.RoundClock.predict`, the deadline
+predictor, which for FedAvg-like methods is the device model's time exactly and for a method that decides its
+upload after training an upper bound).  A server step takes the next ``M`` arrivals (fewer when fewer are in
+flight), moves the clock to the last of them, aggregates them with their staleness ``τ`` (server steps since
+each was dispatched), and the free slots are dispatched again on the new model.  When nobody is in flight and
+nobody may be drawn, the server waits for availability as a synchronous round does; when nobody is left (a
+trace that ended) the run ends.
+
+**Keys.**  Dispatch ``d`` uses the synchronous round ``d``'s draw, key and packing seed, and server step ``t``
+the round ``t`` key for its hooks after training, so with ``M = C = K`` (dispatch ``t`` is aggregated by server
+step ``t``) the run is the synchronous run, bit for bit (tested).  Everything else is a function of the seed and
+these counters, so a checkpoint holds the server state, the pool's rows (trained and start models, plans,
+losses, steps, ids, sizes) and, in its host item, each slot's arrival time, dispatch version and dispatch
+number (which names its keys): a resumed run is the uninterrupted one, bit for bit (tested).
+
+**Not here** (refused by :meth:`RunConfig.validate <fedpartial._src.experiment.config.RunConfig.validate>`):
+deadlines and over-selection (a synchronous round's; an update's staleness is the asynchronous answer to a
+straggler), early stopping, upload codecs, the streamed strategy, several devices and per-client state off the
+device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedpartial._src.core import memory
+from fedpartial._src.core.errors import DivergedError
+from fedpartial._src.engine import asynchronous as engine_async
+from fedpartial._src.engine import metrics as engine_metrics
+from fedpartial._src.experiment import population, privacy, simulated_time
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.disk import human_bytes
+from fedpartial._src.experiment.evaluation import record_fields
+from fedpartial._src.experiment.simulation import Simulation
+
+#: the host item's per-slot lists (``progress``): arrival time (None: empty), dispatch version, client, dispatch
+SLOT_FIELDS = ("slot_arrival_s", "slot_version", "slot_client", "slot_dispatch")
+
+
+class AsyncSimulation(Simulation):
+    """A buffered asynchronous run of ``config`` (``mode='async'``); the same arguments as :class:`Simulation`."""
+
+    def __init__(self, config: RunConfig, dataset=None, **parts):
+        if config.mode != "async":
+            raise ConfigError(f"an asynchronous simulation needs --mode async, not {config.mode!r}.")
+        config.validate(custom_method=parts.get("method") is not None)  # before the buffer replaces the cohort
+        # the round is built for the buffer; per-client state stays on the device ('auto' may move it off)
+        super().__init__(dataclasses.replace(config, cohort_size=config.async_buffer, buffer=config.async_buffer,
+                                             client_state="device"), dataset, **parts)
+        cfg = self.config
+        self.engine = engine_async.AsyncRound(self.round, cfg.async_concurrency,
+                                              engine_async.parse_staleness(cfg.staleness))
+        c = cfg.async_concurrency
+        self.progress.update({"dispatches": 0, "cumulative_client_flops": 0.0, "slot_arrival_s": [None] * c,
+                              "slot_version": [0] * c, "slot_client": [-1] * c, "slot_dispatch": [-1] * c})
+        ids, valid, key, pack_seed = self.sample_cohort(0)
+        self._shapes = self.cohort(ids, pack_seed, valid)  # any cohort of the run's shapes (FLOP counts)
+        self.pool = self.engine.empty_pool(self.state, self._shapes, key)
+
+    # ---- memory: the pool beside the round ----------------------------------------------------
+
+    def _decide_layout(self, check_memory: bool) -> None:
+        super()._decide_layout(check_memory)
+        variables = jax.eval_shape(self.round.pure_init, jax.random.key(0)).variables
+        #: bytes of the pool of C in-flight updates (also in :attr:`memory`'s ``server``)
+        self.pool_bytes = engine_async.pool_bytes(variables, self.config.async_concurrency)
+        self.memory = self.memory._replace(server=self.memory.server + self.pool_bytes)
+        available, where = self._device_room()
+        if check_memory and available is not None and self.memory.total > memory.HEADROOM * available:
+            raise ConfigError(
+                f"--concurrency {self.config.async_concurrency} keeps {human_bytes(self.pool_bytes)} of "
+                f"in-flight updates, and with the round the run needs about {human_bytes(self.memory.total)}"
+                f", more than the {human_bytes(available)} available ({where}); lower --concurrency.")
+
+    # ---- checkpoints: the pool with the state ---------------------------------------------------
+
+    def checkpoint_state(self):
+        return (super().checkpoint_state(), self.pool)
+
+    def load_state(self, state) -> None:
+        server, pool = state
+        super().load_state(server)
+        self.pool = jax.device_put(pool)
+
+    # ---- the host's view of the slots (in ``progress``, so a checkpoint has them) --------------------
+
+    def _slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``[C]`` arrival times (inf: empty), dispatch versions and whether each slot is in flight."""
+        arrival = np.array([math.inf if a is None else a for a in self.progress["slot_arrival_s"]], np.float64)
+        return arrival, np.asarray(self.progress["slot_version"], np.int64), np.isfinite(arrival)
+
+    def in_flight(self) -> int:
+        return int(self._slots()[2].sum())
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def rounds(self) -> Iterator[dict]:
+        """Runs the configured server steps (``--rounds``), yielding one record per server step."""
+        if self.progress["dispatches"] == 0:
+            self._fill()
+        for t in range(self.progress["round"], self.config.rounds):
+            record = self._server_step(t)
+            if record is None:
+                return  # nobody in flight and nobody left to dispatch
+            yield record
+
+    def _fill(self) -> None:
+        """Dispatches ``M`` clients at a time onto the free slots while anyone may be drawn."""
+        p = self.progress
+        while True:
+            _, _, busy = self._slots()
+            free = np.flatnonzero(~busy)
+            if free.size == 0:
+                return
+            idle = self.active_clients().copy()
+            taken = np.asarray(p["slot_client"])[busy]
+            idle[taken] = False
+            d = p["dispatches"]
+            may = self.clock.availability.available(p["simulated_clock_s"], d) & idle
+            if not may.any():
+                if busy.any():
+                    return  # the next arrivals move the clock on
+                waited = self.clock.availability.wait(p["simulated_clock_s"], d, idle) if idle.any() else None
+                if waited is None:
+                    return
+                may, wait = waited
+                p["simulated_clock_s"] += wait
+            if not self._dispatch(d, may, free):
+                return  # nobody drawn (every slot of the draw a padding row): try again after the next step
+
+    def _dispatch(self, d: int, may: np.ndarray, free: np.ndarray) -> int:
+        """Dispatch ``d``: ``M`` clients drawn from ``may`` trained on the current model, their rows put on ``free``
+        slots (rows beyond the free slots are padding)."""
+        p = self.progress
+        ids, valid, key, pack_seed = self.sample_cohort(d, may)
+        valid = valid & (np.cumsum(valid) <= free.size)
+        cohort = self.cohort(ids, pack_seed, valid)
+        seconds = self.clock.predict(self.state, cohort, key).finish()
+        rows = self.engine.dispatch(self.state, cohort, key)
+        real = np.flatnonzero(valid)
+        slots = np.full(len(ids), self.engine.concurrency, np.int64)  # out of range: dropped
+        slots[real] = free[:real.size]
+        self.pool = self.engine.put(self.pool, rows, slots)
+        for row in real:
+            s = int(slots[row])
+            p["slot_arrival_s"][s] = p["simulated_clock_s"] + float(seconds[row])
+            p["slot_version"][s], p["slot_client"][s], p["slot_dispatch"][s] = p["round"], int(ids[row]), d
+        p["dispatches"] = d + 1
+        return real.size
+
+    def _server_step(self, t: int) -> dict | None:
+        """Server step ``t`` on the next ``M`` arrivals, then dispatches on the new model; its record."""
+        start = time.perf_counter()
+        p, m = self.progress, self.round.ctx.cohort_size
+        arrival, version, busy = self._slots()
+        # aggregated in the pool's order, not the arrivals' (with M = C = K: the cohort's, so the float sums are the
+        # synchronous round's whatever the devices' speeds)
+        arrived = np.sort(engine_async.next_arrivals(arrival, busy, m))
+        if arrived.size == 0:
+            return None
+        p["simulated_clock_s"] = max(p["simulated_clock_s"], float(arrival[arrived].max()))
+        slots = np.concatenate([arrived, np.repeat(arrived[:1], m - arrived.size)])
+        rows = self.engine.take(self.pool, slots)
+        rows = rows._replace(valid=rows.valid & jnp.asarray(np.arange(m) < arrived.size))
+        tau = np.where(np.arange(m) < arrived.size, p["round"] - version[slots], 0)
+        key = population.round_keys(self.rounds_key, t)[1]  # the synchronous round t's key
+        self.state, metrics = self.engine.server_step(self.state, rows, tau, key)
+        ids = np.asarray(p["slot_client"])[slots]
+        for s in arrived:
+            p["slot_arrival_s"][s], p["slot_client"][s] = None, -1
+        record = self._record(t, metrics, ids, tau[:arrived.size])
+        self._fill()  # the next dispatch's training is this step's work too
+        record["clients_in_flight"] = self.in_flight()
+        record["wall_time_s"] = time.perf_counter() - start
+        record["round_time_s"] = record["wall_time_s"] - record.pop("_evaluation_s")
+        return record
+
+    def _record(self, t: int, metrics: dict, ids: np.ndarray, tau: np.ndarray) -> dict:
+        """Server step ``t``'s record (the synchronous round's fields where they mean the same)."""
+        cfg, p = self.config, self.progress
+        metrics = jax.device_get(metrics)
+        if bool(metrics["diverged"]):
+            raise DivergedError(f"server step {t + 1}: the update was non-finite (NaN/inf) — lower --lr or "
+                                "--server-lr, or check the data")
+        metrics.update(engine_metrics.traffic_totals(metrics))
+        valid = np.arange(len(metrics["client_steps_per_client"])) < len(tau)
+        flops, _ = simulated_time.client_work(self.costs, self.devices, self._shapes, ids, valid, metrics,
+                                              sparse_flops=cfg.sparse_flops)
+        p["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
+        p["cumulative_download_bytes"] += int(metrics["download_bytes"])
+        p["cumulative_client_flops"] += float(np.sum(flops[valid]))
+        p["round"] = t + 1
+        p["cumulative_simulated_time_s"] = p["simulated_clock_s"]
+        record = {
+            "round": t + 1, "server_step": t + 1, "train_loss": float(metrics["train_loss"]),
+            "client_steps": int(metrics["client_steps"]), "upload_bytes": int(metrics["upload_bytes"]),
+            "download_bytes": int(metrics["download_bytes"]),
+            "cumulative_upload_bytes": p["cumulative_upload_bytes"],
+            "cumulative_download_bytes": p["cumulative_download_bytes"],
+            "round_time_s": 0.0, "host_time_s": 0.0, "clients": len(tau), "clients_arrived": len(tau),
+            "nonfinite_clients": int(metrics["nonfinite_clients"]), "client_flops": round(float(np.sum(flops[valid]))),
+            "staleness_mean": float(np.mean(tau)) if len(tau) else 0.0,
+            "staleness_max": int(np.max(tau)) if len(tau) else 0,
+            "arrived_client_ids": [int(i) for i in ids[:len(tau)]], "arrived_staleness": [int(x) for x in tau],
+            "simulated_time_s": 0.0, "cumulative_simulated_time_s": p["simulated_clock_s"],
+            "simulated_clock_s": p["simulated_clock_s"],
+        }
+        for name, value in metrics.items():
+            if name not in engine_metrics.ENGINE_METRICS and name != simulated_time.KEEP_PROBABILITY \
+                    and name not in record and name != "staleness_weight":
+                record[name] = np.asarray(value).tolist()
+        if "decisions" in metrics:  # --record-decisions: the arrived updates' plans and the step's selection
+            self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
+        if self.accountant is not None:  # a server step is a round whose batch is the buffer
+            record["dp_epsilon"] = privacy.account_round(self.accountant, p, (cfg.num_clients, len(tau)))
+        evaluated = time.perf_counter()
+        if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
+            record.update(record_fields(self.evaluate()))
+            if self.holdout is not None:
+                record.update(self.evaluate_personal())
+        record["_evaluation_s"] = time.perf_counter() - evaluated
+        return record
+
