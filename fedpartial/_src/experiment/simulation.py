@@ -553,37 +553,8 @@ class Simulation:
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
         sim: Simulation | None = None, checkpoint_every: int | None = None, resume: str | None = None,
         stop: checkpoint.StopFlag | None = None, **parts) -> dict:
-    """Runs a whole simulation, writing ``config.json``, ``config.toml`` (for ``--config``), ``environment.json``,
-    ``metrics.jsonl``, ``metrics.csv``, ``summary.json``, ``status.json`` and checkpoints to a new run folder.
-
-    SIGINT/SIGTERM stop the run after the current round (a checkpoint, ``status.json`` ``interrupted`` and
-    the summary are written, then ``KeyboardInterrupt`` is raised).  A :class:`~fedpartial.DivergedError`
-    leaves status ``diverged`` and the last good checkpoint, any other error ``failed``; both are raised
-    again after the summary is written.  Result files are strict JSON (non-finite numbers are ``null``).
-
-    Args:
-      config: the run's settings (:class:`~fedpartial.RunConfig`); the folder is made in ``config.out_dir``.
-      on_round: called with each round's record (a dict) as it finishes, or None.
-      sim: an already-built :class:`Simulation` of ``config`` to reuse, or None.
-      checkpoint_every: rounds between checkpoints (None: only at the end).
-      resume: a run directory whose newest readable checkpoint is loaded into ``sim`` (built from that
-        folder's ``config.toml``); ``metrics.jsonl`` is truncated to the checkpoint's round.
-      stop: a stop flag of the caller's (None: one is installed here for SIGINT/SIGTERM).
-      **parts: any of :class:`Simulation`'s ``method``, ``model``, ``client_optimizer``, ``server_optimizer``.
-
-    Returns:
-      The summary dict (``summary.json``'s fields, ``run_dir`` and the per-round records).
-
-    Raises:
-      UserError: a setting that cannot run.
-      DivergedError: the loss became non-finite.
-
-    Examples:
-      >>> import tempfile, fedpartial as fp
-      >>> config = fp.RunConfig(num_clients=6, cohort_size=3, rounds=1, local_steps=1, out_dir=tempfile.mkdtemp())
-      >>> 0 <= fp.run(config)["final_test_accuracy"] <= 1
-      True
-    """
+    """Runs the synchronous simulation ``sim`` (or a new :class:`Simulation` of ``config`` and ``parts``) to its
+    end, writing its run folder: what :func:`fedpartial.run` does (documented there) for ``--mode sync``."""
     t0 = time.perf_counter()
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
