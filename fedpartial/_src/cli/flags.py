@@ -13,6 +13,7 @@ import argparse
 import functools
 import re
 import sys
+import textwrap
 from collections.abc import Iterable
 
 from fedpartial._src.core.errors import UserError
@@ -47,7 +48,15 @@ number.toml_kind = "number"
 
 
 class Formatter(argparse.HelpFormatter):
-    """Shows ``(default: X)`` after every flag's help (``none`` for None), unless the help already says."""
+    """Shows ``(default: X)`` after every flag's help (``none`` for None), unless the help already says; never
+    breaks a line inside a flag (``--dp-`` / ``delta``)."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -116,14 +125,21 @@ def _setting_flag(parser, field) -> None:
     parser.add_argument(flag, type=_PARSERS[kind], default=default, metavar=s.metavar, help=help_text)
 
 
+#: the groups ``fedpartial run --help`` names by their flags only (``--help-all`` shows their help too)
+BRIEF_GROUPS = ("differential privacy", "simulated time: devices, deadlines and availability",
+                "asynchronous aggregation", "execution", "several processes")
+
+
 def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | None = None,
-                  shown: Iterable[str] | None = None) -> None:
+                  shown: Iterable[str] | None = None, brief: bool = False) -> None:
     """Every flag of ``fedpartial run``, in the order ``--help`` shows them (``compare`` copies most of them):
     a group per section of :class:`RunConfig`, each flag generated from its field's description, then the
     method options and the flags of the command itself.  ``specs``: the methods whose options become flags
     (default :func:`method_specs`); ``shown``: the methods whose options ``--help`` shows (default none: it
-    says how to see a method's)."""
+    says how to see a method's); ``brief``: the groups of :data:`BRIEF_GROUPS` list their flags only."""
     specs = method_specs() if specs is None else list(specs)
+    run.add_argument("--help-all", action="help", help="show every flag with its help (--help lists the rarer "
+                                                      "groups' flags only)")
     run.add_argument("--config", default=None, metavar="TOML",
                      help="read run flags from a TOML file (keys are these flags without --; the command line "
                           "overrides them)")
@@ -153,6 +169,19 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
     runs.add_argument("--resume", default=None, metavar="RUN_DIR",
                       help="continue a stopped run from its newest checkpoint, with the configuration in "
                            "RUN_DIR/config.json (other run options are ignored, except --checkpoint-every)")
+    if brief:
+        _shorten(run)
+
+
+def _shorten(run: argparse.ArgumentParser) -> None:
+    """The groups of :data:`BRIEF_GROUPS` name their flags in their description instead of a line each."""
+    for group in run._action_groups:
+        if group.title in BRIEF_GROUPS and group._group_actions:
+            flags = [action.option_strings[0] for action in group._group_actions]
+            for action in group._group_actions:
+                action.help = argparse.SUPPRESS
+            group.description = (f"{group.description.rstrip('.')}. Flags: {', '.join(flags)} "
+                                 "(fedpartial run --help-all or docs/configuration.md says what each takes)")
 
 
 def _replica_flags(group) -> None:

@@ -43,8 +43,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     argv = sys.argv[1:] if argv is None else argv
     named = named_methods(argv)
-    asked_help = any(a in ("-h", "--help") for a in argv)  # --help shows the named methods' options only
-    run_parser = run.add_parser(sub, method_specs(named), shown=named if asked_help else ())
+    asked_help = any(a in ("-h", "--help", "--help-all") for a in argv)  # the named methods' options only
+    run_parser = run.add_parser(sub, method_specs(named), shown=named if asked_help else (),
+                                brief="--help-all" not in argv)
     compare.add_parser(sub, run_parser)
     plot.add_parser(sub)
     capacity.add_parser(sub)

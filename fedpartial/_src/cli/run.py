@@ -20,10 +20,10 @@ from fedpartial._src.cli.flags import Formatter, Parser, add_run_flags, config_f
 from fedpartial._src.core.errors import UserError
 
 
-def add_parser(subparsers, specs=None, shown=()) -> argparse.ArgumentParser:
+def add_parser(subparsers, specs=None, shown=(), brief=False) -> argparse.ArgumentParser:
     """The ``run`` subcommand and its flags; returns its parser (``compare`` takes most of its flags).
     ``specs``: the methods whose options become flags (default: the built-in and installed ones); ``shown``:
-    the methods whose options ``--help`` shows."""
+    the methods whose options ``--help`` shows; ``brief``: the rarer groups list their flags only."""
     run = subparsers.add_parser("run", help="run a federated simulation", formatter_class=Formatter,
                                 usage="fedpartial run [--method NAME] [--dataset NAME] [FLAG VALUE ...] "
                                       "(fedpartial run --method NAME --help: that method's options too)",
@@ -31,7 +31,7 @@ def add_parser(subparsers, specs=None, shown=()) -> argparse.ArgumentParser:
                                 "alike), method options included, e.g. method = \"fedldf\", rounds = 20, lr = 0.05, "
                                 "n = 4, es = true; flags given on the command line win.  A run directory holds "
                                 "config.toml to repeat the run: fedpartial run --config RUN_DIR/config.toml")
-    add_run_flags(run, specs, shown)
+    add_run_flags(run, specs, shown, brief)
     return run
 
 

@@ -306,8 +306,8 @@ class Capabilities(NamedTuple):
         (Ditto: 2, the global model and then its personal one); the device model counts each client's FLOPs of
         local work, and so its simulated time, this many times.
       asynchronous: the method's hooks after local training are defined on any set of updates, each of one
-        client trained on the model of its own moment, so a buffered asynchronous run (``--mode async``,
-        :mod:`fedpartial._src.engine.asynchronous`) may aggregate them; False: refused there.
+        client trained on the model of its own moment, so a buffered asynchronous run (``--mode async``;
+        docs/async.md) may aggregate them; False: refused there.
     """
 
     personalised: bool = False

@@ -55,7 +55,18 @@ SLOT_FIELDS = ("slot_arrival_s", "slot_version", "slot_client", "slot_dispatch")
 
 
 class AsyncSimulation(Simulation):
-    """A buffered asynchronous run of ``config`` (``mode='async'``); the same arguments as :class:`Simulation`."""
+    """A buffered asynchronous run of ``config`` (``mode='async'``, docs/async.md): C clients in flight, the
+    server stepping on every M arrivals, on the simulated clock.
+
+    Args:
+      config: the run's settings (:class:`~fedpartial.RunConfig` with ``mode="async"``).
+      dataset: an :class:`~fedpartial.data.ArrayDataset` instead of ``config.dataset``, or None.
+      **parts: as :class:`~fedpartial.Simulation`'s (``method``, ``model``, the optimizers, ``check_memory``,
+        ``data_placement``).
+
+    Raises:
+      UserError: a setting that cannot run asynchronously, in one sentence naming it.
+    """
 
     def __init__(self, config: RunConfig, dataset=None, **parts):
         if config.mode != "async":

@@ -9,21 +9,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 import math
-import os
-from collections.abc import Callable
 
 import jax
-import numpy as np
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, sources
-from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import strategy as engine_strategy
-from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment import config_checks
+from fedpartial._src.experiment.config_checks import (  # noqa: F401  (the constants: read from here too)
+    DATASET_SHAPES, DEFAULT_MODELS, MAX_RUN_NAME_BYTES, check_finite, check_int, is_finite, is_int, refuse)
 from fedpartial._src.experiment.settings import ConfigError, attributes_doc, flag_of, reference_markdown, setting
 from fedpartial._src.methods.catalog import METHODS, find_method
 from fedpartial._src.methods.codecs import parse_codec
@@ -32,16 +30,8 @@ from fedpartial._src.models import registry
 from fedpartial._src.models.conv import CONV_IMPLS
 from fedpartial._src.models.precision import COMPUTE_DTYPES
 
-#: Model used when ``model='auto'``.
-DEFAULT_MODELS = {
-    "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
-    "emnist": "femnist_cnn", "cifar10": "vgg9", "cifar100": "resnet20", "svhn_cropped": "vgg9",
-    "mnist5k": "cnn2c1f", "synthetic_text": "bilstm", "imdb_reviews": "bilstm",
-}
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DEFAULT_LOCAL_EPOCHS = 2.0
-#: a run folder's name: file systems allow 255 bytes; a taken name gets a suffix such as "-1"
-MAX_RUN_NAME_BYTES = 240
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
@@ -49,13 +39,6 @@ SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
 CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
 
 
-#: one example's shape for each dataset whose shape is fixed, so a model that cannot take it is refused
-#: before data is loaded (imdb_reviews' default sequence length; synthetic_text's default is 64)
-DATASET_SHAPES = {
-    "digits": (8, 8, 1), "mnist5k": (28, 28, 1), "synthetic": (60,), "mnist": (28, 28, 1),
-    "fashion_mnist": (28, 28, 1), "emnist": (28, 28, 1), "cifar10": (32, 32, 3), "cifar100": (32, 32, 3),
-    "svhn_cropped": (32, 32, 3), "synthetic_text": (64,), "imdb_reviews": (256,),
-}
 _MAX_SEED = 2**32 - 1
 
 
@@ -67,55 +50,14 @@ def _flag(field: str) -> str:
 _shown = shown  # a value as people type it
 
 
-def _refuse(field: str, value, allowed: str):
-    raise ConfigError(f"{_flag(field)} {_shown(value)} is not allowed: it must be {allowed}.")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_finite(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
-        and math.isfinite(value)
-
-
-def _check_int(config, field: str, low: int, allowed: str | None = None) -> None:
-    value = getattr(config, field)
-    if not _is_int(value) or value < low:
-        _refuse(field, value, allowed or f"a whole number ≥ {low}")
-
-
-def _check_finite(config, field: str, ok: Callable[[float], bool], allowed: str) -> None:
-    """NaN and ±inf are refused first: every comparison with NaN is False, so range checks alone miss it."""
-    value = getattr(config, field)
-    if value is not None and not (_is_finite(value) and ok(value)):
-        _refuse(field, value, f"a finite number {allowed}")
-
-
-def _check_output(out_dir: str | None, run_name: str | None) -> None:
-    """``out_dir`` and ``run_name`` name a folder (whether it can be made is the preflight's question)."""
-    if out_dir is None:
-        return
-    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
-        _refuse("out_dir", out_dir, "a directory to write run folders in (e.g. runs)")
-    if run_name is not None and (
-            not isinstance(run_name, str) or not run_name or run_name in (".", "..") or os.path.isabs(run_name)
-            or "/" in run_name or (os.sep in run_name) or (os.altsep and os.altsep in run_name)):
-        _refuse("run_name", run_name, "a plain folder name without '/' (the folder is made inside --out)")
-    if run_name is not None and len(run_name.encode()) > MAX_RUN_NAME_BYTES:
-        _refuse("run_name", run_name, f"a folder name of at most {MAX_RUN_NAME_BYTES} bytes (file systems allow "
-                                      f"255, and a taken name gets a suffix)")
-
-
 @dataclasses.dataclass
 class RunConfig:
     """One simulation run; the defaults are the offline digits job of the quick start.
 
     Every field is a setting described once: its section, its meaning, unit and default, and its flag of
     ``fedpartial run`` (the flags and their ``--help`` are generated from these descriptions, as is the
-    configuration reference page, ``docs/configuration.md``, and the Attributes below).  :meth:`validate` judges the settings alone,
-    naming each bad value by its flag.
+    configuration reference page, ``docs/configuration.md``, and the Attributes below).
+    :meth:`validate` judges the settings alone, naming each bad value by its flag.
 
     Example:
       >>> import fedpartial as fp
@@ -310,36 +252,36 @@ class RunConfig:
             bad(f"options {self.options!r} is not allowed: it must be a mapping of option names to values, e.g. "
                 f"{{'n': 4}} (the method's own flags on the command line).")
 
-        _check_finite(self, "alpha", lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)")
-        _check_finite(self, "local_epochs", lambda v: v > 0, "> 0")
-        _check_finite(self, "client_lr", lambda v: v > 0, "> 0")
-        _check_finite(self, "momentum", lambda v: 0 <= v < 1, "in [0, 1)")
-        _check_finite(self, "weight_decay", lambda v: v >= 0, "≥ 0")
-        _check_finite(self, "server_lr", lambda v: v > 0, "> 0")
-        _check_finite(self, "train_fraction", lambda v: 0 < v <= 1,
+        check_finite(self, "alpha", lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)")
+        check_finite(self, "local_epochs", lambda v: v > 0, "> 0")
+        check_finite(self, "client_lr", lambda v: v > 0, "> 0")
+        check_finite(self, "momentum", lambda v: 0 <= v < 1, "in [0, 1)")
+        check_finite(self, "weight_decay", lambda v: v >= 0, "≥ 0")
+        check_finite(self, "server_lr", lambda v: v > 0, "> 0")
+        check_finite(self, "train_fraction", lambda v: 0 < v <= 1,
                       "in (0, 1] (each client's train fraction; the rest of its data is held out)")
-        _check_finite(self, "target_accuracy", lambda v: 0 < v <= 1, "in (0, 1]")
-        _check_finite(self, "dp_clip", lambda v: v > 0, "> 0")
-        _check_finite(self, "dp_noise_multiplier", lambda v: v >= 0, "≥ 0")
-        _check_finite(self, "dp_delta", lambda v: 0 < v < 1, "in (0, 1)")
-        _check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
+        check_finite(self, "target_accuracy", lambda v: 0 < v <= 1, "in (0, 1]")
+        check_finite(self, "dp_clip", lambda v: v > 0, "> 0")
+        check_finite(self, "dp_noise_multiplier", lambda v: v >= 0, "≥ 0")
+        check_finite(self, "dp_delta", lambda v: 0 < v < 1, "in (0, 1)")
+        check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
         if self.upload_codec is not None:
             parse_codec(self.upload_codec)  # a bad codec is one sentence
         if not isinstance(self.sparse_flops, bool):
-            _refuse("sparse_flops", self.sparse_flops, "true or false")
+            refuse(self, "sparse_flops", self.sparse_flops, "true or false")
         for field in ("num_clients", "rounds", "batch_size", "eval_every"):
-            _check_int(self, field, 1)
+            check_int(self, field, 1)
         if self.local_steps is not None:
-            _check_int(self, "local_steps", 1)
+            check_int(self, "local_steps", 1)
         if self.max_samples is not None:
-            _check_int(self, "max_samples", 1)
+            check_int(self, "max_samples", 1)
         if self.local_steps is not None and self.local_epochs is not None:
             bad("give only one of --local-steps or --local-epochs.")
-        if not _is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
-            _refuse("cohort_size", self.cohort_size, f"between 1 and --clients ({self.num_clients})")
-        _check_int(self, "seed", 0, f"a whole number from 0 to {_MAX_SEED}")
+        if not is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
+            refuse(self, "cohort_size", self.cohort_size, f"between 1 and --clients ({self.num_clients})")
+        check_int(self, "seed", 0, f"a whole number from 0 to {_MAX_SEED}")
         if self.seed > _MAX_SEED:
-            _refuse("seed", self.seed, f"a whole number from 0 to {_MAX_SEED}")
+            refuse(self, "seed", self.seed, f"a whole number from 0 to {_MAX_SEED}")
         if not custom_method:
             try:
                 spec = find_method(self.method)  # built in, installed (entry point) or package.module:factory
@@ -362,16 +304,16 @@ class RunConfig:
         if self.partition not in PARTITIONS:
             bad(f"--partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
         if self.partition == "dirichlet" and not self.alpha > 0:
-            _refuse("alpha", self.alpha, "> 0 for the dirichlet partition (the Dirichlet α)")
+            refuse(self, "alpha", self.alpha, "> 0 for the dirichlet partition (the Dirichlet α)")
         if self.partition == "shards":
-            _check_int(self, "classes_per_client", 1)
+            check_int(self, "classes_per_client", 1)
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             bad(f"--server-opt {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
         if self.early_stopping and self.train_fraction is not None and self.train_fraction >= 1:
             bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
-        self._check_privacy(custom_method)
-        self._check_rounds_in_time()
-        self._check_async(custom_method)
+        config_checks.check_privacy(self, custom_method)
+        config_checks.check_rounds_in_time(self)
+        config_checks.check_async(self, custom_method)
         if self.bn_policy not in engine.BN_POLICIES:
             bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
                 "(the BatchNorm policy).")
@@ -406,7 +348,7 @@ class RunConfig:
             bad(f"--data-placement device is not allowed with --strategy {self.strategy}: a streamed cohort is "
                 "packed on the host a chunk at a time; use --data-placement host or auto.")
         if self.devices is not None:
-            self._check_devices()
+            config_checks.check_devices(self)
         try:  # nothing the population's size is drawn: a huge --clients is the preflight's to refuse
             if self.device_profiles is None:
                 for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
@@ -415,91 +357,9 @@ class RunConfig:
                 devices.load_profiles(self.device_profiles, 1)
         except UserError as e:
             bad(str(e))
-        _check_output(self.out_dir, self.run_name)
+        config_checks.check_output(self)
         if check_model:
-            self._check_model(custom_method)
-
-    def _check_privacy(self, custom_method: bool) -> None:
-        """The DP flags: both ``--dp-clip`` and ``--dp-noise-multiplier`` or neither, the others only with them, and a
-        method whose server step does not read the updates outside the noised sum."""
-        if self.dp_clip is None and self.dp_noise_multiplier is not None:
-            raise ConfigError("--dp-noise-multiplier needs --dp-clip (the norm each client's update is clipped to, "
-                              "which the noise is scaled by).")
-        if self.dp_clip is not None and self.dp_noise_multiplier is None:
-            raise ConfigError("--dp-clip needs --dp-noise-multiplier (0 clips without noise, which gives no privacy).")
-        if not isinstance(self.dp_clip_per_layer, bool):
-            _refuse("dp_clip_per_layer", self.dp_clip_per_layer, "true or false")
-        for field in ("dp_delta", "dp_target_quantile", "dp_clip_per_layer"):
-            if not self.private and getattr(self, field) not in (None, False):
-                raise ConfigError(f"{_flag(field)} needs --dp-clip and --dp-noise-multiplier (differential privacy "
-                                  "is off without them).")
-        if self.private and not custom_method:
-            try:
-                method = self.build_method()
-            except UserError:
-                return  # the method's own sentence comes from the method checks
-            if method.server_correct is not None:
-                raise ConfigError(f"--method {self.method} cannot run with differential privacy: its server step "
-                                  "reads every client's update outside the clipped, noised sum.")
-
-    def _check_rounds_in_time(self) -> None:
-        """The deadline flags (one of ``--round-deadline`` and ``--deadline-quantile``; ``partial`` only with one),
-        ``--over-select`` (its ⌈F·K⌉ clients within the population) and ``--availability``."""
-        _check_finite(self, "round_deadline", lambda v: v > 0, "> 0 (seconds of simulated time)")
-        _check_finite(self, "deadline_quantile", lambda v: 0 < v <= 1, "in (0, 1]")
-        if self.round_deadline is not None and self.deadline_quantile is not None:
-            raise ConfigError("give only one of --round-deadline or --deadline-quantile.")
-        if self.straggler_policy not in ("drop", "partial"):
-            _refuse("straggler_policy", self.straggler_policy, "drop or partial")
-        if self.straggler_policy == "partial" and self.round_deadline is None and self.deadline_quantile is None:
-            raise ConfigError("--straggler-policy partial needs a deadline (--round-deadline or --deadline-quantile).")
-        _check_finite(self, "over_select", lambda v: v >= 1, "≥ 1 (⌈F·K⌉ clients are sampled for a cohort of K)")
-        if self.sampled_size > self.num_clients:
-            _refuse("over_select", self.over_select, f"at most {self.num_clients / self.cohort_size:g}: "
-                                                     f"⌈F·K⌉ clients are sampled from --clients {self.num_clients}")
-        try:
-            kind, params = availability.parse(self.availability)
-            if kind == "trace":  # bad rows are refused before any data is loaded
-                availability.load_trace(*params)
-        except UserError as e:
-            raise ConfigError(str(e)) from None
-
-    def _check_async(self, custom_method: bool) -> None:
-        """``--mode`` and the asynchronous flags (only with ``--mode async``; ``M ≤ C ≤ N``), and what an asynchronous
-        run cannot combine with (:mod:`fedpartial._src.engine.asynchronous`)."""
-        if self.mode not in ("sync", "async"):
-            _refuse("mode", self.mode, "sync or async")
-        if self.mode == "sync":
-            for field in ("concurrency", "buffer"):
-                if getattr(self, field) is not None:
-                    raise ConfigError(f"{_flag(field)} needs --mode async.")
-            if self.staleness != RunConfig.staleness:
-                raise ConfigError("--staleness needs --mode async.")
-            return
-        try:
-            engine_async.parse_staleness(self.staleness)
-        except UserError as e:
-            raise ConfigError(str(e)) from None
-        for field in ("concurrency", "buffer"):
-            if getattr(self, field) is not None:
-                _check_int(self, field, 1)
-        if self.async_concurrency > self.num_clients:
-            _refuse("concurrency", self.async_concurrency, f"at most --clients ({self.num_clients}): each client in "
-                                                           "flight is a different one")
-        if self.async_buffer > self.async_concurrency:
-            raise ConfigError(f"--buffer {self.async_buffer} is larger than --concurrency {self.async_concurrency}: "
-                              "the server would wait for more updates than are ever in flight.")
-        clash = ("a deadline or over-selection (a synchronous round's)" if self.deadlines else
-                 "early stopping (--es)" if self.early_stopping else "--upload-codec" if self.upload_codec else
-                 "the streamed strategy" if self.strategy.startswith("stream") else
-                 "--devices above 1" if self.devices is not None and self.devices > 1 else
-                 f"--client-state {self.client_state}" if self.client_state in ("host", "disk") else None)
-        if clash:
-            raise ConfigError(f"--mode async cannot run with {clash}; leave it out.")
-        if not custom_method:
-            problem = engine_async.async_refusal(self.build_method())
-            if problem:
-                raise ConfigError(f"--mode async is not allowed: {problem}.")
+            config_checks.check_model(self, custom_method)
 
     @property
     def async_buffer(self) -> int:
@@ -519,7 +379,7 @@ class RunConfig:
     @property
     def sampled_size(self) -> int:
         """Clients sampled a round: ``⌈F·K⌉`` with ``--over-select F`` (``K`` without)."""
-        over = self.over_select if _is_finite(self.over_select) else 1.0
+        over = self.over_select if is_finite(self.over_select) else 1.0
         return math.ceil(round(over * self.cohort_size, 9))
 
     @property
@@ -531,15 +391,6 @@ class RunConfig:
     def privacy_delta(self) -> float:
         """The δ at which ε is reported: ``--dp-delta``, else ``1/N``."""
         return self.dp_delta if self.dp_delta is not None else 1.0 / self.num_clients
-
-    def _check_devices(self) -> None:
-        """``--devices``: a whole number ≥ 1 (at most the local device count: the preflight's), with a strategy
-        that splits."""
-        _check_int(self, "devices", 1)
-        kind = engine_strategy.parse_strategy(self.strategy).kind
-        if self.devices > 1 and self.strategy != "auto" and kind != "fused":
-            raise ConfigError(f"--devices {self.devices} needs the fused strategy (--strategy fused or fused:N); "
-                              f"--strategy {self.strategy} runs on one device.")
 
     @property
     def num_devices(self) -> int:
@@ -557,27 +408,6 @@ class RunConfig:
         if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
             return engine_strategy.fused()
         return engine_strategy.parse_strategy(self.strategy, model, layout)
-
-    def _check_model(self, custom_method: bool) -> None:
-        """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
-        name = DEFAULT_MODELS.get(self.dataset, "mlp") if self.model == "auto" else self.model
-        spec = registry.MODELS[name]
-        if not custom_method and not spec.sequential and self.build_method().capabilities.neuron_masks:
-            chains = ", ".join(n for n, s in registry.MODELS.items() if s.sequential)
-            raise ConfigError(f"--method {self.method} drops single neurons, which needs a sequential model "
-                              f"(a chain of layers), but --model {name} has residual connections; choose one "
-                              f"of {chains}.")
-        shape = DATASET_SHAPES.get(self.dataset)
-        if shape is None:
-            return
-        module = spec.factory(10, shape)  # a flax module is a dataclass: no parameters are made
-        validate = getattr(module, "validate_input_shape", None)
-        if validate is not None:
-            try:
-                validate(shape)
-            except UserError as e:
-                raise ConfigError(f"--model {name} cannot take --dataset {self.dataset} "
-                                  f"({'x'.join(map(str, shape))} examples): {str(e).rstrip('.')}.") from None
 
     def device_model(self) -> devices.DeviceProfiles:
         """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed."""

@@ -18,8 +18,9 @@ def simulation_for(config: RunConfig, dataset=None, **parts) -> simulation.Simul
     return cls(config, dataset, **parts)
 
 
-def run(config: RunConfig, *, sim: simulation.Simulation | None = None, **kwargs) -> dict:
-    """Runs a whole simulation of either mode (:func:`simulation_for`), writing ``config.json``, ``config.toml``
+def run(config: RunConfig, *, on_round=None, sim: simulation.Simulation | None = None,
+        checkpoint_every: int | None = None, resume: str | None = None, stop=None, **parts) -> dict:
+    """Runs a whole simulation of either mode (synchronous rounds, or ``--mode async``), writing ``config.json``, ``config.toml``
     (for ``--config``), ``environment.json``, ``metrics.jsonl``, ``metrics.csv``, ``summary.json``,
     ``status.json`` and checkpoints to a new run folder.
 
@@ -36,7 +37,8 @@ def run(config: RunConfig, *, sim: simulation.Simulation | None = None, **kwargs
       resume: a run directory whose newest readable checkpoint is loaded into ``sim`` (built from that
         folder's ``config.toml``); ``metrics.jsonl`` is truncated to the checkpoint's round.
       stop: a stop flag of the caller's (None: one is installed here for SIGINT/SIGTERM).
-      **parts: any of :class:`Simulation`'s ``method``, ``model``, ``client_optimizer``, ``server_optimizer``.
+      **parts: any of :class:`~fedpartial.Simulation`'s ``method``, ``model``, ``client_optimizer``,
+        ``server_optimizer``, ``check_memory``, ``data_placement``.
 
     Returns:
       The summary dict (``summary.json``'s fields, ``run_dir`` and the per-round records).
@@ -51,7 +53,7 @@ def run(config: RunConfig, *, sim: simulation.Simulation | None = None, **kwargs
       >>> 0 <= fp.run(config)["final_test_accuracy"] <= 1
       True
     """
-    parts = {name: kwargs.pop(name) for name in PARTS if name in kwargs}
     if sim is None:
-        sim = simulation_for(config, **parts)
-    return simulation.run(config, sim=sim, **kwargs)
+        sim = simulation_for(config, **{name: parts.pop(name) for name in PARTS if name in parts})
+    return simulation.run(config, on_round=on_round, sim=sim, checkpoint_every=checkpoint_every, resume=resume,
+                          stop=stop, **parts)
