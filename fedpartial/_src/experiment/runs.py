@@ -20,9 +20,9 @@ def simulation_for(config: RunConfig, dataset=None, **parts) -> simulation.Simul
 
 def run(config: RunConfig, *, on_round=None, sim: simulation.Simulation | None = None,
         checkpoint_every: int | None = None, resume: str | None = None, stop=None, **parts) -> dict:
-    """Runs a whole simulation of either mode (synchronous rounds, or ``--mode async``), writing ``config.json``, ``config.toml``
-    (for ``--config``), ``environment.json``, ``metrics.jsonl``, ``metrics.csv``, ``summary.json``,
-    ``status.json`` and checkpoints to a new run folder.
+    """Runs a whole simulation of either mode (synchronous rounds, or ``--mode async``), writing
+    ``config.json``, ``config.toml`` (for ``--config``), ``environment.json``, ``metrics.jsonl``,
+    ``metrics.csv``, ``summary.json``, ``status.json`` and checkpoints to a new run folder.
 
     SIGINT/SIGTERM stop the run after the current round (a checkpoint, ``status.json`` ``interrupted`` and
     the summary are written, then ``KeyboardInterrupt`` is raised).  A :class:`~fedpartial.DivergedError`
