@@ -20,7 +20,6 @@ after every row and continues such a file when run again with the same settings 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -137,23 +136,10 @@ def figure(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.drift", description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=families.SIZES, default="cpu",
-                   help="cpu: 2 CPU cores within 20 min; paper: N=100, K=10, 3 data sets; tiny: a smoke test")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {', '.join(METHODS)}")
-    p.add_argument("--datasets", default=None, help="default: the size's")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default=None, help="appended to the file name")
-    p.add_argument("--fresh", action="store_true", help="start the result file over instead of continuing it")
+    p = families.parser("drift", __doc__, METHODS, "cpu: 2 CPU cores within 20 min; "
+                        "paper: N=100, K=10, 3 data sets; tiny: a smoke test")
     args = p.parse_args(argv)
-    s = dict(SIZES[args.size])
-    methods = families.names(args.methods)
-    if bad := [m for m in methods if m not in METHODS]:
-        p.error(f"method {bad[0]!r} is not compared here; choose from {', '.join(METHODS)}")
-    if args.datasets:
-        s["datasets"] = families.names(args.datasets)
-    if bad := [d for d in s["datasets"] if d not in SETUPS]:
-        p.error(f"dataset {bad[0]!r} has no setup here; choose from {', '.join(SETUPS)}")
+    s, methods = families.chosen(p, args, SIZES, METHODS, SETUPS)
     settings = {**s, "methods": methods,
                 "setups": {d: dict(zip(("model", "batch_size", "client_lr", "momentum", "local_epochs", "partition"),
                                        SETUPS[d])) for d in s["datasets"]}}

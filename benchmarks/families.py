@@ -17,6 +17,8 @@ seeds run as replicas, a result file written row by row that a re-run continues,
 
 from __future__ import annotations
 
+import argparse
+
 import datetime
 import json
 import math
@@ -196,3 +198,31 @@ def ints(text: str) -> tuple[int, ...]:
 
 def names(text: str) -> tuple[str, ...]:
     return tuple(v.strip().lower() for v in text.split(",") if v.strip())
+
+
+def parser(benchmark: str, doc: str, methods: Sequence[str], size_help: str) -> argparse.ArgumentParser:
+    """The flags every family benchmark takes: ``--size``, ``--methods``, ``--datasets``, ``--out``, ``--tag``,
+    ``--fresh`` (a benchmark adds its own); ``doc``: the benchmark's docstring (its first line describes it)."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{benchmark}", description=doc.splitlines()[0])
+    p.add_argument("--size", choices=SIZES, default="cpu", help=size_help)
+    p.add_argument("--methods", default=",".join(methods), help=f"a subset of {', '.join(methods)}")
+    p.add_argument("--datasets", default=None, help="default: the size's")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="appended to the file name")
+    p.add_argument("--fresh", action="store_true", help="start the result file over instead of continuing it")
+    return p
+
+
+def chosen(p: argparse.ArgumentParser, args, sizes: dict, methods: Sequence[str], setups: dict
+           ) -> tuple[dict, tuple[str, ...]]:
+    """The size's settings (``--datasets`` applied) and the methods asked for; an unknown method or data set is
+    refused through ``p`` in one sentence."""
+    s = dict(sizes[args.size])
+    asked = names(args.methods)
+    if bad := [m for m in asked if m not in methods]:
+        p.error(f"method {bad[0]!r} is not compared here; choose from {', '.join(methods)}")
+    if args.datasets:
+        s["datasets"] = names(args.datasets)
+    if bad := [d for d in s["datasets"] if d not in setups]:
+        p.error(f"dataset {bad[0]!r} has no setup here; choose from {', '.join(setups)}")
+    return s, asked

@@ -31,7 +31,6 @@ when run again with the same settings (:mod:`benchmarks.families`).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -164,24 +163,11 @@ def figure(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=families.SIZES, default="cpu",
-                   help="cpu: 2 CPU cores within 40 min; paper: N=100, K=10, 3 data sets; tiny: a smoke test")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {', '.join(METHODS)}")
-    p.add_argument("--datasets", default=None, help="default: the size's")
+    p = families.parser("tiers", __doc__, METHODS, "cpu: 2 CPU cores within 40 min; "
+                        "paper: N=100, K=10, 3 data sets; tiny: a smoke test")
     p.add_argument("--cases", default=None, help="EmbracingFL capacity cases (default: the size's, 5 and 10)")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default=None, help="appended to the file name")
-    p.add_argument("--fresh", action="store_true", help="start the result file over instead of continuing it")
     args = p.parse_args(argv)
-    s = dict(SIZES[args.size])
-    methods = families.names(args.methods)
-    if bad := [m for m in methods if m not in METHODS]:
-        p.error(f"method {bad[0]!r} is not compared here; choose from {', '.join(METHODS)}")
-    if args.datasets:
-        s["datasets"] = families.names(args.datasets)
-    if bad := [d for d in s["datasets"] if d not in SETUPS]:
-        p.error(f"dataset {bad[0]!r} has no setup here; choose from {', '.join(SETUPS)}")
+    s, methods = families.chosen(p, args, SIZES, METHODS, SETUPS)
     if args.cases:
         s["cases"] = families.ints(args.cases)
     settings = {**s, "methods": methods, "train_fraction": TRAIN_FRACTION, "widths": DEFAULT_WIDTHS,
