@@ -128,7 +128,8 @@ def closing_rows(config, summary: dict) -> list[tuple[str, str]]:
     return [
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
         ("clients / cohort", f"{config.num_clients} / {config.cohort_size}"),
-        ("strategy", f"{summary['strategy'].removesuffix(':None')} on {summary['backend']}, data on the {summary['data_placement']}"
+        ("strategy", f"{summary['strategy'].removesuffix(':None')} on {summary['backend']}, "
+                     f"data on the {summary['data_placement']}"
                      + (f" ({summary['strategy_note']})" if "strategy_note" in summary else "")
                      + ("" if summary.get("client_state", "device") == "device"
                         else f", clients' state on the {summary['client_state']}")),
