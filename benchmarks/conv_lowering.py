@@ -4,8 +4,8 @@ achieved GFLOP/s and their share of the measured matmul rate, and what ``--conv-
 Usage::
 
     python -m benchmarks.conv_lowering [--quick] [--rows ROW[,ROW...]] [--rounds R] [--local-steps S]
-        [--batch-size B] [--lowerings lax,im2col,hybrid] [--strategies stepwise:1,fused] [--skip ROW:IMPL:STRATEGY]
-        [--dtypes float32,bfloat16] [--out PATH]
+        [--batch-size B] [--lowerings lax,im2col,hybrid,mapped] [--strategies stepwise:1,fused:1,fused]
+        [--skip ROW:IMPL:STRATEGY] [--dtypes float32,bfloat16] [--out PATH]
 
 A row is ``MODEL@SIDExSIDExC:K``: the default rows are the CNN of the default run on 8x8 grey images (the
 digits' shape) and on 28x28 (MNIST's) at K = 10 and 50, LeNet-5 and VGG-9 on 32x32x3 at K = 10.  The data
@@ -47,9 +47,12 @@ from fedpartial._src.models.precision import with_compute_dtype
 
 ROWS = ("cnn2c1f@8x8x1:10", "cnn2c1f@8x8x1:50", "cnn2c1f@28x28x1:10", "cnn2c1f@28x28x1:50", "lenet5@32x32x3:10",
         "vgg9@32x32x3:10")
-STRATEGIES = ("stepwise:1", "fused")
+STRATEGIES = ("stepwise:1", "fused:1", "fused")
+#: the strategy each of ``auto``'s layouts runs (fedpartial._src.engine.strategy.default_strategy)
+LAYOUT_STRATEGY = {"loop": "stepwise:1", "vmap": "fused", "map": "fused:1"}
 #: cells that take minutes a round on a 2-core CPU (grouped convolutions on large images)
-SLOW = ("cnn2c1f@28x28x1:50:lax:fused", "vgg9@32x32x3:10:lax:fused", "lenet5@32x32x3:10:lax:fused")
+SLOW = tuple(f"{row}:lax:{s}" for row in ("cnn2c1f@28x28x1:10", "cnn2c1f@28x28x1:50", "vgg9@32x32x3:10",
+                                          "lenet5@32x32x3:10") for s in ("fused", "fused:1"))
 TOLERANCE = 1e-3
 
 
@@ -135,7 +138,7 @@ def run_row(row: str, cfg: dict, peak: float, skip: set[str], save=lambda record
     started = time.perf_counter()
     choice = conv_choice.choose(lambda impl: build(model_name, shape, impl, dtype)[1], batch_size=b,
                                 cohort_size=k, dtype=dtype)
-    picked = f"{choice.impl}/{'fused' if choice.layout == 'vmap' else 'stepwise:1'}"
+    picked = f"{choice.impl}/{LAYOUT_STRATEGY.get(choice.layout, 'stepwise:1')}"
     record["auto"] = {"impl": choice.impl, "layout": choice.layout, "cell": picked,
                       "choose_s": time.perf_counter() - started, "seconds_per_cohort_step": choice.seconds,
                       "speedup_vs_plain": record["cells"].get(picked, {}).get("speedup_vs_plain")}

@@ -53,6 +53,7 @@ def test_the_measured_layout_decides_the_auto_strategy(cnn):
     for platform in ("cpu", "gpu"):
         assert default_strategy(platform, cnn, "vmap") == fused(None)
         assert default_strategy(platform, cnn, "loop") == stepwise(1)
+        assert default_strategy(platform, cnn, "map") == fused(1)  # the round one program, clients a loop in it
     assert parse_strategy("auto", cnn, "vmap") == fused(None)
     assert parse_strategy("stepwise:3", cnn, "vmap") == stepwise(3)  # an explicit strategy is kept
     assert default_strategy("cpu", cnn, None) == stepwise(1)  # not measured: the platform's rule

@@ -78,3 +78,32 @@ def test_zoo_models_keep_their_parameters_and_outputs():
         np.testing.assert_allclose(model.apply(v, x), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(UserError, match="'winograd' is unknown"):
         registry.build_model("cnn2c1f", 10, (8, 8, 1), conv_impl="winograd")
+
+
+def test_mapped_is_lax_for_one_client_with_plain_gradient_convs_and_a_loop_across_clients(inputs):
+    x, xs = inputs
+    conv = nn.Conv(4, (5, 5), conv_general_dilated=lowering("mapped"))
+    v = conv.init(jax.random.key(2), x)
+    np.testing.assert_array_equal(conv.apply(v, x), nn.Conv(4, (5, 5)).apply(v, x))  # lax itself, bit for bit
+    loss = lambda v, x: jnp.sum(jnp.sin(conv.apply(v, x)))  # noqa: E731
+    plain_loss = lambda v, x: jnp.sum(jnp.sin(nn.Conv(4, (5, 5)).apply(v, x)))  # noqa: E731
+
+    def conv_labels(f):  # of the gradient computed inside a loop
+        grad = jax.grad(f, argnums=(0, 1))
+        hlo = jax.jit(lambda v, xs: jax.lax.map(lambda x: grad(v, x), xs)).lower(v, xs).compile().as_text()
+        return [line.split("dim_labels=")[1].split(",")[0] for line in hlo.splitlines() if "dim_labels=" in line]
+
+    # inside a loop every convolution, the two gradients included, is an ordinary channels-last one (what
+    # XLA:CPU runs fast there); autodiff's own gradients keep swapped batch and feature dimensions
+    assert conv_labels(loss) == ["b01f_01io->b01f"] * 3
+    assert len(set(conv_labels(plain_loss))) > 1
+    vs = jax.tree.map(lambda a: jnp.stack([a] * K), v)
+    looped = jax.jit(jax.vmap(jax.grad(loss))).lower(vs, xs).compile().as_text()
+    assert "feature_group_count" not in looped and "while" in looped  # a loop over clients, not a grouped conv
+    # clients of replicas: nested vmaps loop again, and agree with lax's
+    vss = jax.tree.map(lambda a: jnp.stack([a, 1.5 * a]), vs)
+    xss = jnp.stack([xs, -xs])
+    want = jax.vmap(jax.vmap(jax.grad(plain_loss)))(vss, xss)
+    got = jax.jit(jax.vmap(jax.vmap(jax.grad(loss))))(vss, xss)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)

@@ -6,19 +6,25 @@ and the cohort (on a 2-core CPU, im2col wins on 8x8 digits and lax's own convolu
 candidate is a lowering and a *layout*:
 
 * ``loop`` — one client's step jitted and called for each client in turn (what ``stepwise:1`` runs);
-* ``vmap`` — the step vmapped over the cohort in one jitted call (what the fused round runs).
+* ``vmap`` — the step vmapped over the cohort in one jitted call (what the fused round runs);
+* ``map`` — a ``lax.map`` of one client's step over the cohort in one jitted call (what ``fused:1`` runs: the
+  whole round one program, the clients a loop inside it).
 
 ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is the fused round of today; on
-XLA:CPU it measured 10-80x slower than the loop.  Each candidate is compiled, run once, then timed twice (the
-best counts); a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
+XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with the ``mapped`` lowering only: inside a
+loop XLA:CPU runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids.  The candidates are
+compiled at once in threads (XLA compiles outside the GIL), then each is run once and timed twice (the best
+counts); a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
 (on a CPU both layouts' time grows linearly with the clients; a GPU's vmapped step gains from more).  The choice is
 kept in ``conv-impl.json`` in the cache folder, keyed by backend, device, model, input shape, per-client batch,
 cohort size, compute dtype and the JAX version, so it is measured once per setting.  The strategy chooser
-(:func:`fedpartial._src.engine.strategy.default_strategy`) takes the layout: ``vmap`` runs the fused round.
+(:func:`fedpartial._src.engine.strategy.default_strategy`) takes the layout: ``vmap`` runs the fused round,
+``map`` the fused round one client at a time (``fused:1``), ``loop`` ``stepwise:1``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import time
@@ -33,9 +39,9 @@ from fedpartial._src.models.adapter import Model
 
 __all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "candidates", "choose"]
 
-LAYOUTS = ("loop", "vmap")
+LAYOUTS = ("loop", "vmap", "map")
 #: a cohort larger than this is timed on this many clients and scaled, by platform
-MAX_TIMED_CLIENTS = {"cpu": 8, "other": 256}
+MAX_TIMED_CLIENTS = {"cpu": 4, "other": 256}
 CACHE_FILE = "conv-impl.json"
 
 
@@ -56,7 +62,7 @@ class ConvChoice(NamedTuple):
 
 def candidates(platform: str) -> tuple[tuple[str, str], ...]:
     """The (lowering, layout) pairs ``auto`` times on ``platform``, the default first (ties keep it)."""
-    pairs = [("lax", "loop"), ("im2col", "loop"), ("im2col", "vmap"), ("hybrid", "vmap")]
+    pairs = [("lax", "loop"), ("hybrid", "vmap"), ("mapped", "map"), ("im2col", "map")]
     if platform != "cpu":
         pairs.insert(1, ("lax", "vmap"))
     return tuple(pairs)
@@ -74,34 +80,53 @@ def _step(model: Model):
     return step
 
 
-def _best(fn: Callable, repeats: int = 2) -> float:
-    jax.block_until_ready(fn())  # compile (or load from the persistent cache) and warm up
-    best = float("inf")
-    for _ in range(repeats):
+def _best(fn: Callable, repeats: int = 2, beaten_by: float = float("inf")) -> float:
+    """The fastest of a warm-up and ``repeats`` timed runs of ``fn``; one run only when even the warm-up took
+    over twice ``beaten_by`` (the best candidate so far), which it cannot then beat."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())  # warm up (compiled already)
+    best = time.perf_counter() - start
+    for _ in range(repeats if best <= 2 * beaten_by else 0):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def time_candidate(model: Model, layout: str, batch_size: int, cohort_size: int) -> float:
-    """Seconds for one local step of ``cohort_size`` clients of ``batch_size`` examples, laid out as ``layout``."""
-    k = min(cohort_size, MAX_TIMED_CLIENTS["cpu" if jax.default_backend() == "cpu" else "other"])
-    variables = model.init_variables(jax.random.key(0))
+def _timed_clients(cohort_size: int) -> int:
+    return min(cohort_size, MAX_TIMED_CLIENTS["cpu" if jax.default_backend() == "cpu" else "other"])
+
+
+def prepare(model: Model, layout: str, batch_size: int, cohort_size: int,
+            variables: dict | None = None) -> Callable[[], object]:
+    """A compiled ``fn()`` running one local step of the timed clients laid out as ``layout`` (see
+    :func:`time_candidate`); compiling is the slow part, and these can be prepared in parallel.  ``variables``:
+    the model's (every lowering has the same), None to initialise them here."""
+    k = _timed_clients(cohort_size)
+    if variables is None:
+        variables = jax.jit(model.init_variables)(jax.random.key(0))
     params, stats = variables["params"], variables["batch_stats"]
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(k, batch_size, *model.input_shape)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, model.num_classes, size=(k, batch_size)).astype(np.int32))
     step = _step(model)
     if layout == "loop":
-        one = jax.jit(step)
-        seconds = _best(lambda: [one(params, stats, x[i], y[i])[2] for i in range(k)])
-    else:
-        stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), t)  # noqa: E731
-        many = jax.jit(jax.vmap(step))
-        ps, ss = stack(params), stack(stats)
-        seconds = _best(lambda: many(ps, ss, x, y)[2])
-    return seconds * cohort_size / k
+        one = jax.jit(step).lower(params, stats, x[0], y[0]).compile()
+        xs, ys = list(x), list(y)
+        return lambda: [one(params, stats, xs[i], ys[i])[2] for i in range(k)]
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), t)  # noqa: E731
+    ps, ss = stack(params), stack(stats)
+    # ``map`` as the fused round's chunks of one run it: a loop of one-client vmaps
+    many = jax.vmap(step) if layout == "vmap" else lambda *a: jax.lax.map(lambda c: step(*c), a, batch_size=1)
+    compiled = jax.jit(many).lower(ps, ss, x, y).compile()
+    return lambda: compiled(ps, ss, x, y)[2]
+
+
+def time_candidate(model: Model, layout: str, batch_size: int, cohort_size: int) -> float:
+    """Seconds for one local step of ``cohort_size`` clients of ``batch_size`` examples, laid out as ``layout``:
+    ``loop`` (a jitted step called per client), ``vmap`` (the step vmapped) or ``map`` (a ``lax.map`` of
+    steps over the clients in one jitted call)."""
+    return _best(prepare(model, layout, batch_size, cohort_size)) * cohort_size / _timed_clients(cohort_size)
 
 
 def _key(model: Model, batch_size: int, cohort_size: int, dtype: str) -> str:
@@ -132,10 +157,16 @@ def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, 
     known = _read(path).get(key)
     if known:
         return ConvChoice(known["impl"], known["layout"], known["seconds"], "cached")
+    pairs = candidates(jax.default_backend())
+    models = {impl: model if impl == "lax" else build(impl) for impl in dict(pairs)}
+    variables = jax.jit(model.init_variables)(jax.random.key(0))
+    # XLA compiles outside the GIL: compile every candidate at once, then time them one after another
+    with concurrent.futures.ThreadPoolExecutor(min(len(pairs), os.cpu_count() or 1)) as pool:
+        ready = list(pool.map(lambda p: prepare(models[p[0]], p[1], batch_size, cohort_size, variables), pairs))
+    scale = cohort_size / _timed_clients(cohort_size)
     seconds = {}
-    for impl, layout in candidates(jax.default_backend()):
-        seconds[f"{impl}/{layout}"] = time_candidate(model if impl == "lax" else build(impl), layout, batch_size,
-                                                     cohort_size)
+    for (impl, layout), fn in zip(pairs, ready):
+        seconds[f"{impl}/{layout}"] = _best(fn, beaten_by=min(seconds.values(), default=float("inf"))) * scale
     impl, layout = min(seconds, key=seconds.get).split("/")
     if path is not None:
         try:

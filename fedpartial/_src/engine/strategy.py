@@ -153,11 +153,12 @@ def default_strategy(platform: str | None = None, model: Model | None = None, la
       the choice on CPU today.
 
     ``layout``: the cohort layout ``--conv-impl auto`` measured fastest for this model's lowering
-    (:mod:`fedpartial._src.engine.conv_choice`): ``"vmap"`` runs the fused round, ``"loop"`` one client at a time,
-    whatever the platform (with im2col on CPU, the fused round of the 8x8 digits CNN beat the loop).
+    (:mod:`fedpartial._src.engine.conv_choice`): ``"vmap"`` runs the fused round, ``"map"`` the fused round
+    one client at a time (``fused:1``, a loop inside the program), ``"loop"`` a host loop of one client at a
+    time, whatever the platform (with im2col on CPU, the fused round of the 8x8 digits CNN beat the loop).
     """
     if layout is not None:
-        return fused(None) if layout == "vmap" else stepwise(1)
+        return {"vmap": fused(None), "map": fused(1)}.get(layout, stepwise(1))
     platform = platform or jax.default_backend()
     del model  # measured: the same choice for conv and dense-only models on both platforms
     return stepwise(1) if platform == "cpu" else fused(None)
@@ -199,8 +200,8 @@ def parse_strategy(text: str, model: Model | None = None, layout: str | None = N
     Args:
       text: the ``--strategy`` value.
       model: the run's model, for ``auto`` (None: decided for the platform alone).
-      layout: how ``--conv-impl auto`` measured the cohort's convolutions best laid out (``vmap`` or
-        ``loop``), for ``auto``; None: the platform's rule.
+      layout: how ``--conv-impl auto`` measured the cohort's convolutions best laid out (``vmap``, ``map``
+        or ``loop``), for ``auto``; None: the platform's rule.
 
     Returns:
       The :class:`~fedpartial.Strategy`.

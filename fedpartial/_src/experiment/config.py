@@ -191,7 +191,7 @@ class RunConfig:
     conv_impl: str = setting("auto", section="execution",
                              help="how convolutions are lowered: auto (the fastest lowering and cohort layout, timed "
                                   "once per model, batch and cohort on this machine and kept in the cache folder), "
-                                  "lax, im2col or hybrid (docs/models.md)")
+                                  "lax, im2col, hybrid or mapped (docs/models.md)")
     compute_dtype: str = setting("float32", section="execution",
                                  help="dtype of training's forward/backward pass: float32 or bfloat16 (parameters, "
                                       "optimizer state, aggregation and evaluation stay float32)")
