@@ -12,6 +12,10 @@ result (within float32 rounding) do not change:
 * ``"hybrid"`` — ``lax`` for one client; under ``vmap`` (a cohort) im2col's batched matrix product where each
   client has its own weights, and one ordinary convolution over all clients' examples where they share them
   (``jax.custom_batching.custom_vmap``, inside a ``jax.custom_vjp`` so the gradient is batched the same way).
+* ``"mapped"`` — ``lax`` for one client, with its two gradients written as ordinary channels-last convolutions
+  (inside a loop — ``lax.scan`` over local steps, ``lax.map`` over clients — XLA:CPU runs autodiff's own
+  15-40x slower); under ``vmap`` with per-client weights a ``lax.map`` loop over the clients, so the fused
+  round one client at a time (``fused:1``) runs each client's convolutions as the plain loop does.
 
 :data:`CONV_IMPLS` names them; ``auto`` (:mod:`fedpartial._src.engine.conv_choice`) times them.  A user's Flax
 model takes one argument: ``nn.Conv(32, (5, 5), conv_general_dilated=fedpartial.models.conv_lowering("im2col"))``.
@@ -124,47 +128,11 @@ def im2col_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilati
     return _im2col(lhs, rhs, spec, precision, preferred_element_type)
 
 
-# ---- hybrid: lax for one client, im2col's batched GEMM across a cohort ------------------------------------
+# ---- hybrid and mapped: lax for one client, their own way across a cohort ----------------------------------
 
 
 def _broadcast(a, batched: bool, size: int):
     return a if batched else jnp.broadcast_to(a, (size, *a.shape))
-
-
-@functools.lru_cache(maxsize=None)
-def _hybrid_parts(spec, precision) -> tuple[Callable, Callable]:
-    """The forward and backward convolutions of one static ``spec``, each with its own batching rule."""
-
-    @jax.custom_batching.custom_vmap
-    def forward(x, w):
-        return _lax(x, w, spec, precision)
-
-    @forward.def_vmap
-    def _(axis_size, in_batched, x, w):
-        xb, wb = in_batched
-        if not wb:  # shared weights: the clients' examples are one batch of an ordinary conv
-            x = _broadcast(x, xb, axis_size)
-            y = _lax(x.reshape((-1, *x.shape[2:])), w, spec, precision)
-            return y.reshape((axis_size, x.shape[1], *y.shape[1:])), True
-        x = _broadcast(x, xb, axis_size)
-        return jax.vmap(lambda a, b: _im2col(a, b, spec, precision))(x, w), True
-
-    @jax.custom_batching.custom_vmap
-    def backward(x, w, g):
-        return jax.vjp(lambda a, b: _lax(a, b, spec, precision), x, w)[1](g)
-
-    @backward.def_vmap
-    def _(axis_size, in_batched, x, w, g):
-        x, w, g = (_broadcast(a, b, axis_size) for a, b in zip((x, w, g), in_batched))
-        one = lambda a, b, c: jax.vjp(lambda u, v: _im2col(u, v, spec, precision), a, b)[1](c)  # noqa: E731
-        return jax.vmap(one)(x, w, g), (True, True)
-
-    @jax.custom_vjp
-    def conv(x, w):
-        return forward(x, w)
-
-    conv.defvjp(lambda x, w: (forward(x, w), (x, w)), lambda res, g: backward(*res, g))
-    return conv, forward
 
 
 def _conv_grads(x, w, g, spec, precision=None):
@@ -197,22 +165,16 @@ def _conv_grads(x, w, g, spec, precision=None):
     return gx.astype(x.dtype), jnp.moveaxis(gw, 0, -2).astype(w.dtype)
 
 
-def hybrid_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-                feature_group_count=1, batch_group_count=1, precision=None, preferred_element_type=None):
-    """``lax.conv_general_dilated`` for one client; under ``vmap``, im2col's batched GEMM (same signature)."""
-    spec, fallback = _conv_args(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-                                feature_group_count, batch_group_count, precision, preferred_element_type)
-    if spec is None or preferred_element_type is not None:
-        return fallback()
-    return _hybrid_parts(spec, precision)[0](lhs, rhs)
-
-
-# ---- mapped: lax per client, a loop over the clients of a cohort ------------------------------------------
+#: how ``hybrid`` and ``mapped`` differ: one client's gradients, and the forward and backward across clients
+#: with per-client weights (``vmap`` of im2col: a batched GEMM; ``lax.map`` of the one-client function: a loop)
+_ACROSS = {"hybrid": "im2col", "mapped": "loop"}
 
 
 @functools.lru_cache(maxsize=None)
-def _mapped_parts(spec, precision) -> Callable:
-    """The convolution of one static ``spec``: lax's, gradients as ordinary convolutions, clients in a loop."""
+def _custom_conv(kind: str, spec, precision) -> Callable:
+    """The convolution of one static ``spec``: lax's for one client, with batching rules for forward and
+    backward (``jax.custom_batching.custom_vmap`` inside a ``jax.custom_vjp``, whose reverse mode it lacks)."""
+    looped = _ACROSS[kind] == "loop"
 
     @jax.custom_batching.custom_vmap
     def forward(x, w):
@@ -225,16 +187,23 @@ def _mapped_parts(spec, precision) -> Callable:
         if not wb:  # shared weights: the clients' examples are one batch of an ordinary conv
             y = forward(x.reshape((-1, *x.shape[2:])), w)
             return y.reshape((axis_size, x.shape[1], *y.shape[1:])), True
-        return lax.map(lambda a: forward(*a), (x, w)), True  # the body calls `forward`: nested vmaps map again
+        if looped:  # the body calls `forward`: nested vmaps (replicas of cohorts) loop again
+            return lax.map(lambda a: forward(*a), (x, w)), True
+        return jax.vmap(lambda a, b: _im2col(a, b, spec, precision))(x, w), True
 
     @jax.custom_batching.custom_vmap
     def backward(x, w, g):
-        return _conv_grads(x, w, g, spec, precision)
+        if looped:
+            return _conv_grads(x, w, g, spec, precision)
+        return jax.vjp(lambda a, b: _lax(a, b, spec, precision), x, w)[1](g)
 
     @backward.def_vmap
     def _(axis_size, in_batched, x, w, g):
         x, w, g = (_broadcast(a, b, axis_size) for a, b in zip((x, w, g), in_batched))
-        return lax.map(lambda a: backward(*a), (x, w, g)), (True, True)
+        if looped:
+            return lax.map(lambda a: backward(*a), (x, w, g)), (True, True)
+        one = lambda a, b, c: jax.vjp(lambda u, v: _im2col(u, v, spec, precision), a, b)[1](c)  # noqa: E731
+        return jax.vmap(one)(x, w, g), (True, True)
 
     @jax.custom_vjp
     def conv(x, w):
@@ -244,14 +213,25 @@ def _mapped_parts(spec, precision) -> Callable:
     return conv
 
 
-def mapped_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-                feature_group_count=1, batch_group_count=1, precision=None, preferred_element_type=None):
-    """``lax.conv_general_dilated`` for one client; under ``vmap``, a loop over the clients (same signature)."""
-    spec, fallback = _conv_args(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-                                feature_group_count, batch_group_count, precision, preferred_element_type)
-    if spec is None or preferred_element_type is not None:
-        return fallback()
-    return _mapped_parts(spec, precision)(lhs, rhs)
+def _custom_lowering(kind: str, doc: str) -> Callable:
+    def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+             feature_group_count=1, batch_group_count=1, precision=None, preferred_element_type=None):
+        spec, fallback = _conv_args(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                    dimension_numbers, feature_group_count, batch_group_count, precision,
+                                    preferred_element_type)
+        if spec is None or preferred_element_type is not None:
+            return fallback()
+        return _custom_conv(kind, spec, precision)(lhs, rhs)
+
+    conv.__name__ = conv.__qualname__ = f"{kind}_conv"
+    conv.__doc__ = doc
+    return conv
+
+
+hybrid_conv = _custom_lowering("hybrid", "``lax.conv_general_dilated`` for one client; under ``vmap``, im2col's "
+                                         "batched GEMM (same signature).")
+mapped_conv = _custom_lowering("mapped", "``lax.conv_general_dilated`` for one client, its gradients as ordinary "
+                                         "convolutions; under ``vmap``, a loop over the clients (same signature).")
 
 
 _LOWERINGS: dict[str, Any] = {"lax": None, "im2col": im2col_conv, "hybrid": hybrid_conv, "mapped": mapped_conv}
