@@ -19,6 +19,7 @@ from fedpartial._src.experiment import checkpoint
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
 from fedpartial._src.experiment.availability import Availability
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.runs import run
 
@@ -191,6 +192,22 @@ def test_a_pool_that_does_not_fit_is_refused_before_it_is_built(compiled, monkey
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: (room, "test memory"))
     with pytest.raises(ConfigError, match=r"--concurrency 4 keeps .* of in-flight updates.*lower --concurrency"):
         AsyncSimulation(RunConfig(**ASYNC))
+
+
+def test_a_pool_that_cannot_fit_is_refused_from_the_config_before_the_data_is_loaded(monkeypatch):
+    """The preflight sizes the pool from the config alone (the model's registry entry on the dataset's example
+    shape): with room for less than the pool, the run is refused in one sentence naming --concurrency before any
+    data is loaded; with room for it, the preflight passes."""
+    config = RunConfig(**{**ASYNC, "dataset": "digits", "max_samples": None, "model": "cnn2c1f", "concurrency": 1000,
+                          "num_clients": 1000})
+    pool = 1000 * 2 * 4 * 52_610  # float32 cnn2c1f on 8x8 with two classes: a lower bound of the pool
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (pool, "test memory"))
+    monkeypatch.setattr(Simulation, "_load_dataset", lambda *a: pytest.fail("the data was loaded"))
+    with pytest.raises(ConfigError, match=r"^--concurrency 1000 keeps at least 401 MiB of in-flight updates .*"
+                                          r"more than the 401 MiB available \(test memory\); lower --concurrency\.$"):
+        AsyncSimulation(config)
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (2 * pool, "test memory"))
+    preflight(config)
 
 
 @pytest.mark.parametrize("changes, message", [
