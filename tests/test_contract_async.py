@@ -39,17 +39,21 @@ TOP_N = {"fedldf", "random", "hdfl"}
 #: options at this size: ``--n`` at most the buffer (one uploader per layer, so a wrong count shows); tiers with
 #: one strong client of eight, so that a server step of two narrow updates leaves elements to nobody
 OPTIONS = {**{name: {"n": 1} for name in TOP_N},
-           **{name: {"tier_mix": (1, 1, 6)} for name in ("heterofl", "fedrolex", "embracingfl")}}
+           **{name: {"tier_mix": (1, 1, 6)} for name in ("heterofl", "fedrolex", "embracingfl", "depthfl")}}
 #: one method of each family also runs under DP-FedAvg (clipping, noise per server step, ε per server step); its
 #: noise reaches every element, uploaded or not, so the freezing check is its siblings'
-WITH_DP = {"fedprox", "hdfl", "feddrop", "fedpart", "fedrolex"}
+WITH_DP = {"fedprox", "hdfl", "feddrop", "fedpart", "fedrolex", "lgfedavg"}
 #: methods whose masks leave some element to nobody at this size (the freezing check must bite)
-FREEZES = {"fiarse", "fedspu", "fjord", "hermes", "fedmp", "prunefl", "heterofl", "embracingfl"}
+FREEZES = {"fiarse", "fedspu", "fjord", "hermes", "fedmp", "prunefl", "heterofl", "embracingfl", "fedadp",
+           "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "depthfl"}
+#: a model other than the MLP where the method needs one (FedBN: BatchNorm layers to keep personal)
+MODELS = {"fedbn": "resnet20"}
 #: the default run covers one method of each family (with DP on the top-n one); the rest of each family runs
 #: with ``-m slow`` (a newly marked method is in neither list: it runs by default)
 FAMILY_OF = {"fedprox": "fedavg", "fedldf": "hdfl", "random": "hdfl", "feddrop": "fedspu", "fjord": "fedspu",
-             "hermes": "fedspu", "fedmp": "fedspu", "prunefl": "fedspu", "fedpart": "fiarse",
-             "fedrolex": "heterofl", "embracingfl": "heterofl"}
+             "hermes": "fedspu", "fedmp": "fedspu", "prunefl": "fedspu", "fedselect": "fedspu", "fedpart": "fiarse",
+             "fedadp": "fiarse", "fedrolex": "heterofl", "embracingfl": "heterofl", "depthfl": "heterofl",
+             "lgfedavg": "fedper", "fedrep": "fedper", "fedbn": "fedper", "fedbabu": "fedper"}
 BASE = dict(dataset="digits", model="mlp", num_clients=8, cohort_size=2, mode="async", concurrency=4, buffer=2,
             rounds=3, local_steps=2, batch_size=8, eval_every=3, out_dir=None, compute_speed="lognormal:1e9:1.0",
             weight_decay=0.01, server_optimizer="adam", server_lr=0.01, record_decisions=True)
@@ -61,7 +65,8 @@ NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in FAMILY_OF else n for n 
 
 def config(name, **changes):
     dp = dict(dp_clip=1.0, dp_noise_multiplier=1.0) if name in WITH_DP else {}
-    return RunConfig(**{**BASE, **dp, **changes}, method=name, options=OPTIONS.get(name, {}))
+    return RunConfig(**{**BASE, "model": MODELS.get(name, "mlp"), **dp, **changes}, method=name,
+                     options=OPTIONS.get(name, {}))
 
 
 def steps(sim):
