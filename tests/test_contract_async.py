@@ -12,8 +12,13 @@ its masks that can fail:
 
 * dense (FedAvg, FedProx): every element is received at every step (nothing is frozen by accident);
 * per-layer top-n (FedLDF, Random, HDFL, ``--n 1``): each layer is uploaded by exactly ``n`` arrived clients;
-* everything else (masks, submodels, tiers): an element no arrived update carries keeps its value bit for bit under
-  Adam, and at this size some element is frozen (so the check is not vacuous).
+* everything else (masks, submodels, personal layers, tiers): an element no arrived update carries keeps its value
+  bit for bit under Adam, and at this size some element is frozen (so the check is not vacuous; FedSelect's
+  personal part grows from nothing, so it freezes nothing in three steps), except under DP, whose noise reaches
+  every element.
+
+One method of each family runs by default (FedAvg, HDFL with DP, FedSPU, FedPer, HeteroFL); the others with
+``-m slow`` (FedBN on ResNet-20, which has the BatchNorm it keeps personal, takes a minute).
 
 The synchronous contract of the same methods is tests/test_contract.py; the equivalences with the synchronous run
 and by hand are tests/engine/test_asynchronous.py and tests/experiment/test_asynchronous.py.
@@ -48,12 +53,13 @@ FREEZES = {"fiarse", "fedspu", "fjord", "hermes", "fedmp", "prunefl", "heterofl"
            "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "depthfl"}
 #: a model other than the MLP where the method needs one (FedBN: BatchNorm layers to keep personal)
 MODELS = {"fedbn": "resnet20"}
-#: the default run covers one method of each family (with DP on the top-n one); the rest of each family runs
-#: with ``-m slow`` (a newly marked method is in neither list: it runs by default)
+#: the default run covers one method of each family (with DP on the top-n one; the methods that choose which
+#: elements a client trains or uploads, personal or not, are one family here: their check is the same); the rest
+#: of each family runs with ``-m slow`` (a newly marked method is in neither list: it runs by default)
 FAMILY_OF = {"fedprox": "fedavg", "fedldf": "hdfl", "random": "hdfl", "feddrop": "fedspu", "fjord": "fedspu",
-             "hermes": "fedspu", "fedmp": "fedspu", "prunefl": "fedspu", "fedselect": "fedspu", "fedpart": "fiarse",
-             "fedadp": "fiarse", "fedrolex": "heterofl", "embracingfl": "heterofl", "depthfl": "heterofl",
-             "lgfedavg": "fedper", "fedrep": "fedper", "fedbn": "fedper", "fedbabu": "fedper"}
+             "hermes": "fedspu", "fedmp": "fedspu", "prunefl": "fedspu", "fedselect": "fedspu", "fedpart": "fedspu",
+             "fiarse": "fedspu", "fedadp": "fedspu", "fedrolex": "heterofl", "embracingfl": "heterofl",
+             "depthfl": "heterofl", "lgfedavg": "fedper", "fedrep": "fedper", "fedbn": "fedper", "fedbabu": "fedper"}
 BASE = dict(dataset="digits", model="mlp", num_clients=8, cohort_size=2, mode="async", concurrency=4, buffer=2,
             rounds=3, local_steps=2, batch_size=8, eval_every=3, out_dir=None, compute_speed="lognormal:1e9:1.0",
             weight_decay=0.01, server_optimizer="adam", server_lr=0.01, record_decisions=True)
