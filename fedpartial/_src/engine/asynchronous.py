@@ -26,12 +26,19 @@ The host loop (the simulated clock, who is dispatched, records) is
 
 **Which methods** (:func:`async_refusal`): a method runs asynchronously when its capabilities say
 ``asynchronous`` (its hooks after training are defined on any set of updates, each of one client): FedAvg,
-FedProx, FedLDF and its baselines (their top-n over the buffer), FedPart, FIARSE, the FedSPU/FedDrop family,
-HeteroFL/FedRolex/EmbracingFL tiers (a client's tier travels with its plan; per-tier loss metrics are by row
-and mean nothing in a buffer), and DP-FedAvg around any of these (noise per server step).  Refused: methods
-with a server correction (FedNova's normaliser and FedDyn's h are defined over the synchronous cohort), with
-SCAFFOLD-style control variates or learned weights over the cohort (SCAFFOLD, FedDH/FedDHE, FedAD), with
-held-out data, and personalised methods whose ``update`` reads the cohort as a whole (Ditto, MOON, FedBABU).
+FedProx, FedLDF and its baselines (their top-n over the buffer), FedADP (each client's top neurons of its
+staleness-weighted update), FedPart, FIARSE, the FedSPU/FedDrop family and FedSelect, the personal-layer methods
+(FedPer, LG-FedAvg, FedRep, FedBN) and FedBABU, HeteroFL/FedRolex/EmbracingFL width tiers and DepthFL depth tiers
+(a client's tier travels with its plan; per-tier loss metrics are by row and mean nothing in a buffer), and
+DP-FedAvg around any of these (noise per server step).  A personal part arrives like the rest of the update:
+``start(x) + s(τ)·(θ − start)``, and since a client is in flight at most once its own rows have not moved since its
+dispatch, so that is its trained personal part with the update scaled by ``s(τ)``.  Refused: methods with a
+server correction (FedNova's normaliser, FedDyn's h, FedDST's regrowth, InclusiveFL's transfer are defined over
+the synchronous cohort), with SCAFFOLD-style control variates or learned weights over the cohort (SCAFFOLD,
+FedDH/FedDHE, FedAD, AFD), with held-out data, Ditto (its ``update`` trains the personal models on the cohort's
+data, which arrived updates do not carry) and MOON (its ``update`` keeps each client's last local model, but an
+arrived update reaches the hooks as the staleness-weighted model on the current global one, not the model the
+client trained).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ MIN_BYTES_PER_CLIENT = 64
 
 def preflight(config: RunConfig) -> None:
     """Refuses, in one sentence, a run this machine cannot hold: a population or synthetic data beyond its host
-    memory, more ``--devices`` than it has, an ``--out`` it cannot write.  ``config`` must be validated first."""
+    memory, more ``--devices`` than it has, an ``--out`` it cannot write, an asynchronous run's pool of in-flight
+    updates beyond the device's memory.  ``config`` must be validated first."""
     ram = memory.host_available()
     need = config.num_clients * MIN_BYTES_PER_CLIENT
     if ram is not None and need > ram:
@@ -40,6 +41,35 @@ def preflight(config: RunConfig) -> None:
                               f"number of local {jax.default_backend()} devices.")
     if config.out_dir is not None:
         check_writable_dir(config.out_dir, "--out", "a directory to write run folders in")
+    if config.mode == "async":
+        check_pool_fits(config)
+
+
+def check_pool_fits(config: RunConfig) -> None:
+    """An asynchronous run whose pool of in-flight updates alone (two copies of the model per client in flight)
+    would not fit on the device is refused before any data is loaded.  The model's size comes from the config:
+    its registry entry on the dataset's known example shape, with two classes (a lower bound; a dataset of no
+    fixed shape is left to the full estimate, which :class:`~fedpartial.AsyncSimulation` checks with the round
+    beside the pool once the data is loaded)."""
+    from fedpartial._src.engine.asynchronous import pool_bytes
+    from fedpartial._src.experiment.config_checks import DATASET_SHAPES, DEFAULT_MODELS
+    from fedpartial._src.models import registry
+    from fedpartial._src.models.adapter import from_linen
+
+    shape = DATASET_SHAPES.get(config.dataset)
+    if shape is None:
+        return
+    name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+    spec = registry.MODELS[name]
+    model = from_linen(spec.factory(2, shape), input_shape=shape, num_classes=2, sequential=spec.sequential,
+                       name=name)
+    need = pool_bytes(jax.eval_shape(model.init_variables, jax.random.key(0)), config.async_concurrency)
+    available, where = memory.available_bytes()
+    if available is not None and need > memory.HEADROOM * available:
+        raise ConfigError(
+            f"--concurrency {config.async_concurrency} keeps at least {memory.gib(need)} of in-flight updates (two "
+            f"copies of the model for each client in flight), more than the {memory.gib(available)} available "
+            f"({where}); lower --concurrency.")
 
 
 def check_synthetic_fits(config: RunConfig, ram: int) -> None:

@@ -215,7 +215,7 @@ def fedadp(fraction: float = 0.2) -> Method:
             extra_upload_bytes=jnp.full((k,), extra, jnp.int32),
         )
 
-    return make_method("fedadp", select=select)
+    return make_method("fedadp", select=select, capabilities=Capabilities(asynchronous=True))
 
 
 N_OPTION = Option("n", int, 4, "FedLDF / Random / HDFL: clients uploading each layer per round", positive_int)

@@ -47,7 +47,7 @@ def fedbabu(head_layers: int = 1, finetune_epochs: float = 5) -> Method:
         return ClientPlan(train=body, download=body)  # uploads what it trained: the body
 
     return make_method("fedbabu", init=init, plan=plan, capabilities=Capabilities(
-        personalised=True, finetune_epochs=finetune_epochs, streamable="per_client"))
+        personalised=True, finetune_epochs=finetune_epochs, streamable="per_client", asynchronous=True))
 
 
 FINETUNE_EPOCHS_OPTION = Option("finetune_epochs", float, 5,

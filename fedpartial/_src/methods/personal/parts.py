@@ -118,4 +118,5 @@ def personal_parts(name: str, shared_of: SharedOf) -> Method:
         return PersonalModels(variables=jax.tree.map(leaf, take, global_vars, state.clients))
 
     return make_method(name, init=init, plan=plan, client_start=client_start, select=select, update=update,
-                       personal=personal, capabilities=Capabilities(personalised=True, host_client_state=True))
+                       personal=personal, capabilities=Capabilities(personalised=True, host_client_state=True,
+                                                                         asynchronous=True))

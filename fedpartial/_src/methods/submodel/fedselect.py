@@ -119,7 +119,8 @@ def fedselect(start: float = 0.25, end: float = 0.5) -> Method:
 
     return make_method("fedselect", init=init, plan=plan, client_start=client_start, select=select,
                        update=update, personal=personal,
-                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True))
+                       capabilities=Capabilities(personalised=True, neuron_masks=True, host_client_state=True,
+                                                 asynchronous=True))
 
 
 SPEC = MethodSpec("fedselect", fedselect, "A growing personal part: each client keeps its most-changed neurons.", (

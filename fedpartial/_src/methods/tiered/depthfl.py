@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fedpartial._src.core.losses import exit_cross_entropies, mutual_distillation
-from fedpartial._src.core.types import LocalStep, LossAux, MethodContext
+from fedpartial._src.core.types import Capabilities, LocalStep, LossAux, MethodContext
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.methods.registry import MethodSpec, Option, above, at_least, check_values
 from fedpartial._src.methods.tiered.depth import DEPTHS_OPTION, depth_hooks
@@ -63,7 +63,7 @@ def depthfl(tier_mix=None, capacity_case: int | None = None, depths=None, distil
         return value, LossAux(loss=jnp.mean(ce), batch_stats=stats)
 
     hooks = depth_hooks("depthfl", tier_mix, capacity_case, depths, own_exit_only=False, output="mean")
-    return make_method("depthfl", objective=objective, **hooks)
+    return make_method("depthfl", objective=objective, capabilities=Capabilities(asynchronous=True), **hooks)
 
 
 SPEC = MethodSpec(
