@@ -121,6 +121,19 @@ def test_provenance_says_what_a_file_does_not_record():
     assert render_docs.device_of("gather-cpu.json", bare) == "not recorded in the file (its name says CPU)"
     assert render_docs.date_of("gather-cpu.json", bare) == "not recorded"
     assert render_docs.date_of("seeds-cpu-2026-11-23.json", bare) == "2026-11-23 (from the file name)"
+    committed = {**bare, "committed": "2026-11-22"}
+    assert render_docs.date_of("gather-cpu.json", committed) == "run by 2026-11-22 (commit date)"
+    assert render_docs.date_of("x.json", {**committed, "time": "2026-11-28T18:00:00+00:00"}) == "2026-11-28"
+
+
+def test_every_result_file_says_when_it_was_made():
+    """A result file records its run's date (or its name does), or the day it was committed."""
+    undated = [name for name, d in render_docs.load_results().items()
+               if render_docs.date_of(name, d) == "not recorded"]
+    assert not undated, undated
+
+
+def test_the_provenance_of_a_result_file():
     assert render_docs.command_of("x.json", {"benchmark": "scale"}) == (
         "not recorded (written by `python -m benchmarks.scale`)")
     recorded = {"benchmark": "data_placement", "time": "2026-11-24T01:57:59+00:00", "argv": ["--cases", "synthetic"],
