@@ -41,7 +41,7 @@ SCRIPTS = {
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
     "conv_probe": "python -m benchmarks.conv_probe", "conv_lowering": "python -m benchmarks.conv_lowering",
-    "personalised": "python -m benchmarks.personalised",
+    "personalised": "python -m benchmarks.personalised", "privacy": "python -m benchmarks.privacy",
     "tiers": "python -m benchmarks.tiers", "drift": "python -m benchmarks.drift",
     "async": "python -m benchmarks.async", "async_machinery": "python -m benchmarks.async --machinery",
 }
@@ -107,7 +107,7 @@ FLAG_SOURCES = {
     "seeds": "benchmarks/seeds.py", "stream_conv": "benchmarks/stream_conv.py", "gather": "benchmarks/gather.py",
     "replica_memory": "benchmarks/replica_memory.py", "fedldf": "benchmarks/fedldf.py",
     "fedspu": "benchmarks/fedspu.py", "embracingfl": "benchmarks/embracingfl.py", "feddh": "benchmarks/feddh.py",
-    "feddhad": "benchmarks/feddh.py",
+    "feddhad": "benchmarks/feddh.py", "privacy": "benchmarks/privacy.py",
 }
 NOT_REBUILT = ("--out", "--worker", "--params-out", "--tag", "--merge", "--data-dir")
 
