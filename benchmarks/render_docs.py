@@ -41,7 +41,7 @@ SCRIPTS = {
     "embracingfl": "python -m benchmarks.embracingfl", "feddh": "python -m benchmarks.feddh",
     "feddhad": "python -m benchmarks.feddhad", "deadlines": "python -m benchmarks.deadlines",
     "conv_probe": "python -m benchmarks.conv_probe", "conv_lowering": "python -m benchmarks.conv_lowering",
-    "personalised": "python -m benchmarks.personalised",
+    "personalised": "python -m benchmarks.personalised", "privacy": "python -m benchmarks.privacy",
     "tiers": "python -m benchmarks.tiers", "drift": "python -m benchmarks.drift",
     "async": "python -m benchmarks.async", "async_machinery": "python -m benchmarks.async --machinery",
 }
@@ -88,12 +88,16 @@ def device_of(name: str, d: dict) -> str:
 
 
 def date_of(name: str, d: dict) -> str:
+    """The day the file's run was made: as the file recorded it, else as its name says, else no later than the
+    day the file was committed (``committed``, written once into files that predate ``time``), else unknown."""
     for value in (d.get("date"), d.get("time"), (d.get("environment") or {}).get("time")):
         if isinstance(value, str) and value:
             return value[:10]
     match = re.search(r"(\d{4})-?(\d{2})-?(\d{2})", name)
     if match:
         return "{}-{}-{} (from the file name)".format(*match.groups())
+    if isinstance(d.get("committed"), str):
+        return f"run by {d['committed']} (commit date)"
     return "not recorded"
 
 
@@ -103,7 +107,7 @@ FLAG_SOURCES = {
     "seeds": "benchmarks/seeds.py", "stream_conv": "benchmarks/stream_conv.py", "gather": "benchmarks/gather.py",
     "replica_memory": "benchmarks/replica_memory.py", "fedldf": "benchmarks/fedldf.py",
     "fedspu": "benchmarks/fedspu.py", "embracingfl": "benchmarks/embracingfl.py", "feddh": "benchmarks/feddh.py",
-    "feddhad": "benchmarks/feddh.py",
+    "feddhad": "benchmarks/feddh.py", "privacy": "benchmarks/privacy.py",
 }
 NOT_REBUILT = ("--out", "--worker", "--params-out", "--tag", "--merge", "--data-dir")
 
@@ -718,7 +722,8 @@ def render_page(results: dict[str, dict]) -> str:
              "`python -m benchmarks.render_docs`; `tests/test_docs.py` fails when this page differs from what the "
              "script renders. Each table names its file, the device, the date and the command, as far as the file "
              "records them (where a file did not record its command line, the page says so, and rebuilds the command "
-             "from the settings the file did record when it can). Times on the shared "
+             "from the settings the file did record when it can; where it did not record its date, the page gives "
+             "the day the file was committed, which the run was on or before). Times on the shared "
              "2-core CPU are noisy; compare ratios measured in the same file, not seconds across files.", "",
              "To measure: every script in `benchmarks/` runs as `python -m benchmarks.<name>` (each section "
              "below names its own) and writes a JSON naming its device to `benchmarks/results/`; then run "

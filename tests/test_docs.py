@@ -121,6 +121,19 @@ def test_provenance_says_what_a_file_does_not_record():
     assert render_docs.device_of("gather-cpu.json", bare) == "not recorded in the file (its name says CPU)"
     assert render_docs.date_of("gather-cpu.json", bare) == "not recorded"
     assert render_docs.date_of("seeds-cpu-2026-11-23.json", bare) == "2026-11-23 (from the file name)"
+    committed = {**bare, "committed": "2026-11-22"}
+    assert render_docs.date_of("gather-cpu.json", committed) == "run by 2026-11-22 (commit date)"
+    assert render_docs.date_of("x.json", {**committed, "time": "2026-11-28T18:00:00+00:00"}) == "2026-11-28"
+
+
+def test_every_result_file_says_when_it_was_made():
+    """A result file records its run's date (or its name does), or the day it was committed."""
+    undated = [name for name, d in render_docs.load_results().items()
+               if render_docs.date_of(name, d) == "not recorded"]
+    assert not undated, undated
+
+
+def test_the_provenance_of_a_result_file():
     assert render_docs.command_of("x.json", {"benchmark": "scale"}) == (
         "not recorded (written by `python -m benchmarks.scale`)")
     recorded = {"benchmark": "data_placement", "time": "2026-11-24T01:57:59+00:00", "argv": ["--cases", "synthetic"],
@@ -139,20 +152,36 @@ def test_an_unknown_generated_block_is_an_error():
         render_docs.fill_blocks("<!-- BEGIN generated: nope -->\nold\n<!-- END generated: nope -->\n", {})
 
 
-def method_table(path: pathlib.Path) -> set[str]:
-    """The `--method` names in the table that follows the page's methods-table marker."""
+def method_rows(path: pathlib.Path) -> list[str]:
+    """The body rows of the table that follows the page's methods-table marker."""
     text = path.read_text().split("<!-- methods-table", 1)[1]
     rows = []
     for line in text.splitlines()[1:]:
         if not line.startswith("|"):
             break
         rows.append(line)
-    return {m.group(1) for row in rows[2:] if (m := re.match(r"\| `([\w-]+)` \|", row))}
+    return rows[2:]
+
+
+def method_table(path: pathlib.Path) -> set[str]:
+    """The `--method` names in the table that follows the page's methods-table marker."""
+    return {m.group(1) for row in method_rows(path) if (m := re.match(r"\| `([\w-]+)` \|", row))}
 
 
 @pytest.mark.parametrize("rel", ["README.md", "docs/methods.md"])
 def test_the_method_table_names_every_registered_method(rel):
     assert method_table(ROOT / rel) == set(METHODS)
+
+
+@pytest.mark.parametrize("rel", ["README.md", "docs/methods.md"])
+def test_every_method_row_links_its_paper_or_says_why_not(rel):
+    """Each row's paper cell links a DOI, arXiv or OpenReview page, or says that no link was verified."""
+    rows = method_rows(ROOT / rel)
+    link = re.compile(r"\]\(https://(arxiv\.org/abs/\d{4}\.\d{4,5}|doi\.org/10\.\d{4,}/\S+"
+                      r"|openreview\.net/forum\?id=\w+)\)")
+    bare = [row.split(" | ")[0] for row in rows
+            if not link.search(row.split(" | ")[1]) and "no verified link" not in row.split(" | ")[1]]
+    assert rows and not bare, bare
 
 
 def test_the_readme_is_short_and_keeps_the_quick_start():
