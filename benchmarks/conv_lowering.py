@@ -123,7 +123,8 @@ def run_row(row: str, cfg: dict, peak: float, skip: set[str], save=lambda record
         for strategy in cfg["strategies"]:
             name = f"{impl}/{strategy}"
             if f"{row}:{impl}:{strategy}" in skip:
-                note(name, {"skipped": "minutes a round here (grouped convolutions); see SLOW"})
+                note(name, {"skipped": "minutes a round here (grouped convolutions); see SLOW"
+                            if f"{row}:{impl}:{strategy}" in SLOW else "not measured in this run (--skip)"})
                 continue
             try:
                 note(name, time_engine(model, strategy, packed, cfg, reference))
