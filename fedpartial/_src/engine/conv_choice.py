@@ -13,7 +13,7 @@ candidate is a lowering and a *layout*:
 ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is the fused round of today; on
 XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with the ``mapped`` lowering only: inside a
 loop XLA:CPU runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids.  The candidates are
-compiled at once in threads (XLA compiles outside the GIL), then each is run once and timed twice (the best
+compiled at once in threads (XLA compiles outside the GIL), then each is run twice, the first run timed too (the best
 counts); a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
 (on a CPU both layouts' time grows linearly with the clients; a GPU's vmapped step gains from more).  The choice is
 kept in ``conv-impl.json`` in the cache folder, keyed by backend, device, model, input shape, per-client batch,
@@ -80,7 +80,7 @@ def _step(model: Model):
     return step
 
 
-def _best(fn: Callable, repeats: int = 2, beaten_by: float = float("inf")) -> float:
+def _best(fn: Callable, repeats: int = 1, beaten_by: float = float("inf")) -> float:
     """The fastest of a warm-up and ``repeats`` timed runs of ``fn``; one run only when even the warm-up took
     over twice ``beaten_by`` (the best candidate so far), which it cannot then beat."""
     start = time.perf_counter()
