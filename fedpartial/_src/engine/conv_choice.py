@@ -11,10 +11,11 @@ candidate is a lowering and a *layout*:
   whole round one program, the clients a loop inside it).
 
 ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is the fused round of today; on
-XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with the ``mapped`` lowering only: inside a
-loop XLA:CPU runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids.  The candidates are
-compiled at once in threads (XLA compiles outside the GIL), then each is run twice, the first run timed too (the best
-counts); a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
+XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with ``mapped`` (inside a loop XLA:CPU
+runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids) and ``im2col`` (matrix products
+only).  The candidates are compiled at once in threads (XLA compiles outside the GIL), then each is run twice, the
+first run timed too (the best counts), and the first candidate is kept unless another is faster by over
+:data:`MARGIN`; a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
 (on a CPU both layouts' time grows linearly with the clients; a GPU's vmapped step gains from more).  The choice is
 kept in ``conv-impl.json`` in the cache folder, keyed by backend, device, model, input shape, per-client batch,
 cohort size, compute dtype and the JAX version, so it is measured once per setting.  The strategy chooser
