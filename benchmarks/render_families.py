@@ -157,17 +157,17 @@ def fedrolex_scaler(results: dict) -> list[str]:
         lines += [_source(name, d), "", f"The tiers benchmark's digits setting, {s['rounds']} rounds, one run per "
                   f"seed {s['seeds']}; {len(d['rows'])} runs in {d.get('total_time_s', 0) / 60:.1f} min of wall "
                   f"time. Weak loss: the weak tier's mean training loss over the last 10 rounds (ln 10 = 2.30 is a "
-                  f"constant guess). Dead: conv channels of the final global model whose ReLU output is zero on "
-                  f"every one of {s['images']} training images, per seed.", ""]
+                  f"constant guess) and the dead conv channels of the final global model (ReLU output zero on "
+                  f"every one of {s['images']} training images) are given per seed.", ""]
         body = []
         for (case, variant, method), rows in groups.items():
             acc = [r["test_accuracy"] for r in rows]
-            weak = sum(sum(r["weak_train_loss"][-10:]) / len(r["weak_train_loss"][-10:]) for r in rows) / len(rows)
+            weak = "; ".join(f"{sum(r['weak_train_loss'][-10:]) / len(r['weak_train_loss'][-10:]):.2f}" for r in rows)
             dead = ["; ".join(f"{len(r['dead'][layer])}/{r['units'][layer]}" for r in rows)
                     for layer in ("conv1", "conv2")]
             mean = sum(acc) / len(acc)
             std = (sum((a - mean) ** 2 for a in acc) / len(acc)) ** 0.5
-            body.append([case, variant, LABELS[method], f"{_pct(mean)} ± {_pct(std)}", f"{weak:.2f}", *dead])
+            body.append([case, variant, LABELS[method], f"{_pct(mean)} ± {_pct(std)}", weak, *dead])
         lines += _table(["case", "variant", "method", "final acc %", "weak loss", "dead conv1", "dead conv2"], body)
     return lines
 
