@@ -13,7 +13,7 @@ is zero on every one of the first 2,000 training images, so that no client's gra
 
 Usage::
 
-    python -m benchmarks.fedrolex_scaler [--cases 5] [--seeds 0,1] [--rounds 50] [--variants ...]
+    python -m benchmarks.fedrolex_scaler [--cases 5,10] [--seeds 0,1] [--rounds 50] [--variants ...]
         [--methods heterofl,fedrolex] [--out DIR] [--tag TAG] [--fresh]
 
 Writes ``<out>/fedrolex-scaler-<device>-digits[-TAG].json`` (device, date, command, git revision, rows) after every row
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.fedrolex_scaler", description=__doc__.splitlines()[0])
     p.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {', '.join(METHODS)}")
-    p.add_argument("--cases", default="5", help="EmbracingFL capacity cases (default 5)")
+    p.add_argument("--cases", default="5,10", help="EmbracingFL capacity cases (default 5,10)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--rounds", type=int, default=50, help="the tiers benchmark's 50 by default")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {', '.join(VARIANTS)}")

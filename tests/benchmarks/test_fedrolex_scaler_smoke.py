@@ -19,7 +19,8 @@ def test_a_channel_with_a_large_negative_bias_is_dead_and_the_others_are_not():
 
 
 def test_a_row_end_to_end(tmp_path):
-    argv = ["--rounds", "2", "--seeds", "0", "--variants", "no-scaler", "--methods", "fedrolex", "--out", str(tmp_path)]
+    argv = ["--cases", "5", "--rounds", "2", "--seeds", "0", "--variants", "no-scaler", "--methods", "fedrolex",
+            "--out", str(tmp_path)]
     assert fedrolex_scaler.main(argv) == 0
     (path,) = tmp_path.glob("fedrolex-scaler-*.json")
     (row,) = json.loads(path.read_text())["rows"]
