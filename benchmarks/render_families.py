@@ -31,13 +31,17 @@ def figures(results: dict) -> dict[pathlib.Path, pathlib.Path]:
     return out
 
 
-def _provenance(name: str, d: dict, figure_prefix: str) -> list[str]:
+def _source(name: str, d: dict) -> str:
     dev = d.get("device", {})
     kind = "CPU" if dev.get("platform") == "cpu" else dev.get("device_kind", "?")
     cores = f" ({dev['cpu_count']} cores)" if dev.get("platform") == "cpu" and dev.get("cpu_count") else ""
+    return (f"*Source:* `benchmarks/results/{name}` · device: {kind}{cores}, jax {dev.get('jax_version')} · date: "
+            f"{d.get('date', '?')[:10]} · revision: `{d.get('git_revision')}` · command: `{d.get('command')}`")
+
+
+def _provenance(name: str, d: dict, figure_prefix: str) -> list[str]:
     s = d["settings"]
-    lines = [f"*Source:* `benchmarks/results/{name}` · device: {kind}{cores}, jax {dev.get('jax_version')} · date: "
-             f"{d.get('date', '?')[:10]} · revision: `{d.get('git_revision')}` · command: `{d.get('command')}`", "",
+    lines = [_source(name, d), "",
              f"N = {s['clients']}, K = {s['cohort']}, {s['rounds']} rounds, seeds {s['seeds']} (run together as "
              f"replicas); {len(d['rows'])} rows measured in {d.get('total_time_s', 0) / 60:.1f} min of wall time "
              f"({d.get('total_cpu_s', 0) / 60:.1f} min of CPU time).", ""]
@@ -140,11 +144,41 @@ def drift(results: dict, figure_prefix: str = "../") -> list[str]:
     return lines
 
 
+def fedrolex_scaler(results: dict) -> list[str]:
+    """``benchmarks/fedrolex_scaler.py``: HeteroFL and FedRolex as the tiers benchmark runs them, without the
+    Scaler, and at a lower learning rate; accuracy, the weak tier's loss and the dead conv channels."""
+    from benchmarks.tiers import LABELS
+
+    lines = []
+    for name, d in _family(results, "fedrolex_scaler").items():
+        s, groups = d["settings"], {}
+        for r in d["rows"]:
+            groups.setdefault((r["case"], r["variant"], r["method"]), []).append(r)
+        lines += [_source(name, d), "", f"The tiers benchmark's digits setting, {s['rounds']} rounds, one run per "
+                  f"seed {s['seeds']}; {len(d['rows'])} runs in {d.get('total_time_s', 0) / 60:.1f} min of wall "
+                  f"time. Weak loss: the weak tier's mean training loss over the last 10 rounds (ln 10 = 2.30 is a "
+                  f"constant guess) and the dead conv channels of the final global model (ReLU output zero on "
+                  f"every one of {s['images']} training images) are given per seed.", ""]
+        body = []
+        for (case, variant, method), rows in groups.items():
+            acc = [r["test_accuracy"] for r in rows]
+            weak = "; ".join(f"{sum(r['weak_train_loss'][-10:]) / len(r['weak_train_loss'][-10:]):.2f}" for r in rows)
+            dead = ["; ".join(f"{len(r['dead'][layer])}/{r['units'][layer]}" for r in rows)
+                    for layer in ("conv1", "conv2")]
+            mean = sum(acc) / len(acc)
+            std = (sum((a - mean) ** 2 for a in acc) / len(acc)) ** 0.5
+            body.append([case, variant, LABELS[method], f"{_pct(mean)} ± {_pct(std)}", weak, *dead])
+        lines += _table(["case", "variant", "method", "final acc %", "weak loss", "dead conv1", "dead conv2"], body)
+    return lines
+
+
 def blocks(results: dict) -> dict[str, str]:
     """The generated blocks of ``docs/reproductions/families.md``."""
     commands = {"personalised": "python -m benchmarks.personalised", "tiers": "python -m benchmarks.tiers",
-                "drift": "python -m benchmarks.drift"}
+                "drift": "python -m benchmarks.drift", "fedrolex-scaler": "python -m benchmarks.fedrolex_scaler"}
+    sized = " (`--size cpu`, the default)"
     return {f"families-{f}": "\n".join(render(results)).rstrip()
-            or f"No result file yet: run `{commands[f]}` (`--size cpu`, the default) and then "
+            or f"No result file yet: run `{commands[f]}`{'' if f == 'fedrolex-scaler' else sized} and then "
                "`python -m benchmarks.render_docs`."
-            for f, render in (("personalised", personalised), ("tiers", tiers), ("drift", drift))}
+            for f, render in (("personalised", personalised), ("tiers", tiers), ("drift", drift),
+                              ("fedrolex-scaler", fedrolex_scaler))}

@@ -16,6 +16,7 @@ from fedpartial._src.engine.strategy import stepwise
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.personal.fedrep import head_steps as fedrep_head_steps
 from tests.conftest import make_cohort
 from tests.methods.test_heterofl import LR, MOMENTUM, SMALL, _narrow_grad, adapt, build, start
 
@@ -29,12 +30,20 @@ def cohorts():
                         client_ids=ids) for t, ids in enumerate(IDS)]
 
 
+def reference_head_steps(steps, body_fraction):
+    head = round(steps * (1 - body_fraction))  # Python's round: half to even, as the engine's
+    if steps >= 2 and 0 < body_fraction < 1:
+        head = min(max(head, 1), steps - 1)
+    return head
+
+
 def reference(global_params, data, personal_layers, body_fraction=None, weight_decay=0.0):
     """The method as a textbook writes it, one client at a time: start from the global shared layers and the
     client's own personal ones, train everything with momentum SGD (L2 ``weight_decay`` added to the gradient),
     average the shared layers (n_k weights).  ``body_fraction`` (FedRep): the first round((1 - f)·steps) real
-    steps train the personal layers only, the rest the shared ones only; a frozen layer is skipped, as PyTorch's
-    SGD skips a parameter with no gradient: neither its value nor its momentum moves."""
+    steps train the personal layers only, the rest the shared ones only, but with 2 or more steps each part gets
+    at least one; a frozen layer is skipped, as PyTorch's SGD skips a parameter with no gradient: neither its
+    value nor its momentum moves."""
     g = jax.tree.map(lambda a: np.array(a, np.float64), global_params)
     own = {i: jax.tree.map(np.copy, g) for i in range(N)}
     for c in data:
@@ -42,7 +51,7 @@ def reference(global_params, data, personal_layers, body_fraction=None, weight_d
         for k, i in enumerate(np.asarray(c.info.client_ids)):
             p = {name: (own[i] if name in personal_layers else g)[name] for name in LAYERS}
             velocity = jax.tree.map(np.zeros_like, p)
-            head_steps = None if body_fraction is None else np.round(d.step_mask[k].sum() * (1 - body_fraction))
+            head_steps = None if body_fraction is None else reference_head_steps(d.step_mask[k].sum(), body_fraction)
             for s in range(d.step_mask.shape[1]):
                 if not d.step_mask[k, s]:
                     continue
@@ -69,8 +78,9 @@ def reference(global_params, data, personal_layers, body_fraction=None, weight_d
     ("fedper", ("head",), {}, 0.0), ("lgfedavg", ("fc1", "fc2"), {}, 0.0),
     ("fedrep", ("head",), {"body_fraction": 0.5}, 0.0),  # 3 real steps: 2 head, 1 body; 2 real steps: 1 and 1
     # Weight decay with momentum: the body frozen in the head steps must not carry their decay into its momentum
-    # when the body steps unfreeze it (FedRep's Algorithm 1 takes plain steps on the body alone).
-    ("fedrep", ("head",), {"body_fraction": 0.5}, 0.05),
+    # when the body steps unfreeze it (FedRep's Algorithm 1 takes plain steps on the body alone).  At f = 0.1
+    # rounding alone would give the body no step; with 3 real steps it gets 1 (head 2), with 2 it gets 1 (head 1).
+    ("fedrep", ("head",), {"body_fraction": 0.1}, 0.05),
 ])
 def test_engine_matches_a_plain_python_reference(name, personal, options, weight_decay):
     model = adapt(SMALL, (4,))
@@ -118,6 +128,21 @@ def test_a_split_beyond_the_model_is_one_sentence():
         get_method("lgfedavg", head_layers=-1)
     with pytest.raises(UserError, match="--body-fraction = 1.5 must be a fraction of the local steps"):
         get_method("fedrep", body_fraction=1.5)
+
+
+@pytest.mark.parametrize("body_fraction, steps, head", [
+    # f = 0.1: round(0.9 s) head steps, kept between 1 and s - 1 from 2 steps on.
+    (0.1, [0, 1, 2, 3, 10, 20], [0, 1, 1, 2, 9, 18]),
+    (0.0, [0, 1, 2, 3, 10, 20], [0, 1, 2, 3, 10, 20]),  # head only
+    (1.0, [0, 1, 2, 3, 10, 20], [0, 0, 0, 0, 0, 0]),  # body only
+    (0.5, [1, 2, 3, 5], [0, 1, 2, 2]),  # half to even: round(0.5) = 0, round(1.5) = 2, round(2.5) = 2
+])
+def test_fedrep_splits_the_steps_so_both_parts_train(body_fraction, steps, head):
+    """Hand-computed: at the default f = 0.1, 1 step trains the head, 2 steps one each (rounding alone would
+    give the body none), 3 steps 2 + 1, 10 steps 9 + 1, 20 steps 18 + 2; f = 0 and 1 are exact."""
+    got = fedrep_head_steps(jnp.asarray(steps, jnp.int32), body_fraction)
+    np.testing.assert_array_equal(got, head)
+    assert [reference_head_steps(s, body_fraction) for s in steps] == head
 
 
 def test_fedrep_with_no_body_steps_never_moves_the_shared_body():

@@ -34,7 +34,12 @@ Choices where the papers are vague:
 * The Scaler sits after every hidden Conv/Dense (ResNet20: every conv, the
   shortcut projection too), before BatchNorm and ReLU, never after the classifier.
   ``scaler=False`` turns it off (then a narrow client computes exactly the full
-  model with the other channels zeroed; FjORD's ordered dropout).
+  model with the other channels zeroed; FjORD's ordered dropout).  With no
+  normalisation after it (e.g. ``cnn2c1f``) the Scaler multiplies the
+  pre-activations and their gradients by ``1/r``: at a high learning rate a weak
+  client's first steps can kill the ReLU channels it holds, once for HeteroFL's
+  fixed channels and round after round for FedRolex's rolling ones
+  (``benchmarks/fedrolex_scaler.py``, docs/reproductions/families.md).
 * BatchNorm: HeteroFL's static BN is ``--bn-policy static`` (no running
   statistics; batch statistics in training and in evaluation).  With ``global``
   the running statistics of a channel are averaged over the clients holding it,
