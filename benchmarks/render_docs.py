@@ -77,7 +77,7 @@ def _device_record(d: dict) -> dict | None:
 def device_of(name: str, d: dict) -> str:
     dev = _device_record(d)
     if dev is None:
-        return "not recorded in the file (its name says " + ("GPU" if "-gpu-" in name else "CPU") + ")"
+        return ("GPU" if "-gpu-" in name else "CPU") + " (from the file name)"
     kind = dev.get("device_kind") or dev.get("platform") or dev.get("backend") or "?"
     text = "CPU" if kind.lower() == "cpu" else kind
     if text == "CPU" and dev.get("cpu_count"):
@@ -164,8 +164,10 @@ def command_of(name: str, d: dict) -> str:
                 f"(rebuilt from the recorded arguments)")
     rebuilt = rebuilt_command(d)
     if rebuilt:
-        return f"not recorded; rebuilt from the recorded settings: `{rebuilt}`"
-    return f"not recorded (written by `{script}`)" if script else "not recorded"
+        return f"`{rebuilt}` (rebuilt from the file's settings)"
+    if script:
+        return f"`{script}`, arguments not kept"
+    return "none: a one-off measurement, described in the file's note" if d.get("note") else "not recorded"
 
 
 def source(name: str, d: dict) -> str:

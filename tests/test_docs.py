@@ -118,7 +118,7 @@ def test_every_generated_block_is_known_and_filled():
 
 def test_provenance_says_what_a_file_does_not_record():
     bare = {"benchmark": "gather"}
-    assert render_docs.device_of("gather-cpu.json", bare) == "not recorded in the file (its name says CPU)"
+    assert render_docs.device_of("gather-cpu.json", bare) == "CPU (from the file name)"
     assert render_docs.date_of("gather-cpu.json", bare) == "not recorded"
     assert render_docs.date_of("seeds-cpu-2026-11-23.json", bare) == "2026-11-23 (from the file name)"
     committed = {**bare, "committed": "2026-11-22"}
@@ -135,7 +135,7 @@ def test_every_result_file_says_when_it_was_made():
 
 def test_the_provenance_of_a_result_file():
     assert render_docs.command_of("x.json", {"benchmark": "scale"}) == (
-        "not recorded (written by `python -m benchmarks.scale`)")
+        "`python -m benchmarks.scale`, arguments not kept")
     recorded = {"benchmark": "data_placement", "time": "2026-11-24T01:57:59+00:00", "argv": ["--cases", "synthetic"],
                 "device": {"device_kind": "cpu", "cpu_count": 2, "jax_version": "0.10.2"}}
     assert render_docs.device_of("x.json", recorded) == "CPU (2 cores), jax 0.10.2"
@@ -144,7 +144,7 @@ def test_the_provenance_of_a_result_file():
     rebuilt = {"benchmark": "gather", "config": {"quick": False, "cohort": 1000, "large": 20000, "out": None,
                                                  "features": 60}}
     assert render_docs.command_of("x.json", rebuilt) == (
-        "not recorded; rebuilt from the recorded settings: `python -m benchmarks.gather --cohort 1000 --large 20000`")
+        "`python -m benchmarks.gather --cohort 1000 --large 20000` (rebuilt from the file's settings)")
 
 
 def test_an_unknown_generated_block_is_an_error():
