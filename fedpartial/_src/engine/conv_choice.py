@@ -13,10 +13,12 @@ candidate is a lowering and a *layout*:
 ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is the fused round of today; on
 XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with ``mapped`` (inside a loop XLA:CPU
 runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids) and ``im2col`` (matrix products
-only).  The candidates are compiled at once in threads (XLA compiles outside the GIL), then each is run twice, the
-first run timed too (the best counts), and the first candidate is kept unless another is faster by over
-:data:`MARGIN`; a large cohort is timed on at most :data:`MAX_TIMED_CLIENTS` clients of the platform and scaled
-(on a CPU both layouts' time grows linearly with the clients; a GPU's vmapped step gains from more).  The choice is
+only).  Each candidate is compiled (XLA:CPU already compiles on every core: compiling them in parallel
+gained nothing), then run twice, the first run timed too (the best counts), and the first candidate is kept
+unless another is faster by over :data:`MARGIN`.  The variables are drawn on the host in the model's shapes
+(initialising for real compiles the initialisers).  A large cohort is timed on at most
+:data:`MAX_TIMED_CLIENTS` clients of the platform and scaled (on a CPU every layout's time grows about
+linearly with the clients; a GPU's vmapped step gains from more).  The choice is
 kept in ``conv-impl.json`` in the cache folder, keyed by backend, device, model, input shape, per-client batch,
 cohort size, compute dtype and the JAX version, so it is measured once per setting.  The strategy chooser
 (:func:`fedpartial._src.engine.strategy.default_strategy`) takes the layout: ``vmap`` runs the fused round,
@@ -25,7 +27,6 @@ cohort size, compute dtype and the JAX version, so it is measured once per setti
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import time
@@ -94,6 +95,14 @@ def _best(fn: Callable, repeats: int = 1, beaten_by: float = float("inf")) -> fl
     return best
 
 
+def _stand_in_variables(model: Model) -> dict:
+    """Variables of the model's shapes, drawn on the host: a step's time does not depend on their values, and
+    initialising for real compiles the initialisers (2.5 s for VGG-9 on 2 cores)."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: jnp.asarray((0.05 * rng.standard_normal(s.shape)).astype(s.dtype)),
+                        jax.eval_shape(model.init_variables, jax.random.key(0)))
+
+
 def _timed_clients(cohort_size: int) -> int:
     return min(cohort_size, MAX_TIMED_CLIENTS["cpu" if jax.default_backend() == "cpu" else "other"])
 
@@ -105,7 +114,7 @@ def prepare(model: Model, layout: str, batch_size: int, cohort_size: int,
     the model's (every lowering has the same), None to initialise them here."""
     k = _timed_clients(cohort_size)
     if variables is None:
-        variables = jax.jit(model.init_variables)(jax.random.key(0))
+        variables = _stand_in_variables(model)
     params, stats = variables["params"], variables["batch_stats"]
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(k, batch_size, *model.input_shape)).astype(np.float32))
@@ -172,10 +181,8 @@ def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, 
         return ConvChoice(known["impl"], known["layout"], known["seconds"], "cached")
     pairs = candidates(jax.default_backend())
     models = {impl: model if impl == "lax" else build(impl) for impl in dict(pairs)}
-    variables = jax.jit(model.init_variables)(jax.random.key(0))
-    # XLA compiles outside the GIL: compile every candidate at once, then time them one after another
-    with concurrent.futures.ThreadPoolExecutor(min(len(pairs), os.cpu_count() or 1)) as pool:
-        ready = list(pool.map(lambda p: prepare(models[p[0]], p[1], batch_size, cohort_size, variables), pairs))
+    variables = _stand_in_variables(model)
+    ready = [prepare(models[impl], layout, batch_size, cohort_size, variables) for impl, layout in pairs]
     scale = cohort_size / _timed_clients(cohort_size)
     seconds = {}
     for (impl, layout), fn in zip(pairs, ready):
