@@ -110,8 +110,8 @@ def _timed_clients(cohort_size: int) -> int:
 def prepare(model: Model, layout: str, batch_size: int, cohort_size: int,
             variables: dict | None = None) -> Callable[[], object]:
     """A compiled ``fn()`` running one local step of the timed clients laid out as ``layout`` (see
-    :func:`time_candidate`); compiling is the slow part, and these can be prepared in parallel.  ``variables``:
-    the model's (every lowering has the same), None to initialise them here."""
+    :func:`time_candidate`), compiled ahead (compiling is the slow part).  ``variables``: the model's (every
+    lowering has the same), None to draw stand-ins here."""
     k = _timed_clients(cohort_size)
     if variables is None:
         variables = _stand_in_variables(model)

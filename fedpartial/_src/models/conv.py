@@ -242,7 +242,8 @@ def lowering(impl: str = "lax") -> Callable | None:
 
     Args:
       impl: ``lax`` (XLA's convolution; grouped when vmapped over clients), ``im2col`` (patches and a matrix
-        product; a batched GEMM under vmap) or ``hybrid`` (lax for one client, im2col across clients).
+        product; a batched GEMM under vmap), ``hybrid`` (lax for one client, im2col across clients) or
+        ``mapped`` (lax for one client with its gradients as ordinary convolutions, a loop across clients).
 
     Returns:
       The convolution function, or None for ``"lax"``: Flax's own default, so the module is exactly the plain
