@@ -210,6 +210,7 @@ class MethodContext:
 
     @property
     def structure(self) -> ModelStructure:
+        """The model's layer structure (``model.structure``): what masks are built against."""
         return self.model.structure
 
     @property

@@ -70,6 +70,7 @@ from fedpartial._src.data.sources import DataError
 
 __all__ = ["SCHEMES", "partition", "train_holdout_split"]
 
+#: the partition schemes :func:`partition` takes
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards")
 
 SeedLike = int | np.random.Generator

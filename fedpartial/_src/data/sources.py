@@ -64,6 +64,7 @@ from fedpartial._src.data import text
 __all__ = ["DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
 
 
+#: the datasets loaded through tensorflow-datasets (downloaded on first use)
 TFDS_DATASETS: tuple[str, ...] = (
     "mnist",
     "fashion_mnist",
@@ -73,6 +74,7 @@ TFDS_DATASETS: tuple[str, ...] = (
     "svhn_cropped",
 )
 TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews")
+#: every dataset name ``--dataset`` takes; digits, mnist5k, synthetic and synthetic_text need no download
 DATASETS: tuple[str, ...] = ("digits", "mnist5k", "synthetic") + TFDS_DATASETS + TEXT_DATASETS
 
 # Config used when a tfds dataset has several and none is asked for.

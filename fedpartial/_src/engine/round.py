@@ -158,35 +158,47 @@ class FederatedRound:
         if not 1 <= cohort_size - padding <= num_clients:  # padding rows may repeat ids (a whole population)
             raise ValueError(f"cohort size {cohort_size - padding} must be between 1 and the population size "
                              f"{num_clients}.")
+        #: the model every client trains
         self.model = model
+        #: the federated method this round runs
         self.method = method
         client_optimizer = as_client_optimizer(client_optimizer)
         settings = None if client_optimizer.lr is None else OptimizerSettings(client_optimizer.momentum,
                                                                               client_optimizer.weight_decay)
+        #: what the method is told about the run (:class:`~fedpartial.MethodContext`)
         self.ctx = MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size,
                                  rounds=rounds, batch_statistics=bn_policy == "static", padding=padding,
                                  client_optimizer=settings)
+        #: the clients' local optimizer (:class:`~fedpartial.ClientOptimizer`)
         self.client_optimizer = client_optimizer
+        #: the optax transformation the server applies to the round's aggregate (plain SGD at 1.0 by default)
         self.server_optimizer = server_optimizer or optax.sgd(1.0)
+        #: ``global`` (BatchNorm statistics aggregated like weights) or ``static`` (not tracked)
         self.bn_policy = bn_policy
+        #: how the round runs (:class:`~fedpartial.Strategy`; the machine's default when none was given)
         self.strategy = strategy or default_strategy()
         self.record_decisions = record_decisions
         self.server_data = server_data
         self.label_counts = None if label_counts is None else np.asarray(label_counts)
         self.execution_times = None if execution_times is None else np.asarray(execution_times)
+        #: the method's client groups (:class:`~fedpartial.ClientGroup`), one per graph the cohort trains
         self.groups = checks.resolve_groups(self)
         if self.strategy.kind == "stream":
             problem = stream_refusal(method)
             if problem:
                 raise UserError(f"{problem}; use the fused, stepwise or debug strategy.")
+        #: the client mesh the cohort is split over, or None (one device)
         self.mesh = checks.resolve_mesh(self, devices)
         self.client_state = checks.resolve_client_state(self, client_state)
         self._client_rows_fns: dict[int, Callable] = {}
+        #: each client group's first row in the cohort
         self.offsets = tuple(int(o) for o in np.cumsum([0] + [g.size for g in self.groups])[:-1])
+        #: each client group's compiled local training functions
         self.clients: tuple[ClientFns, ...] = tuple(
             make_client_fns(self.ctx, method, client_optimizer, track_batch_stats=bn_policy == "global",
                             graph=g.graph or graphs.whole(model))
             for g in self.groups)
+        #: the variable collections clients send and receive (``batch_stats`` only under the global policy)
         self.communicated = ("params", "batch_stats") if bn_policy == "global" else ("params",)
         self._preview = None
         #: the round's pure pieces, which its runner computes a round from

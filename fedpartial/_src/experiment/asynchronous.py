@@ -76,6 +76,7 @@ class AsyncSimulation(Simulation):
         super().__init__(dataclasses.replace(config, cohort_size=config.async_buffer, buffer=config.async_buffer,
                                              client_state="device"), dataset, **parts)
         cfg = self.config
+        #: the asynchronous round: dispatch, arrival and the server step on every M arrivals
         self.engine = engine_async.AsyncRound(self.round, cfg.async_concurrency,
                                               engine_async.parse_staleness(cfg.staleness))
         c = cfg.async_concurrency
@@ -83,6 +84,7 @@ class AsyncSimulation(Simulation):
                               "slot_version": [0] * c, "slot_client": [-1] * c, "slot_dispatch": [-1] * c})
         ids, valid, key, pack_seed = self.sample_cohort(0)
         self._shapes = self.cohort(ids, pack_seed, valid)  # any cohort of the run's shapes (FLOP counts)
+        #: the C clients in flight: their models, start versions and simulated arrival times
         self.pool = self.engine.empty_pool(self.state, self._shapes, key)
 
     # ---- memory: the pool beside the round ----------------------------------------------------

@@ -54,10 +54,11 @@ _shown = shown  # a value as people type it
 class RunConfig:
     """One simulation run; the defaults are the offline digits job of the quick start.
 
-    Every field is a setting described once: its section, its meaning, unit and default, and its flag of
-    ``fedpartial run`` (the flags and their ``--help`` are generated from these descriptions, as is the
-    configuration reference page, ``docs/configuration.md``, and the Attributes below).
-    :meth:`validate` judges the settings alone, naming each bad value by its flag.
+    ``RunConfig(**settings)``: each field below is a keyword argument with a default; give only the ones you
+    change.  Every field is a setting described once: its section, its meaning, unit and default, and its flag
+    of ``fedpartial run`` (the flags and their ``--help`` are generated from these descriptions, as is the
+    [configuration reference](../configuration.md), which lists them by section in one table, and the
+    Attributes below).  :meth:`validate` judges the settings alone, naming each bad value by its flag.
 
     Example:
       >>> import fedpartial as fp

@@ -90,6 +90,8 @@ class Simulation:
             self.place_data_on_device()
         self._model_devices()
         self._init_method_state()
+        #: the last round's plan and selection (client ids and structured masks) when the run records decisions,
+        #: else None
         self.last_decisions = None
         #: the optimizer per-client fine-tuning trains with (:mod:`.finetune`); None: the round's client optimizer
         #: (replicas, whose round runs at rate 1 with each replica's rate in its cohort, set their own rate here)
@@ -391,6 +393,7 @@ class Simulation:
 
     @property
     def num_params(self) -> int:
+        """The number of trainable parameters of the global model."""
         return sum(int(np.size(p)) for p in jax.tree.leaves(self.state.variables["params"]))
 
     @property

@@ -74,6 +74,7 @@ class Option:
 
     @property
     def cli_flag(self) -> str:
+        """The option's flag of ``fedpartial run``: ``flag``, or ``--`` and its name with ``-`` for ``_``."""
         return self.flag or "--" + self.name.replace("_", "-")
 
     def problem(self, value) -> str | None:

@@ -120,6 +120,7 @@ class Model:
 
     @property
     def num_stages(self) -> int:
+        """The number of stages (``len(stage_names)``): the blocks a depth-wise method counts."""
         return len(self.stage_names)
 
     def init_variables(self, key: jax.Array) -> Variables:

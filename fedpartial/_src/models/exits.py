@@ -98,6 +98,7 @@ class MultiExitModel(Model):
 
     @property
     def num_exits(self) -> int:
+        """The number of early exits (``len(exit_stages)``)."""
         return len(self.exit_stages)
 
     def exits_within(self, stop: int) -> tuple[int, ...]:

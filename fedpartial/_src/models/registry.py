@@ -37,6 +37,7 @@ class ModelSpec:
     sequential: bool
 
 
+#: the model zoo: each name of ``--model`` (``fedpartial list models``) -> how to build it
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(
         factory=lambda num_classes, input_shape: zoo.MLP(num_classes=num_classes),

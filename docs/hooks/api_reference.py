@@ -1,0 +1,156 @@
+"""A griffe extension that makes the API reference show what ``help()`` shows.
+
+The reference reads the source statically, so it misses what the package fills in when it is imported.  This
+extension adds it back, for every documented object of the public namespaces:
+
+* an attribute documented in its class's ``Attributes:`` section, by the constructor argument of its name, or
+  by a ``#:`` comment above it, gets that text as its own description (otherwise its entry would be an empty box with only its name);
+* each :class:`~fedpartial.RunConfig` field gets its setting's meaning, type, unit, default and flag, read from
+  the settings themselves (the same descriptions as ``--help`` and the configuration page), and the class's
+  signature reads ``RunConfig(**settings)`` instead of a screen of ``setting(...)`` calls;
+* ``>>>`` examples become ``pycon`` code blocks (Markdown would render them as nested quotes).
+
+``mkdocs.yml`` loads it for the python handler; nothing in the package imports it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import pathlib
+
+import griffe
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RUN_CONFIG = "fedpartial._src.experiment.config.RunConfig"
+SECTION_HEADING = re.compile(r"^\s*Attributes:\s*$")
+PROMPT = re.compile(r"^(\s*)>>> ")
+
+
+def pycon_blocks(text: str) -> str:
+    """Each run of ``>>>`` lines (with their ``...`` continuations and printed output) fenced as ``pycon``."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        prompt = PROMPT.match(lines[i])
+        if not prompt:
+            out.append(lines[i])
+            i += 1
+            continue
+        indent = prompt.group(1)
+        out.append(f"{indent}```pycon")
+        while i < len(lines) and lines[i].strip() and lines[i].startswith(indent):
+            out.append(lines[i])
+            i += 1
+        out.append(f"{indent}```")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def _attribute_sections(docstring: griffe.Docstring) -> dict[str, str]:
+    """``{name: description}`` of the docstring's Google ``Attributes:`` sections."""
+    found = {}
+    for section in docstring.parse("google", warnings=False):
+        if section.kind is griffe.DocstringSectionKind.attributes:
+            found.update({item.name: item.description for item in section.value if item.description})
+    return found
+
+
+def _init_arguments(cls: griffe.Class) -> dict[str, str]:
+    """``{name: description}`` of the class's constructor arguments (its docstring's or ``__init__``'s)."""
+    found = {}
+    init = cls.members.get("__init__")
+    for doc in (cls.docstring, None if init is None or init.is_alias else init.docstring):
+        if doc is None:
+            continue
+        for section in doc.parse("google", warnings=False):
+            if section.kind is griffe.DocstringSectionKind.parameters:
+                found.update({item.name: item.description for item in section.value if item.description})
+    return found
+
+
+def _comment_above(attr: griffe.Attribute) -> str | None:
+    """The ``#:`` comment lines right above an attribute's assignment, joined."""
+    try:
+        lines = attr.lines_collection[attr.filepath]
+    except (KeyError, AttributeError, TypeError):
+        return None
+    comment, row = [], (attr.lineno or 1) - 2
+    while row >= 0 and lines[row].strip().startswith("#:"):
+        comment.insert(0, lines[row].strip()[2:].strip())
+        row -= 1
+    return " ".join(comment) or None
+
+
+def _run_config_docs() -> dict[str, tuple[str, str]]:
+    """``{field: (annotation, description)}`` of every RunConfig setting, from the settings' own descriptions."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from fedpartial._src.experiment import config, settings
+
+    docs = {}
+    for field in settings.fields(config.RunConfig):
+        described = settings.described(field)
+        title = settings.SECTIONS[described.section][0]
+        anchor = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+        flag = settings.flag_of(field)
+        facts = [f"**Type:** `{field.type}`", f"**Default:** {settings.default_text(field)}"]
+        if described.unit:
+            facts.append(f"**Unit:** {described.unit}")
+        facts.append(f"**Flag:** `{flag}`" if flag else "**Flag:** none (Python only)")
+        facts.append(f"**Section:** [{title}](../configuration.md#{anchor})")
+        help_text = described.help[0].upper() + described.help[1:]
+        docs[field.name] = (str(field.type), f"{help_text}.\n\n" + " · ".join(facts))
+    return docs
+
+
+class ApiReference(griffe.Extension):
+    def __init__(self) -> None:
+        super().__init__()
+        self._run_config: dict[str, tuple[str, str]] | None = None
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs) -> None:
+        self._visit(pkg, set())
+
+    def _visit(self, obj: griffe.Object, seen: set[str]) -> None:
+        if obj.path in seen:
+            return
+        seen.add(obj.path)
+        if obj.docstring is not None:
+            obj.docstring.value = pycon_blocks(obj.docstring.value)
+        if obj.is_class:
+            self._fill_members(obj)
+            if obj.path == RUN_CONFIG:
+                self._fill_run_config(obj)
+        for member in list(obj.members.values()):
+            if member.is_alias:
+                continue
+            if member.is_attribute and member.docstring is None:
+                comment = _comment_above(member)
+                if comment:
+                    member.docstring = griffe.Docstring(comment, parent=member)
+            if member.is_module or member.is_class or member.is_function:
+                self._visit(member, seen)
+
+    @staticmethod
+    def _fill_members(cls: griffe.Class) -> None:
+        if cls.docstring is None:
+            return
+        described = {**_init_arguments(cls), **_attribute_sections(cls.docstring)}
+        for name, text in described.items():
+            member = cls.members.get(name)
+            if member is not None and not member.is_alias and member.is_attribute and member.docstring is None:
+                member.docstring = griffe.Docstring(text, parent=member)
+
+    def _fill_run_config(self, cls: griffe.Class) -> None:
+        if self._run_config is None:
+            self._run_config = _run_config_docs()
+        for name, (annotation, text) in self._run_config.items():
+            member = cls.members.get(name)
+            if member is None or member.is_alias:
+                continue
+            member.docstring = griffe.Docstring(text, parent=member)
+            member.value = None  # the field's setting(...) call is not what a reader needs
+        cls.set_member("__init__", griffe.Function(
+            "__init__", lineno=0, endlineno=0, parent=cls, returns="None",
+            parameters=griffe.Parameters(
+                griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword),
+                griffe.Parameter("settings", kind=griffe.ParameterKind.var_keyword))))
