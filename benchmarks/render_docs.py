@@ -731,7 +731,7 @@ def render_page(results: dict[str, dict]) -> str:
              "below names its own) and writes a JSON naming its device to `benchmarks/results/`; then run "
              "`python -m benchmarks.render_docs` and commit the result and the pages. "
              "`bash benchmarks/gpu_plan.sh list` lists the GPU measurements still to make, as steps that fit one "
-             "call of a lent GPU machine each.", ""]
+             "run of at most ten minutes on one GPU each.", ""]
     lines += ["## At a glance", ""] + render_figures.at_a_glance()
     for title, intro, render in SECTIONS:
         body = render(results)

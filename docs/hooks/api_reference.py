@@ -8,7 +8,9 @@ extension adds it back, for every documented object of the public namespaces:
 * each :class:`~fedpartial.RunConfig` field gets its setting's meaning, type, unit, default and flag, read from
   the settings themselves (the same descriptions as ``--help`` and the configuration page), and the class's
   signature reads ``RunConfig(**settings)`` instead of a screen of ``setting(...)`` calls;
-* ``>>>`` examples become ``pycon`` code blocks (Markdown would render them as nested quotes).
+* ``>>>`` examples become ``pycon`` code blocks (Markdown would render them as nested quotes);
+* a documentation page named by its path (``docs/privacy.md``, as ``help()`` shows it) becomes a link to the
+  page under its title.
 
 ``mkdocs.yml`` loads it for the python handler; nothing in the package imports it.
 """
@@ -43,6 +45,26 @@ def pycon_blocks(text: str) -> str:
             i += 1
         out.append(f"{indent}```")
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+PAGE_PATH = re.compile(r"``?docs/([\w/-]+)\.md(#[\w-]+)?``?|\bdocs/([\w/-]+)\.md(#[\w-]+)?")
+
+
+def _title(page: str) -> str:
+    path = ROOT / "docs" / f"{page}.md"
+    heading = next((line[2:].strip() for line in path.read_text().splitlines() if line.startswith("# ")), page)
+    return heading.strip("`")
+
+
+def page_links(text: str) -> str:
+    """Each ``docs/NAME.md`` path as a link to the page (from an API reference page, one level down)."""
+    def link(match: re.Match) -> str:
+        page = match.group(1) or match.group(3)
+        anchor = match.group(2) or match.group(4) or ""
+        if not (ROOT / "docs" / f"{page}.md").exists():
+            return match.group(0)
+        return f"[{_title(page)}](../{page}.md{anchor})"
+    return PAGE_PATH.sub(link, text)
 
 
 def _attribute_sections(docstring: griffe.Docstring) -> dict[str, str]:
@@ -115,7 +137,7 @@ class ApiReference(griffe.Extension):
             return
         seen.add(obj.path)
         if obj.docstring is not None:
-            obj.docstring.value = pycon_blocks(obj.docstring.value)
+            obj.docstring.value = page_links(pycon_blocks(obj.docstring.value))
         if obj.is_class:
             self._fill_members(obj)
             if obj.path == RUN_CONFIG:
@@ -127,6 +149,8 @@ class ApiReference(griffe.Extension):
                 comment = _comment_above(member)
                 if comment:
                     member.docstring = griffe.Docstring(comment, parent=member)
+            if member.is_attribute and member.docstring is not None:
+                member.docstring.value = page_links(pycon_blocks(member.docstring.value))
             if member.is_module or member.is_class or member.is_function:
                 self._visit(member, seen)
 
@@ -147,7 +171,7 @@ class ApiReference(griffe.Extension):
             member = cls.members.get(name)
             if member is None or member.is_alias:
                 continue
-            member.docstring = griffe.Docstring(text, parent=member)
+            member.docstring = griffe.Docstring(page_links(text), parent=member)
             member.value = None  # the field's setting(...) call is not what a reader needs
         cls.set_member("__init__", griffe.Function(
             "__init__", lineno=0, endlineno=0, parent=cls, returns="None",

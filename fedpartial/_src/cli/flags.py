@@ -67,7 +67,26 @@ class Formatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})".strip()
 
 
+#: what --resume does, said the same way in ``--help`` and on the Running experiments page (a test compares them)
+RESUME_HELP = ("continue a stopped run from its newest checkpoint, with the configuration in RUN_DIR/config.json; "
+               "other run flags are refused, except --checkpoint-every, --quiet, --rounds (to extend the run) and "
+               "the several-processes flags")
+
+
 class Parser(argparse.ArgumentParser):
+    def format_help(self):
+        """The help, with the options of the methods asked about (``--method NAME --help``) first: the answer
+        to the question asked comes before the rest."""
+        mine = [g for g in self._action_groups if g.title.startswith("options of ")]
+        if not mine:
+            return super().format_help()
+        saved = self._action_groups
+        self._action_groups = mine + [g for g in saved if g not in mine]
+        try:
+            return super().format_help()
+        finally:
+            self._action_groups = saved
+
     def error(self, message):  # one sentence, exit status 2, no usage dump
         # argparse says "argument --lr: 'x' is not ..."; people typed "--lr x"
         match = re.fullmatch(r"argument (\S+?)(?:/\S+)?: (.*)", message, re.S)
@@ -167,8 +186,7 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
                       help="save the whole simulation state to RUN_DIR/checkpoints every N rounds "
                            "(the final state is always saved)")
     runs.add_argument("--resume", default=None, metavar="RUN_DIR",
-                      help="continue a stopped run from its newest checkpoint, with the configuration in "
-                           "RUN_DIR/config.json (other run options are ignored, except --checkpoint-every)")
+                      help=RESUME_HELP)
     if brief:
         _shorten(run)
 
@@ -181,7 +199,8 @@ def _shorten(run: argparse.ArgumentParser) -> None:
             for action in group._group_actions:
                 action.help = argparse.SUPPRESS
             group.description = (f"{group.description.rstrip('.')}. Flags: {', '.join(flags)} "
-                                 "(fedpartial run --help-all or docs/configuration.md says what each takes)")
+                                 "(fedpartial run --help-all, or the Configuration reference page, says what "
+                                 "each takes)")
 
 
 def _replica_flags(group) -> None:
@@ -202,7 +221,7 @@ def _replica_flags(group) -> None:
 def _process_flags(run) -> None:
     hosts = run.add_argument_group(
         "several processes", "multi-host: every process runs the same command with its own --process-id; the "
-        "cohort is split over every process's devices (docs/multihost.md)")
+        "cohort is split over every process's devices (the Several processes page)")
     hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="address of process 0, for jax.distributed.initialize")
     hosts.add_argument("--num-processes", type=whole_number, default=None, metavar="P", help="processes in all")
@@ -287,13 +306,11 @@ def method_option_flags(parser: argparse.ArgumentParser, specs: Iterable[MethodS
         "options NAME)")
     for flag, users in method_flag_users(specs).items():
         opt = users[0][1]
-        default = ",".join(map(str, opt.default)) if isinstance(opt.default, tuple) else opt.default
         metavar = flag.lstrip("-").upper().replace("-", "_")
         mine = [o for name, o in users if name in shown]
         if mine:
             opt = mine[0]
-            choices = f"; one of {', '.join(map(str, opt.choices))}" if opt.choices else ""
-            text = f"{opt.help}{choices} (default: {'none' if default is None else default})"
+            text = opt.described()
         else:
             text = argparse.SUPPRESS  # another method's option: parsed (to refuse it by name), not shown
         if opt.type is boolean:  # a switch: --name / --no-name, no value

@@ -46,9 +46,7 @@ def option_lines(spec, indent: str = "  ") -> list[str]:
     """One line per option of the method ``spec``: its flag, what it takes, its default and its help."""
     lines = []
     for opt in spec.options:
-        default = ",".join(map(str, opt.default)) if isinstance(opt.default, tuple) else opt.default
-        choices = f"; one of {', '.join(map(str, opt.choices))}" if opt.choices else ""
-        lines.append(f"{indent}{opt.cli_flag}  {opt.help}{choices} (default: {'none' if default is None else default})")
+        lines.append(f"{indent}{opt.cli_flag}  {opt.described()}")
     return lines or [f"{indent}(no options)"]
 
 

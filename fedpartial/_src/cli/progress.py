@@ -114,12 +114,12 @@ def closing_warnings(summary: dict, num_classes: int | None) -> list[str]:
     if num_classes and acc is not None and math.isfinite(acc) and acc < 1 / num_classes + NEAR_CHANCE:
         out.append(f"final test accuracy {acc:.3f} is within {NEAR_CHANCE * 100:.0f} points of chance "
                    f"({1 / num_classes:.3f} for {num_classes} classes): the model has barely learned "
-                   f"(docs/troubleshooting.md).")
+                   f"(the Troubleshooting page of the documentation).")
     eps = summary.get("final_dp_epsilon")
     if eps is not None and (not math.isfinite(eps) or eps > WEAK_EPSILON):
         out.append(f"ε = {eps:.3g} (at δ = {summary.get('dp_delta', float('nan')):.3g}, for the whole run) is over "
                    f"{WEAK_EPSILON:g}: a weak privacy guarantee; more noise, fewer rounds or more clients lower it "
-                   f"(docs/privacy.md).")
+                   f"(the Differential privacy page of the documentation).")
     return out
 
 

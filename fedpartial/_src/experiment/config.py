@@ -180,7 +180,7 @@ class RunConfig:
     # --- execution ---
     strategy: str = setting("auto", section="execution", help="how the cohort's clients run: auto, "
                             "fused[:chunk], stepwise[:chunk], stream:chunk, stream-stepwise:chunk or debug "
-                            "(docs/scale.md)")
+                            "(the Scale and memory page)")
     data_placement: str = setting("auto", section="execution", help="where the training data lives: device "
                                   "(placed once, batches gathered on the device), host (packed every round) or "
                                   "auto (device on a GPU/TPU when it takes at most a quarter of its free memory, "
@@ -192,7 +192,7 @@ class RunConfig:
     conv_impl: str = setting("auto", section="execution",
                              help="how convolutions are lowered: auto (the fastest lowering and cohort layout, timed "
                                   "once per model, batch and cohort on this machine and kept in the cache folder), "
-                                  "lax, im2col, hybrid or mapped (docs/models.md)")
+                                  "lax, im2col, hybrid or mapped (the Models page)")
     compute_dtype: str = setting("float32", section="execution",
                                  help="dtype of training's forward/backward pass: float32 or bfloat16 (parameters, "
                                       "optimizer state, aggregation and evaluation stay float32)")

@@ -23,13 +23,13 @@ SECTIONS = {
     "training": ("Local training", "what each client does with its data in a round"),
     "method": ("Method", "the federated method, its options and the wrappers around it"),
     "server": ("Server", "how many rounds, and how the server applies the round's aggregate"),
-    "privacy": ("Differential privacy", "DP-FedAvg around the method (docs/privacy.md); off unless --dp-clip is "
+    "privacy": ("Differential privacy", "DP-FedAvg around the method (the Differential privacy page); off unless --dp-clip is "
                                         "given"),
     "time": ("Simulated time: devices, deadlines and availability",
-             "the device model that gives each client its simulated time (docs/costs.md), deadlines, stragglers "
-             "and who may be sampled (docs/deadlines.md); deadlines are off by default"),
+             "the device model that gives each client its simulated time (the Device time and FLOPs page), "
+             "deadlines, stragglers and who may be sampled (the Deadlines and availability page); deadlines are off by default"),
     "async": ("Asynchronous aggregation", "C clients in flight, the server steps on every M arrivals "
-                                          "(docs/async.md); off by default"),
+                                          "(the Asynchronous aggregation page); off by default"),
     "execution": ("Execution", "how the round runs on this machine: the strategy, where data and per-client state "
                                "live, and how many devices; none of these change what is computed"),
     "output": ("Evaluation and output", "how often the model is tested, and what is written where"),

@@ -72,6 +72,15 @@ class Option:
     flag: str | None = None
     choices: tuple | None = None
 
+    def described(self) -> str:
+        """Its help as ``--help`` and ``fedpartial list`` show it: the help, the choices, and the default unless
+        the help already says it."""
+        choices = f"; one of {', '.join(map(str, self.choices))}" if self.choices else ""
+        if "default" in self.help:
+            return f"{self.help}{choices}"
+        default = ",".join(map(str, self.default)) if isinstance(self.default, tuple) else self.default
+        return f"{self.help}{choices} (default: {'none' if default is None else default})"
+
     @property
     def cli_flag(self) -> str:
         """The option's flag of ``fedpartial run``: ``flag``, or ``--`` and its name with ``-`` for ``_``."""
