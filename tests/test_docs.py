@@ -48,15 +48,30 @@ def _rel(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-def test_the_site_builds_strictly_within_a_minute(tmp_path):
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """The site as ``mkdocs build --strict`` writes it, built once for every test that reads it:
+    ``(site folder, the build's subprocess result, seconds it took)``."""
+    site = tmp_path_factory.mktemp("site")
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
                          cwd=ROOT, capture_output=True, text=True, timeout=10 * BUILD_LIMIT_S,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
-    took = time.perf_counter() - start
+    return site, run, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def site(built_site) -> pathlib.Path:
+    folder, run, _ = built_site
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return folder
+
+
+@pytest.mark.xdist_group("site")
+def test_the_site_builds_strictly_within_a_minute(built_site, site):
+    took = built_site[2]
     assert took < BUILD_LIMIT_S, f"mkdocs build took {took:.1f} s"
-    assert (tmp_path / "site" / "api" / "fedpartial" / "index.html").exists()
+    assert (site / "api" / "fedpartial" / "index.html").exists()
 
 
 def test_every_python_block_says_whether_it_runs():
@@ -193,10 +208,14 @@ def test_the_readme_is_short_and_keeps_the_quick_start():
 
 
 def test_the_api_reference_documents_the_public_api_only():
+    import fedpartial
+
     targets = [m.group(1) for p in (ROOT / "docs" / "api").glob("*.md")
                for m in re.finditer(r"^::: (\S+)", p.read_text(), re.MULTILINE)]
-    assert sorted(targets) == ["fedpartial", "fedpartial.data", "fedpartial.masks", "fedpartial.methods",
-                               "fedpartial.models"]
+    modules = ["fedpartial", "fedpartial.data", "fedpartial.masks", "fedpartial.methods", "fedpartial.models"]
+    assert set(modules) <= set(targets)
+    names = [t.removeprefix("fedpartial.") for t in targets if t not in modules]
+    assert all(name in fedpartial.__all__ for name in names), names
 
 
 def module_map() -> list[tuple[str, str]]:
@@ -261,3 +280,126 @@ def test_each_reproduction_page_shows_its_figures_and_the_site_reaches_them():
         assert all((page.parent / src).resolve().is_file() for src in shown), (rel, shown)
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
     assert bench.index("## At a glance") < bench.index("## Execution strategies") and '??? note "' in bench
+
+
+# ---- the built site, as a reader sees it ------------------------------------------------------------------------
+# These read the HTML that ``mkdocs build`` wrote (the ``site`` fixture: one build for all of them), so that they
+# hold for every page, including pages added later.  The rules: every attribute entry of the API reference has a
+# description; no ``>>>`` example is rendered as a quote; RunConfig, Simulation, run and make_method lead the
+# ``fedpartial`` page and every RunConfig field says its type, default, flag and section; no literal ``\|``; code in
+# tables and code blocks does not wrap (the stylesheet); every figure is a link to its full-size image; the text
+# speaks to users (no words of how the project is made, no raw ``docs/*.md`` paths outside code).
+
+INTERNAL_WORDS = re.compile(r"\bthe issue\b|\bissue'?s?\s*#?\d+|issue's|\ba lent\b|\blent (?:GPU|machine)|"
+                            r"\b(?:this|a|the) session\b|\bthe lead\b|\bhelper developers?\b", re.IGNORECASE)
+DOCS_PATH = re.compile(r"\bdocs/[\w/-]+\.md\b")
+
+
+def site_pages(site: pathlib.Path) -> dict[str, str]:
+    """``{page: the HTML of its article}`` (the text column, without navigation, header and footer)."""
+    pages = {}
+    for path in sorted(site.rglob("index.html")):
+        html = path.read_text(encoding="utf-8")
+        start = html.find('<article class="md-content__inner')
+        if start < 0:
+            continue
+        pages[str(path.parent.relative_to(site)) or "home"] = html[start:html.index("</article>", start)]
+    return pages
+
+
+def visible_text(html: str, *, code: bool) -> str:
+    """The words a reader sees: tags removed, ``<pre>`` blocks always dropped, inline ``<code>`` dropped unless
+    ``code``."""
+    import html as html_lib
+
+    html = re.sub(r"<pre\b.*?</pre>", " ", html, flags=re.DOTALL)
+    if not code:
+        html = re.sub(r"<code\b.*?</code>", " ", html, flags=re.DOTALL)
+    return html_lib.unescape(re.sub(r"<[^>]+>", " ", html))
+
+
+@pytest.mark.xdist_group("site")
+def test_every_attribute_in_the_api_reference_says_what_it_is(site):
+    empty = []
+    for page, html in site_pages(site).items():
+        if not page.startswith("api"):
+            continue
+        for entry in html.split('<div class="doc doc-object doc-attribute">')[1:]:
+            name = re.search(r'id="([^"]+)"', entry).group(1)
+            contents = entry.split('<div class="doc doc-contents', 1)[1].split('<div class="doc doc-object', 1)[0]
+            if not visible_text(contents, code=True).strip():
+                empty.append(name)
+    assert not empty, f"attribute entries without a description: {empty[:20]}"
+
+
+@pytest.mark.xdist_group("site")
+def test_no_example_renders_as_a_quote(site):
+    quoted = [page for page, html in site_pages(site).items()
+              if ">>>" in visible_text(html, code=False) or (page.startswith("api") and "<blockquote" in html)]
+    assert not quoted, f"a >>> example rendered as text or a quote on {quoted}"
+
+
+@pytest.mark.xdist_group("site")
+def test_the_fedpartial_page_leads_with_running_and_documents_each_run_setting(site):
+    from fedpartial import RunConfig
+    from fedpartial._src.experiment import settings
+
+    html = site_pages(site)["api/fedpartial"]
+    positions = [html.index(f'id="fedpartial.{name}"') for name in ("RunConfig", "Simulation", "run", "make_method",
+                                                                     "Mask", "Method", "FederatedRound")]
+    assert positions[:4] == sorted(positions[:4]) and max(positions[:4]) < min(positions[4:]), positions
+    assert 'href="../../configuration/' in html[:positions[1]]
+    signature = visible_text(html[positions[0]:].split("doc-signature", 1)[1].split("</pre>", 1)[0], code=True)
+    assert "".join(signature.split()).endswith("RunConfig(**settings)"), signature
+    for field in settings.fields(RunConfig):
+        entry = html.split(f'id="fedpartial.RunConfig.{field.name}"', 1)[1].split('<div class="doc doc-object', 1)[0]
+        text = " ".join(visible_text(entry, code=True).split())
+        flag = settings.flag_of(field)
+        assert settings.described(field).help.split()[-1] in text, (field.name, text)
+        assert "Type:" in text and f"Default: {settings.default_text(field)}" in text, (field.name, text)
+        assert (f"Flag: {flag}" if flag else "Flag: none") in text and 'href="../../configuration/#' in entry, text
+
+
+@pytest.mark.xdist_group("site")
+def test_identifiers_do_not_break(site):
+    """No literal ``\\|`` (a table's escaped bar shown as typed), and the stylesheet keeps code in table cells and
+    code blocks on one line (they scroll sideways) so that no name, flag or indentation is broken."""
+    escaped = [page for page, html in site_pages(site).items() if "\\|" in visible_text(html, code=True)]
+    assert not escaped, escaped
+    css = re.sub(r"/\*.*?\*/", "", (site / "assets" / "extra.css").read_text(), flags=re.DOTALL)
+    rules = {" ".join(sel.split()): body for sel, body in re.findall(r"([^{}]+)\{([^}]*)\}", css)}
+    assert "white-space: nowrap" in rules[".md-typeset table:not([class]) code"]
+    assert "white-space: pre;" in rules[".md-typeset pre > code"] and "overflow-x: auto" in rules[
+        ".md-typeset pre > code"]
+
+
+@pytest.mark.xdist_group("site")
+def test_every_figure_opens_full_size(site):
+    unlinked = []
+    for page, html in site_pages(site).items():
+        for match in re.finditer(r"<img\b[^>]*\bsrc=\"([^\"]+)\"", html):
+            before = html[:match.start()]
+            opening = before.rfind("<a ")
+            if opening < 0 or "</a>" in before[opening:] or f'href="{match.group(1)}"' not in before[opening:]:
+                unlinked.append(f"{page}: {match.group(1)}")
+    assert not unlinked, unlinked
+
+
+@pytest.mark.xdist_group("site")
+def test_the_pages_speak_to_users(site):
+    """No words of how the project is made; a page is named by a link, not by its ``docs/*.md`` path (the API
+    reference not even in code; the changelog, a record of changed files, may name them as code)."""
+    found = []
+    for page, html in site_pages(site).items():
+        found += [f"{page}: {m.group(0)}" for m in INTERNAL_WORDS.finditer(visible_text(html, code=True))]
+        text = visible_text(html, code=page.startswith("api"))
+        found += [f"{page}: {m.group(0)}" for m in DOCS_PATH.finditer(text)]
+    readme = (ROOT / "README.md").read_text()
+    found += [f"README.md: {m.group(0)}" for m in INTERNAL_WORDS.finditer(readme)]
+    assert not found, found
+
+
+def test_the_internal_words_rule_reads_what_it_should():
+    assert INTERNAL_WORDS.search("This is the issue's protocol") and INTERNAL_WORDS.search("one call of a lent GPU")
+    assert not INTERNAL_WORDS.search("a known issue with tfds; the leading units; a resumed run")
+    assert visible_text("<p>see <code>docs/a.md</code></p><pre>docs/b.md</pre>", code=False).split() == ["see"]

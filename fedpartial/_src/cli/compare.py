@@ -23,6 +23,9 @@ def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentPar
     ``--option METHOD:NAME=VALUE``."""
     compare = subparsers.add_parser(
         "compare", help="several methods on the same partitions and seeds: table and figures",
+        # a usage of its own: argparse's generated one, over this many flags, fails an assertion of its own
+        usage="fedpartial compare --methods A,B,... [--seeds S,S,...] [--option METHOD:NAME=VALUE] "
+              "[FLAG VALUE ...]",
         formatter_class=Formatter)
     compare.add_argument("--methods", default=None,
                          help="methods, comma-separated, e.g. fedavg,fedldf,fedspu (required, here or in --config)")
