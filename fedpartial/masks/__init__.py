@@ -14,6 +14,7 @@ from fedpartial._src.core.masks import (
     count_elements,
     expand,
     expand_variables,
+    from_layer_names,
     from_layers,
     from_neurons,
     full,
@@ -27,6 +28,6 @@ from fedpartial._src.core.masks import (
 
 __all__ = [
     "aggregate", "count_bytes", "count_bytes_per_layer", "count_elements", "expand", "expand_variables",
-    "from_layers", "from_neurons", "full", "intersect", "keep_count", "position_bytes", "protect_output",
+    "from_layer_names", "from_layers", "from_neurons", "full", "intersect", "keep_count", "position_bytes", "protect_output",
     "with_elements", "within",
 ]

@@ -3,7 +3,10 @@
 :data:`METHODS` maps every registered name to its self-describing :class:`fedpartial.MethodSpec`
 (factory, options, summary); :func:`get_method` builds one by name with checked options.  The
 pieces a method is written with (``make_method``, ``ClientPlan``, ``RoundView``, ...) are in
-:mod:`fedpartial` itself.
+:mod:`fedpartial` itself; here are the helpers a new method is built from: the checks an ``Option`` declares
+(:func:`at_least`, :func:`above`, :func:`between`, :func:`whole_number`, :func:`one_of`, :data:`probability`,
+:data:`positive_int`, ...) and the personal-state pieces of FedPer and its kin (:func:`personal_parts`,
+:func:`personal_layers`, :func:`merge`).
 """
 
 from fedpartial._src.methods.adaptive.fedad import fedad, feddhad
@@ -25,6 +28,19 @@ from fedpartial._src.methods.personal.fedbn import fedbn
 from fedpartial._src.methods.personal.fedper import fedper
 from fedpartial._src.methods.personal.fedrep import fedrep
 from fedpartial._src.methods.personal.lgfedavg import lgfedavg
+from fedpartial._src.methods.personal.parts import personal_layers, personal_parts
+from fedpartial._src.methods.option_checks import (
+    above,
+    at_least,
+    between,
+    in_unit_interval,
+    one_of,
+    positive_int,
+    probability,
+    rate,
+    whole_number,
+)
+from fedpartial._src.methods.submodel.common import merge
 from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.submodel.fedselect import fedselect
 from fedpartial._src.methods.submodel.fiarse import fiarse
@@ -45,4 +61,9 @@ __all__ = [
     "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
+    # checks an Option declares
+    "at_least", "above", "between", "whole_number", "one_of", "probability", "in_unit_interval", "rate",
+    "positive_int",
+    # personal state: what a client keeps, what it shares
+    "personal_parts", "personal_layers", "merge",
 ]

@@ -19,12 +19,13 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from rich.console import Console
 
 from fedpartial._src.cli import bench, capacity, compare, listing, plot, run
 from fedpartial._src.cli.flags import Parser, config_from_args, method_specs, named_methods
-from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.errors import NothingTrainedWarning, UserError
 from fedpartial._src.experiment.checkpoint import RunInterrupted, is_diverged
 from fedpartial._src.version import __version__
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(fedpartial --help says more).\n")
         return 2
     console = Console()
+    warnings.simplefilter("ignore", NothingTrainedWarning)  # said under the closing table instead
     logging.getLogger("absl").setLevel(logging.ERROR)  # tfds warnings would bury our one sentence
     try:
         handler = _COMMANDS.get(args.command)

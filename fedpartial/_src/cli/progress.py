@@ -115,6 +115,11 @@ def closing_warnings(summary: dict, num_classes: int | None) -> list[str]:
         out.append(f"final test accuracy {acc:.3f} is within {NEAR_CHANCE * 100:.0f} points of chance "
                    f"({1 / num_classes:.3f} for {num_classes} classes): the model has barely learned "
                    f"(the Troubleshooting page of the documentation).")
+    idle = summary.get("rounds_training_nothing")
+    if idle:
+        out.append(f"in {idle} of {summary.get('rounds', idle)} rounds the method's train masks selected no parameter "
+                   f"of any client, so the model did not learn then; check the layers or fractions its masks are "
+                   f"built from.")
     eps = summary.get("final_dp_epsilon")
     if eps is not None and (not math.isfinite(eps) or eps > WEAK_EPSILON):
         out.append(f"ε = {eps:.3g} (at δ = {summary.get('dp_delta', float('nan')):.3g}, for the whole run) is over "

@@ -117,6 +117,32 @@ def from_layers(structure: ModelStructure, layers: jax.Array) -> Mask:
     return Mask(layers=layers, neurons=tuple(jnp.ones((*batch, u), bool) for u in structure.units))
 
 
+def from_layer_names(structure: ModelStructure, names: Sequence[str], batch_shape: Sequence[int] = ()) -> Mask:
+    """A layer-level mask with the layers ``names`` on and every other layer off.
+
+    Args:
+      structure: the model's layers (``model.structure``, a :class:`~fedpartial.ModelStructure`).
+      names: layer names as ``structure.layers[i].name`` spells them (``"fc1"``, ``"block0/conv2"``); an
+        unknown name is refused in one sentence naming the model's layers.
+      batch_shape: leading axes, e.g. ``(K,)`` for every client of a cohort.
+
+    Returns:
+      The :class:`~fedpartial.Mask`, ``[*batch_shape, L]``.
+
+    Examples:
+      >>> from fedpartial import masks, models
+      >>> model = models.from_linen(models.build_model("mlp", 10, (64,)), input_shape=(64,), num_classes=10)
+      >>> masks.from_layer_names(model.structure, ["head"]).layers.tolist()
+      [False, False, True]
+    """
+    known = [layer.name for layer in structure.layers]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UserError(f"the model has no layer named {unknown[0]!r}; its layers are {', '.join(known)}.")
+    on = np.isin(known, list(names))
+    return from_layers(structure, np.broadcast_to(on, (*batch_shape, len(known))))
+
+
 def from_neurons(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mask:
     """A neuron-level mask; every layer is on.
 
@@ -156,7 +182,28 @@ def intersect(a: Mask, b: Mask) -> Mask:
         elements=elements)
 
 
-def with_elements(mask: Mask, elements: Any) -> Mask:
+def check_element_tree(elements: Any, params: Any) -> None:
+    """Refuses, in one sentence naming the first leaf that differs, an element level not shaped like ``params``
+    (a leaf missing from it, or one the parameters do not have)."""
+    _check_leaf_paths([path for path, _ in leaf_paths(elements)], [path for path, _ in leaf_paths(params)])
+
+
+def _check_leaf_paths(have: list, want: list) -> None:
+    if want == have:
+        return
+    missing = [p for p in want if p not in have]
+    if missing:
+        raise UserError(f"the element mask has no entry for the parameter {'/'.join(missing[0])}; build it shaped "
+                        f"like the model's params (e.g. jax.tree.map over them).")
+    extra = [p for p in have if p not in want]
+    if extra:
+        raise UserError(f"the element mask has an entry {'/'.join(extra[0])} that the model's params do not have; "
+                        f"build it shaped like the model's params (e.g. jax.tree.map over them).")
+    raise UserError("the element mask's leaves are not in the order of the model's params; build it with "
+                    "jax.tree.map over the params.")
+
+
+def with_elements(mask: Mask, elements: Any, like: Any = None) -> Mask:
     """``mask`` with an element level: ``elements`` is shaped like the parameters, each leaf ``[..., *leaf
     shape]`` bool (a sparse leaf: which of its elements are on) or ``[...]`` (a dense leaf, on or off as a
     whole), ``...`` the mask's leading axes (e.g. the cohort's ``[K]``).
@@ -164,11 +211,16 @@ def with_elements(mask: Mask, elements: Any) -> Mask:
     Args:
       mask: the mask to add the level to.
       elements: the element level, shaped as above.
+      like: one model's parameters (the ``params`` collection): when given, an ``elements`` tree that misses
+        one of their leaves, or has one they do not, is refused in one sentence naming it.  The engine checks
+        the same when it expands the mask.
 
     Returns:
       ``mask`` with ``elements`` set.
     """
     batch = mask.layers.shape[:-1]
+    if like is not None:
+        check_element_tree(elements, like)
     elements = jax.tree.map(lambda e: jnp.asarray(e, bool), elements)
     for e in jax.tree.leaves(elements):
         if e.shape[:len(batch)] != batch:
@@ -268,6 +320,7 @@ def expand(structure: ModelStructure, mask: Mask, tree: Any, collection: str = "
         for path, leaf in flat
     ]
     if mask.elements is not None and collection == "params":
+        check_element_tree(mask.elements, tree)
         leaves = [v & jnp.broadcast_to(e.reshape(e.shape + (1,) * (v.ndim - e.ndim)), v.shape)
                   for v, e in zip(leaves, jax.tree.leaves(mask.elements))]
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
@@ -345,6 +398,7 @@ def _element_counts(structure: ModelStructure, mask: Mask, leaves, positions: bo
     """:func:`_layer_counts` of the ``params`` leaves under a mask with an element level, counted on the
     expanded mask one client at a time; with ``positions``, a sparse leaf also costs :func:`position_bytes`."""
     batch = mask.layers.shape[:-1]
+    _check_leaf_paths([path for path, _ in leaf_paths(mask.elements)], [path for _, path, _, _ in leaves])
     rows = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[len(batch):]), mask)
 
     def one(m: Mask) -> jax.Array:

@@ -17,7 +17,7 @@ from fedpartial._src.core.types import Method, MethodContext, RoundView
 ENGINE_METRICS = ("train_loss", "client_steps", "client_loss", "client_steps_per_client",
                   "upload_bytes_per_layer", "download_bytes_per_layer", "decisions",
                   "upload_bytes", "download_bytes", "upload_bytes_per_client", "download_bytes_per_client",
-                  "dropout_neurons", "trained_density", "nonfinite_clients", "diverged")
+                  "dropout_neurons", "trained_density", "trained_nothing", "nonfinite_clients", "diverged")
 
 
 def planned_download(structure, plan, global_vars: dict, communicated: tuple[str, ...], num_clients: int):
@@ -68,6 +68,10 @@ def round_metrics(ctx: MethodContext, method: Method, communicated: tuple[str, .
     if view.plan.train is not None and view.plan.train.elements is not None:  # element masks: the share each
         # client trains of every layer, which the device model credits under --sparse-flops
         metrics["trained_density"] = masks_lib.layer_densities(structure, view.plan.train, g["params"])
+    if view.plan.train is not None:  # a train mask that selects nothing anywhere is a mistake worth saying
+        trained = (jnp.sum(metrics["trained_density"], axis=-1) if "trained_density" in metrics
+                   else masks_lib.count_elements(structure, view.plan.train, g["params"]))
+        metrics["trained_nothing"] = jnp.any(valid) & jnp.all(jnp.where(valid, trained == 0, True))
     if record_decisions:
         metrics["decisions"] = {"plan": view.plan, "selection": selection}
     if method.metrics is not None:

@@ -410,6 +410,7 @@ def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: 
         "total_simulated_time_s": records[-1]["cumulative_simulated_time_s"] if records else 0.0,
         "simulated_clock_s": records[-1].get("simulated_clock_s", 0.0) if records else 0.0,
         "total_clients_dropped": sum(r.get("clients_dropped", 0) for r in records),
+        **({"rounds_training_nothing": n} if (n := sum(r.get("trained_nothing", False) for r in records)) else {}),
         "total_wasted_flops": sum(r.get("wasted_flops", 0) for r in records),
         "total_wasted_bytes": sum(r.get("wasted_bytes", 0) for r in records),
         "target_accuracy": target,

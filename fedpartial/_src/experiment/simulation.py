@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from fedpartial._src.core import memory
-from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.errors import UserError, warn_nothing_trained
 from fedpartial._src.core.types import ClientOptimizer, CohortInfo, Holdout, Method, PersonalModels, ServerData
 from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, packing, sources
@@ -503,6 +503,9 @@ class Simulation:
         t, ids, valid, cohort = prepared.round, prepared.ids, prepared.valid, prepared.cohort
         metrics = jax.device_get(metrics)
         failed = int(metrics["nonfinite_clients"])
+        trained_nothing = bool(metrics.get("trained_nothing", False))
+        if trained_nothing and not getattr(self, "_said_trained_nothing", False):  # once a run
+            self._said_trained_nothing = warn_nothing_trained(t + 1)
         if bool(metrics["diverged"]):
             what = ("every client's update was non-finite (NaN/inf)" if failed == int(np.sum(valid))
                     else "the global model became non-finite (NaN/inf)")
@@ -533,6 +536,7 @@ class Simulation:
             "simulated_time_s": simulated,
             "cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
             **clock,  # clients sampled, finished and dropped, wasted FLOPs and bytes, the clock
+            **({"trained_nothing": True} if trained_nothing else {}),
         }
         # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
         for name, value in metrics.items():

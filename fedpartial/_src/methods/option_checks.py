@@ -44,8 +44,13 @@ def shown(value) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """A declarative check: a number (a whole one with ``integer``) from ``low`` to ``high``, either end open
-    or unbounded (None).  It is a :data:`Check`: called with a value it returns None or what is allowed."""
+    """A declarative check of an option's value (an ``Option``'s ``check``): a number (a whole one with
+    ``integer``) from ``low`` to ``high``, either end open or unbounded (None).
+
+    Args:
+      value: called with a value, it returns None when the value is allowed, else the phrase saying what is
+        (``"must be a number ≥ 0"``), which the option turns into the one sentence a user reads.
+    """
 
     low: float | None = None
     high: float | None = None
@@ -75,7 +80,12 @@ class Range:
 
 @dataclasses.dataclass(frozen=True)
 class OneOf:
-    """A declarative check: the value is one of ``choices`` (also an :class:`Option`'s ``choices=``)."""
+    """A declarative check: the value is one of ``choices`` (also an ``Option``'s ``choices=``).
+
+    Args:
+      value: called with a value, it returns None when the value is one of ``choices``, else the phrase saying
+        which are allowed.
+    """
 
     choices: tuple
 
@@ -84,26 +94,54 @@ class OneOf:
 
 
 def at_least(low: float, allowed: str = "") -> Range:
-    """A number ≥ ``low``."""
+    """A number ≥ ``low``.
+
+    Args:
+      low: the smallest value allowed.
+      allowed: the phrase a refusal says instead of ``must be a number ≥ low``.
+    """
     return Range(low, allowed=allowed)
 
 
 def above(low: float, allowed: str = "") -> Range:
-    """A number > ``low``."""
+    """A number > ``low``.
+
+    Args:
+      low: the bound, itself not allowed.
+      allowed: the phrase a refusal says instead of ``must be a number > low``.
+    """
     return Range(low, low_open=True, allowed=allowed)
 
 
 def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False, allowed: str = "") -> Range:
-    """A number from ``low`` to ``high``; ``low_open`` / ``high_open`` leave an end out."""
+    """A number from ``low`` to ``high``.
+
+    Args:
+      low: the lower end.
+      high: the upper end.
+      low_open: leave ``low`` itself out.
+      high_open: leave ``high`` itself out.
+      allowed: the phrase a refusal says instead of ``must be a number in [low, high]``.
+    """
     return Range(low, high, low_open, high_open, allowed=allowed)
 
 
 def whole_number(low: int = 0, allowed: str = "") -> Range:
-    """An integer ≥ ``low``."""
+    """An integer ≥ ``low``.
+
+    Args:
+      low: the smallest whole number allowed.
+      allowed: the phrase a refusal says instead of ``must be an integer ≥ low``.
+    """
     return Range(low, integer=True, allowed=allowed or f"must be an integer ≥ {low}")
 
 
 def one_of(*choices) -> OneOf:
+    """One of ``choices`` (said in the refusal: ``must be one of a, b``).
+
+    Args:
+      choices: the values allowed.
+    """
     return OneOf(tuple(choices))
 
 
@@ -113,6 +151,7 @@ probability = between(0, 1)
 in_unit_interval = between(0, 1, low_open=True)
 #: [0, 1): a rate of dropping, pruning or momentum (all would leave nothing)
 rate = between(0, 1, high_open=True)
+#: 1, 2, 3, ...: a count of steps, layers or clients
 positive_int = Range(1, integer=True, allowed="must be a positive integer")
 
 

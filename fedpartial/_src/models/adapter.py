@@ -18,9 +18,8 @@ Bring your own model::
 
     model = from_linen(Tiny(), input_shape=(8, 8, 1), num_classes=10, sequential=True)
 
-A linen module must accept ``train`` as a keyword and keep running statistics in
-``batch_stats``.  An NNX module is adapted with :func:`from_nnx`; ``train()`` /
-``eval()`` switch its BatchNorm mode.
+A linen module must accept ``train`` as a keyword and keep running statistics in ``batch_stats``.
+An NNX module is adapted with :func:`from_nnx`; ``train()`` / ``eval()`` switch its BatchNorm mode.
 
 Stages.  A model is also a chain of *stages* (:attr:`Model.stage_names`), so that
 a client can run a frozen input-side prefix once, keep its output, and train the

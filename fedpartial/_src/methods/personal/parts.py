@@ -72,13 +72,36 @@ def head_of(name: str, head_layers: int, num_layers: int) -> np.ndarray:
 
 
 def personal_layers(name: str, personal_of: PersonalOf) -> Method:
-    """A method whose clients keep the layers ``personal_of(L)`` marks as their own and share the rest."""
+    """A method whose clients keep the layers ``personal_of(L)`` marks as their own and share the rest.
+
+    Args:
+      name: the method's name.
+      personal_of: ``num_layers -> [L] bool``, the layers each client keeps (FedPer: the last one).
+
+    Returns:
+      The :class:`~fedpartial.Method` (:func:`personal_parts` with that layer split).
+    """
     return personal_parts(name, lambda structure: masks.from_layers(
         structure, ~np.asarray(personal_of(structure.num_layers), bool)))
 
 
 def personal_parts(name: str, shared_of: SharedOf) -> Method:
-    """A method whose clients share what ``shared_of(structure)`` marks and keep the rest as their own."""
+    """A method whose clients share what ``shared_of(structure)`` marks and keep the rest as their own.
+
+    Each client's full model is its state across rounds (``MethodState.clients``, ``[N]``, initially the
+    broadcast global model); a sampled client starts from the global shared parts merged with its own
+    (:func:`merge`), trains everything, uploads the shared parts and keeps its trained model.  Evaluation is
+    each client's own model on its held-out split.  FedPer, LG-FedAvg and FedBN are this with different splits;
+    a method that shares other parts (e.g. FedSA's LoRA ``A`` matrices) is this with its own ``shared_of``.
+
+    Args:
+      name: the method's name.
+      shared_of: ``structure -> Mask`` (one client's, no leading axis): what every client shares, e.g.
+        ``lambda s: masks.from_layer_names(s, ["fc1", "fc2"])``.
+
+    Returns:
+      The :class:`~fedpartial.Method`.
+    """
 
     def shared(ctx: MethodContext, batch_shape=()) -> masks.Mask:
         mask = shared_of(ctx.structure)

@@ -112,7 +112,17 @@ def neuron_mask(structure: ModelStructure, neurons: Sequence[jax.Array]) -> Mask
 
 
 def merge(structure: ModelStructure, received: Mask, global_vars: dict, personal: dict) -> dict:
-    """One client's model: global values on the ``received`` elements, its own elsewhere."""
+    """One client's model: global values on the ``received`` elements, its own elsewhere.
+
+    Args:
+      structure: the model's layers (``ctx.structure``).
+      received: one client's mask (no leading axis) of what it receives from the server.
+      global_vars: the global variables.
+      personal: the client's own variables, shaped as ``global_vars``.
+
+    Returns:
+      The merged variables (a ``client_start`` hook returns this).
+    """
     take = masks.expand_variables(structure, received, global_vars)
     return jax.tree.map(jnp.where, take, global_vars, personal)
 
