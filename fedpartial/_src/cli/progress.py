@@ -128,7 +128,20 @@ def closing_warnings(summary: dict, num_classes: int | None) -> list[str]:
     return out
 
 
-def closing_rows(config, summary: dict) -> list[tuple[str, str]]:
+def held_out_rows(summary: dict, personal: bool) -> list[tuple[str, str]]:
+    """The closing table's rows on the clients' held-out data: "personal accuracy" only for a method whose
+    clients have models of their own (``personal``); otherwise the global model is what every client holds."""
+    if "final_personal_accuracy" not in summary:
+        return []
+    spread = f"{summary['final_personal_accuracy']:.4f} ± {summary['final_personal_accuracy_std']:.4f}"
+    if not personal:
+        return [("global model on clients' held-out data (mean ± std over clients)", spread)]
+    return [("personal accuracy (mean ± std over clients)", spread),
+            ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),
+            ("personal state", mb(summary["personal_state_bytes"]))]
+
+
+def closing_rows(config, summary: dict, personal: bool = True) -> list[tuple[str, str]]:
     """The closing table's rows: what ran, how well, at what cost, where the results are."""
     return [
         ("model", f"{summary['model']} ({summary['num_params']:,} parameters)"),
@@ -148,11 +161,7 @@ def closing_rows(config, summary: dict) -> list[tuple[str, str]]:
             " / ".join(f"{v:.4f}" for k, v in summary.items() if k.startswith("final_test_accuracy_exit"))
             + f"; ensemble {summary['final_test_accuracy_ensemble']:.4f}")]
           if "final_test_accuracy_ensemble" in summary else []),
-        *([("personal accuracy (mean ± std over clients)",
-             f"{summary['final_personal_accuracy']:.4f} ± {summary['final_personal_accuracy_std']:.4f}"),
-            ("global model on clients' held-out data", f"{summary['final_global_client_accuracy']:.4f}"),
-            ("personal state", mb(summary["personal_state_bytes"]))]
-          if "final_personal_accuracy" in summary else []),
+        *held_out_rows(summary, personal),
         *([("differential privacy", f"ε = {summary['final_dp_epsilon']:.3g} at δ = {summary['dp_delta']:.3g} "
                                     f"for the whole run (clip {config.dp_clip:g}, "
                                     f"noise multiplier {config.dp_noise_multiplier:g})")]

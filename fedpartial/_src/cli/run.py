@@ -194,7 +194,9 @@ def _run_stoppable(args, console: Console, stop) -> int:
         print(summary["run_dir"], flush=True)
         return 0
     table = Table(title=f"fedpartial {config.method} on {summary['dataset']}", show_header=False)
-    for k, v in progress_lib.closing_rows(config, summary):
+    capabilities = sim.method.capabilities
+    personal = bool(capabilities.personalised or capabilities.finetune_epochs)
+    for k, v in progress_lib.closing_rows(config, summary, personal):
         table.add_row(k, v)
     console.print(table)
     for warning in progress_lib.closing_warnings(summary, getattr(sim.model, "num_classes", None)):
