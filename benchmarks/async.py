@@ -44,7 +44,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from benchmarks.deadlines import evaluated, sorted_profiles, time_to
 from fedpartial._src.experiment.runs import simulation_for
 from fedpartial._src.core.errors import DivergedError
@@ -163,28 +163,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: how each run is drawn, so that runs that coincide stay visible: (line style, width, marker, drawing order)
+RUN_STYLE = {"sync": ("-", 3.2, None, 1), "async M=C=K": (":", 2.0, "o", 3), "sync+deadline": ("--", 1.8, None, 2)}
+
+
 def plot(runs: list[dict], datasets: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.2), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets):
+    """Test accuracy against the simulated clock, a panel per dataset, one legend under them.  The synchronous
+    reference is a thick line underneath; ``async M=C=K`` (the same updates, so often the same curve) is dotted
+    with markers on top of it; each FedBuff variant takes its method's colour."""
+    fig, axes = figure_style.figure(len(datasets), height=3.8)
+    for ax, dataset in zip(axes, datasets):
         first = min(r["seed"] for r in runs)
-        for i, run in enumerate(r for r in runs if r["dataset"] == dataset and r["seed"] == first):
+        for run in (r for r in runs if r["dataset"] == dataset and r["seed"] == first):
             ev = evaluated(run)
-            ax.plot([r["simulated_clock_s"] for r in ev], [r["test_accuracy"] for r in ev], color=f"C{i}",
-                    marker="." if len(ev) < 40 else None, label=run["run"],
-                    linestyle="--" if run["run"].startswith("sync") else "-")
+            style, width, marker, order = RUN_STYLE.get(run["run"], ("-", 1.6, None, 2))
+            ax.plot([r["simulated_clock_s"] for r in ev], [r["test_accuracy"] for r in ev],
+                    color="#888888" if run["run"] == "sync+deadline" else figure_style.colour(run["run"]),
+                    linestyle=style, lw=width, marker=marker, markersize=4, markevery=max(1, len(ev) // 12),
+                    zorder=order, label=run["run"])
         ax.set_title(f"{dataset}, seed {first}")
         ax.set_xlabel("simulated clock (s)")
         ax.set_ylabel("test accuracy")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes)
+    figure_style.save(fig, path)
 
 
 def machinery(args) -> dict:

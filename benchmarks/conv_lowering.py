@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -177,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke test: cnn2c1f@8x8x1:2, S = 1, B = 4, 1 round, the "
                    "plain loop and im2col fused only, no auto")
     p.add_argument("--no-auto", dest="auto", action="store_false", help="do not run --conv-impl auto's chooser")
+    p.add_argument("--note", default="", help="the conditions of the run, kept in the file and shown beside its "
+                                              "numbers (e.g. that the machine was shared and loaded)")
     p.add_argument("--rows", type=kit.name_list, default=ROWS, help="MODEL@HxWxC:K, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per cell (the fastest counts)")
     p.add_argument("--local-steps", type=int, default=5)
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
               "command": "python -m benchmarks.conv_lowering " + " ".join(sys.argv[1:] if argv is None else argv),
               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_revision": git_revision(), "config": {k: v for k, v in vars(args).items() if k != "out"},
-              "data": "random normal images, uniform random labels (the shapes set the speed)", "results": []}
+              "data": "random normal images, uniform random labels (the shapes set the speed)", "results": [],
+              **({"note": args.note} if args.note else {})}
     kit.log(f"matmul: {device['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
     for dtype in args.dtypes:
         for row in args.rows:
@@ -214,6 +218,9 @@ def main(argv=None) -> int:
             print(table(report["results"][-1]) + "\n", flush=True)
             kit.write_json(out, report)
     print(f"wrote {out}")
+    from benchmarks.redraw import speedups  # the figure the benchmarks page shows, beside the file
+
+    print(f"drew {speedups(pathlib.Path(out))[0]}")
     bad = [(r["row"], n) for r in report["results"] for n, c in r["cells"].items()
            if r["dtype"] == "float32" and c.get("max_abs_diff_vs_plain", 0) > TOLERANCE]
     for row, name in bad:

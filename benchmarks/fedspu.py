@@ -51,7 +51,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.data import sources
 from fedpartial._src.data.sources import DataError
@@ -323,54 +323,48 @@ def verdicts(rows: list[dict]) -> list[str]:
 # ------------------------------------------------------------------ plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_memory(rows: list[dict], path: str) -> None:
-    plt = _pyplot()
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.8), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets):
+    fig, axes = figure_style.figure(len(datasets))
+    for ax, dataset in zip(axes, datasets):
         mine = [r for r in rows if r["dataset"] == dataset and r["p"] < 1]
         x = np.arange(len(mine))
-        ax.bar(x - 0.2, [r["fedspu_bytes"] / 1e6 for r in mine], 0.4, label="FedSPU")
-        ax.bar(x + 0.2, [r["full_bytes"] / 1e6 for r in mine], 0.4, label="full model (others)")
+        ax.bar(x - 0.2, [r["fedspu_bytes"] / 1e6 for r in mine], 0.4, label="FedSPU",
+               color=figure_style.colour("fedspu"))
+        ax.bar(x + 0.2, [r["full_bytes"] / 1e6 for r in mine], 0.4, label="full model (the other methods)",
+               color="#999999")
         for i, r in enumerate(mine):
-            ax.annotate(f"{-r['reduction']:+.0%}", (i - 0.2, r["fedspu_bytes"] / 1e6), ha="center", va="bottom",
-                        fontsize=8)
+            ax.annotate(f"{-r['reduction']:+.0%}", (i - 0.2, r["fedspu_bytes"] / 1e6), ha="center", va="bottom")
         ax.set_xticks(x, [f"{r['p']:.1f}" for r in mine])
         ax.set_xlabel("keep ratio p")
         ax.set_ylabel("training memory (MB)")
         ax.set_title(f"{dataset} ({mine[0]['model']}, batch {mine[0]['batch_size']})")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes)
+    figure_style.save(fig, path)
 
 
 def plot_curves(runs: list[dict], path: str) -> None:
-    plt = _pyplot()
+    """Accuracy against rounds, one panel per (dataset, α), three a row; a method has one colour, its run with
+    early stopping is dashed; one legend under the panels."""
+    from matplotlib.lines import Line2D
+
     panels = list(dict.fromkeys((r["dataset"], r["alpha"]) for r in runs))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, (dataset, alpha) in zip(axes[0], panels):
+    fig, axes = figure_style.figure(len(panels))
+    for ax, (dataset, alpha) in zip(axes, panels):
         for r in _select(runs, dataset=dataset, alpha=alpha, seed=min(x["seed"] for x in runs)):
             if r["accuracy_curve"]:
                 t, acc = zip(*r["accuracy_curve"])
-                ax.plot(t, 100 * np.asarray(acc), "--" if r["early_stopping"] else "-", label=r["label"])
+                ax.plot(t, 100 * np.asarray(acc), "--" if r["early_stopping"] else "-", lw=1.6,
+                        color=figure_style.colour(r["method"]),
+                        label=r["label"].removesuffix("+ES"))
         ax.set_xlabel("round")
         ax.set_ylabel("personal accuracy (%)")
         ax.set_title(f"{dataset}, α={alpha}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    styles = [(Line2D([], [], color="#444444", ls="-"), "without early stopping"),
+              (Line2D([], [], color="#444444", ls="--"), "with early stopping (+ES)")]
+    figure_style.shared_legend(fig, axes, extra=styles if any(r["early_stopping"] for r in runs) else ())
+    figure_style.save(fig, path)
 
 
 def run_all(datasets, alphas, seeds, pairs, args) -> tuple[list[dict], list[str]]:

@@ -403,3 +403,19 @@ def test_the_internal_words_rule_reads_what_it_should():
     assert INTERNAL_WORDS.search("This is the issue's protocol") and INTERNAL_WORDS.search("one call of a lent GPU")
     assert not INTERNAL_WORDS.search("a known issue with tfds; the leading units; a resumed run")
     assert visible_text("<p>see <code>docs/a.md</code></p><pre>docs/b.md</pre>", code=False).split() == ["see"]
+
+
+def test_the_models_page_quotes_the_lowering_benchmark():
+    """The speed-ups the Models page gives for the convolution lowerings are those of the result file it names."""
+    name = "conv-lowering-cpu-cpu.json"
+    rows = {r["row"]: r["cells"] for r in json.loads((ROOT / "benchmarks" / "results" / name).read_text())["results"]}
+    x = lambda row, cell: rows[row][cell]["speedup_vs_plain"]  # noqa: E731
+    small = [x(r, c) for r in ("cnn2c1f@8x8x1:10", "cnn2c1f@8x8x1:50") for c in ("im2col/fused:1", "hybrid/fused")]
+    one_at_a_time = [max(x(r, "mapped/fused:1"), x(r, "im2col/fused:1"))
+                     for r in ("cnn2c1f@28x28x1:10", "cnn2c1f@28x28x1:50", "lenet5@32x32x3:10", "vgg9@32x32x3:10")]
+    vmapped = [x(r, c) for r in ("cnn2c1f@28x28x1:10", "cnn2c1f@28x28x1:50") for c in ("mapped/fused", "hybrid/fused")]
+    page = " ".join((ROOT / "docs" / "models.md").read_text().split())
+    assert f"`benchmarks/results/{name}`" in page and "2-core CPU" in page
+    assert f"({min(small):.1f}–{max(small):.1f}× the plain loop)" in page, small
+    assert f"({min(one_at_a_time):.2f}–{max(one_at_a_time):.1f}×)" in page, one_at_a_time
+    assert f"({min(vmapped):.1f}–{max(vmapped):.1f}×)" in page, vmapped
