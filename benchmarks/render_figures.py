@@ -13,8 +13,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = ROOT / "docs" / "assets" / "benchmarks"
 #: the figures the benchmarks page leads with: (file, what it shows)
 AT_A_GLANCE = (
-    ("throughput-cpu-cpu-20261123.png",
-     "Each strategy's speed relative to a plain per-client loop, FedAvg and FedLDF (CPU, 2 cores)"),
+    ("conv-lowering-cpu-cpu-20261203-loaded.png",
+     "What the default `auto` runs on a CPU (2 cores, shared and loaded: ratios measured side by side in one run), "
+     "against a plain per-client loop, FedAvg; red: the layout auto picked, dashed: the loop"),
+    ("strategies-gpu-nvidia-h100-80gb-hbm3.png",
+     "Each strategy against a plain per-client loop on an NVIDIA H100 (the fused round is what auto runs there)"),
     ("fedldf-gpu-nvidia-h100-80gb-hbm3.png", "FedLDF and its baselines: test error against cumulative upload"),
     ("fedspu-curves-gpu-nvidia-h100-80gb-hbm3.png", "FedSPU and the dropout baselines: accuracy against rounds (GPU)"),
     ("privacy-cpu-cpu.png", "DP-FedAvg and DP-FedLDF: test accuracy against ε (mnist5k, 1,000 clients)"),

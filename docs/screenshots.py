@@ -25,8 +25,8 @@ import tempfile
 import threading
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = ("", "concepts/", "tutorial/", "methods/", "running/", "api/fedpartial/", "reproductions/fedldf/",
-         "benchmarks/")
+PAGES = ("", "concepts/", "tutorial/", "methods/", "running/", "async/", "api/fedpartial/",
+         "reproductions/fedldf/", "reproductions/fedspu/", "benchmarks/")
 # Loaded beside the site: opens a page in a same-origin iframe and writes what overflows into its own body.
 PROBE = """<!doctype html><html><body><iframe id="f" style="width:%(width)dpx;height:3000px;border:0"></iframe>
 <pre id="out">pending</pre><script>
@@ -71,8 +71,12 @@ def serve(site: pathlib.Path) -> tuple[http.server.ThreadingHTTPServer, int]:
 
 
 def headless(browser: str, *args: str) -> str:
-    run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                          "--virtual-time-budget=8000", *args], capture_output=True, text=True, timeout=120)
+    # without the network switches a machine with no network refuses Chromium's background connections
+    with tempfile.TemporaryDirectory() as profile:
+        run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                              f"--user-data-dir={profile}", "--hide-scrollbars", "--virtual-time-budget=8000", *args],
+                             capture_output=True, text=True, timeout=120)
     return run.stdout
 
 
