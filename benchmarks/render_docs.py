@@ -189,7 +189,7 @@ def source(name: str, d: dict) -> str:
             f" · command: {command_of(name, d)}")
     if name in SUPERSEDED:
         newer, why = SUPERSEDED[name]
-        line += f"\n\n**Superseded** by `{newer}`: {why}. Kept for the record; use the newer numbers."
+        line += f" · **superseded** by `{newer}`: {why}; kept for the record, use the newer numbers"
     return line
 
 
@@ -350,7 +350,8 @@ def conv_lowering(results) -> list[str]:
                              num(c["gflops_per_s"], 1), f"{c['share_of_matmul']:.1%}",
                              "" if c.get("max_abs_diff_vs_plain") is None else f"{c['max_abs_diff_vs_plain']:.0e}"])
         matmul = d["device"]["matmul_flops_per_s"] / 1e9
-        lines += [source(name, d) + f"; matmul {matmul:.0f} GFLOP/s; git {str(d.get('git_revision'))[:10]}", ""]
+        lines += [source(name, d) + f"; matmul {matmul:.0f} GFLOP/s; git {str(d.get('git_revision'))[:10]}"
+                  + (f" · conditions: {d['note']}" if d.get("note") else ""), ""]
         lines += table(["row (model@input:K)", "dtype", "lowering/strategy", "rounds/s", "vs loop", "GFLOP/s",
                         "of matmul", "max abs diff vs loop"], rows)
     return lines
