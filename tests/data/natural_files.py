@@ -1,9 +1,9 @@
 """Small files in the real formats of naturally federated data, written by the tests themselves: LEAF's JSON
 (FEMNIST, Shakespeare, Sent140) and Hugging Face datasets (``save_to_disk``, parquet).
 
-The data is learnable: a FEMNIST-like writer's image of class c is dark (ink, 0) on the pixels of row c % 28
-and white (1.0, LEAF's background) elsewhere, with noise; a Shakespeare-like role speaks a repeated phrase, so
-the next character follows from the last ones; a Sent140-like tweet holds "good" or "bad" among filler words.
+The data is learnable: a FEMNIST-like writer's image of class c is dark (ink, 0) on rows 7(c % 4) to 7(c % 4) + 6
+and white (1.0, LEAF's background) elsewhere, with noise; a Shakespeare-like role speaks a repeated phrase in
+which each character fixes the next; a Sent140-like tweet holds "good" or "bad" among filler words.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-PHRASE = "to be, or not to be: that is the question. "
+PHRASE = "abcdefgh "
 
 
 def write_leaf(folder, split: str, files: list[dict]) -> None:
@@ -30,7 +30,7 @@ def femnist_examples(rng, n: int, classes: int = 4):
     y = rng.integers(0, classes, n)
     x = np.clip(1.0 - 0.1 * rng.random((n, 28, 28)), 0, 1)
     for i, c in enumerate(y):
-        x[i, c % 28, :] = 0.0
+        x[i, 7 * (c % 4):7 * (c % 4) + 7, :] = 0.0
     return np.round(x.reshape(n, 784), 4).tolist(), y.tolist()
 
 
@@ -48,10 +48,13 @@ def sent140_examples(rng, n: int):
         y.tolist()
 
 
-def leaf_folder(folder, kind: str, sizes: dict[str, tuple[int, int]], seed: int = 0, per_file: int = 2):
+def leaf_folder(folder, kind: str, sizes: dict[str, tuple[int, int]], seed: int = 0, per_file: int = 2,
+                length: int = 80):
     """LEAF files of ``kind`` (femnist, shakespeare, sent140): ``sizes[user] = (train, test)`` examples,
-    ``per_file`` users a file. Returns ``{split: {user: (x, y)}}`` as written."""
-    make = {"femnist": femnist_examples, "shakespeare": shakespeare_examples, "sent140": sent140_examples}[kind]
+    ``per_file`` users a file, Shakespeare's strings ``length`` characters long (LEAF's: 80). Returns
+    ``{split: {user: (x, y)}}`` as written."""
+    make = {"femnist": femnist_examples, "sent140": sent140_examples,
+            "shakespeare": lambda rng, n: shakespeare_examples(rng, n, length)}[kind]
     rng = np.random.default_rng(seed)
     written = {"train": {}, "test": {}}
     for user, (n_train, n_test) in sizes.items():
