@@ -17,6 +17,7 @@ clients from the population.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -94,6 +95,19 @@ print(json.dumps({"clients": len(sizes), "train_examples": int(len(ds.y_train)),
 """
 
 
+def describe(folder: pathlib.Path) -> dict:
+    """What files generated before hold (their users and counts, from each file's head)."""
+    from fedpartial._src.data.leaf import _header
+
+    files = sorted(folder.rglob("*.json"))
+    train = [n for p in files if p.parent.name == "train" for n in _header(str(p))["num_samples"]]
+    test = [n for p in files if p.parent.name == "test" for n in _header(str(p))["num_samples"]]
+    sizes = np.add(train, test)
+    return {"writers": len(train), "examples": int(sizes.sum()), "min_examples": int(sizes.min()),
+            "max_examples": int(sizes.max()), "mean_examples": float(sizes.mean()), "files": len(files),
+            "bytes_on_disk": int(sum(p.stat().st_size for p in files))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.leaf_population")
     parser.add_argument("--dir", required=True, help="where the generated LEAF files go (not kept)")
@@ -101,8 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-generate", action="store_true", help="load files generated before")
     args = parser.parse_args(argv)
     folder = pathlib.Path(args.dir)
-    report = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores shared)",
-              "data": generate(folder) if not args.skip_generate else {"skipped": True}}
+    report = {"device": {"device_kind": "cpu", "cpu_count": os.cpu_count(), "machine": platform.machine(),
+                         "jax_version": importlib.metadata.version("jax")},
+              "data": generate(folder) if not args.skip_generate else describe(folder)}
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-c", _LOAD, str(folder)], capture_output=True, text=True, env=env)
     if done.returncode:
