@@ -109,7 +109,11 @@ def file_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[s
         flag = key.replace("_", "-")
         action = actions.get(flag)
         if action is None or flag in _NOT_IN_FILES or flag == "help":
-            near = difflib.get_close_matches(flag, allowed, n=1)
+            from fedpartial._src.experiment import settings
+            from fedpartial._src.experiment.config import RunConfig
+
+            own = {f.name: settings.flag_of(f)[2:] for f in settings.fields(RunConfig)}.get(key)  # num_clients
+            near = [own] if own in allowed else difflib.get_close_matches(flag, allowed, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else "; keys are the flags of fedpartial run without --"
             if flag in _NOT_IN_FILES:
                 hint = f"; give --{flag} on the command line"

@@ -26,7 +26,14 @@ DATASET_SUMMARIES = {
     "svhn_cropped": "SVHN house-number digits, 10 classes (tensorflow-datasets)",
     "synthetic_text": "generated token sequences, 2 classes, offline",
     "imdb_reviews": "IMDB movie reviews as token ids, 2 classes (tensorflow-datasets)",
+    "leaf": "LEAF's JSON files you have (FEMNIST, Shakespeare, Sent140; --data-dir), one LEAF user a client",
+    "hf": "a Hugging Face dataset saved to disk or a parquet folder (--data-dir), one value of --client-column a "
+          "client",
 }
+#: the usual model of a dataset whose files decide it
+NATURAL_MODELS = {"leaf": "femnist_cnn, shakespeare_lstm or sent140_lstm by the files' task",
+                  "hf": "by the examples (femnist_cnn for 28x28 images, cnn2c1f, shakespeare_lstm, sent140_lstm, "
+                        "mlp)"}
 
 
 
@@ -66,7 +73,7 @@ def handle(args, console: Console | None = None, argv: list[str] | None = None) 
                    for n, s in MODELS.items()],
         "datasets": [(n, f"{DATASET_SUMMARIES.get(n, '')}; examples "
                          f"{'x'.join(map(str, DATASET_SHAPES[n])) if n in DATASET_SHAPES else 'of varying shape'}, "
-                         f"default model {DEFAULT_MODELS.get(n, 'mlp')}")
+                         f"default model {NATURAL_MODELS.get(n) or DEFAULT_MODELS.get(n, 'mlp')}")
                      for n in DATASETS],
     }
     for what in [args.what] if args.what else list(rows):

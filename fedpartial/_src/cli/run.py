@@ -156,6 +156,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
     preflight(config)  # then whether this machine holds it: memory, devices, --out
     t0 = time.perf_counter()
     sim = simulation_for(config)  # data and model errors surface before the progress bar
+    config = sim.config  # with what the data decided (leaf, hf: --clients from the files)
     if sim.holdout_note and not args.quiet:  # a default that changes what is trained on is said, not silent
         console.print(f"note: {sim.holdout_note}.")
     # Progress: a live rich line on a terminal; otherwise plain lines (one per round, at most ~50 in all,

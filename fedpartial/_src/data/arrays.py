@@ -28,6 +28,9 @@ class ArrayDataset:
       natural_partition: per client, indices into the train split (e.g. Synthetic's per-client data),
         or None when clients are made by ``partition``.
       natural_test_partition: the same for the test split, or None.
+      client_names: the natural clients' names in the files (LEAF's users, a column's values), or None.
+      usual_model: the zoo model ``--model auto`` picks for this data (e.g. ``shakespeare_lstm``), or None:
+        the one the dataset's name gives.
     """
 
     name: str
@@ -38,6 +41,8 @@ class ArrayDataset:
     num_classes: int
     natural_partition: tuple[np.ndarray, ...] | None = None
     natural_test_partition: tuple[np.ndarray, ...] | None = None
+    client_names: tuple[str, ...] | None = None
+    usual_model: str | None = None
 
     @property
     def feature_shape(self) -> tuple[int, ...]:

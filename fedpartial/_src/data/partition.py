@@ -66,7 +66,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedpartial._src.data.sources import DataError
+from fedpartial._src.data.arrays import DataError
 
 __all__ = ["SCHEMES", "partition", "train_holdout_split"]
 

@@ -34,6 +34,11 @@ Sources
     ``vocab_size`` (10,000) - 2 most frequent training words, 0 = padding, 1 =
     unknown, each review's first ``seq_len`` (256) words, right-padded. Options
     ``vocab_size``, ``seq_len``.
+``leaf``, ``hf``
+    naturally federated files the user has, one of their users a client: LEAF's JSON files
+    (:mod:`fedpartial._src.data.leaf`; options ``task``, ``max_clients``, ``min_examples``,
+    ``num_clients``) and Hugging Face datasets saved to disk or as parquet (:mod:`fedpartial._src.data.hf`;
+    options ``client_column``, ``feature``, ``label`` and the same three). ``data_dir`` is their folder.
 ``synthetic``
     Synthetic(alpha, beta) of the FedProx paper, see
     :mod:`fedpartial._src.data.synthetic`. Options ``alpha`` (1.0), ``beta`` (1.0),
@@ -61,7 +66,7 @@ from fedpartial._src.data.arrays import ArrayDataset, DataError, stratified_spli
 from fedpartial._src.data.synthetic import make_synthetic
 from fedpartial._src.data import text
 
-__all__ = ["DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
+__all__ = ["DATASETS", "NATURAL_DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
 
 
 #: the datasets loaded through tensorflow-datasets (downloaded on first use)
@@ -74,8 +79,10 @@ TFDS_DATASETS: tuple[str, ...] = (
     "svhn_cropped",
 )
 TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews")
+#: datasets read from files the user has, one of their users a client (LEAF's JSON, Hugging Face folders)
+NATURAL_DATASETS: tuple[str, ...] = ("leaf", "hf")
 #: every dataset name ``--dataset`` takes; digits, mnist5k, synthetic and synthetic_text need no download
-DATASETS: tuple[str, ...] = ("digits", "mnist5k", "synthetic") + TFDS_DATASETS + TEXT_DATASETS
+DATASETS: tuple[str, ...] = ("digits", "mnist5k", "synthetic") + TFDS_DATASETS + TEXT_DATASETS + NATURAL_DATASETS
 
 # Config used when a tfds dataset has several and none is asked for.
 _DEFAULT_CONFIG = {"emnist": "byclass"}
@@ -156,6 +163,18 @@ def load_dataset(
         kwargs = {"alpha": 1.0, "beta": 1.0, "num_clients": 30}
         kwargs.update(options)
         return make_synthetic(seed=seed, **kwargs)
+    if name in NATURAL_DATASETS:
+        if not data_dir:
+            raise DataError(f"Dataset {name!r} reads files you have: give data_dir (--data-dir), see docs/data.md.")
+        if name == "leaf":
+            from fedpartial._src.data.leaf import load_leaf
+
+            _check_generator_options(name, load_leaf, options)
+            return load_leaf(data_dir, seed=seed, **options)
+        from fedpartial._src.data.hf import load_hf
+
+        _check_generator_options(name, load_hf, options)
+        return load_hf(data_dir, seed=seed, **options)
     if name in TFDS_DATASETS:
         config = options.pop("config", _DEFAULT_CONFIG.get(name))
         _no_options_left(name, options)

@@ -31,6 +31,8 @@ from fedpartial._src.models.conv import CONV_IMPLS
 from fedpartial._src.models.precision import COMPUTE_DTYPES
 
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+#: the population of a dataset that does not bring its own
+DEFAULT_CLIENTS = 20
 DEFAULT_LOCAL_EPOCHS = 2.0
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
@@ -70,16 +72,34 @@ class RunConfig:
 
     # --- data and population ---
     dataset: str = setting("digits", section="data", help="the dataset (fedpartial list datasets); digits, "
-                           "mnist5k, synthetic and synthetic_text are offline")
-    data_dir: str | None = setting(None, section="data", help="tensorflow-datasets data directory",
+                           "mnist5k, synthetic and synthetic_text are offline; leaf and hf read files you have "
+                           "(docs/data.md)")
+    data_dir: str | None = setting(None, section="data", help="the data folder: tensorflow-datasets' data "
+                                   "directory, or the folder of a leaf or hf dataset",
                                    default_text="tensorflow-datasets' own")
-    partition: str = setting("dirichlet", section="data", help="how the data is split over the clients: iid, "
-                             "dirichlet (label skew), shards (a few classes each) or natural (the dataset's own "
-                             "writers/users)")
+    leaf_task: str | None = setting(None, section="data", help="leaf only: the task of the files, femnist, "
+                                    "shakespeare or sent140", default_text="read from the files")
+    client_column: str | None = setting(None, section="data", help="hf only: the column whose values are the "
+                                        "clients (e.g. writer_id)", metavar="COLUMN")
+    feature: str | None = setting(None, section="data", help="hf only: the column of the examples",
+                                  metavar="COLUMN", default_text="the first of image, img, x, text, tweet, "
+                                  "sentence that exists")
+    label: str | None = setting(None, section="data", help="hf only: the column of the labels", metavar="COLUMN",
+                                default_text="the first of label, labels, y, character, target, sentiment that "
+                                "exists")
+    max_clients: int | None = setting(None, section="data", help="leaf and hf: take at most N of the users, "
+                                      "drawn with --seed", unit="clients", metavar="N", default_text="all")
+    min_examples: int | None = setting(None, section="data", help="leaf and hf: leave out users with fewer than "
+                                       "N training examples", unit="examples", metavar="N",
+                                       default_text="none left out")
+    partition: str | None = setting(None, section="data", help="how the data is split over the clients: iid, "
+                                    "dirichlet (label skew), shards (a few classes each) or natural (the dataset's "
+                                    "own writers/users)", default_text="natural for leaf and hf, else dirichlet")
     alpha: float = setting(0.5, section="data", help="the Dirichlet α of the dirichlet partition (smaller: more "
                            "skewed); for synthetic also its α and β")
     classes_per_client: int = setting(2, section="data", help="classes per client of the shards partition")
-    num_clients: int = setting(20, section="data", help="the population N", flag="--clients", unit="clients")
+    num_clients: int | None = setting(None, section="data", help="the population N", flag="--clients",
+                                      unit="clients", default_text="20; for leaf and hf every user of the files")
     cohort_size: int = setting(10, section="data", help="clients sampled per round K", flag="--cohort",
                                unit="clients")
     train_fraction: float | None = setting(None, section="data", help="each client's share of its data to train "
@@ -93,8 +113,9 @@ class RunConfig:
                         "split, cohorts, initial model, drawn device profiles")
 
     # --- model ---
-    model: str = setting("auto", section="model", help="a zoo model (fedpartial list models), or auto: the "
-                         "dataset's usual model (cnn2c1f for digits, mlp for synthetic, ...)")
+    model: str = setting("auto", section="model", help="a zoo model (fedpartial list models), "
+                         "package.module:factory for your own Flax module, or auto: the dataset's usual model "
+                         "(cnn2c1f for digits, mlp for synthetic, shakespeare_lstm for LEAF's Shakespeare, ...)")
     bn_policy: str = setting("global", section="model", help="BatchNorm statistics: global (aggregated like "
                              "weights) or static (not tracked; batch statistics at test time)")
 
@@ -229,6 +250,13 @@ class RunConfig:
     record_decisions: bool = setting(False, section="output", help="save every round's plan and selection masks "
                                      "to RUN_DIR/decisions/round-NNNNN.npz")
 
+    def __post_init__(self):
+        natural = self.dataset in sources.NATURAL_DATASETS
+        if self.num_clients is None and not natural:  # leaf and hf: every user, known once the files are read
+            self.num_clients = DEFAULT_CLIENTS
+        if self.partition is None:
+            self.partition = "natural" if natural else "dirichlet"
+
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
 
@@ -270,15 +298,17 @@ class RunConfig:
             parse_codec(self.upload_codec)  # a bad codec is one sentence
         if not isinstance(self.sparse_flops, bool):
             refuse(self, "sparse_flops", self.sparse_flops, "true or false")
-        for field in ("num_clients", "rounds", "batch_size", "eval_every"):
+        for field in ("rounds", "batch_size", "eval_every"):
             check_int(self, field, 1)
+        if self.num_clients is not None or self.dataset not in sources.NATURAL_DATASETS:
+            check_int(self, "num_clients", 1)
         if self.local_steps is not None:
             check_int(self, "local_steps", 1)
         if self.max_samples is not None:
             check_int(self, "max_samples", 1)
         if self.local_steps is not None and self.local_epochs is not None:
             bad("give only one of --local-steps or --local-epochs.")
-        if not is_int(self.cohort_size) or not 1 <= self.cohort_size <= self.num_clients:
+        if not is_int(self.cohort_size) or not 1 <= self.cohort_size <= (self.num_clients or self.cohort_size):
             refuse(self, "cohort_size", self.cohort_size, f"between 1 and --clients ({self.num_clients})")
         check_int(self, "seed", 0, f"a whole number from 0 to {_MAX_SEED}")
         if self.seed > _MAX_SEED:
@@ -293,17 +323,24 @@ class RunConfig:
             except UserError as e:
                 bad(str(e))
             tiers = dict(self.options).get("tiers")
-            if isinstance(tiers, (tuple, list)) and len(tiers) > self.num_clients:  # equal clusters by client id
+            if isinstance(tiers, (tuple, list)) and self.num_clients is not None and len(tiers) > self.num_clients:  # equal clusters by client id
                 bad(f"--tiers gives {len(tiers)} keep ratios but the population has {self.num_clients} clients "
                     f"(--clients), so some tiers would have nobody; give at most {self.num_clients}.")
         if self.dataset not in sources.DATASETS:
             bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
         if self.model != "auto" and self.model not in registry.MODELS:
-            bad(f"--model {self.model!r} is unknown; choose 'auto' or one of {', '.join(sorted(registry.MODELS))}.")
+            if not isinstance(self.model, str) or ":" not in self.model:
+                bad(f"--model {self.model!r} is unknown; choose 'auto', one of {', '.join(sorted(registry.MODELS))} "
+                    "or package.module:factory for your own.")
+            try:
+                registry.find_model(self.model)  # your own: importable, naming a module class or factory
+            except UserError as e:
+                bad(f"--{e}")
         if self.max_samples is not None and self.dataset != "synthetic":
             bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
         if self.partition not in PARTITIONS:
             bad(f"--partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
+        config_checks.check_natural_data(self)
         if self.partition == "dirichlet" and not self.alpha > 0:
             refuse(self, "alpha", self.alpha, "> 0 for the dirichlet partition (the Dirichlet α)")
         if self.partition == "shards":

@@ -118,7 +118,7 @@ def check_rounds_in_time(config) -> None:
     if config.straggler_policy == "partial" and config.round_deadline is None and config.deadline_quantile is None:
         raise ConfigError("--straggler-policy partial needs a deadline (--round-deadline or --deadline-quantile).")
     check_finite(config, "over_select", lambda v: v >= 1, "≥ 1 (⌈F·K⌉ clients are sampled for a cohort of K)")
-    if config.sampled_size > config.num_clients:
+    if config.num_clients is not None and config.sampled_size > config.num_clients:
         refuse(config, "over_select", config.over_select, f"at most {config.num_clients / config.cohort_size:g}: "
                                                  f"⌈F·K⌉ clients are sampled from --clients {config.num_clients}")
     try:
@@ -147,7 +147,7 @@ def check_async(config, custom_method: bool) -> None:
     for field in ("concurrency", "buffer"):
         if getattr(config, field) is not None:
             check_int(config, field, 1)
-    if config.async_concurrency > config.num_clients:
+    if config.num_clients is not None and config.async_concurrency > config.num_clients:
         refuse(config, "concurrency", config.async_concurrency,
                f"at most --clients ({config.num_clients}): each client in flight is a different one")
     if config.async_buffer > config.async_concurrency:
@@ -176,10 +176,44 @@ def check_devices(config) -> None:
                           f"--strategy {config.strategy} runs on one device.")
 
 
+def check_natural_data(config) -> None:
+    """The settings of naturally federated files (``--dataset leaf`` and ``hf``: docs/data.md) go with those
+    datasets only, and those datasets' clients are their users (``--partition natural``)."""
+    from fedpartial._src.data import leaf, sources
+
+    dataset = config.dataset
+    for field, datasets in (("leaf_task", ("leaf",)), ("client_column", ("hf",)), ("feature", ("hf",)),
+                            ("label", ("hf",)), ("max_clients", sources.NATURAL_DATASETS),
+                            ("min_examples", sources.NATURAL_DATASETS)):
+        if getattr(config, field) is not None and dataset not in datasets:
+            raise ConfigError(f"{flag(config, field)} applies to --dataset {' and '.join(datasets)} only, not "
+                              f"{dataset!r}.")
+    for field in ("max_clients", "min_examples"):
+        if getattr(config, field) is not None:
+            check_int(config, field, 1)
+    if dataset not in sources.NATURAL_DATASETS:
+        return
+    if config.partition != "natural":
+        raise ConfigError(f"--partition {config.partition} is not allowed with --dataset {dataset}: its clients are "
+                          "the users of its files; leave --partition out (natural).")
+    if not config.data_dir:
+        where = "the folder holding LEAF's train/ and test/" if dataset == "leaf" else \
+            "a dataset saved with save_to_disk or a folder of parquet files"
+        raise ConfigError(f"--dataset {dataset} needs --data-dir: {where}.")
+    if dataset == "leaf" and config.leaf_task is not None and config.leaf_task not in leaf.LEAF_TASKS:
+        refuse(config, "leaf_task", config.leaf_task, f"one of {', '.join(leaf.LEAF_TASKS)}")
+    if dataset == "hf" and not config.client_column:
+        raise ConfigError("--dataset hf needs --client-column, the column whose values are the clients (e.g. "
+                          "writer_id).")
+    if config.num_clients is not None and config.max_clients is not None and config.num_clients > config.max_clients:
+        raise ConfigError(f"--clients {config.num_clients} asks for more clients than --max-clients "
+                          f"{config.max_clients}; leave --clients out or raise --max-clients.")
+
+
 def check_model(config, custom_method: bool) -> None:
     """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
     name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
-    spec = registry.MODELS[name]
+    spec = registry.find_model(name)
     if not custom_method and not spec.sequential and config.build_method().capabilities.neuron_masks:
         chains = ", ".join(n for n, s in registry.MODELS.items() if s.sequential)
         raise ConfigError(f"--method {config.method} drops single neurons, which needs a sequential model "

@@ -28,9 +28,9 @@ def build_model(name: str, dataset: sources.ArrayDataset, *, conv_impl: str = "l
     """A zoo model adapted for the engine, shaped for ``dataset``, its convolutions lowered by ``conv_impl``
     and trained in ``compute_dtype`` (the defaults: the plain model)."""
     if name == "auto":
-        name = DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+        name = dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
     input_shape = tuple(dataset.x_train.shape[1:])
-    spec = registry.MODELS[name]
+    spec = registry.find_model(name)
     module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl)
     plain = conv_impl == "lax" and compute_dtype == "float32"
     # a width-reduced copy keeps the lowering (the registry's own model of this name would not)

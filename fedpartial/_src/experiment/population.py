@@ -7,6 +7,8 @@ settings, and :mod:`fedpartial._src.data.ondevice` gathers the cohort's data on 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -26,7 +28,21 @@ def load_dataset(config: RunConfig) -> sources.ArrayDataset:
         options = {"alpha": config.alpha, "beta": config.alpha, "num_clients": config.num_clients}
         if config.max_samples is not None:
             options.update(max_samples=config.max_samples, min_samples=min(50, config.max_samples))
+    if config.dataset in sources.NATURAL_DATASETS:
+        options = {"max_clients": config.max_clients, "min_examples": config.min_examples,
+                   "num_clients": config.num_clients}
+        options.update({"task": config.leaf_task} if config.dataset == "leaf" else
+                       {"client_column": config.client_column, "feature": config.feature, "label": config.label})
     return sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
+
+
+def with_population(config: RunConfig, dataset: sources.ArrayDataset) -> RunConfig:
+    """``config`` with ``--clients`` left open (leaf, hf) set to the clients ``dataset`` brings, checked again."""
+    if config.num_clients is not None or dataset.natural_partition is None:
+        return config
+    config = dataclasses.replace(config, num_clients=len(dataset.natural_partition))
+    config.validate(custom_method=True)  # --cohort and the rest that depend on the population
+    return config
 
 
 def check_labels(dataset: sources.ArrayDataset) -> None:

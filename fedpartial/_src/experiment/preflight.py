@@ -27,7 +27,7 @@ def preflight(config: RunConfig) -> None:
     memory, more ``--devices`` than it has, an ``--out`` it cannot write, an asynchronous run's pool of in-flight
     updates beyond the device's memory.  ``config`` must be validated first."""
     ram = memory.host_available()
-    need = config.num_clients * MIN_BYTES_PER_CLIENT
+    need = (config.num_clients or 0) * MIN_BYTES_PER_CLIENT  # None: the files' users, counted when read
     if ram is not None and need > ram:
         raise ConfigError(f"--clients {config.num_clients} needs at least {memory.gib(need)} of host memory for the "
                           f"population's per-client records alone ({MIN_BYTES_PER_CLIENT} bytes a client), more "
@@ -60,7 +60,7 @@ def check_pool_fits(config: RunConfig) -> None:
     if shape is None:
         return
     name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
-    spec = registry.MODELS[name]
+    spec = registry.find_model(name)
     model = from_linen(spec.factory(2, shape), input_shape=shape, num_classes=2, sequential=spec.sequential,
                        name=name)
     need = pool_bytes(jax.eval_shape(model.init_variables, jax.random.key(0)), config.async_concurrency)

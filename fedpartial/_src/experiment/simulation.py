@@ -116,6 +116,7 @@ class Simulation:
     def _load_dataset(self, dataset: sources.ArrayDataset | None) -> None:
         """The training and test data: the caller's ``dataset``, else the one the config names."""
         self.dataset = dataset if dataset is not None else population.load_dataset(self.config)
+        self.config = population.with_population(self.config, self.dataset)  # leaf, hf: --clients from the files
         population.check_labels(self.dataset)  # before the partition counts them
 
     def _choose_method(self, method: Method | None) -> None:

@@ -10,15 +10,17 @@ neuron-level masks; residual models are not sequential.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import numbers
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.models import conv, resnet, text, zoo
+from fedpartial._src.models import conv, recurrent, resnet, text, zoo
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model", "find_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +81,61 @@ MODELS: dict[str, ModelSpec] = {
         description="EmbracingFL IMDB BiLSTM: embedding 10,000x256, bidirectional LSTM 256, Dense (token ids).",
         sequential=False,
     ),
+    "shakespeare_lstm": ModelSpec(
+        factory=lambda num_classes, input_shape: recurrent.shakespeare_lstm(num_classes),
+        description="LEAF Shakespeare LSTM: embedding 8 (82 character ids), 2 LSTM layers of 256, next-character "
+                    "Dense (token ids).",
+        sequential=False,
+    ),
+    "sent140_lstm": ModelSpec(
+        factory=lambda num_classes, input_shape: recurrent.sent140_lstm(num_classes),
+        description="LEAF Sent140 LSTM: embedding 10,000x300, 2 LSTM layers of 100, Dense 30, Dense (token ids).",
+        sequential=False,
+    ),
 }
 
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def find_model(name: str) -> ModelSpec:
+    """The model ``name`` names: a zoo model, or ``package.module:factory`` for a user's own.
+
+    The attribute a reference names is a :class:`ModelSpec`, a ``flax.linen.Module`` subclass (built as
+    ``cls(num_classes=C)``) or a factory ``factory(num_classes, input_shape) -> flax.linen.Module``; the
+    module is imported as ``--method`` plug-ins are (the command line puts the working directory on the
+    path). A user's model is taken as not sequential (no neuron-level methods) unless the attribute says
+    ``sequential = True``.
+
+    Raises:
+      UserError: an unknown name, or a reference that cannot be imported, in one sentence.
+    """
+    if name in MODELS:
+        return MODELS[name]
+    if not isinstance(name, str) or ":" not in name:
+        raise UserError(f"Unknown model name {name!r}; allowed names are: {', '.join(sorted(MODELS))}, or "
+                        "package.module:factory for your own.")
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"model {name!r}: module {module_name!r} cannot be imported ({e}).") from None
+    try:
+        obj = functools.reduce(getattr, attribute.split("."), module)
+    except AttributeError:
+        raise UserError(f"model {name!r}: module {module_name!r} has no {attribute!r}.") from None
+    if isinstance(obj, ModelSpec):
+        return obj
+    sequential = bool(getattr(obj, "sequential", False))
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        return ModelSpec(lambda num_classes, input_shape: obj(num_classes=num_classes),
+                         (obj.__doc__ or name).strip().splitlines()[0], sequential)
+    if callable(obj):
+        return ModelSpec(obj, ((getattr(obj, "__doc__", None) or name).strip().splitlines() or [name])[0],
+                         sequential)
+    raise UserError(f"model {name!r} is a {type(obj).__name__}, not a flax.linen.Module class, a ModelSpec or a "
+                    "factory(num_classes, input_shape) returning a module.")
 
 
 def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax") -> nn.Module:
@@ -110,10 +162,7 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
         ``input_shape`` the model cannot take (wrong rank, or too small for its
         pooling).
     """
-    if name not in MODELS:
-        raise UserError(
-            f"Unknown model name {name!r}; allowed names are: {', '.join(sorted(MODELS))}."
-        )
+    spec = find_model(name)
     if not _is_int(num_classes) or num_classes < 1:
         raise UserError(
             f"Model {name!r} needs num_classes to be a positive integer, got {num_classes!r}."
@@ -129,7 +178,9 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
         )
     shape = tuple(int(d) for d in shape)
     conv.check_conv_impl(conv_impl)
-    module = MODELS[name].factory(int(num_classes), shape)
+    module = spec.factory(int(num_classes), shape)
+    if not isinstance(module, nn.Module):
+        raise UserError(f"model {name!r} built a {type(module).__name__}, not a flax.linen.Module.")
     if conv_impl != "lax" and hasattr(module, "conv_impl"):
         module = module.clone(conv_impl=conv_impl)
     validate = getattr(module, "validate_input_shape", None)

@@ -1,0 +1,125 @@
+"""Runs on naturally federated files (--dataset leaf, hf): a short run learns on each format, the population is
+the files' users, a checkpointed run resumes, and the command line refuses what cannot run in one sentence."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import fedpartial as fp
+from fedpartial._src.cli.main import main as cli
+from tests.data.natural_files import leaf_folder
+
+SMALL_MODELS = '''
+from fedpartial._src.models.recurrent import StackedLSTM
+
+def chars(num_classes, input_shape):
+    return StackedLSTM(num_classes=num_classes, vocab_size=82, embed_dim=8, hidden=(16,))
+
+def words(num_classes, input_shape):
+    return StackedLSTM(num_classes=num_classes, vocab_size=10_000, embed_dim=8, hidden=(8, 8), dense=(8,))
+'''
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("natural")
+    users = {f"u{i:02d}": (24, 6) for i in range(6)}
+    leaf_folder(root / "femnist", "femnist", users, seed=1)
+    # strings of 20 characters, not LEAF's 80: the loader takes any one length, and the round compiles 5x faster
+    leaf_folder(root / "shakespeare", "shakespeare", {f"ROLE{i}": (48, 12) for i in range(4)}, seed=2, length=20)
+    leaf_folder(root / "sent140", "sent140", users, seed=3)
+    (root / "natural_small_models.py").write_text(SMALL_MODELS)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def importable(folders, monkeypatch):
+    monkeypatch.syspath_prepend(str(folders))
+
+
+def _run(folders, task, **settings):
+    # one client at a time (stepwise:1) compiles an LSTM's round on the CPU about 8x faster than fused
+    settings = {"local_steps": 4, **settings}
+    config = fp.RunConfig(dataset="leaf", data_dir=str(folders / task), cohort_size=3, batch_size=8,
+                          out_dir=None, seed=0, strategy="stepwise:1", **settings)
+    sim = fp.Simulation(config)
+    return sim, [r["test_accuracy"] for r in sim.rounds()]
+
+
+def test_femnist_files_learn_with_every_writer_a_client_and_resume(folders, tmp_path):
+    config = fp.RunConfig(dataset="leaf", data_dir=str(folders / "femnist"), model="mlp", rounds=4, cohort_size=3,
+                          local_steps=4, batch_size=8, client_lr=0.01, strategy="stepwise:1",
+                          out_dir=str(tmp_path / "runs"))
+    assert config.num_clients is None and config.partition == "natural"
+    summary = fp.run(config, checkpoint_every=2)
+    accuracy = [r["test_accuracy"] for r in summary["records"]]
+    assert accuracy[0] < 0.5 and accuracy[-1] >= 0.9  # 4 classes: chance is 0.25
+    run_dir = summary["run_dir"]
+    saved = json.load(open(os.path.join(run_dir, "config.json")))
+    assert saved["num_clients"] == 6 and saved["partition"] == "natural"  # every writer, resolved from the files
+    # extend the finished run by a round from its checkpoint: the same population, the rounds continue
+    assert cli(["run", "--resume", run_dir, "--rounds", "5", "--quiet"]) == 0
+    rounds = [json.loads(line)["round"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert rounds == [1, 2, 3, 4, 5]
+
+
+def test_shakespeare_files_learn_the_next_character(folders):
+    sim, accuracy = _run(folders, "shakespeare", model="natural_small_models:chars", rounds=5, local_steps=8,
+                         client_lr=0.5)
+    assert sim.dataset.num_classes == 81 and sim.config.num_clients == 4
+    assert accuracy[-1] >= 0.9  # 9 characters: chance is about 0.11
+
+
+def test_sent140_files_learn_the_sentiment(folders):
+    _, accuracy = _run(folders, "sent140", model="natural_small_models:words", rounds=6, client_lr=0.5)
+    assert accuracy[-1] >= 0.9
+
+
+def test_hf_parquet_learns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, 120)
+    images = np.full((120, 28, 28), 255, np.uint8)
+    for i, c in enumerate(labels):
+        images[i, 7 * c:7 * c + 7] = 0
+    ds = datasets.Dataset.from_dict({"writer_id": [f"w{i % 5}" for i in range(120)], "image": list(images),
+                                     "label": labels.tolist()},
+                                    features=datasets.Features({"writer_id": datasets.Value("string"),
+                                                                "image": datasets.Image(),
+                                                                "label": datasets.ClassLabel(num_classes=4)}))
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    config = fp.RunConfig(dataset="hf", data_dir=str(tmp_path), client_column="writer_id", model="mlp", rounds=4,
+                          cohort_size=2, local_steps=4, batch_size=8, client_lr=0.01, out_dir=None,
+                          strategy="stepwise:1")
+    sim = fp.Simulation(config)
+    assert sim.config.num_clients == 5
+    assert [r["test_accuracy"] for r in sim.rounds()][-1] >= 0.9
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset", "leaf"], "--dataset leaf needs --data-dir: the folder holding LEAF's train/ and test/."),
+    (["--dataset", "leaf", "--data-dir", "{femnist}", "--partition", "iid"],
+     "--partition iid is not allowed with --dataset leaf: its clients are the users of its files; leave "
+     "--partition out (natural)."),
+    (["--dataset", "leaf", "--data-dir", "{femnist}", "--clients", "7", "--cohort", "2"],
+     "--clients 7 asks for more clients than the LEAF files in {femnist} has users (6); leave --clients out to "
+     "use all of them."),
+    (["--dataset", "leaf", "--data-dir", "{femnist}", "--client-column", "writer_id"],
+     "--client-column applies to --dataset hf only, not 'leaf'."),
+    (["--dataset", "hf", "--data-dir", "{femnist}"],
+     "--dataset hf needs --client-column, the column whose values are the clients (e.g. writer_id)."),
+    (["--dataset", "digits", "--max-clients", "3"], "--max-clients applies to --dataset leaf and hf only, not "
+                                                    "'digits'."),
+    (["--dataset", "leaf", "--data-dir", "{femnist}", "--leaf-task", "celeba"],
+     "--leaf-task 'celeba' is not allowed: it must be one of femnist, shakespeare, sent140."),
+    (["--dataset", "leaf", "--data-dir", "{femnist}", "--model", "natural_small_models:nothing"],
+     "--model 'natural_small_models:nothing': module 'natural_small_models' has no 'nothing'."),
+])
+def test_the_command_line_refuses_in_one_sentence(folders, capsys, flags, message):
+    flags = [f.format(femnist=folders / "femnist") for f in flags]
+    assert cli(["run", *flags, "--rounds", "1", "--out", str(folders / "runs")]) != 0
+    err = capsys.readouterr().err
+    assert message.format(femnist=folders / "femnist") in " ".join(err.split()), err
+    assert "Traceback" not in err
