@@ -94,6 +94,14 @@ class RunConfig:
     # --- model ---
     model: str = setting("auto", section="model", help="a zoo model (fedpartial list models), or auto: the "
                          "dataset's usual model (cnn2c1f for digits, mlp for synthetic, ...)")
+    model_size: str = setting("tiny", section="model", help="the named size of a transformer model "
+                              "(transformer_lm, transformer_cls, vit): tiny, small, base or gpt2 (GPT-2 small's "
+                              "shape); other models take only tiny")
+    init_from: str | None = setting(None, section="model", metavar="PATH",
+                                    help="start from these parameters instead of a random initial model: a "
+                                         "fedpartial run folder (its final model) or a saved parameter file "
+                                         "(.npz, fedpartial.models.save_params)",
+                                    default_text="none: a random initial model")
     bn_policy: str = setting("global", section="model", help="BatchNorm statistics: global (aggregated like "
                              "weights) or static (not tracked; batch statistics at test time)")
 
@@ -299,6 +307,8 @@ class RunConfig:
             bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
         if self.model != "auto" and self.model not in registry.MODELS:
             bad(f"--model {self.model!r} is unknown; choose 'auto' or one of {', '.join(sorted(registry.MODELS))}.")
+        if self.model_size != "tiny":
+            config_checks.check_model_size(self)
         if self.max_samples is not None and self.dataset != "synthetic":
             bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
         if self.partition not in PARTITIONS:

@@ -176,6 +176,18 @@ def check_devices(config) -> None:
                           f"--strategy {config.strategy} runs on one device.")
 
 
+def check_model_size(config) -> None:
+    """``--model-size``: a named size, for a model that comes in sizes."""
+    from fedpartial._src.models import transformer
+
+    name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+    if config.model_size not in transformer.SIZES:
+        refuse(config, "model_size", config.model_size, f"one of {', '.join(transformer.SIZES)}")
+    if name in registry.MODELS and not registry.MODELS[name].sized:
+        raise ConfigError(f"--model-size {config.model_size} applies to {', '.join(registry.sized_models())}, not "
+                          f"to --model {name}; leave it at tiny or choose one of those models.")
+
+
 def check_model(config, custom_method: bool) -> None:
     """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
     name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model

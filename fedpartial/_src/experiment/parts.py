@@ -24,14 +24,14 @@ from fedpartial._src.models.precision import with_compute_dtype
 
 
 def build_model(name: str, dataset: sources.ArrayDataset, *, conv_impl: str = "lax",
-                compute_dtype: str = "float32") -> Model:
+                compute_dtype: str = "float32", size: str = "tiny") -> Model:
     """A zoo model adapted for the engine, shaped for ``dataset``, its convolutions lowered by ``conv_impl``
     and trained in ``compute_dtype`` (the defaults: the plain model)."""
     if name == "auto":
         name = DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
     input_shape = tuple(dataset.x_train.shape[1:])
     spec = registry.MODELS[name]
-    module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl)
+    module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl, size=size)
     plain = conv_impl == "lax" and compute_dtype == "float32"
     # a width-reduced copy keeps the lowering (the registry's own model of this name would not)
     width = None if plain or not hasattr(module, "_width_fields") else \
@@ -52,7 +52,8 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset) -> conv_choice
     if forced:
         return conv_choice.ConvChoice(check_conv_impl(forced), None, {}, "FEDPARTIAL_CONV_IMPL")
     return conv_choice.choose(
-        lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype),
+        lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype,
+                                 size=config.model_size),
         batch_size=config.batch_size, cohort_size=config.cohort_size, dtype=config.compute_dtype,
         cache_dir=compile_cache.cache_folder())
 
@@ -67,8 +68,9 @@ def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | 
         choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
         return with_compute_dtype(model, dtype), None if dtype == "float32" else model, choice
     choice = choose_conv(config, dataset)
-    model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype)
-    plain = None if (choice.impl, dtype) == ("lax", "float32") else build_model(config.model, dataset)
+    model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype, size=config.model_size)
+    plain = None if (choice.impl, dtype) == ("lax", "float32") else \
+        build_model(config.model, dataset, size=config.model_size)
     if adapt is not None:  # e.g. MOON's projection head
         model, plain = adapt(model), plain and adapt(plain)
     return model, plain, choice

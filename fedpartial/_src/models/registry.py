@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.models import conv, resnet, text, zoo
+from fedpartial._src.models import conv, resnet, text, transformer, zoo
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model", "sized_models"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +30,14 @@ class ModelSpec:
       description: one line saying what the model is.
       sequential: True when every layer feeds only the next layer (a chain with no
         residual/skip connections); only such models support neuron-level masks.
+      sized: whether the model comes in the named sizes of ``--model-size``
+        (:data:`fedpartial._src.models.transformer.SIZES`); its factory then also takes ``size``.
     """
 
-    factory: Callable[[int, tuple[int, ...]], nn.Module]
+    factory: Callable[..., nn.Module]
     description: str
     sequential: bool
+    sized: bool = False
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -78,6 +81,24 @@ MODELS: dict[str, ModelSpec] = {
         description="EmbracingFL IMDB BiLSTM: embedding 10,000x256, bidirectional LSTM 256, Dense (token ids).",
         sequential=False,
     ),
+    "transformer_lm": ModelSpec(
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerLM(num_classes=num_classes, size=size),
+        description="Decoder-only causal transformer language model (pre-LayerNorm, GPT-2 style; token ids in, "
+                    "next-token logits out; --model-size).",
+        sequential=False, sized=True,
+    ),
+    "transformer_cls": ModelSpec(
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerCLS(num_classes=num_classes,
+                                                                                  size=size),
+        description="Transformer encoder text classifier (pre-LayerNorm, mean-pooled; token ids; --model-size).",
+        sequential=False, sized=True,
+    ),
+    "vit": ModelSpec(
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.ViT(num_classes=num_classes, size=size),
+        description="Vision transformer: image patches -> pre-LayerNorm encoder -> mean-pooled classifier "
+                    "(--model-size).",
+        sequential=False, sized=True,
+    ),
 }
 
 
@@ -85,7 +106,8 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax") -> nn.Module:
+def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax",
+                size: str = transformer.DEFAULT_SIZE) -> nn.Module:
     """Build zoo model ``name`` for ``num_classes`` classes and examples of ``input_shape``.
 
     Args:
@@ -94,6 +116,8 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
       input_shape: one example's shape (no batch axis).
       conv_impl: how its convolutions are lowered (:data:`fedpartial.models.CONV_IMPLS`; the same parameters
         and, within float32 rounding, the same results); a model without convolutions ignores it.
+      size: a named size (:data:`~fedpartial.models.MODEL_SIZES`) for the models that come in sizes (the
+        transformers); the others take only the default, ``'tiny'``.
 
     Returns:
       The Flax linen module (adapt it with :func:`from_linen`).
@@ -128,13 +152,27 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
         )
     shape = tuple(int(d) for d in shape)
     conv.check_conv_impl(conv_impl)
-    module = MODELS[name].factory(int(num_classes), shape)
+    spec = MODELS[name]
+    if spec.sized:
+        transformer.check_size(size)
+        module = spec.factory(int(num_classes), shape, size)
+    elif size != transformer.DEFAULT_SIZE:
+        raise UserError(f"--model-size {size!r} applies to the models that come in sizes "
+                        f"({', '.join(sized_models())}), not to {name!r}; leave it at "
+                        f"{transformer.DEFAULT_SIZE!r}.")
+    else:
+        module = spec.factory(int(num_classes), shape)
     if conv_impl != "lax" and hasattr(module, "conv_impl"):
         module = module.clone(conv_impl=conv_impl)
     validate = getattr(module, "validate_input_shape", None)
     if validate is not None:
         validate(shape)
     return module
+
+
+def sized_models() -> tuple[str, ...]:
+    """The zoo models that come in the named sizes of ``--model-size``."""
+    return tuple(name for name, spec in MODELS.items() if spec.sized)
 
 
 def build_narrow_model(name: str, num_classes: int, input_shape: Sequence[int], ratio: float, *,
