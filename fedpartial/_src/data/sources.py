@@ -34,6 +34,11 @@ Sources
     ``vocab_size`` (10,000) - 2 most frequent training words, 0 = padding, 1 =
     unknown, each review's first ``seq_len`` (256) words, right-padded. Options
     ``vocab_size``, ``seq_len``.
+``synthetic_lm``
+    the offline language-model corpus of :mod:`fedpartial._src.data.language`: int32 token ids ``[n,
+    seq_len]`` and their next tokens as labels ``[n, seq_len]`` (-1 where nothing follows), drawn from
+    ``num_topics`` Markov chains; options ``num_examples`` (2000), ``seq_len`` (32), ``vocab_size`` (64),
+    ``num_topics`` (4), ``branching`` (3), ``test_fraction`` (0.2).
 ``synthetic``
     Synthetic(alpha, beta) of the FedProx paper, see
     :mod:`fedpartial._src.data.synthetic`. Options ``alpha`` (1.0), ``beta`` (1.0),
@@ -59,7 +64,7 @@ import numpy as np
 
 from fedpartial._src.data.arrays import ArrayDataset, DataError, stratified_split
 from fedpartial._src.data.synthetic import make_synthetic
-from fedpartial._src.data import text
+from fedpartial._src.data import language, text
 
 __all__ = ["DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
 
@@ -72,7 +77,7 @@ TFDS_DATASETS: tuple[str, ...] = (
     "cifar100",
     "svhn_cropped",
 )
-TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews")
+TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews", "synthetic_lm")
 DATASETS: tuple[str, ...] = ("digits", "mnist5k", "synthetic") + TFDS_DATASETS + TEXT_DATASETS
 
 # Config used when a tfds dataset has several and none is asked for.
@@ -102,7 +107,7 @@ def load_dataset(
     ``~/tensorflow_datasets``). Options by source: ``digits``, ``mnist5k``:
     ``test_fraction``; ``synthetic``: the keywords of
     :func:`~fedpartial.data.make_synthetic`; ``synthetic_text``: those
-    of ``make_synthetic_text``; ``imdb_reviews``:
+    of ``make_synthetic_text``; ``synthetic_lm``: those of ``make_synthetic_lm``; ``imdb_reviews``:
     ``vocab_size``, ``seq_len``; other tfds datasets: ``config``.
 
     A tfds dataset that is not prepared locally raises :class:`DataError`
@@ -143,6 +148,9 @@ def load_dataset(
 
         _check_generator_options(name, text.make_synthetic_text, options)
         return text.make_synthetic_text(seed=seed, **options)
+    if name == "synthetic_lm":
+        _check_generator_options(name, language.make_synthetic_lm, options)
+        return language.make_synthetic_lm(seed=seed, **options)
     if name == "imdb_reviews":
         vocab_size = options.pop("vocab_size", 10_000)
         seq_len = options.pop("seq_len", 256)

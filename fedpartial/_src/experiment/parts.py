@@ -16,7 +16,7 @@ from fedpartial._src.data import sources
 from fedpartial._src.core.types import ClientOptimizer, client_sgd
 from fedpartial._src.engine import conv_choice
 from fedpartial._src.experiment import compile_cache
-from fedpartial._src.experiment.config import DEFAULT_MODELS, RunConfig
+from fedpartial._src.experiment.config import DEFAULT_MODELS, ConfigError, RunConfig
 from fedpartial._src.models import registry, zoo
 from fedpartial._src.models.adapter import Model, from_linen
 from fedpartial._src.models.conv import check_conv_impl
@@ -82,6 +82,21 @@ def model_outputs(model: Model, dtype=np.float32) -> int:
     x = jax.ShapeDtypeStruct((1, *model.input_shape), dtype)
     logits = jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x)
     return int(logits.shape[-1])
+
+
+def check_outputs_fit_labels(model: Model, dataset: sources.ArrayDataset) -> None:
+    """Refuses, in one sentence, a model whose logits do not have one row per label of an example: a language
+    model (logits per position) on one label per example, or a classifier on labels per position."""
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), dataset.x_train.dtype)
+    per_example = tuple(jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x).shape[1:-1])
+    labels = tuple(np.shape(dataset.y_train)[1:])
+    if per_example != labels:
+        def said(shape):
+            return "one label per example" if not shape else f"labels of shape {shape} per example (one per position)"
+        raise ConfigError(f"model {model.name} predicts {said(per_example)}, but {dataset.name} has {said(labels)}; "
+                          f"choose a model that predicts {said(labels)} (transformer_lm for next-token labels, a "
+                          "classifier for one label per example).")
 
 
 def make_client_optimizer(config: RunConfig) -> ClientOptimizer:

@@ -400,6 +400,8 @@ def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: 
         "final_test_accuracy": accs[-1] if accs else math.nan,
         "best_test_accuracy": max(accs) if accs else math.nan,
         "final_test_loss": evaluated[-1]["test_loss"] if evaluated else math.nan,
+        # a language model (labels per position): exp(test loss)
+        **({"final_perplexity": evaluated[-1]["perplexity"]} if evaluated and "perplexity" in evaluated[-1] else {}),
         # a model with exits: every exit's accuracy and their ensemble's (test_accuracy_exit1, …)
         **{f"final_{k}": v for k, v in (evaluated[-1] if evaluated else {}).items() if k.startswith("test_accuracy_")},
         "final_train_loss": records[-1]["train_loss"] if records else math.nan,

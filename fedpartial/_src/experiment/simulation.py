@@ -36,7 +36,8 @@ from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
-from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer, model_outputs, run_models
+from fedpartial._src.experiment.parts import (check_outputs_fit_labels, make_client_optimizer, make_server_optimizer,
+                                              model_outputs, run_models)
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
@@ -146,7 +147,7 @@ class Simulation:
             if dataset.natural_partition is not None:
                 raise ConfigError(f"method {self.method.name} needs a server set, which a naturally "
                                   f"partitioned dataset ({dataset.name}) cannot spare.")
-            server = population.server_examples(dataset.y_train, self.method.capabilities.server_examples_per_class, config.seed)
+            server = population.server_examples(dataset.groups, self.method.capabilities.server_examples_per_class, config.seed)
             self.server_data = ServerData(dataset.x_train[server], dataset.y_train[server])
             pool = np.setdiff1d(np.arange(len(dataset.y_train)), server)
         self.clients = population.partition_clients(config, dataset, self.train_fraction, pool)
@@ -174,6 +175,7 @@ class Simulation:
         if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
+        check_outputs_fit_labels(self.model, dataset)
         outputs = model_outputs(self.model, dataset.x_train.dtype)
         if outputs != dataset.num_classes:  # fewer would fail later as something else, more would pass silently
             raise ConfigError(f"model {self.model.name} gives {outputs} outputs per example, but {dataset.name} has "
