@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, disk, privacy
+from fedpartial._src.experiment import checkpoint, disk, pretrained, privacy
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
@@ -231,6 +231,7 @@ class RunWriter:
         if error is None and run_dir:
             try:
                 self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
+                pretrained.write_final_params(run_dir, jax.device_get(sim.state.variables))  # for --init-from
             except disk.OutOfSpace as no_room:
                 error = no_room
         if error is None and signum is not None and done < config.rounds:

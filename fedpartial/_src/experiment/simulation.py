@@ -36,6 +36,7 @@ from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
+from fedpartial._src.experiment import pretrained
 from fedpartial._src.experiment.parts import (check_outputs_fit_labels, make_client_optimizer, make_server_optimizer,
                                               model_outputs, run_models)
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
@@ -167,7 +168,7 @@ class Simulation:
         #: the model, and the same model lowered by lax in float32 when the run's is not (the device model counts its
         #: FLOPs; None: it is), and how its convolutions are lowered
         model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model)
-        self.model = model
+        self.model = pretrained.initial_model(model, self.config.init_from)  # --init-from: checked against it
         if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
             raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
                               f"chain of layers), but model {self.model.name} is not declared sequential; choose "
