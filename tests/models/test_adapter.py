@@ -43,9 +43,11 @@ def test_resnet20_is_non_sequential_with_all_layers():
     assert s.layer_names[-1].endswith("head")
 
 
-@pytest.mark.parametrize("name", sorted(set(MODELS) - {"bilstm"}))  # bilstm: tests/models/test_bilstm.py
+# bilstm: tests/models/test_bilstm.py
+@pytest.mark.parametrize("name", sorted(set(MODELS) - {"bilstm"}))
 def test_every_zoo_model_has_one_role_per_leaf(name):
-    shape = (32, 32, 3) if name in ("vgg9", "cnn2c3f", "lenet5", "resnet20") else (28, 28, 1)
+    shape = (32, 32, 3) if name in ("vgg9", "cnn2c3f", "lenet5", "resnet20") else \
+        (16,) if name in ("transformer_lm", "transformer_cls") else (28, 28, 1)
     model = adapt(name, shape)
     variables = jax.eval_shape(lambda: model.init_variables(jax.random.key(0)))
     for collection, tree in variables.items():

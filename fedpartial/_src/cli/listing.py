@@ -25,6 +25,7 @@ DATASET_SUMMARIES = {
     "cifar100": "CIFAR-100 colour images, 100 classes (tensorflow-datasets)",
     "svhn_cropped": "SVHN house-number digits, 10 classes (tensorflow-datasets)",
     "synthetic_text": "generated token sequences, 2 classes, offline",
+    "synthetic_lm": "generated token sequences from 4 Markov topics, next-token targets (language model), offline",
     "imdb_reviews": "IMDB movie reviews as token ids, 2 classes (tensorflow-datasets)",
     "leaf": "LEAF's JSON files you have (FEMNIST, Shakespeare, Sent140; --data-dir), one LEAF user a client",
     "hf": "a Hugging Face dataset saved to disk or a parquet folder (--data-dir), one value of --client-column a "

@@ -157,6 +157,7 @@ def closing_rows(config, summary: dict, personal: bool = True) -> list[tuple[str
         ("final test accuracy", f"{summary['final_test_accuracy']:.4f}"),
         ("best test accuracy", f"{summary['best_test_accuracy']:.4f}"),
         ("final test loss", f"{summary['final_test_loss']:.4f}"),
+        *([("final perplexity", f"{summary['final_perplexity']:.3f}")] if "final_perplexity" in summary else []),
         *([("exits, shallow → deep",
             " / ".join(f"{v:.4f}" for k, v in summary.items() if k.startswith("final_test_accuracy_exit"))
             + f"; ensemble {summary['final_test_accuracy_ensemble']:.4f}")]

@@ -292,6 +292,11 @@ def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_va
     value = layer_vals[role.layer]
     if role.norm and norms is not None:
         value = combine(value, norms[role.layer])
+    if role.on_input:  # a pre-norm: its units are those feeding the layer
+        inp = _input_units(structure, role.layer, in_vals, inputs)
+        if inp is not None:
+            value = combine(value, inp.reshape((1,) * (len(shape) - 1) + inp.shape))
+        return jnp.broadcast_to(value, shape)
     out = out_vals[role.layer]
     value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
     if role.has_input_axis:
@@ -440,22 +445,25 @@ def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp, positio
     for collection, path, shape, weight in leaves:
         role = structure.role(collection, path)
         spec = structure.layers[role.layer]
-        wired = role.has_input_axis and not (
+        wired = (role.has_input_axis or role.on_input) and not (
             spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0))
-        static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
-        key = (role.layer, bool(role.norm and mask.norms is not None), wired)
+        if role.on_input:  # a pre-norm's leaf: input units on its last axis, no output units
+            static = math.prod(shape[:-1] if wired else shape) * weight
+        else:
+            static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
+        key = (role.layer, bool(role.norm and mask.norms is not None), wired, role.on_input)
         groups[key] = groups.get(key, 0) + static
     batch = mask.layers.shape[:-1]
     per_layer = [xp.zeros(batch, xp.int32) for _ in range(structure.num_layers)]
     n_out: dict[int, jax.Array] = {}
     n_in: dict[int, jax.Array] = {}
-    for (layer, norm, wired), static in sorted(groups.items()):
+    for (layer, norm, wired, on_input), static in sorted(groups.items()):
         on = mask.layers[..., layer]
         if norm:
             on = on & mask.norms[..., layer]
         if layer not in n_out:
             n_out[layer] = xp.sum(mask.neurons[layer], axis=-1, dtype=xp.int32)
-        count = on.astype(xp.int32) * n_out[layer]
+        count = on.astype(xp.int32) if on_input else on.astype(xp.int32) * n_out[layer]
         if wired:
             if layer not in n_in:
                 spec = structure.layers[layer]

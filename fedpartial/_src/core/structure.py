@@ -1,7 +1,9 @@
 """Layer structure of a model: ordered layers, their output units and how they feed on.
 
 A *layer* (docs/decisions.md#engine) is a parametrised module — a Conv or Dense with its bias; a
-normaliser (BatchNorm, LayerNorm, GroupNorm) belongs to the layer it follows.
+normaliser (BatchNorm, LayerNorm, GroupNorm) belongs to the layer it follows, unless it is a *pre-norm*: one
+whose output is the input of the next module called and whose input is not the previous layer's output (a
+pre-LayerNorm transformer's ``ln1`` before the attention's query), which belongs to the layer it feeds.
 Layers are ordered input-side to output-side by the order in which their modules
 are first called in a forward pass (params dicts are flattened in sorted-key order
 by JAX, so the order cannot be read from the pytree itself).
@@ -68,6 +70,8 @@ class LeafRole:
     has_input_axis: bool
     # Whether the leaf belongs to the layer's normaliser (BatchNorm scale/bias and statistics).
     norm: bool = False
+    # Whether its last axis holds the layer's input units, not its outputs (a pre-norm's scale and bias).
+    on_input: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a jit static argument
@@ -154,6 +158,7 @@ def build_structure(
     normalizer_paths: Sequence[Path] = (),
     *,
     sequential: bool,
+    pre_norm_paths: Sequence[Path] = (),
 ) -> ModelStructure:
     """Derives the layer structure from initialised variables and the module call order.
 
@@ -162,6 +167,8 @@ def build_structure(
       call_order: module paths in the order their modules were first called in a
         forward pass (parents may be included; only modules owning leaves count).
       normalizer_paths: the subset of ``call_order`` that are normalisers.
+      pre_norm_paths: the normalisers that join the next layer in ``call_order`` (pre-norms) instead of
+        the one before.
       sequential: whether layer ``l`` feeds exactly layer ``l+1`` (no residual or
         skip connections). Neuron masks are only wired across layers when True.
 
@@ -184,9 +191,14 @@ def build_structure(
     ordered = sorted(owners, key=lambda m: order_index[m])
     kernels = {m: _kernel_leaf(params, owners[m]) for m in ordered}
 
+    pre_set = set(pre_norm_paths)
     layers: list[dict] = []
     module_layer: dict[Path, int] = {}
+    waiting: list[Path] = []  # pre-norms called since the last layer: they join the next one
     for module_path in ordered:
+        if module_path in norm_set and module_path in pre_set:
+            waiting.append(module_path)
+            continue
         if module_path in norm_set:
             if not layers:
                 raise ValueError(f"normaliser {'/'.join(module_path)} comes before any layer.")
@@ -196,8 +208,12 @@ def build_structure(
         kernel = kernels[module_path]
         units = int(kernel.shape[-1])
         fan_in = int(kernel.shape[-2]) if kernel.ndim >= 2 else None
-        layers.append(dict(path=module_path, units=units, fan_in=fan_in, norm_paths=[], kernel_rank=int(kernel.ndim)))
-        module_layer[module_path] = len(layers) - 1
+        layers.append(dict(path=module_path, units=units, fan_in=fan_in, norm_paths=list(waiting),
+                           kernel_rank=int(kernel.ndim)))
+        module_layer.update({p: len(layers) - 1 for p in [*waiting, module_path]})
+        waiting = []
+    if waiting:
+        raise ValueError(f"normaliser {'/'.join(waiting[0])} feeds no layer after it.")
 
     built = []
     for i, spec in enumerate(layers):
@@ -234,7 +250,8 @@ def build_structure(
                 )
             layer = module_layer[module_path]
             is_kernel_like = module_path not in norm_set and np.ndim(leaf) >= 2
-            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like), norm=module_path in norm_set)
+            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like), norm=module_path in norm_set,
+                                        on_input=module_path in pre_set)
         roles[collection] = coll_roles
     return ModelStructure(layers=tuple(built), roles=roles, sequential=sequential)
 

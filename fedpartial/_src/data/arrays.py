@@ -21,7 +21,8 @@ class ArrayDataset:
     Attributes:
       name: the dataset's name (``--dataset``).
       x_train: training features ``[n, ...]``.
-      y_train: int training labels ``[n]``.
+      y_train: int training labels ``[n]``, or ``[n, T]`` one per position (a language model's next tokens,
+        -1 where nothing is to be predicted: :mod:`fedpartial._src.data.language`).
       x_test: test features ``[m, ...]``.
       y_test: int test labels ``[m]``.
       num_classes: the number of classes ``C``.
@@ -31,6 +32,8 @@ class ArrayDataset:
       client_names: the natural clients' names in the files (LEAF's users, a column's values), or None.
       usual_model: the zoo model ``--model auto`` picks for this data (e.g. ``shakespeare_lstm``), or None:
         the one the dataset's name gives.
+      group_train: per training example a group id (``[n]`` int) that partitioning reads when the labels are
+        per position (e.g. ``synthetic_lm``'s topic), or None.
     """
 
     name: str
@@ -43,6 +46,17 @@ class ArrayDataset:
     natural_test_partition: tuple[np.ndarray, ...] | None = None
     client_names: tuple[str, ...] | None = None
     usual_model: str | None = None
+    group_train: np.ndarray | None = None
+
+    @property
+    def groups(self) -> np.ndarray:
+        """``[n]`` one label per training example, what a label-skewed partition splits by: the labels
+        themselves, else ``group_train`` (labels per position), else one group for all."""
+        if np.ndim(self.y_train) == 1:
+            return self.y_train
+        if self.group_train is not None:
+            return self.group_train
+        return np.zeros(len(self.y_train), np.int32)
 
     @property
     def feature_shape(self) -> tuple[int, ...]:

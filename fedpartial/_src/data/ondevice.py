@@ -118,7 +118,8 @@ def place(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray], sp
     order, offsets, sizes = layout(client_indices)
     steps = _client_steps(sizes, spec.batch_size, spec.local_steps, spec.local_epochs)
     if order.size == 0:  # no client has an example: one zero row keeps the (never real) gathers in bounds
-        x, y, order = np.zeros((1,) + x.shape[1:], x.dtype), np.zeros(1, np.int32), np.zeros(1, np.int64)
+        x, y, order = np.zeros((1,) + x.shape[1:], x.dtype), np.zeros((1,) + np.shape(y)[1:], np.int32), \
+            np.zeros(1, np.int64)
     host = DevicePopulation(
         x=np.asarray(x[order], _out_dtype(x)), y=np.asarray(np.asarray(y)[order], np.int32),
         offsets=offsets.astype(np.int32), sizes=sizes.astype(np.int32), steps=steps.astype(np.int32))
@@ -204,7 +205,8 @@ def gather_cohort(data: DevicePopulation, client_ids: jax.Array, valid: jax.Arra
     rows, mask = jax.vmap(one)(keys, n, steps, offsets)
     x = data.x[rows]
     x = jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x, jnp.zeros((), x.dtype))
-    y = jnp.where(mask, data.y[rows], 0)
+    y = data.y[rows]
+    y = jnp.where(mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)), y, 0)
     batch = Batch(x=x, y=y, example_mask=mask, step_mask=mask.any(axis=2))
     return batch, n.astype(jnp.float32)
 

@@ -210,7 +210,7 @@ def pack_cohort(
     steps_cap = _check_positive_int("num_steps", num_steps)
     x = np.asarray(x)
     y = np.asarray(y)
-    if x.ndim < 1 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+    if x.ndim < 1 or y.ndim < 1 or x.shape[0] != y.shape[0]:
         raise DataError(
             f"x and y must have the same number of examples along their first axis, got shapes "
             f"{x.shape} and {y.shape}."
@@ -281,13 +281,13 @@ def pack_cohort(
         # Mostly padding: start from zeros and write only the real slots.
         xb = np.zeros((total,) + x.shape[1:], dtype=out_dtype)
         xb[real_pos] = x[flat_idx[real_pos]]
-    yb = np.zeros(total, dtype=np.int32)
+    yb = np.zeros((total,) + y.shape[1:], dtype=np.int32)  # labels per example, or per position of a sequence
     yb[real_pos] = y[flat_idx[real_pos]]
 
     shape = (num_clients, steps_cap, batch)
     return CohortBatches(
         x=xb.reshape(shape + x.shape[1:]),
-        y=yb.reshape(shape),
+        y=yb.reshape(shape + y.shape[1:]),
         example_mask=example_mask,
         step_mask=step_mask,
         num_samples=num_samples,

@@ -39,6 +39,11 @@ Sources
     (:mod:`fedpartial._src.data.leaf`; options ``task``, ``max_clients``, ``min_examples``,
     ``num_clients``) and Hugging Face datasets saved to disk or as parquet (:mod:`fedpartial._src.data.hf`;
     options ``client_column``, ``feature``, ``label`` and the same three). ``data_dir`` is their folder.
+``synthetic_lm``
+    the offline language-model corpus of :mod:`fedpartial._src.data.language`: int32 token ids ``[n,
+    seq_len]`` and their next tokens as labels ``[n, seq_len]`` (-1 where nothing follows), drawn from
+    ``num_topics`` Markov chains; options ``num_examples`` (2000), ``seq_len`` (32), ``vocab_size`` (64),
+    ``num_topics`` (4), ``branching`` (3), ``test_fraction`` (0.2).
 ``synthetic``
     Synthetic(alpha, beta) of the FedProx paper, see
     :mod:`fedpartial._src.data.synthetic`. Options ``alpha`` (1.0), ``beta`` (1.0),
@@ -64,7 +69,7 @@ import numpy as np
 
 from fedpartial._src.data.arrays import ArrayDataset, DataError, stratified_split
 from fedpartial._src.data.synthetic import make_synthetic
-from fedpartial._src.data import text
+from fedpartial._src.data import language, text
 
 __all__ = ["DATASETS", "NATURAL_DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
 
@@ -78,7 +83,7 @@ TFDS_DATASETS: tuple[str, ...] = (
     "cifar100",
     "svhn_cropped",
 )
-TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews")
+TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews", "synthetic_lm")
 #: datasets read from files the user has, one of their users a client (LEAF's JSON, Hugging Face folders)
 NATURAL_DATASETS: tuple[str, ...] = ("leaf", "hf")
 #: every dataset name ``--dataset`` takes; digits, mnist5k, synthetic and synthetic_text need no download
@@ -111,7 +116,7 @@ def load_dataset(
     ``~/tensorflow_datasets``). Options by source: ``digits``, ``mnist5k``:
     ``test_fraction``; ``synthetic``: the keywords of
     :func:`~fedpartial.data.make_synthetic`; ``synthetic_text``: those
-    of ``make_synthetic_text``; ``imdb_reviews``:
+    of ``make_synthetic_text``; ``synthetic_lm``: those of ``make_synthetic_lm``; ``imdb_reviews``:
     ``vocab_size``, ``seq_len``; other tfds datasets: ``config``.
 
     A tfds dataset that is not prepared locally raises :class:`DataError`
@@ -152,6 +157,9 @@ def load_dataset(
 
         _check_generator_options(name, text.make_synthetic_text, options)
         return text.make_synthetic_text(seed=seed, **options)
+    if name == "synthetic_lm":
+        _check_generator_options(name, language.make_synthetic_lm, options)
+        return language.make_synthetic_lm(seed=seed, **options)
     if name == "imdb_reviews":
         vocab_size = options.pop("vocab_size", 10_000)
         seq_len = options.pop("seq_len", 256)

@@ -116,6 +116,14 @@ class RunConfig:
     model: str = setting("auto", section="model", help="a zoo model (fedpartial list models), "
                          "package.module:factory for your own Flax module, or auto: the dataset's usual model "
                          "(cnn2c1f for digits, mlp for synthetic, shakespeare_lstm for LEAF's Shakespeare, ...)")
+    model_size: str = setting("tiny", section="model", help="the named size of a transformer model "
+                              "(transformer_lm, transformer_cls, vit): tiny, small, base or gpt2 (GPT-2 small's "
+                              "shape); other models take only tiny")
+    init_from: str | None = setting(None, section="model", metavar="PATH",
+                                    help="start from these parameters instead of a random initial model: a "
+                                         "fedpartial run folder (its final model) or a saved parameter file "
+                                         "(.npz, fedpartial.models.save_params)",
+                                    default_text="none: a random initial model")
     bn_policy: str = setting("global", section="model", help="BatchNorm statistics: global (aggregated like "
                              "weights) or static (not tracked; batch statistics at test time)")
 
@@ -336,6 +344,8 @@ class RunConfig:
                 registry.find_model(self.model)  # your own: importable, naming a module class or factory
             except UserError as e:
                 bad(f"--{e}")
+        if self.model_size != "tiny":
+            config_checks.check_model_size(self)
         if self.max_samples is not None and self.dataset != "synthetic":
             bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
         if self.partition not in PARTITIONS:

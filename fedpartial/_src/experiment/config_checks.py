@@ -21,14 +21,14 @@ from fedpartial._src.models import registry
 DEFAULT_MODELS = {
     "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
     "emnist": "femnist_cnn", "cifar10": "vgg9", "cifar100": "resnet20", "svhn_cropped": "vgg9",
-    "mnist5k": "cnn2c1f", "synthetic_text": "bilstm", "imdb_reviews": "bilstm",
+    "mnist5k": "cnn2c1f", "synthetic_text": "bilstm", "imdb_reviews": "bilstm", "synthetic_lm": "transformer_lm",
 }
 #: one example's shape for each dataset whose shape is fixed, so a model that cannot take it is refused
 #: before data is loaded (imdb_reviews' default sequence length; synthetic_text's default is 64)
 DATASET_SHAPES = {
     "digits": (8, 8, 1), "mnist5k": (28, 28, 1), "synthetic": (60,), "mnist": (28, 28, 1),
     "fashion_mnist": (28, 28, 1), "emnist": (28, 28, 1), "cifar10": (32, 32, 3), "cifar100": (32, 32, 3),
-    "svhn_cropped": (32, 32, 3), "synthetic_text": (64,), "imdb_reviews": (256,),
+    "svhn_cropped": (32, 32, 3), "synthetic_text": (64,), "imdb_reviews": (256,), "synthetic_lm": (32,),
 }
 #: a run folder's name: file systems allow 255 bytes; a taken name gets a suffix such as "-1"
 MAX_RUN_NAME_BYTES = 240
@@ -208,6 +208,18 @@ def check_natural_data(config) -> None:
     if config.num_clients is not None and config.max_clients is not None and config.num_clients > config.max_clients:
         raise ConfigError(f"--clients {config.num_clients} asks for more clients than --max-clients "
                           f"{config.max_clients}; leave --clients out or raise --max-clients.")
+
+
+def check_model_size(config) -> None:
+    """``--model-size``: a named size, for a model that comes in sizes."""
+    from fedpartial._src.models import transformer
+
+    name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+    if config.model_size not in transformer.SIZES:
+        refuse(config, "model_size", config.model_size, f"one of {', '.join(transformer.SIZES)}")
+    if name in registry.MODELS and not registry.MODELS[name].sized:
+        raise ConfigError(f"--model-size {config.model_size} applies to {', '.join(registry.sized_models())}, not "
+                          f"to --model {name}; leave it at tiny or choose one of those models.")
 
 
 def check_model(config, custom_method: bool) -> None:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core import memory
-from fedpartial._src.core.losses import masked_cross_entropy, model_loss
+from fedpartial._src.core.losses import count_correct, count_labels, masked_cross_entropy, model_loss
 from fedpartial._src.methods.base import PersonalModels
 from fedpartial._src.models import exits
 from fedpartial._src.models.adapter import Model
@@ -31,9 +31,10 @@ def _eval_batch(model: Model, variables, x, y_mask, batch_statistics: bool):
     else:
         logits, _ = model.apply(variables, x, batch_statistics, stats_mask)
         extra = jnp.zeros((0, *logits.shape), logits.dtype)
-    correct = jnp.sum((jnp.argmax(logits, -1) == y) & mask)
-    loss = masked_cross_entropy(logits, y, mask) * jnp.sum(mask)
-    return correct, loss, jnp.sum((jnp.argmax(extra, -1) == y[None]) & mask[None], axis=-1)
+    count = count_labels(y, mask)
+    loss = masked_cross_entropy(logits, y, mask) * count
+    every_exit = jax.vmap(count_correct, in_axes=(0, None, None))(extra, y, mask)
+    return count_correct(logits, y, mask), loss, every_exit, count
 
 
 def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, batch_size: int = 512,
@@ -45,13 +46,15 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
     statistics of each evaluation batch (the 'static' policy, as HeteroFL's sBN).
     A model with exits (:class:`~fedpartial.models.MultiExitModel`) also gives
     ``exit_accuracy``, every exit's accuracy (shallow to deep), and ``ensemble_accuracy``, that
-    of the mean of their logits; ``accuracy`` is its ``apply``'s output .
+    of the mean of their logits; ``accuracy`` is its ``apply``'s output.  With labels per position
+    (``y`` ``[n, T]``, a language model's next tokens) accuracy and loss are over every real target
+    (:func:`~fedpartial._src.core.losses.label_weights`) and the result adds ``perplexity``, ``exp(loss)``.
 
     Args:
       model: the :class:`~fedpartial.models.Model`.
       variables: its variables.
       x: inputs ``[n, ...]``.
-      y: int labels ``[n]``.
+      y: int labels ``[n]``, or ``[n, T]`` per position.
       batch_size: examples per evaluation batch.
       batch_statistics: evaluate BatchNorm with each batch's statistics.
 
@@ -62,7 +65,7 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
     if n == 0:
         return {"accuracy": float("nan"), "loss": float("nan")}
     batch_size = min(batch_size, n)
-    correct = loss = 0.0
+    correct = loss = count = 0.0
     extra = 0.0
     for start in range(0, n, batch_size):
         xb, yb = x[start:start + batch_size], y[start:start + batch_size]
@@ -71,21 +74,28 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
             pad = batch_size - len(yb)
             mask[len(yb):] = False
             xb = np.concatenate([xb, np.zeros((pad, *xb.shape[1:]), xb.dtype)])
-            yb = np.concatenate([yb, np.zeros((pad,), yb.dtype)])
-        c, l, e = _eval_batch(model, variables, xb, (yb, mask), batch_statistics)
+            yb = np.concatenate([yb, np.zeros((pad, *yb.shape[1:]), yb.dtype)])
+        c, l, e, m = _eval_batch(model, variables, xb, (yb, mask), batch_statistics)
         correct += float(c)
         loss += float(l)
+        count += float(m)
         extra = extra + np.asarray(e, np.float64)  # [E + 1] correct per exit and the ensemble ([0] without exits)
-    out = {"accuracy": correct / n, "loss": loss / n}
+    count = max(count, 1.0)
+    out = {"accuracy": correct / count, "loss": loss / count}
+    if np.ndim(y) > 1:
+        out["perplexity"] = float(np.exp(out["loss"]))
     if np.size(extra):
-        out.update(exit_accuracy=[float(a) for a in extra[:-1] / n], ensemble_accuracy=float(extra[-1] / n))
+        out.update(exit_accuracy=[float(a) for a in extra[:-1] / count], ensemble_accuracy=float(extra[-1] / count))
     return out
 
 
 def record_fields(result: dict) -> dict:
     """A metrics record's fields from :func:`evaluate`'s ``result``: ``test_accuracy``, ``test_loss`` and, for a
-    model with exits, ``test_accuracy_exit1`` … (shallow to deep) and ``test_accuracy_ensemble``."""
+    model with exits, ``test_accuracy_exit1`` … (shallow to deep) and ``test_accuracy_ensemble``; with labels
+    per position (a language model), ``perplexity``."""
     record = {"test_accuracy": result["accuracy"], "test_loss": result["loss"]}
+    if "perplexity" in result:
+        record["perplexity"] = result["perplexity"]
     for i, accuracy in enumerate(result.get("exit_accuracy", ()), 1):
         record[f"test_accuracy_exit{i}"] = accuracy
     if "ensemble_accuracy" in result:
@@ -98,7 +108,7 @@ def pad_holdouts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray
     h = max(1, max(len(y) for _, y in parts))
     x0 = parts[0][0]
     x = np.zeros((len(parts), h, *x0.shape[1:]), np.float32 if x0.dtype.kind == "f" else x0.dtype)
-    y = np.zeros((len(parts), h), np.int32)
+    y = np.zeros((len(parts), h, *parts[0][1].shape[1:]), np.int32)
     mask = np.zeros((len(parts), h), bool)
     for i, (xi, yi) in enumerate(parts):
         x[i, :len(yi)], y[i, :len(yi)], mask[i, :len(yi)] = xi, yi, True
@@ -124,13 +134,13 @@ def _eval_clients(model: Model, size: int, stacked: bool, batch_statistics: bool
 
     def one(variables_k, submodel_k, x_k, y_k, m_k):
         loss, correct = model_loss(model, variables_k, x_k, y_k, m_k, train=batch_statistics, submodel=submodel_k)
-        return loss * jnp.sum(m_k), correct
+        return loss * count_labels(y_k, m_k), correct
 
     if not stacked and not batch_statistics:  # one shared model: the clients' examples are one flat batch
         logits, _ = model.apply(variables, x.reshape(-1, *x.shape[2:]), False, None)
         logits = logits.reshape(*y.shape, -1)
-        loss = jax.vmap(masked_cross_entropy)(logits, y, mask) * jnp.sum(mask, axis=1)
-        return loss, jnp.sum((jnp.argmax(logits, -1) == y) & mask, axis=1)
+        loss = jax.vmap(masked_cross_entropy)(logits, y, mask) * jax.vmap(count_labels)(y, mask)
+        return loss, jax.vmap(count_correct)(logits, y, mask)
     if not stacked:  # ... normalised with each client's own batch statistics ('static' BatchNorm)
         return jax.vmap(lambda *d: one(variables, None, *d))(x, y, mask)
     variables = jax.tree.map(rows, variables)
@@ -211,7 +221,14 @@ def evaluate_clients(model: Model, personal: PersonalModels, x: np.ndarray, y: n
         losses.append(np.asarray(loss)[done - start:])
         corrects.append(np.asarray(correct)[done - start:])
         done = start + chunk_size
-    return summarize_clients(np.concatenate(losses), np.concatenate(corrects), mask.sum(axis=1))
+    return summarize_clients(np.concatenate(losses), np.concatenate(corrects), labels_per_client(y, mask))
+
+
+def labels_per_client(y: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``[N]`` every client's real held-out labels (examples, or targets of sequences): what its accuracy
+    and loss are over."""
+    weights = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)) & (y >= 0)
+    return weights.reshape(len(y), -1).sum(axis=1)
 
 
 def summarize_clients(loss_sum: np.ndarray, correct: np.ndarray, count: np.ndarray) -> dict:

@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial._src.core.losses import model_loss
+from fedpartial._src.core.losses import count_labels, model_loss
 from fedpartial._src.core.population import broadcast_clients
 from fedpartial._src.core.types import Batch, ClientOptimizer, MethodContext
 from fedpartial._src.data import packing
 from fedpartial._src.engine import local_training
-from fedpartial._src.experiment.evaluation import CHUNK_BYTES_CPU, evaluate_clients, summarize_clients
+from fedpartial._src.experiment.evaluation import (CHUNK_BYTES_CPU, evaluate_clients, labels_per_client,
+                                                   summarize_clients)
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.models.adapter import Model
 
@@ -46,7 +47,7 @@ def _finetune_and_evaluate(model: Model, optimizer: ClientOptimizer, batch_stati
 
     def one(variables, x_k, y_k, m_k):
         loss, correct = model_loss(model, variables, x_k, y_k, m_k, train=batch_statistics)
-        return loss * jnp.sum(m_k), correct
+        return loss * count_labels(y_k, m_k), correct
 
     return jax.vmap(one)(tuned, x, y, mask)
 
@@ -85,7 +86,7 @@ def evaluate_finetuned(model: Model, global_vars: dict, optimizer: ClientOptimiz
         losses.append(np.asarray(loss)[done - start:])
         corrects.append(np.asarray(correct)[done - start:])
         done = start + chunk
-    return summarize_clients(np.concatenate(losses), np.concatenate(corrects), hmask.sum(axis=1))
+    return summarize_clients(np.concatenate(losses), np.concatenate(corrects), labels_per_client(hy, hmask))
 
 
 def evaluate_own_models(sim, batch_statistics: bool) -> dict:

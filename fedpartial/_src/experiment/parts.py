@@ -16,7 +16,7 @@ from fedpartial._src.data import sources
 from fedpartial._src.core.types import ClientOptimizer, client_sgd
 from fedpartial._src.engine import conv_choice
 from fedpartial._src.experiment import compile_cache
-from fedpartial._src.experiment.config import DEFAULT_MODELS, RunConfig
+from fedpartial._src.experiment.config import DEFAULT_MODELS, ConfigError, RunConfig
 from fedpartial._src.models import registry, zoo
 from fedpartial._src.models.adapter import Model, from_linen
 from fedpartial._src.models.conv import check_conv_impl
@@ -24,14 +24,14 @@ from fedpartial._src.models.precision import with_compute_dtype
 
 
 def build_model(name: str, dataset: sources.ArrayDataset, *, conv_impl: str = "lax",
-                compute_dtype: str = "float32") -> Model:
+                compute_dtype: str = "float32", size: str = "tiny") -> Model:
     """A zoo model adapted for the engine, shaped for ``dataset``, its convolutions lowered by ``conv_impl``
     and trained in ``compute_dtype`` (the defaults: the plain model)."""
     if name == "auto":
         name = dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
     input_shape = tuple(dataset.x_train.shape[1:])
     spec = registry.find_model(name)
-    module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl)
+    module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl, size=size)
     plain = conv_impl == "lax" and compute_dtype == "float32"
     # a width-reduced copy keeps the lowering (the registry's own model of this name would not)
     width = None if plain or not hasattr(module, "_width_fields") else \
@@ -52,7 +52,8 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset) -> conv_choice
     if forced:
         return conv_choice.ConvChoice(check_conv_impl(forced), None, {}, "FEDPARTIAL_CONV_IMPL")
     return conv_choice.choose(
-        lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype),
+        lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype,
+                                 size=config.model_size),
         batch_size=config.batch_size, cohort_size=config.cohort_size, dtype=config.compute_dtype,
         cache_dir=compile_cache.cache_folder())
 
@@ -67,8 +68,9 @@ def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | 
         choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
         return with_compute_dtype(model, dtype), None if dtype == "float32" else model, choice
     choice = choose_conv(config, dataset)
-    model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype)
-    plain = None if (choice.impl, dtype) == ("lax", "float32") else build_model(config.model, dataset)
+    model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype, size=config.model_size)
+    plain = None if (choice.impl, dtype) == ("lax", "float32") else \
+        build_model(config.model, dataset, size=config.model_size)
     if adapt is not None:  # e.g. MOON's projection head
         model, plain = adapt(model), plain and adapt(plain)
     return model, plain, choice
@@ -80,6 +82,21 @@ def model_outputs(model: Model, dtype=np.float32) -> int:
     x = jax.ShapeDtypeStruct((1, *model.input_shape), dtype)
     logits = jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x)
     return int(logits.shape[-1])
+
+
+def check_outputs_fit_labels(model: Model, dataset: sources.ArrayDataset) -> None:
+    """Refuses, in one sentence, a model whose logits do not have one row per label of an example: a language
+    model (logits per position) on one label per example, or a classifier on labels per position."""
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), dataset.x_train.dtype)
+    per_example = tuple(jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x).shape[1:-1])
+    labels = tuple(np.shape(dataset.y_train)[1:])
+    if per_example != labels:
+        def said(shape):
+            return "one label per example" if not shape else f"labels of shape {shape} per example (one per position)"
+        raise ConfigError(f"model {model.name} predicts {said(per_example)}, but {dataset.name} has {said(labels)}; "
+                          f"choose a model that predicts {said(labels)} (transformer_lm for next-token labels, a "
+                          "classifier for one label per example).")
 
 
 def make_client_optimizer(config: RunConfig) -> ClientOptimizer:

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from fedpartial._src.core.losses import IGNORED_LABEL
 from fedpartial._src.core.types import CohortInfo, Holdout
 from fedpartial._src.data import packing, sources
 from fedpartial._src.data.partition import partition as split_population
@@ -49,6 +50,8 @@ def check_labels(dataset: sources.ArrayDataset) -> None:
     """Every label of ``dataset`` is a class it declares (``0 … num_classes − 1``): else one sentence."""
     for split, y in (("training", dataset.y_train), ("test", dataset.y_test)):
         y = np.asarray(y)
+        if y.ndim > 1:  # labels per position: IGNORED_LABEL (-1) marks a position with nothing to predict
+            y = y[y != IGNORED_LABEL]
         if y.size and (y.min() < 0 or y.max() >= dataset.num_classes):
             bad = int(y.min()) if y.min() < 0 else int(y.max())
             raise ConfigError(f"{dataset.name}'s {split} labels include {bad}, but it declares {dataset.num_classes} "
@@ -86,17 +89,22 @@ def partition_clients(config: RunConfig, dataset: sources.ArrayDataset, train_fr
     # A held-out split needs two examples per client: one to train on, one to hold out.
     pool = np.arange(len(dataset.y_train)) if pool is None else pool
     min_size = 2 if train_fraction < 1 and 2 * config.num_clients <= len(pool) else 1
-    parts = split_population(dataset.y_train[pool], config.num_clients, config.partition, seed=config.seed,
+    parts = split_population(dataset.groups[pool], config.num_clients, config.partition, seed=config.seed,
                              min_size=min_size, **options.get(config.partition, {}))
     return [pool[p] for p in parts]
 
 
 def label_counts(y: np.ndarray, clients: list[np.ndarray], num_classes: int) -> np.ndarray:
-    """``[N, C]`` every client's training examples per class (FedDH's label distributions)."""
+    """``[N, C]`` every client's training labels per class (FedDH's label distributions): its examples', or
+    with labels per position its sequences' real targets."""
     # One bincount over (client, label) pairs: no per-client Python work for a million clients.
     sizes = np.array([len(c) for c in clients])
     owner = np.repeat(np.arange(len(clients)), sizes)
-    labels = y[np.concatenate(clients)] if sizes.sum() else np.zeros(0, np.int64)
+    labels = y[np.concatenate(clients)] if sizes.sum() else np.zeros((0, *np.shape(y)[1:]), np.int64)
+    if labels.ndim > 1:
+        owner = np.repeat(owner, int(np.prod(labels.shape[1:])))
+        labels = labels.reshape(-1)
+        owner, labels = owner[labels >= 0], labels[labels >= 0]
     return np.bincount(owner * num_classes + labels, minlength=len(clients) * num_classes).reshape(
         len(clients), -1).astype(np.float32)
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, disk, privacy
+from fedpartial._src.experiment import checkpoint, disk, pretrained, privacy
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
@@ -231,6 +231,7 @@ class RunWriter:
         if error is None and run_dir:
             try:
                 self.saved = checkpoint.save(run_dir, sim, extra=self.extra)
+                pretrained.write_final_params(run_dir, jax.device_get(sim.state.variables))  # for --init-from
             except disk.OutOfSpace as no_room:
                 error = no_room
         if error is None and signum is not None and done < config.rounds:
@@ -400,6 +401,8 @@ def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: 
         "final_test_accuracy": accs[-1] if accs else math.nan,
         "best_test_accuracy": max(accs) if accs else math.nan,
         "final_test_loss": evaluated[-1]["test_loss"] if evaluated else math.nan,
+        # a language model (labels per position): exp(test loss)
+        **({"final_perplexity": evaluated[-1]["perplexity"]} if evaluated and "perplexity" in evaluated[-1] else {}),
         # a model with exits: every exit's accuracy and their ensemble's (test_accuracy_exit1, …)
         **{f"final_{k}": v for k, v in (evaluated[-1] if evaluated else {}).items() if k.startswith("test_accuracy_")},
         "final_train_loss": records[-1]["train_loss"] if records else math.nan,

@@ -36,7 +36,9 @@ from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
-from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer, model_outputs, run_models
+from fedpartial._src.experiment import pretrained
+from fedpartial._src.experiment.parts import (check_outputs_fit_labels, make_client_optimizer, make_server_optimizer,
+                                              model_outputs, run_models)
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
@@ -149,7 +151,7 @@ class Simulation:
             if dataset.natural_partition is not None:
                 raise ConfigError(f"method {self.method.name} needs a server set, which a naturally "
                                   f"partitioned dataset ({dataset.name}) cannot spare.")
-            server = population.server_examples(dataset.y_train, self.method.capabilities.server_examples_per_class, config.seed)
+            server = population.server_examples(dataset.groups, self.method.capabilities.server_examples_per_class, config.seed)
             self.server_data = ServerData(dataset.x_train[server], dataset.y_train[server])
             pool = np.setdiff1d(np.arange(len(dataset.y_train)), server)
         self.clients = population.partition_clients(config, dataset, self.train_fraction, pool)
@@ -169,7 +171,7 @@ class Simulation:
         #: the model, and the same model lowered by lax in float32 when the run's is not (the device model counts its
         #: FLOPs; None: it is), and how its convolutions are lowered
         model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model)
-        self.model = model
+        self.model = pretrained.initial_model(model, self.config.init_from)  # --init-from: checked against it
         if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
             raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
                               f"chain of layers), but model {self.model.name} is not declared sequential; choose "
@@ -177,6 +179,7 @@ class Simulation:
         if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
             raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
                               f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
+        check_outputs_fit_labels(self.model, dataset)
         outputs = model_outputs(self.model, dataset.x_train.dtype)
         if outputs != dataset.num_classes:  # fewer would fail later as something else, more would pass silently
             raise ConfigError(f"model {self.model.name} gives {outputs} outputs per example, but {dataset.name} has "

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.models import conv, recurrent, resnet, text, zoo
+from fedpartial._src.models import conv, recurrent, resnet, text, transformer, zoo
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model", "find_model"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "build_narrow_model", "find_model", "sized_models"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +32,14 @@ class ModelSpec:
       description: one line saying what the model is.
       sequential: True when every layer feeds only the next layer (a chain with no
         residual/skip connections); only such models support neuron-level masks.
+      sized: whether the model comes in the named sizes of ``--model-size``
+        (:data:`fedpartial._src.models.transformer.SIZES`); its factory then also takes ``size``.
     """
 
-    factory: Callable[[int, tuple[int, ...]], nn.Module]
+    factory: Callable[..., nn.Module]
     description: str
     sequential: bool
+    sized: bool = False
 
 
 #: the model zoo: each name of ``--model`` (``fedpartial list models``) -> how to build it
@@ -92,6 +95,24 @@ MODELS: dict[str, ModelSpec] = {
         description="LEAF Sent140 LSTM: embedding 10,000x300, 2 LSTM layers of 100, Dense 30, Dense (token ids).",
         sequential=False,
     ),
+    "transformer_lm": ModelSpec(
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerLM(num_classes=num_classes, size=size),
+        description="Decoder-only causal transformer language model (pre-LayerNorm, GPT-2 style; token ids in, "
+                    "next-token logits out; --model-size).",
+        sequential=False, sized=True,
+    ),
+    "transformer_cls": ModelSpec(
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerCLS(num_classes=num_classes,
+                                                                                  size=size),
+        description="Transformer encoder text classifier (pre-LayerNorm, mean-pooled; token ids; --model-size).",
+        sequential=False, sized=True,
+    ),
+    "vit": ModelSpec(
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.ViT(num_classes=num_classes, size=size),
+        description="Vision transformer: image patches -> pre-LayerNorm encoder -> mean-pooled classifier "
+                    "(--model-size).",
+        sequential=False, sized=True,
+    ),
 }
 
 
@@ -138,7 +159,8 @@ def find_model(name: str) -> ModelSpec:
                     "factory(num_classes, input_shape) returning a module.")
 
 
-def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax") -> nn.Module:
+def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv_impl: str = "lax",
+                size: str = transformer.DEFAULT_SIZE) -> nn.Module:
     """Build zoo model ``name`` for ``num_classes`` classes and examples of ``input_shape``.
 
     Args:
@@ -147,6 +169,8 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
       input_shape: one example's shape (no batch axis).
       conv_impl: how its convolutions are lowered (:data:`fedpartial.models.CONV_IMPLS`; the same parameters
         and, within float32 rounding, the same results); a model without convolutions ignores it.
+      size: a named size (:data:`~fedpartial.models.MODEL_SIZES`) for the models that come in sizes (the
+        transformers); the others take only the default, ``'tiny'``.
 
     Returns:
       The Flax linen module (adapt it with :func:`from_linen`).
@@ -178,7 +202,15 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
         )
     shape = tuple(int(d) for d in shape)
     conv.check_conv_impl(conv_impl)
-    module = spec.factory(int(num_classes), shape)
+    if spec.sized:
+        transformer.check_size(size)
+        module = spec.factory(int(num_classes), shape, size)
+    elif size != transformer.DEFAULT_SIZE:
+        raise UserError(f"--model-size {size!r} applies to the models that come in sizes "
+                        f"({', '.join(sized_models())}), not to {name!r}; leave it at "
+                        f"{transformer.DEFAULT_SIZE!r}.")
+    else:
+        module = spec.factory(int(num_classes), shape)
     if not isinstance(module, nn.Module):
         raise UserError(f"model {name!r} built a {type(module).__name__}, not a flax.linen.Module.")
     if conv_impl != "lax" and hasattr(module, "conv_impl"):
@@ -187,6 +219,11 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], *, conv
     if validate is not None:
         validate(shape)
     return module
+
+
+def sized_models() -> tuple[str, ...]:
+    """The zoo models that come in the named sizes of ``--model-size``."""
+    return tuple(name for name, spec in MODELS.items() if spec.sized)
 
 
 def build_narrow_model(name: str, num_classes: int, input_shape: Sequence[int], ratio: float, *,

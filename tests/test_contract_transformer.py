@@ -1,0 +1,120 @@
+"""The built-in methods on a transformer language model: each runs (finite, and an element nobody uploaded keeps
+its global value bit for bit) or is refused in one sentence naming what to change.
+
+One tiny ``transformer_lm`` (2 blocks, d = 64, 11 tokens, sequences of 6) is shared by every case; its labels
+are per position (next tokens, -1 after the end).  The layer-wise methods the transformers are for (FedLDF,
+FedPart, EmbracingFL, DepthFL, InclusiveFL, FedPer, FedRep) and FedAvg run in the default suite, and their
+block-level behaviour is checked; the rest of the catalogue runs under ``-m slow`` (a transformer round
+compiles for seconds).  The whole engine contract (strategies, padding, determinism) is test_contract.py's,
+on the small MLPs.
+"""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Batch, Holdout, ServerData, client_sgd
+from fedpartial._src.data.language import next_token_targets
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.types import Cohort
+from fedpartial._src.methods.base import CohortInfo
+from fedpartial._src.methods.catalog import METHODS
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.transformer import TransformerLM
+from tests.test_contract import BUILDERS, ON_STAGED
+
+N, K, V, T = 8, 3, 11, 6
+KEY = jax.random.key(0)
+
+#: the methods that cannot train a transformer, and the start of their one-sentence refusal
+REFUSED = {}
+#: run in the default suite; every other built-in method under -m slow
+LAYERWISE = ("fedavg", "fedldf", "fedpart", "embracingfl", "depthfl", "inclusivefl", "fedper", "fedrep")
+
+
+def tokens(rng, shape):
+    """Right-padded token ids ``[..., T]`` (lengths 3..T) and their next-token labels."""
+    x = rng.integers(2, V, shape + (T,)).astype(np.int32)
+    lengths = rng.integers(3, T + 1, shape)
+    x = np.where(np.arange(T) < lengths[..., None], x, 0).astype(np.int32)
+    return x, next_token_targets(x.reshape(-1, T)).reshape(x.shape)
+
+
+def lm_cohorts(rounds=2, steps=3, batch=5, seed=0):
+    """Unequal clients (3, 1, 2 real steps; 5, 2, 4 real sequences), different cohorts each round."""
+    out = []
+    for t in range(rounds):
+        rng = np.random.default_rng([seed, t])
+        ids = np.sort(rng.choice(N, K, replace=False)).astype(np.int32)
+        x, y = tokens(rng, (K, steps, batch))
+        step_mask = np.arange(steps)[None] < np.array([3, 1, 2])[:, None]
+        example_mask = (np.arange(batch)[None, None] < np.array([5, 2, 4])[:, None, None]) & step_mask[..., None]
+        x = np.where(example_mask[..., None], x, 0)
+        y = np.where(example_mask[..., None], y, 0)
+        hx, hy = tokens(rng, (K, 4))
+        info = CohortInfo(ids, example_mask.sum(axis=(1, 2)).astype(np.float32), np.ones(K, bool))
+        out.append(Cohort(Batch(x, y, example_mask, step_mask), info, Holdout(hx, hy, np.ones((K, 4), bool))))
+    return out
+
+
+def label_counts():
+    return np.random.default_rng(3).integers(0, 6, (N, V)).astype(np.float32) + np.eye(N, V, dtype=np.float32)
+
+
+def server_data():
+    x, y = tokens(np.random.default_rng(4), (6,))
+    return ServerData(x, y)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return from_linen(TransformerLM(num_classes=V), input_shape=(T,), num_classes=V, name="transformer_lm")
+
+
+@pytest.fixture(scope="module")
+def data():
+    return lm_cohorts()
+
+
+def build(model, method):
+    return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=client_sgd(0.1, momentum=0.9),
+                          server_optimizer=optax.sgd(1.0), strategy=strategies.fused(2), rounds=4,
+                          record_decisions=True, label_counts=label_counts(), server_data=server_data(),
+                          bn_policy="static")
+
+
+def one_round(lm, data, name):
+    method = BUILDERS[name]()
+    model = method.adapt_model(lm) if name in ON_STAGED else lm
+    r = build(model, method)
+    before = jax.device_get(r.init(KEY))
+    after, metrics = r(r.init(KEY), data[0], jax.random.fold_in(KEY, 0))
+    return r, before, jax.device_get(after), jax.device_get(metrics)
+
+
+NAMES = [n if n in LAYERWISE else pytest.param(n, marks=pytest.mark.slow) for n in METHODS]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_method_runs_on_a_transformer_or_is_refused(lm, data, name):
+    if name in REFUSED:
+        with pytest.raises(UserError, match=re.escape(REFUSED[name])) as refusal:
+            one_round(lm, data, name)
+        assert "\n" not in str(refusal.value) and str(refusal.value).endswith(".")
+        return
+    r, before, after, metrics = one_round(lm, data, name)
+    for leaf in jax.tree.leaves(after.variables):
+        assert np.isfinite(leaf).all()
+    selection = metrics["decisions"]["selection"]
+    g = before.variables["params"]
+    expanded = jax.vmap(lambda mask: masks.expand(r.ctx.structure, mask, g))(selection.upload)
+    received = jax.tree.map(lambda e: np.tensordot(np.asarray(selection.weights), np.asarray(e, np.float64),
+                                                   axes=(0, 0)) > 0, expanded)
+    for new, old, got in zip(jax.tree.leaves(after.variables["params"]), jax.tree.leaves(g), jax.tree.leaves(received)):
+        np.testing.assert_array_equal(np.asarray(new)[~got], np.asarray(old)[~got])
