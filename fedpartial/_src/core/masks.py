@@ -240,6 +240,8 @@ def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_va
     value = layer_vals[role.layer]
     if role.norm and norms is not None:
         value = combine(value, norms[role.layer])
+    if not role.units_axis:  # a whole-layer leaf: its layer's bit alone
+        return jnp.broadcast_to(value, shape)
     out = out_vals[role.layer]
     value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
     if role.has_input_axis:
@@ -388,17 +390,23 @@ def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp, positio
         spec = structure.layers[role.layer]
         wired = role.has_input_axis and not (
             spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0))
-        static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
-        key = (role.layer, bool(role.norm and mask.norms is not None), wired)
+        if not role.units_axis:  # a whole-layer leaf: every element, on with its layer
+            static = math.prod(shape) * weight
+        else:
+            static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
+        key = (role.layer, bool(role.norm and mask.norms is not None), wired, role.units_axis)
         groups[key] = groups.get(key, 0) + static
     batch = mask.layers.shape[:-1]
     per_layer = [xp.zeros(batch, xp.int32) for _ in range(structure.num_layers)]
     n_out: dict[int, jax.Array] = {}
     n_in: dict[int, jax.Array] = {}
-    for (layer, norm, wired), static in sorted(groups.items()):
+    for (layer, norm, wired, units_axis), static in sorted(groups.items()):
         on = mask.layers[..., layer]
         if norm:
             on = on & mask.norms[..., layer]
+        if not units_axis:
+            per_layer[layer] = per_layer[layer] + on.astype(xp.int32) * static
+            continue
         if layer not in n_out:
             n_out[layer] = xp.sum(mask.neurons[layer], axis=-1, dtype=xp.int32)
         count = on.astype(xp.int32) * n_out[layer]

@@ -23,6 +23,11 @@ import numpy as np
 
 Path = tuple[str, ...]
 
+#: The variables collection of parameters that no client trains (a LoRA model's base, :mod:`fedpartial.models`'s
+#: ``lora``): the round holds it once and passes it unstacked into every client's forward pass; it is never
+#: trained, uploaded or aggregated and has no optimizer state.
+FROZEN = "frozen"
+
 #: Module class names treated as normalisers: their leaves join the preceding layer.
 NORMALIZER_NAMES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm")
 
@@ -68,6 +73,10 @@ class LeafRole:
     has_input_axis: bool
     # Whether the leaf belongs to the layer's normaliser (BatchNorm scale/bias and statistics).
     norm: bool = False
+    # Whether the leaf's last axis is the layer's units.  A leaf whose last axis is something else (a low-rank
+    # factor written inside the module, ``lora_a [in, r]``) is a whole-layer leaf: on or off with its layer,
+    # never wired to single neurons.
+    units_axis: bool = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a jit static argument
@@ -233,8 +242,14 @@ def build_structure(
                     f"variable {collection}/{'/'.join(path)} belongs to no layer of the model."
                 )
             layer = module_layer[module_path]
-            is_kernel_like = module_path not in norm_set and np.ndim(leaf) >= 2
-            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like), norm=module_path in norm_set)
+            spec = layers[layer]
+            shape = np.shape(leaf)
+            units_axis = len(shape) >= 1 and shape[-1] == spec["units"]
+            # a second-to-last axis is wired to the feeding layer only where it is the kernel's input axis
+            is_kernel_like = (module_path not in norm_set and len(shape) >= 2 and units_axis
+                              and shape[-2] == spec["fan_in"])
+            coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like), norm=module_path in norm_set,
+                                        units_axis=bool(units_axis))
         roles[collection] = coll_roles
     return ModelStructure(layers=tuple(built), roles=roles, sequential=sequential)
 

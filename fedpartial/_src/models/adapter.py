@@ -91,6 +91,8 @@ class Model:
         channels/units in every hidden layer (width tiers);
         ``scaler``: hidden outputs × ``1/ratio`` in training (HeteroFL's Scaler).
         None: the model cannot rebuild itself narrower (:func:`from_linen`'s ``width`` sets it).
+      lora: the model's low-rank adapters (a :class:`~fedpartial.models.LoraSpec`: rank, scale and each
+        adapter's A and B layers) when it is a :func:`~fedpartial.models.lora` model, else None.
     """
 
     name: str
@@ -104,6 +106,7 @@ class Model:
     run_stages: Callable[..., tuple[Any, Any]] | None = None
     record_outputs: Callable[..., dict[str, jax.Array]] | None = None
     at_width: Callable[[float, bool], Model] | None = None
+    lora: Any = None
 
     def __post_init__(self):
         n, layers = len(self.stage_names), self.structure.num_layers
