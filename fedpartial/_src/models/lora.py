@@ -117,7 +117,8 @@ class LoraSpec:
         ranks = jnp.asarray(ranks, jnp.int32)
         a_layers = set(self.a_layers)
         neurons = tuple(
-            jnp.arange(u) < ranks[..., None] if i in a_layers else jnp.ones((*ranks.shape, u), bool)
+            jnp.arange(u).reshape((1,) * ranks.ndim + (u,)) < ranks[..., None] if i in a_layers
+            else jnp.ones((*ranks.shape, u), bool)
             for i, u in enumerate(structure.units))
         return masks_lib.Mask(layers=jnp.ones((*ranks.shape, structure.num_layers), bool), neurons=neurons)
 
