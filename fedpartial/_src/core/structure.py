@@ -28,6 +28,19 @@ Path = tuple[str, ...]
 #: trained, uploaded or aggregated and has no optimizer state.
 FROZEN = "frozen"
 
+def without_frozen(variables: Mapping[str, Any]) -> dict:
+    """``variables`` without the frozen base (:data:`FROZEN`): what a client's start model, local state, result
+    and personal copy hold, so no per-client copy of the base is ever made."""
+    return dict(variables) if FROZEN not in variables else {c: t for c, t in variables.items() if c != FROZEN}
+
+
+def with_frozen(variables: Mapping[str, Any], global_vars: Mapping[str, Any] | None) -> dict:
+    """``variables`` with ``global_vars``' frozen base (held once, unstacked), for a forward pass."""
+    if global_vars is None or FROZEN not in global_vars:
+        return dict(variables)
+    return {**variables, FROZEN: global_vars[FROZEN]}
+
+
 #: Module class names treated as normalisers: their leaves join the preceding layer.
 NORMALIZER_NAMES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm")
 

@@ -40,7 +40,7 @@ import optax
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.structure import FROZEN
+from fedpartial._src.core.structure import with_frozen, without_frozen  # noqa: F401  (without_frozen: here too)
 from fedpartial._src.core.types import (
     Batch,
     ClientOptimizer,
@@ -68,19 +68,6 @@ class ClientFns(NamedTuple):
     step: Any  # (local, batch, plan, global_vars, client_state, client_key, index, server_state=()) -> LocalState
     final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)
     init_optimizer: Any  # (local without optimizer state) -> local with its fresh optimizer state
-
-
-def without_frozen(variables: dict) -> dict:
-    """``variables`` without the frozen base (:data:`~fedpartial._src.core.structure.FROZEN`): what a client's
-    start model, local state and result hold, so no ``[K, ...]`` copy of the base is ever made."""
-    return variables if FROZEN not in variables else {c: t for c, t in variables.items() if c != FROZEN}
-
-
-def with_frozen(variables: dict, global_vars: dict | None) -> dict:
-    """``variables`` with the global model's frozen base (held once, unstacked) for a forward pass."""
-    if global_vars is None or FROZEN not in global_vars:
-        return variables
-    return {**variables, FROZEN: global_vars[FROZEN]}
 
 
 def trainable_mask(ctx: MethodContext, plan: ClientPlan) -> masks_lib.Mask | None:
