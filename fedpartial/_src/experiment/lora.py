@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment.settings import ConfigError
+from fedpartial._src.core.types import Method
+from fedpartial._src.methods.lora.ranks import rank_tiers
 from fedpartial._src.models.adapter import Model
 from fedpartial._src.models.lora import lora
 
@@ -52,3 +54,9 @@ def with_lora(config, model: Model) -> Model:
         raise
     except UserError as error:
         raise ConfigError(str(error)) from None
+
+
+def with_rank_tiers(config, method: Method) -> Method:
+    """``method`` with the run's ``--lora-ranks`` tiers around it (itself without them)."""
+    ranks = lora_ranks(config)
+    return method if ranks is None else rank_tiers(method, ranks)
