@@ -214,6 +214,9 @@ def protect_output(mask: Mask) -> Mask:
 
 def uses_neurons(structure: ModelStructure) -> None:
     """Raises unless neuron masks can be wired for this model."""
+    if any(name.endswith("/lora_a") for name in structure.layer_names):
+        raise UserError("neuron-level masks cannot drop a unit of a LoRA model (its frozen base would still compute "
+                        "it); use a layer-level method or a LoRA method (fedit, ffa_lora, fedsa_lora).")
     if not structure.sequential:
         raise UserError(
             "neuron-level masks need a sequential model (a chain of layers without residual "
