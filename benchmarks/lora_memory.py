@@ -132,8 +132,9 @@ def peak(model, method, k: int, steps: int, batch: int) -> dict:
     compiled = jax.jit(r.pure_round).lower(state, c, jax.random.key(1)).compile()
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return {"peak_bytes": int(total), "arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
-            "outputs": int(m.output_size_in_bytes), "state_bytes": tree_bytes(state)}
+    return {"peak_bytes": int(total), "arguments": int(m.argument_size_in_bytes),
+            "temporaries": int(m.temp_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+            "state_bytes": tree_bytes(state)}
 
 
 def main(argv=None):
@@ -156,8 +157,8 @@ def main(argv=None):
         once = peak(model, fedavg(), k, args.steps, args.batch)
         stacked = peak(twin, base_frozen_by_masks(twin, frozen_paths), k, args.steps, args.batch)
         rows.append({"cohort": k, "held_once": once, "stacked": stacked})
-        print(f"K={k:5d}  held once {once['peak_bytes'] / 2**20:9.1f} MiB   stacked {stacked['peak_bytes'] / 2**20:9.1f} MiB",
-              flush=True)
+        print(f"K={k:5d}  held once {once['peak_bytes'] / 2**20:9.1f} MiB   "
+              f"stacked {stacked['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
     k0, first = cohorts[0], rows[0]
     for row in rows[1:]:
         dk = row["cohort"] - k0

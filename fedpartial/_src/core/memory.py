@@ -6,7 +6,8 @@ The estimate adds, in bytes (every shape from ``jax.eval_shape``: nothing is all
   per-client state (``[N, ...]`` rows, e.g. FedSPU's N personal models) and
   ``RUNTIME_BYTES`` for compilation and the runtime's buffers (measured);
 * ``clients``: per client *in flight* (the cohort K, or the chunk C of the streamed
-  strategy) its start model (without a LoRA model's frozen base, held once), trained model, gradient, client optimizer state, the
+  strategy) its start model (a LoRA model's frozen base is held once, with the server's model), trained model,
+  gradient, client optimizer state, the
   aggregation's masked copy and expanded upload mask, and its activations
   (``ACTIVATION_FACTOR`` × batch × (input + every layer's units) float32 — exact for
   dense layers, low for convolutions, whose spatial maps the layer structure does

@@ -35,6 +35,7 @@ import numpy as np
 
 from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.fielddocs import document_fields
 from fedpartial._src.core.structure import FROZEN, Layer, LeafRole, ModelStructure, Path, leaf_paths
 from fedpartial._src.models.adapter import Model
 
@@ -44,6 +45,7 @@ TRANSFORMER_TARGETS = ("*attn/query", "*attn/key", "*attn/value", "*attn/out", "
 A_NAME, B_NAME = "lora_a", "lora_b"
 
 
+@document_fields
 class Adapter(NamedTuple):
     """One targeted Dense layer's adapter pair.
 
@@ -182,7 +184,8 @@ def lora(model: Model, rank: int, *, alpha: float | None = None, targets: Sequen
       model: a zoo model or a :func:`~fedpartial.models.from_linen` model (its targets flax.linen Dense layers).
       rank: the adapters' rank ``r`` (≥ 1, at most the smaller side of every targeted kernel).
       alpha: the scaling numerator (default: ``rank``, so ``α/r = 1``).
-      targets: layer names or globs (``"block*/attn/*"``); default :func:`default_targets`.
+      targets: layer names or globs (``"block*/attn/*"``); default: a transformer's attention projections and MLP
+        (layers named ``…attn/query|key|value|out`` and ``…mlp/fc1|fc2``), else every Dense layer but the output.
       train_head: the output layer trains with the adapters (default); False: it joins the frozen base.
 
     Returns:
@@ -200,10 +203,11 @@ def lora(model: Model, rank: int, *, alpha: float | None = None, targets: Sequen
     _check_dense(model, targets)
     inner = model.structure
     by_name = {layer.name: i for i, layer in enumerate(inner.layers)}
-    too_big = [n for n in targets if rank > min(inner.layers[by_name[n]].fan_in or 0, inner.layers[by_name[n]].units)]
+    sides = {n: min(inner.layers[by_name[n]].fan_in or 0, inner.layers[by_name[n]].units) for n in targets}
+    too_big = [n for n in targets if rank > sides[n]]
     if too_big:
         raise UserError(f"LoRA rank {rank} is larger than layer {too_big[0]}'s inputs or outputs; use a rank of at "
-                        f"most {min(inner.layers[by_name[too_big[0]]].fan_in, inner.layers[by_name[too_big[0]]].units)}.")
+                        f"most {sides[too_big[0]]}.")
     head = inner.num_layers - 1
     layers, stage_of, adapters = [], [], []
     new_index: dict[int, int] = {}  # inner layer -> the new layer its frozen leaves count under
