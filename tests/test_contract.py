@@ -26,6 +26,7 @@ from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.methods.basic.scaffold import control_variates
+from fedpartial._src.models.lora import lora
 from fedpartial._src.methods.base import Holdout
 from examples import scaffold
 from tests.conftest import make_cohort
@@ -64,6 +65,9 @@ BUILDERS["fedrolex"] = lambda: get_method("fedrolex", tier_mix="5,2,1", widths="
 BUILDERS["depthfl"] = lambda: get_method("depthfl", tier_mix="5,2,1")
 BUILDERS["inclusivefl"] = lambda: get_method("inclusivefl", tier_mix="5,2,1")
 ON_STAGED = {"depthfl", "inclusivefl"}
+# The federated LoRA methods train the adapters of a LoRA model (rank 2 on the MLP's hidden layers).
+ON_LORA = {"fedit", "ffa_lora", "fedsa_lora"}
+_LORA_MODELS: dict = {}
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
 BUILDERS["fedldf+scaffold"] = lambda: control_variates(get_method("fedldf", n=2))  # control variates on partial uploads
@@ -176,7 +180,10 @@ def assert_matches_reference(got, metrics, ref, ref_metrics, name=None):
 
 
 def model_for(name, method, mlp, staged_mlp):
-    """The model an entry trains: the one-stage MLP, or for a depth-tiered method the staged one with its exits."""
+    """The model an entry trains: the one-stage MLP, for a depth-tiered method the staged one with its exits, for
+    a LoRA method the MLP with rank-2 adapters on its hidden layers."""
+    if name in ON_LORA:
+        return _LORA_MODELS.setdefault(id(mlp), lora(mlp, 2))
     return method.adapt_model(staged_mlp) if name in ON_STAGED else mlp
 
 

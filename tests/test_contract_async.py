@@ -59,7 +59,8 @@ MODELS = {"fedbn": "resnet20"}
 FAMILY_OF = {"fedprox": "fedavg", "fedldf": "hdfl", "random": "hdfl", "feddrop": "fedspu", "fjord": "fedspu",
              "hermes": "fedspu", "fedmp": "fedspu", "prunefl": "fedspu", "fedselect": "fedspu", "fedpart": "fedspu",
              "fiarse": "fedspu", "fedadp": "fedspu", "fedrolex": "heterofl", "embracingfl": "heterofl",
-             "depthfl": "heterofl", "lgfedavg": "fedper", "fedrep": "fedper", "fedbn": "fedper", "fedbabu": "fedper"}
+             "depthfl": "heterofl", "lgfedavg": "fedper", "fedrep": "fedper", "fedbn": "fedper", "fedbabu": "fedper",
+             "ffa_lora": "fedit", "fedsa_lora": "fedper"}
 BASE = dict(dataset="digits", model="mlp", num_clients=8, cohort_size=2, mode="async", concurrency=4, buffer=2,
             rounds=3, local_steps=2, batch_size=8, eval_every=3, out_dir=None, compute_speed="lognormal:1e9:1.0",
             weight_decay=0.01, server_optimizer="adam", server_lr=0.01, record_decisions=True)
@@ -69,9 +70,14 @@ WALL_CLOCK = ("round_time_s", "wall_time_s", "host_time_s")
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in FAMILY_OF else n for n in ASYNC_METHODS]
 
 
+#: the federated LoRA methods train adapters over a frozen base
+LORA = {"fedit", "ffa_lora", "fedsa_lora"}
+
+
 def config(name, **changes):
     dp = dict(dp_clip=1.0, dp_noise_multiplier=1.0) if name in WITH_DP else {}
-    return RunConfig(**{**BASE, "model": MODELS.get(name, "mlp"), **dp, **changes}, method=name,
+    lora = dict(lora=2) if name in LORA else {}
+    return RunConfig(**{**BASE, "model": MODELS.get(name, "mlp"), **dp, **lora, **changes}, method=name,
                      options=OPTIONS.get(name, {}))
 
 

@@ -4,7 +4,8 @@ from fedpartial._src.models.adapter import Model, from_linen, from_nnx, from_sta
 from fedpartial._src.models.conv import CONV_IMPLS
 from fedpartial._src.models.conv import lowering as conv_lowering
 from fedpartial._src.models.exits import MultiExitModel, with_exits
+from fedpartial._src.models.lora import Adapter, LoraSpec, lora, merge, merge_into_base
 from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
 
 __all__ = ["CONV_IMPLS", "MODELS", "Model", "conv_lowering", "ModelSpec", "MultiExitModel", "build_model", "from_linen",
-           "from_nnx", "from_stages", "with_exits"]
+           "from_nnx", "from_stages", "with_exits", "Adapter", "LoraSpec", "lora", "merge", "merge_into_base"]

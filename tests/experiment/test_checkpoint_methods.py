@@ -47,7 +47,9 @@ def fedldf_with_feddh_weights():
 #: name -> the flags after ``fedpartial run``: every registered method with its defaults, then the wrappers and
 #: placements a user can combine with one
 COMBINATIONS = {
-    **{name: ["--method", name] for name in METHODS},
+    **{name: ["--method", name, *(["--lora", "2"] if name in ("fedit", "ffa_lora", "fedsa_lora") else [])]
+       for name in METHODS},
+    "ffa_lora --dp": ["--method", "ffa_lora", "--lora", "2", *DP],
     "fedavg --es": ["--method", "fedavg", "--es"],
     "fedavg --dp": ["--method", "fedavg", *DP],
     "scaffold --es": ["--method", "scaffold", "--es"],

@@ -266,6 +266,9 @@ def protect_output(mask: Mask) -> Mask:
 
 def uses_neurons(structure: ModelStructure) -> None:
     """Raises unless neuron masks can be wired for this model."""
+    if any(name.endswith("/lora_a") for name in structure.layer_names):
+        raise UserError("neuron-level masks cannot drop a unit of a LoRA model (its frozen base would still compute "
+                        "it); use a layer-level method or a LoRA method (fedit, ffa_lora, fedsa_lora).")
     if not structure.sequential:
         raise UserError(
             "neuron-level masks need a sequential model (a chain of layers without residual "
@@ -296,6 +299,8 @@ def _leaf_values(structure, collection, path, shape, layer_vals, out_vals, in_va
         inp = _input_units(structure, role.layer, in_vals, inputs)
         if inp is not None:
             value = combine(value, inp.reshape((1,) * (len(shape) - 1) + inp.shape))
+        return jnp.broadcast_to(value, shape)
+    if not role.units_axis:  # a whole-layer leaf: its layer's bit alone
         return jnp.broadcast_to(value, shape)
     out = out_vals[role.layer]
     value = combine(value, out.reshape((1,) * (len(shape) - 1) + out.shape))
@@ -449,18 +454,23 @@ def _layer_counts(structure: ModelStructure, mask: Mask, leaves, xp=jnp, positio
             spec.feeds_from is None and (mask.inputs is None or mask.inputs[role.layer].shape[-1] == 0))
         if role.on_input:  # a pre-norm's leaf: input units on its last axis, no output units
             static = math.prod(shape[:-1] if wired else shape) * weight
+        elif not role.units_axis:  # a whole-layer leaf: every element, on with its layer
+            static = math.prod(shape) * weight
         else:
             static = math.prod(shape[:-2] if wired else shape[:-1]) * weight  # an unwired input axis: all rows
-        key = (role.layer, bool(role.norm and mask.norms is not None), wired, role.on_input)
+        key = (role.layer, bool(role.norm and mask.norms is not None), wired, role.on_input, role.units_axis)
         groups[key] = groups.get(key, 0) + static
     batch = mask.layers.shape[:-1]
     per_layer = [xp.zeros(batch, xp.int32) for _ in range(structure.num_layers)]
     n_out: dict[int, jax.Array] = {}
     n_in: dict[int, jax.Array] = {}
-    for (layer, norm, wired, on_input), static in sorted(groups.items()):
+    for (layer, norm, wired, on_input, units_axis), static in sorted(groups.items()):
         on = mask.layers[..., layer]
         if norm:
             on = on & mask.norms[..., layer]
+        if not units_axis:
+            per_layer[layer] = per_layer[layer] + on.astype(xp.int32) * static
+            continue
         if layer not in n_out:
             n_out[layer] = xp.sum(mask.neurons[layer], axis=-1, dtype=xp.int32)
         count = on.astype(xp.int32) if on_input else on.astype(xp.int32) * n_out[layer]

@@ -6,7 +6,8 @@ The estimate adds, in bytes (every shape from ``jax.eval_shape``: nothing is all
   per-client state (``[N, ...]`` rows, e.g. FedSPU's N personal models) and
   ``RUNTIME_BYTES`` for compilation and the runtime's buffers (measured);
 * ``clients``: per client *in flight* (the cohort K, or the chunk C of the streamed
-  strategy) its start model, trained model, gradient, client optimizer state, the
+  strategy) its start model (a LoRA model's frozen base is held once, with the server's model), trained model,
+  gradient, client optimizer state, the
   aggregation's masked copy and expanded upload mask, and its activations
   (``ACTIVATION_FACTOR`` × batch × (input + every layer's units) float32 — exact for
   dense layers, low for convolutions, whose spatial maps the layer structure does
@@ -27,6 +28,8 @@ from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
+
+from fedpartial._src.core.structure import FROZEN
 
 #: activations kept per example and unit: forward values, their gradients and XLA's temporaries
 ACTIVATION_FACTOR = 4
@@ -68,6 +71,8 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
     in_flight = min(in_flight, fr.ctx.cohort_size)
     shapes = jax.eval_shape(fr.pure_init, jax.random.key(0))
     model = tree_bytes(shapes.variables)
+    # the frozen base is held once (with the server's model), never per client
+    client_model = model - tree_bytes(shapes.variables.get(FROZEN, {}))
     params = tree_bytes(shapes.variables["params"])
     client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.direction.init, shapes.variables["params"]))
     state = tree_bytes(shapes)  # model, optimizer and method state, round counter
@@ -77,7 +82,7 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
         state, cohort_rows = state - clients, clients * fr.ctx.cohort_size // fr.ctx.num_clients
     server = model + state + cohort_rows + RUNTIME_BYTES
     # start + trained model, gradient, optimizer state, masked copy (float) and upload mask (bool) for aggregation
-    per_client_model = 3 * model + params + client_opt + model // 4
+    per_client_model = 3 * client_model + params + client_opt + client_model // 4
     units = sum(fr.ctx.structure.units) + math.prod(example_shape)
     activations = ACTIVATION_FACTOR * batch_size * units * 4
     example = math.prod(example_shape) * x_itemsize + 4 + 1  # x, label, example mask

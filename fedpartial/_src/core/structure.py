@@ -25,6 +25,24 @@ import numpy as np
 
 Path = tuple[str, ...]
 
+#: The variables collection of parameters that no client trains (a LoRA model's base, :mod:`fedpartial.models`'s
+#: ``lora``): the round holds it once and passes it unstacked into every client's forward pass; it is never
+#: trained, uploaded or aggregated and has no optimizer state.
+FROZEN = "frozen"
+
+def without_frozen(variables: Mapping[str, Any]) -> dict:
+    """``variables`` without the frozen base (:data:`FROZEN`): what a client's start model, local state, result
+    and personal copy hold, so no per-client copy of the base is ever made."""
+    return dict(variables) if FROZEN not in variables else {c: t for c, t in variables.items() if c != FROZEN}
+
+
+def with_frozen(variables: Mapping[str, Any], global_vars: Mapping[str, Any] | None) -> dict:
+    """``variables`` with ``global_vars``' frozen base (held once, unstacked), for a forward pass."""
+    if global_vars is None or FROZEN not in global_vars:
+        return dict(variables)
+    return {**variables, FROZEN: global_vars[FROZEN]}
+
+
 #: Module class names treated as normalisers: their leaves join the preceding layer.
 NORMALIZER_NAMES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm")
 
@@ -72,6 +90,10 @@ class LeafRole:
     norm: bool = False
     # Whether its last axis holds the layer's input units, not its outputs (a pre-norm's scale and bias).
     on_input: bool = False
+    # Whether the leaf's last axis is the layer's units.  A leaf whose last axis is something else (a low-rank
+    # factor written inside the module, ``lora_a [in, r]``) is a whole-layer leaf: on or off with its layer,
+    # never wired to single neurons.
+    units_axis: bool = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a jit static argument
@@ -249,9 +271,15 @@ def build_structure(
                     f"variable {collection}/{'/'.join(path)} belongs to no layer of the model."
                 )
             layer = module_layer[module_path]
-            is_kernel_like = module_path not in norm_set and np.ndim(leaf) >= 2
+            spec = layers[layer]
+            shape = np.shape(leaf)
+            on_input = module_path in pre_set
+            units_axis = on_input or (len(shape) >= 1 and shape[-1] == spec["units"])
+            # a second-to-last axis is wired to the feeding layer only where it is the kernel's input axis
+            is_kernel_like = (module_path not in norm_set and len(shape) >= 2 and units_axis
+                              and shape[-2] == spec["fan_in"])
             coll_roles[path] = LeafRole(layer=layer, has_input_axis=bool(is_kernel_like), norm=module_path in norm_set,
-                                        on_input=module_path in pre_set)
+                                        on_input=on_input, units_axis=bool(units_axis))
         roles[collection] = coll_roles
     return ModelStructure(layers=tuple(built), roles=roles, sequential=sequential)
 

@@ -109,7 +109,8 @@ class PersonalModels(NamedTuple):
     """Every client's own model, as a personalised method's ``personal`` hook returns it.
 
     Attributes:
-      variables: the models' variables with leading ``[N]`` (or one unstacked model shared by all).
+      variables: the models' variables with leading ``[N]`` (or one unstacked model shared by all); a LoRA
+        model's frozen base (the ``frozen`` collection) is one unstacked copy, shared by every client.
       submodel: for sub-model methods, the ``[N]`` neuron mask of the sub-model each client holds
         (None: the full model).
       stacked: False when ``variables`` is one model shared by every client.

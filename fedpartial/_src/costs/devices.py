@@ -316,7 +316,9 @@ class CostModel:
                 shares = np.asarray(densities, np.float64)[rows]
                 step = submodel_flops(step, self._layers, cost.step_layers, (shares, np.ones_like(shares)),
                                       cost.batch_size, fixed_flops=cost.step_fixed_flops)
-            elif cost.submodel and dropout is not None:
+            elif cost.submodel and dropout is not None and self.fr.model.lora is None:
+                # (a LoRA model's rank tiers: XLA's count of the full-rank step stands, the base's forward and
+                # backward being nearly all of it; docs/decisions.md#lora)
                 if self._layers is None:
                     self._layers = layer_costs(self.fr.model)
                 mask = jax.tree.map(lambda a, rows=rows: np.asarray(a)[rows], dropout)

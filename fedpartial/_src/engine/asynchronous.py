@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.structure import without_frozen
 from fedpartial._src.core.types import ClientPlan, CohortInfo, Method
 from fedpartial._src.engine.program import RoundProgram
 from fedpartial._src.engine.runners import RUNNERS
@@ -188,7 +189,7 @@ class AsyncRound:
 
     def empty_pool(self, state: ServerState, cohort: Cohort, key: jax.Array) -> Dispatched:
         """A pool of ``concurrency`` zero rows shaped as :meth:`dispatch` returns them (nothing trained)."""
-        variables = state.variables
+        variables = without_frozen(state.variables)  # a LoRA model's base is held once, never in the pool
         plan = jax.eval_shape(self.round.preview, state, cohort, key).plan
         c = self.concurrency
         rows = lambda tree: jax.tree.map(lambda a: jnp.zeros((c, *a.shape), a.dtype), tree)  # noqa: E731
@@ -239,5 +240,6 @@ def _put_rows(pool: Any, rows: Any, slots: jax.Array) -> Any:
 def pool_bytes(state_variables: dict, concurrency: int) -> int:
     """Bytes of a pool of ``concurrency`` rows: two copies of the variables per row (trained, start), plus
     the small per-row values (plans are masks: at most one byte per unit, not counted here)."""
-    per = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(state_variables))
+    per = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+              for a in jax.tree.leaves(without_frozen(state_variables)))
     return concurrency * (2 * per + 20)

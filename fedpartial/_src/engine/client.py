@@ -40,6 +40,7 @@ import optax
 from fedpartial._src.engine import graphs
 from fedpartial._src.core import masks as masks_lib
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.structure import with_frozen, without_frozen  # noqa: F401  (without_frozen: here too)
 from fedpartial._src.core.types import (
     Batch,
     ClientOptimizer,
@@ -63,7 +64,7 @@ class LocalState(NamedTuple):
 
 class ClientFns(NamedTuple):
     init: Any  # (start_vars, optimizer_state=True, window=None) -> LocalState (False: opt_state is ())
-    prepare: Any  # (start_vars, data [S, B, ...]) -> inputs [S, B, ...]
+    prepare: Any  # (start_vars, data [S, B, ...], global_vars=None) -> inputs [S, B, ...]
     step: Any  # (local, batch, plan, global_vars, client_state, client_key, index, server_state=()) -> LocalState
     final: Any  # (local, start_vars) -> (trained full variables, mean loss, steps)
     init_optimizer: Any  # (local without optimizer state) -> local with its fresh optimizer state
@@ -167,10 +168,10 @@ def make_client_fns(
     def init_optimizer(local: LocalState) -> LocalState:
         return local._replace(opt_state=direction.init(local.variables["params"]))
 
-    def client_prepare(start_vars: dict, data: Batch) -> Batch:
+    def client_prepare(start_vars: dict, data: Batch, global_vars: dict | None = None) -> Batch:
         if graph.prepare is None:
             return data
-        return graph.prepare(start_vars, data, not track_batch_stats)
+        return graph.prepare(with_frozen(start_vars, global_vars), data, not track_batch_stats)
 
     def client_step(local: LocalState, batch: Batch, plan: ClientPlan, global_vars: dict, client_state: Any,
                     client_key: jax.Array, index: jax.Array, server_state: Any = ()) -> LocalState:
@@ -186,7 +187,8 @@ def make_client_fns(
 
         def forward(p, x):
             p_fwd = p if scale is None else jax.tree.map(jnp.multiply, p, scale)
-            return graph.apply({"params": p_fwd, "batch_stats": stats}, x, True, batch.example_mask)
+            return graph.apply(with_frozen({"params": p_fwd, "batch_stats": stats}, global_vars), x, True,
+                               batch.example_mask)
 
         rate = update_scale(base_lr, plan.lr_scale)
         step = LocalStep(batch=batch, key=loss_key, index=index, plan=plan, global_vars=global_vars,

@@ -26,7 +26,7 @@ def run_steps(fns: ClientFns, start: dict, data: Batch, plan: ClientPlan, global
               key: jax.Array, server_state: Any = (), *, unroll: int = 1) -> tuple[dict, jax.Array, jax.Array]:
     """One client's local training from ``start`` on its data ``[S, B, ...]`` (padded steps are no-ops):
     ``(trained variables, mean loss, real steps)``.  ``key``: the client's key (step ``s`` folds in ``s``)."""
-    inputs = fns.prepare(start, data)
+    inputs = fns.prepare(start, data, global_vars)
 
     def body(local, xs):
         batch, index = xs

@@ -26,7 +26,7 @@ from fedpartial._src.core.population import gather_clients
 from fedpartial._src.core.types import Carry, ClientGroup, ClientOptimizer, ClientPlan, Method, MethodContext, RoundView
 from fedpartial._src.engine import sharding as sharding_lib
 from fedpartial._src.engine._rows import all_finite, clean_faults, concat, row_slice, rows_padded
-from fedpartial._src.engine.client import ClientFns, update_scale
+from fedpartial._src.engine.client import ClientFns, update_scale, without_frozen
 from fedpartial._src.engine.local_training import run_steps
 from fedpartial._src.engine.metrics import round_metrics
 from fedpartial._src.engine.strategy import Strategy
@@ -99,9 +99,14 @@ class RoundProgram:
         """``[K]`` each client's training key, ``fold_in(train_key, id_k)``."""
         return jax.vmap(lambda i: jax.random.fold_in(keys.train, i))(jnp.asarray(cohort.info.client_ids))
 
+    def client_start(self, global_vars: dict, client_state: Any, plan: ClientPlan) -> dict:
+        """One client's start model (the method's ``client_start``) without the frozen base, which the round
+        holds once and hands to every client's forward pass unstacked (:func:`~fedpartial._src.engine.client.with_frozen`)."""
+        return without_frozen(self.method.client_start(self.ctx, global_vars, client_state, plan))
+
     def starts(self, view: RoundView, plan: ClientPlan) -> dict:
-        """``[K, ...]`` every client's start model (the method's ``client_start``)."""
-        start = lambda cstate, plan_k: self.method.client_start(self.ctx, view.global_vars, cstate, plan_k)  # noqa: E731
+        """``[K, ...]`` every client's start model (the method's ``client_start``), without the frozen base."""
+        start = lambda cstate, plan_k: self.client_start(view.global_vars, cstate, plan_k)  # noqa: E731
         return jax.vmap(start, axis_size=self.ctx.cohort_size)(view.client_state, plan)
 
     def group_slices(self, *trees):
@@ -117,7 +122,7 @@ class RoundProgram:
         steps in ``lax.scan``: ``(trained, loss, steps)``."""
         global_vars, server_state = shared
         data_k, plan_k, cstate_k, key_k = args
-        start = self.method.client_start(self.ctx, global_vars, cstate_k, plan_k)
+        start = self.client_start(global_vars, cstate_k, plan_k)
         return run_steps(fns, start, data_k, plan_k, global_vars, cstate_k, key_k, server_state,
                          unroll=self.strategy.unroll)
 

@@ -126,6 +126,16 @@ class RunConfig:
                                     default_text="none: a random initial model")
     bn_policy: str = setting("global", section="model", help="BatchNorm statistics: global (aggregated like "
                              "weights) or static (not tracked; batch statistics at test time)")
+    lora: int | None = setting(None, section="model", metavar="RANK", help="LoRA adapters of this rank on the "
+                               "model's Dense layers over a frozen base held once (docs/lora.md)", default_text="off")
+    lora_alpha: float | None = setting(None, section="model", metavar="ALPHA", help="the LoRA scaling numerator: an "
+                                       "adapter adds (alpha/rank)·x·A·B", default_text="the rank (scale 1)")
+    lora_targets: str | None = setting(None, section="model", metavar="NAME,...", help="the layers LoRA wraps, "
+                                       "names or globs (block*/attn/*)", default_text="every block's attention "
+                                       "projections and MLP, else every Dense layer but the output layer")
+    lora_ranks: str | None = setting(None, section="model", metavar="R,R,...", help="heterogeneous LoRA ranks: "
+                                     "clients in equal groups by id train the first r of the --lora adapters' "
+                                     "components", default_text="every client the full rank")
 
     # --- local training ---
     local_steps: int | None = setting(None, section="training", help="local SGD steps per round",

@@ -13,6 +13,7 @@ import numpy as np
 
 from fedpartial._src.core import memory
 from fedpartial._src.core.losses import count_correct, count_labels, masked_cross_entropy, model_loss
+from fedpartial._src.core.structure import FROZEN, with_frozen, without_frozen
 from fedpartial._src.methods.base import PersonalModels
 from fedpartial._src.models import exits
 from fedpartial._src.models.adapter import Model
@@ -132,7 +133,12 @@ def _eval_clients(model: Model, size: int, stacked: bool, batch_statistics: bool
     def rows(a):
         return jax.lax.dynamic_slice_in_dim(a, start, size, 0)
 
+    base = variables if not stacked else {FROZEN: variables[FROZEN]} if FROZEN in variables else None
+    if stacked:  # a LoRA model's frozen base is one copy (not [N]) beside the stacked personal parts
+        variables = without_frozen(variables)
+
     def one(variables_k, submodel_k, x_k, y_k, m_k):
+        variables_k = with_frozen(variables_k, base) if stacked else variables_k
         loss, correct = model_loss(model, variables_k, x_k, y_k, m_k, train=batch_statistics, submodel=submodel_k)
         return loss * count_labels(y_k, m_k), correct
 
@@ -163,7 +169,7 @@ def _client_loop_and_chunk(personal: PersonalModels, x: np.ndarray, y: np.ndarra
     """
     per_client = x[:1].nbytes + y[:1].nbytes + x.shape[1]
     if personal.stacked:
-        per_client += sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(personal.variables))
+        per_client += sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(without_frozen(personal.variables)))
     if jax.default_backend() == "cpu":
         loop, budget = "map", CHUNK_BYTES_CPU
         most = 64 if personal.stacked else max(1, CPU_FLAT_BATCH // x.shape[1])
@@ -208,14 +214,16 @@ def evaluate_clients(model: Model, personal: PersonalModels, x: np.ndarray, y: n
     # Personal models held on the host (per-client state off the device, numpy or memory-mapped): each
     # chunk's rows are cut on the host, so only they travel (the jitted slice then starts at 0); so are the
     # examples, always.  Device-resident models are sliced inside the call.
-    on_host = personal.stacked and not any(isinstance(a, jax.Array) for a in jax.tree.leaves(personal.variables))
+    on_host = personal.stacked and not any(isinstance(a, jax.Array)
+                                           for a in jax.tree.leaves(without_frozen(personal.variables)))
     losses, corrects, done = [], [], 0
     while done < n:
         start = min(done, n - chunk_size)  # the last chunk overlaps instead of changing shape
         rows = lambda t: jax.tree.map(lambda a: np.asarray(a[start:start + chunk_size]), t)  # noqa: E731
         variables, submodel, first = personal.variables, personal.submodel, start
         if on_host:
-            variables, submodel, first = rows(variables), rows(submodel), 0
+            variables = with_frozen(rows(without_frozen(variables)), variables)
+            submodel, first = rows(submodel), 0
         loss, correct = _eval_clients(model, chunk_size, personal.stacked, batch_statistics, loop,
                                       variables, submodel, first, *rows((x, y, mask)))
         losses.append(np.asarray(loss)[done - start:])

@@ -18,6 +18,7 @@ from fedpartial._src.engine import conv_choice
 from fedpartial._src.experiment import compile_cache
 from fedpartial._src.experiment.config import DEFAULT_MODELS, ConfigError, RunConfig
 from fedpartial._src.models import registry, zoo
+from fedpartial._src.experiment.lora import with_lora
 from fedpartial._src.models.adapter import Model, from_linen
 from fedpartial._src.models.conv import check_conv_impl
 from fedpartial._src.models.precision import with_compute_dtype
@@ -66,6 +67,7 @@ def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | 
     dtype = config.compute_dtype
     if model is not None:
         choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
+        model = with_lora(config, model)
         return with_compute_dtype(model, dtype), None if dtype == "float32" else model, choice
     choice = choose_conv(config, dataset)
     model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype, size=config.model_size)
@@ -73,7 +75,7 @@ def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | 
         build_model(config.model, dataset, size=config.model_size)
     if adapt is not None:  # e.g. MOON's projection head
         model, plain = adapt(model), plain and adapt(plain)
-    return model, plain, choice
+    return with_lora(config, model), plain and with_lora(config, plain), choice
 
 
 def model_outputs(model: Model, dtype=np.float32) -> int:

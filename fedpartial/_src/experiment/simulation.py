@@ -40,6 +40,7 @@ from fedpartial._src.experiment import pretrained
 from fedpartial._src.experiment.parts import (check_outputs_fit_labels, make_client_optimizer, make_server_optimizer,
                                               model_outputs, run_models)
 from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
+from fedpartial._src.experiment.lora import with_rank_tiers
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
@@ -138,6 +139,7 @@ class Simulation:
                 self.holdout_note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the "
                                      f"rest out, because {why} (--train-fraction changes it)")
         inner = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
+        inner = with_rank_tiers(config, inner)  # --lora-ranks: each client's rank components, as masks
         inner = upload_codec(inner, config.upload_codec) if config.upload_codec else inner
         # with --dp-clip the method is wrapped in DP-FedAvg (around the codec: it clips what the server receives)
         # and ``accountant`` gives ε each round (else None)

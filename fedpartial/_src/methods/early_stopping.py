@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import model_loss
+from fedpartial._src.core.structure import with_frozen
 from fedpartial._src.methods.base import (
     InitView,
     Method,
@@ -56,6 +57,7 @@ def holdout_losses(ctx: MethodContext, view: RoundView) -> jax.Array:
         )
 
     def one(variables, plan, x, y, example_mask):
+        variables = with_frozen(variables, view.global_vars)  # a LoRA model's base, held once
         return model_loss(ctx.model, variables, x, y, example_mask, train=ctx.batch_statistics,
                           submodel=plan.dropout, unit_scale=plan.dropout_scale)[0]
 

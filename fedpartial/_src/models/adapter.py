@@ -71,16 +71,14 @@ class Model:
     Attributes:
       name: display name.
       init: ``(key, x) -> variables``.
-      apply: ``(variables, x, train, example_mask=None) -> (logits, batch_stats)``;
-        in train mode the returned ``batch_stats`` are the updated running
-        statistics.  ``example_mask`` ``[batch]`` marks real examples: padded
-        examples are excluded from BatchNorm's batch statistics.
+      apply: ``(variables, x, train, example_mask=None) -> (logits, batch_stats)``; in train mode the returned
+        ``batch_stats`` are the updated running statistics.  ``example_mask`` ``[batch]`` marks real examples:
+        padded examples are excluded from BatchNorm's batch statistics.
       structure: ordered layers and leaf roles.
       input_shape: shape of one example (no batch axis).
       num_classes: number of output classes.
       stage_names: the forward pass as ordered stages; the last is the classifier.
-      stage_of_layer: for every layer of ``structure.layers``, the index of the
-        stage that owns it (all ``0`` for a single-stage model).
+      stage_of_layer: per layer of ``structure.layers``, the index of its stage (all ``0`` for a single-stage model).
       run_stages: ``(variables, x, start, stop, train, example_mask) -> (out,
         batch_stats)`` for stages ``[start, stop)``; None for a single-stage model
         (``apply`` is then the only stage).  Call :meth:`apply_stages` instead.
@@ -90,6 +88,7 @@ class Model:
         channels/units in every hidden layer (width tiers);
         ``scaler``: hidden outputs × ``1/ratio`` in training (HeteroFL's Scaler).
         None: the model cannot rebuild itself narrower (:func:`from_linen`'s ``width`` sets it).
+      lora: a :func:`~fedpartial.models.lora` model's adapters (:class:`~fedpartial.models.LoraSpec`), else None.
     """
 
     name: str
@@ -103,6 +102,7 @@ class Model:
     run_stages: Callable[..., tuple[Any, Any]] | None = None
     record_outputs: Callable[..., dict[str, jax.Array]] | None = None
     at_width: Callable[[float, bool], Model] | None = None
+    lora: Any = None
 
     def __post_init__(self):
         n, layers = len(self.stage_names), self.structure.num_layers

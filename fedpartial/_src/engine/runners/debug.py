@@ -27,8 +27,8 @@ class Debug(Runner):
                 for k in range(offset, offset + group.size):
                     one = lambda tree: jax.tree.map(lambda a: a[k], tree)  # noqa: B023,E731
                     plan_k, cstate_k = one(plan), one(view.client_state)
-                    start = prog.method.client_start(prog.ctx, state.variables, cstate_k, plan_k)
-                    inputs = fns.prepare(start, one(cohort.data))
+                    start = prog.client_start(state.variables, cstate_k, plan_k)
+                    inputs = fns.prepare(start, one(cohort.data), state.variables)
                     local = fns.init(start, window=plan_k.window)
                     for s in range(int(np.shape(cohort.data.step_mask)[1])):
                         batch = jax.tree.map(lambda a: a[s], inputs)  # noqa: B023

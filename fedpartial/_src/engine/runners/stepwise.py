@@ -104,7 +104,7 @@ class Stepwise(Runner):
                 prog.clients, prog.groups,
                 prog.group_slices(starts, cohort.data, plan, view.client_state, client_keys)):
             if group.graph is not None and group.graph.prepare is not None:
-                inputs = jax.vmap(fns.prepare)(start, data)
+                inputs = jax.vmap(fns.prepare, (0, 0, None))(start, data, state.variables)
             else:
                 inputs = data if len(prog.groups) > 1 else None
             local = jax.vmap(lambda s, w: fns.init(s, optimizer_state=False, window=w))(start, plan_g.window)

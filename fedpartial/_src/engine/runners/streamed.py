@@ -60,7 +60,7 @@ class Streamed(Runner):
         prog = self.program
         view = prog.view(state, Cohort(data=None, info=info), hook_keys(self._wrap(key)).plan)
         plan = jax.tree.map(lambda a: a[rows], plan)
-        start = lambda cstate, plan_k: prog.method.client_start(prog.ctx, state.variables, cstate, plan_k)  # noqa: E731
+        start = lambda cstate, plan_k: prog.client_start(state.variables, cstate, plan_k)  # noqa: E731
         return view, plan, jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
 
     def _stream_chunk_start(self, state: ServerState, plan, ckeys, rows, info: CohortInfo, key, data):
@@ -70,7 +70,7 @@ class Streamed(Runner):
         prog = self.program
         view, plan, starts = self._stream_starts(state, plan, rows, info, key)
         fns = prog.clients[0]
-        inputs = None if data is None else jax.vmap(fns.prepare)(starts, data)
+        inputs = None if data is None else jax.vmap(fns.prepare, (0, 0, None))(starts, data, state.variables)
         out = (jax.vmap(lambda s, w: fns.init(s, window=w))(starts, plan.window), inputs, plan, view.client_state,
                ckeys[rows])
         return out if rows.shape[0] > 1 else jax.tree.map(lambda a: a[0], out)

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial._src.core.losses import masked_cross_entropy
+from fedpartial._src.core.structure import with_frozen, without_frozen
 from fedpartial._src.methods.base import (
     Capabilities,
     InitView,
@@ -106,15 +107,16 @@ def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -
     check_values("moon", SPEC.options, mu=mu, temperature=temperature, projection_dim=projection_dim)
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
-        return MethodState(clients=PreviousModel(variables=broadcast_clients(view.global_vars, ctx.num_clients),
+        return MethodState(clients=PreviousModel(variables=broadcast_clients(without_frozen(view.global_vars),
+                                                                             ctx.num_clients),
                                                  exists=jnp.zeros((ctx.num_clients,), bool)))
 
     def representation(ctx: MethodContext, variables: dict, step: LocalStep) -> jax.Array:
         """``z`` of a fixed model (global or previous) on this step's examples, without gradient."""
         mask = step.batch.example_mask if ctx.batch_statistics else None
 
-        def run():
-            return ctx.model.apply(variables, step.batch.x, ctx.batch_statistics, mask)
+        def run():  # (a LoRA model's frozen base is held once, beside the global model)
+            return ctx.model.apply(with_frozen(variables, step.global_vars), step.batch.x, ctx.batch_statistics, mask)
 
         return jax.lax.stop_gradient(heads.classifier_input(ctx.model, run)[0])
 

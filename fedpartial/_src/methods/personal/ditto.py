@@ -27,6 +27,7 @@ import jax
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.population import broadcast_clients
 from fedpartial._src.core.types import client_sgd
+from fedpartial._src.core.structure import with_frozen, without_frozen
 from fedpartial._src.engine.local_training import train_models
 from fedpartial._src.methods.base import (Capabilities, ClientPlan, InitView, Method, MethodContext, MethodState,
                                           PersonalModels, RoundView, cohort_rows, make_method, scatter_clients,
@@ -48,7 +49,7 @@ def ditto(lam: float = 0.1) -> Method:
     personal_step = make_method("ditto-personal", objective=with_penalty(proximal_term(lam)))
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
-        return MethodState(clients=broadcast_clients(view.global_vars, ctx.num_clients))
+        return MethodState(clients=broadcast_clients(without_frozen(view.global_vars), ctx.num_clients))
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
         if view.client_lr is None:
@@ -64,7 +65,7 @@ def ditto(lam: float = 0.1) -> Method:
         return view.method_state._replace(clients=clients)
 
     def personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> PersonalModels:
-        return PersonalModels(variables=state.clients)
+        return PersonalModels(variables=with_frozen(state.clients, global_vars))  # a LoRA base: one copy
 
     return make_method("ditto", init=init, update=update, personal=personal,
                        capabilities=Capabilities(personalised=True, host_client_state=True, local_passes=2))

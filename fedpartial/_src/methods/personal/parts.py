@@ -27,7 +27,7 @@ import numpy as np
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.population import broadcast_clients
-from fedpartial._src.core.structure import ModelStructure
+from fedpartial._src.core.structure import FROZEN, ModelStructure, without_frozen
 from fedpartial._src.methods.base import (
     Capabilities,
     ClientPlan,
@@ -109,13 +109,13 @@ def personal_parts(name: str, shared_of: SharedOf) -> Method:
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         shared(ctx)  # a bad split is refused before anything runs
-        return MethodState(clients=broadcast_clients(view.global_vars, ctx.num_clients))
+        return MethodState(clients=broadcast_clients(without_frozen(view.global_vars), ctx.num_clients))
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         return ClientPlan(download=shared(ctx, (ctx.cohort_size,)))
 
     def client_start(ctx: MethodContext, global_vars: dict, own: dict, plan: ClientPlan) -> dict:
-        return merge(ctx.structure, plan.download, global_vars, own)
+        return merge(ctx.structure, plan.download, without_frozen(global_vars), own)
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
         k = view.cohort.num_samples.shape[0]
@@ -128,7 +128,8 @@ def personal_parts(name: str, shared_of: SharedOf) -> Method:
 
     def personal(ctx: MethodContext, state: MethodState, global_vars: dict) -> PersonalModels:
         # Per leaf (whole layers): the global value for every client, or each client's own.
-        take = jax.tree.map(np.asarray, masks.expand_variables(ctx.structure, shared(ctx), global_vars))
+        shared_vars = without_frozen(global_vars)  # a LoRA model's base is held once, not per client
+        take = jax.tree.map(np.asarray, masks.expand_variables(ctx.structure, shared(ctx), shared_vars))
         n = ctx.num_clients
 
         def leaf(t, g, own):
@@ -138,7 +139,8 @@ def personal_parts(name: str, shared_of: SharedOf) -> Method:
                 return np.broadcast_to(np.asarray(g), (n, *np.shape(g)))
             return jnp.broadcast_to(g, (n, *jnp.shape(g)))
 
-        return PersonalModels(variables=jax.tree.map(leaf, take, global_vars, state.clients))
+        own = jax.tree.map(leaf, take, shared_vars, state.clients)
+        return PersonalModels(variables=own if FROZEN not in global_vars else {**own, FROZEN: global_vars[FROZEN]})
 
     return make_method(name, init=init, plan=plan, client_start=client_start, select=select, update=update,
                        personal=personal, capabilities=Capabilities(personalised=True, host_client_state=True,

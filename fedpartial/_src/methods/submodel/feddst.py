@@ -67,6 +67,7 @@ import jax.numpy as jnp
 
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.structure import with_frozen
 from fedpartial._src.methods.base import (
     Carry,
     ClientPlan,
@@ -180,7 +181,8 @@ def feddst(sparsity: float = 0.8, adjust_every: int = 10, adjust_fraction: float
 
         def readjust():
             variables = {**view.trained_vars, "params": values}
-            grads = jax.vmap(lambda v, d: last_batch_grad(ctx.model, v, d))(variables, view.data)
+            grads = jax.vmap(lambda v, d: last_batch_grad(ctx.model, with_frozen(v, view.global_vars), d))(
+                variables, view.data)
             return adjust_leaves(mask, values, grads, layout(ctx, mask, sparsity), fraction)
 
         def keep():

@@ -39,6 +39,7 @@ import numpy as np
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.losses import model_loss
+from fedpartial._src.core.structure import with_frozen
 from fedpartial._src.methods.base import InitView, MethodContext, RoundView, ServerData, scatter_clients
 from fedpartial._src.methods.weighting.degrees import DegreeState
 
@@ -102,7 +103,9 @@ def _estimated_distributions(name: str, beta: float):
         k, c = new.shape[0], ctx.model.num_classes
 
         def estimate(trained):
-            return jax.vmap(lambda v: estimate_distribution(ctx, v, server, beta))(trained)
+            # (a LoRA model's frozen base is held once, beside every client's trained parts)
+            return jax.vmap(lambda v: estimate_distribution(ctx, with_frozen(v, view.global_vars), server, beta))(
+                trained)
 
         # Only a round with a new client pays for the estimate (a Python-free branch on array data).
         fresh = jax.lax.cond(jnp.any(new), estimate, lambda _: jnp.zeros((k, c), jnp.float32), view.trained_vars)
