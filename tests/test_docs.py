@@ -369,6 +369,9 @@ def test_identifiers_do_not_break(site):
     css = re.sub(r"/\*.*?\*/", "", (site / "assets" / "extra.css").read_text(), flags=re.DOTALL)
     rules = {" ".join(sel.split()): body for sel, body in re.findall(r"([^{}]+)\{([^}]*)\}", css)}
     assert "white-space: nowrap" in rules[".md-typeset table:not([class]) code"]
+    assert "white-space: nowrap" in rules[".md-typeset code.nowrap"]
+    page = site_pages(site)["running"]
+    assert '<code class="nowrap">--checkpoint-every</code>' in page
     assert "white-space: pre;" in rules[".md-typeset pre > code"] and "overflow-x: auto" in rules[
         ".md-typeset pre > code"]
 
