@@ -23,7 +23,7 @@ BENCH="$PY -m fedpartial bench --preset full --rounds 3"
 # GPU yet: their limits are guesses from cnn1000's and vgg9's times; they replace those two in the essentials.
 declare -A WHAT CMD LIMIT
 ESSENTIALS=(check convcnn convvgg seeds cohort10k)
-STEPS=("${ESSENTIALS[@]}" cnn1000 vgg9 probe seeds100 fedldf models placement replicas tests)
+STEPS=("${ESSENTIALS[@]}" cnn1000 vgg9 probe seeds100 fedldf models placement replicas lora1000 tests)
 WHAT[check]="versions and devices seen by JAX (seconds)"
 CMD[check]="$PY -c 'import jax, flax, optax, fedpartial; print(jax.__version__, flax.__version__, optax.__version__, fedpartial.__version__, jax.devices())'"
 LIMIT[check]=30
@@ -65,6 +65,9 @@ LIMIT[placement]=300
 WHAT[replicas]="the --seeds memory check: FedSPU, 4 seeds, device peak against the estimate per replica axis"
 CMD[replicas]="$PY -m benchmarks.replica_memory --out $DIR/replica-memory-gpu.json"
 LIMIT[replicas]=300
+WHAT[lora1000]="K = 1,000 LoRA clients (rank 8) over one base held once (an MLP of three 4096-unit layers, 34 MB), run: round time and device peak against XLA's buffer assignment; the stacked baseline to K = 100 (not yet run on a GPU: the limit is a guess)"
+CMD[lora1000]="$PY -m benchmarks.lora_memory --cohorts 10,100,1000 --width 4096 --rank 8 --stacked-up-to 100 --run --out $DIR/lora-memory-gpu.json"
+LIMIT[lora1000]=300
 WHAT[tests]="the default test suite on the GPU (4 workers sharing it, no preallocation; tests needing a package the machine lacks, e.g. mlxtend, fail), log next to the JSON"
 CMD[tests]="XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -q --durations=20 2>&1 | tee $DIR/tests-gpu.log"
 LIMIT[tests]=580

@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m benchmarks.lora_memory [--cohorts 4,16,64] [--width 1024] [--rank 8] [--rounds 1] [--out PATH]
+    python -m benchmarks.lora_memory [--cohorts 4,16,64] [--width 1024] [--rank 8] [--stacked-up-to K] [--run]
+        [--out PATH]
 
 The model is an MLP of three ``--width`` hidden Dense layers on 64 inputs (the base: about 2.2M parameters at
 width 1024, 8.7 MB), with LoRA adapters of ``--rank`` on every hidden layer and a trained head.  Two rounds of the
@@ -27,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 import flax.linen as nn
 import jax
@@ -123,8 +125,9 @@ def cohort(k: int, steps: int, batch: int) -> Cohort:
                              np.ones((k,), bool)))
 
 
-def peak(model, method, k: int, steps: int, batch: int) -> dict:
-    """XLA's memory analysis of one compiled fused round."""
+def peak(model, method, k: int, steps: int, batch: int, run: bool = False) -> dict:
+    """XLA's memory analysis of one compiled fused round; with ``run``, also the round run twice (the second
+    timed) and, on an accelerator, the device's peak bytes in use."""
     r = FederatedRound(model, method, num_clients=k, cohort_size=k, strategy=fused(),
                        client_optimizer=optax.sgd(0.01, momentum=0.9))
     state = jax.eval_shape(r.pure_init, jax.random.key(0))
@@ -132,9 +135,19 @@ def peak(model, method, k: int, steps: int, batch: int) -> dict:
     compiled = jax.jit(r.pure_round).lower(state, c, jax.random.key(1)).compile()
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return {"peak_bytes": int(total), "arguments": int(m.argument_size_in_bytes),
-            "temporaries": int(m.temp_size_in_bytes), "outputs": int(m.output_size_in_bytes),
-            "state_bytes": tree_bytes(state)}
+    out = {"peak_bytes": int(total), "arguments": int(m.argument_size_in_bytes),
+           "temporaries": int(m.temp_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "state_bytes": tree_bytes(state)}
+    if run:
+        state = r.init(jax.random.key(0))
+        for t in range(2):
+            start = time.perf_counter()
+            state, metrics = r(state, c, jax.random.key(t))
+            jax.block_until_ready(metrics["train_loss"])
+            out["round_s"] = time.perf_counter() - start
+        stats = jax.devices()[0].memory_stats() or {}
+        out["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    return out
 
 
 def main(argv=None):
@@ -144,6 +157,9 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--stacked-up-to", type=int, default=None,
+                    help="measure the stacked baseline only for cohorts up to this size (default: all)")
+    ap.add_argument("--run", action="store_true", help="also run each held-once round (time, device peak)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cohorts = [int(k) for k in args.cohorts.split(",")]
@@ -154,16 +170,19 @@ def main(argv=None):
     sizes = {"base_bytes": tree_bytes(shapes[FROZEN]), "trained_bytes": tree_bytes(shapes["params"])}
     rows = []
     for k in cohorts:
-        once = peak(model, fedavg(), k, args.steps, args.batch)
-        stacked = peak(twin, base_frozen_by_masks(twin, frozen_paths), k, args.steps, args.batch)
+        once = peak(model, fedavg(), k, args.steps, args.batch, run=args.run)
+        stacked = None
+        if args.stacked_up_to is None or k <= args.stacked_up_to:
+            stacked = peak(twin, base_frozen_by_masks(twin, frozen_paths), k, args.steps, args.batch)
         rows.append({"cohort": k, "held_once": once, "stacked": stacked})
-        print(f"K={k:5d}  held once {once['peak_bytes'] / 2**20:9.1f} MiB   "
-              f"stacked {stacked['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+        print(f"K={k:5d}  held once {once['peak_bytes'] / 2**20:9.1f} MiB   stacked "
+              + ("not measured" if stacked is None else f"{stacked['peak_bytes'] / 2**20:9.1f} MiB"), flush=True)
     k0, first = cohorts[0], rows[0]
     for row in rows[1:]:
         dk = row["cohort"] - k0
         for kind in ("held_once", "stacked"):
-            row[kind]["bytes_per_extra_client"] = (row[kind]["peak_bytes"] - first[kind]["peak_bytes"]) / dk
+            if row[kind] is not None and first[kind] is not None:
+                row[kind]["bytes_per_extra_client"] = (row[kind]["peak_bytes"] - first[kind]["peak_bytes"]) / dk
     report = stamp({"what": "peak bytes of one compiled fused FedAvg round of a LoRA model (XLA's buffer "
                             "assignment), base held once vs stacked per client", "model": base.name,
                     "rank": args.rank, "steps": args.steps, "batch": args.batch, **sizes, "rows": rows,

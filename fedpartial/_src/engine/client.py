@@ -18,6 +18,10 @@ group's graph are not in the local state at all and come back from the start
 model.  A padded step (``step_mask`` False) returns the state unchanged; padded
 examples carry no loss, no gradient and no BatchNorm statistics.
 
+**A frozen base is held once.**  A LoRA model's base (the ``frozen`` variables collection) is in no client's
+start model, local state or result: every forward pass reads the one copy in ``global_vars``
+(:func:`~fedpartial._src.core.structure.with_frozen`), which the cohort's vmap broadcasts instead of stacking.
+
 Every step has its own key, ``fold_in(client_key, step)``, split in two: one
 for ``Method.step_plan`` and one for the objective (``LocalStep.key``).
 
