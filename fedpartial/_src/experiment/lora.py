@@ -7,6 +7,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment.settings import ConfigError
 from fedpartial._src.models.adapter import Model
 from fedpartial._src.models.lora import lora
+from fedpartial._src.models.lora_ranks import with_lora_ranks
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:
@@ -43,12 +44,13 @@ def with_lora(config, model: Model) -> Model:
             if value is not None:
                 raise ConfigError(f"{flag} {value} applies to LoRA adapters; add --lora RANK.")
         return model
-    lora_ranks(config)
+    ranks = lora_ranks(config)
     if model.lora is not None:
         return model
     try:
-        return lora(model, rank, alpha=config.lora_alpha, targets=_names(config.lora_targets))
+        model = lora(model, rank, alpha=config.lora_alpha, targets=_names(config.lora_targets))
     except ConfigError:
         raise
     except UserError as error:
         raise ConfigError(str(error)) from None
+    return model if ranks is None else with_lora_ranks(model, ranks)
