@@ -43,7 +43,23 @@ def with_lora_ranks(model: Model, ranks: Sequence[int]) -> Model:
 
 
 def client_ranks(model: Model, client_ids: jax.Array, num_clients: int) -> jax.Array:
-    """Each client's rank (int32, ``client_ids``'s shape): its tier's, or the adapters' rank without tiers."""
+    """Each client's LoRA rank: its tier's, or the adapters' rank without tiers.
+
+    Args:
+      model: a LoRA model (:func:`with_lora_ranks` gives it tiers).
+      client_ids: clients' indices into the population (any shape).
+      num_clients: the population ``N`` (tiers are equal groups of it by id).
+
+    Returns:
+      int32 ranks, ``client_ids``'s shape.
+
+    Examples:
+      >>> import fedpartial as fp
+      >>> base = fp.models.from_linen(fp.models.build_model("mlp", 3, (4,)), input_shape=(4,), num_classes=3)
+      >>> model = fp.models.with_lora_ranks(fp.models.lora(base, 4), (1, 4))
+      >>> fp.models.client_ranks(model, [0, 1, 2, 3], 4).tolist()
+      [1, 1, 4, 4]
+    """
     spec = model.lora
     ids = jnp.asarray(client_ids, jnp.int32)
     if spec.ranks is None:
