@@ -62,7 +62,7 @@ LORA = ("fedit", "ffa_lora", "fedsa_lora", "hetlora", "flexlora", "flora")
 HETEROGENEOUS = ("fedit", "hetlora", "flexlora", "flora")
 SIZES = {  # clients, rounds, local steps, batch, pre-training steps, rank
     "tiny": dict(clients=4, rounds=2, steps=2, batch=16, pretrain_steps=20, rank=4),
-    "cpu": dict(clients=10, rounds=20, steps=10, batch=16, pretrain_steps=300, rank=8),
+    "cpu": dict(clients=8, rounds=10, steps=5, batch=16, pretrain_steps=200, rank=8),
     "paper": dict(clients=20, rounds=50, steps=20, batch=32, pretrain_steps=1000, rank=8),
 }
 LR = 0.05

@@ -1,4 +1,4 @@
-"""benchmarks/lora.py at its smallest: pre-training, two LoRA rows and the heterogeneous-rank row end to end."""
+"""benchmarks/lora.py at its smallest: pre-training, FLoRA with equal and heterogeneous ranks, end to end."""
 
 import json
 
@@ -7,13 +7,12 @@ from benchmarks import lora as bench
 
 def test_a_tiny_run_writes_rows_and_checks(tmp_path, monkeypatch):
     monkeypatch.setitem(bench.SIZES, "tiny", dict(clients=3, rounds=1, steps=1, batch=8, pretrain_steps=50, rank=2))
-    assert bench.main(["--size", "tiny", "--methods", "fedit,flora,hetlora_unknown", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--size", "tiny", "--methods", "flora,hetlora_unknown", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "lora-tiny-cpu.json").read_text())
-    assert [(r["method"], r["ranks"]) for r in report["rows"]] == [("fedit", None), ("flora", None),
-                                                                  ("fedit", [1, 1, 2]), ("flora", [1, 1, 2])]
+    assert [(r["method"], r["ranks"]) for r in report["rows"]] == [("flora", None), ("flora", [1, 1, 2])]
     assert report["command"] and report["time"] and report["device"]
-    assert set(report["checks"]) == {"flora_at_least_fedit_heterogeneous"}
-    rows = {(r["method"], bool(r["ranks"])): r for r in report["rows"]}
-    assert rows[("fedit", True)]["upload_bytes_per_round"] < rows[("fedit", False)]["upload_bytes_per_round"]
-    assert rows[("flora", False)]["lora_aggregation_error_last"] < 1e-5
+    assert report["checks"] == {}  # each check needs its two methods
+    equal, ranked = report["rows"]
+    assert ranked["upload_bytes_per_round"] < equal["upload_bytes_per_round"]  # rank 1 clients upload less
+    assert equal["lora_aggregation_error_last"] < 1e-5 and 0 <= equal["global_accuracy"] <= 1
     assert (tmp_path / "lora-tiny-cpu.png").exists()

@@ -9,9 +9,11 @@ import pytest
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.structure import FROZEN
+from fedpartial._src.engine.asynchronous import async_refusal
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import stepwise, streamed
 from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.lora import lora
 from fedpartial._src.models.lora_ranks import with_lora_ranks
@@ -156,6 +158,9 @@ def test_the_stacking_methods_are_refused_where_they_cannot_run(mlp):
                            strategy=streamed(2))
     with pytest.raises(UserError, match="between 1 and the adapters' rank 2"):
         model((1, 3))
+    with pytest.raises(UserError, match="rewrites the global model from every client's update"):
+        dp_fedavg(get_method("flora"), clip=1.0, noise_multiplier=1.0)
+    assert "rewrites the global model" in async_refusal(get_method("flora").with_capabilities(asynchronous=True))
 
 
 def test_stepwise_equals_fused():
