@@ -28,7 +28,7 @@ def block(results: dict, table, device_of, date_of, command_of, figures_of, figu
     for name, d in sorted((n, d) for n, d in results.items() if d.get("benchmark") == "lora"):
         s = d["settings"]
         lines += [f"`benchmarks/results/{name}` — {device_of(name, d)}, {date_of(name, d)}: "
-                  f"`{command_of(name, d)}` ({d.get('wall_seconds', '?')} s). {d['model']} on {d['dataset']}, "
+                  f"{command_of(name, d)} ({d.get('wall_seconds', '?')} s). {d['model']} on {d['dataset']}, "
                   f"base pre-trained to {d['pretrained_accuracy']:.3f} test accuracy on the public 30 %; "
                   f"{s['clients']} clients (all in every round), {s['rounds']} rounds of {s['steps']} local steps "
                   f"(batch {s['batch']}, SGD {s['lr']}).", ""]
@@ -36,5 +36,10 @@ def block(results: dict, table, device_of, date_of, command_of, figures_of, figu
                         "client MFLOPs / step", "client memory (kB)"], rows_of(d))
         lines += ["", "The papers' orderings on these numbers:", ""]
         lines += [f"- {CHECKS.get(k, k)}: **{'yes' if v else 'no'}**" for k, v in d["checks"].items()]
+        by = {r["method"]: r for r in d["rows"] if not r["ranks"]}
+        if {"fedit", "ffa_lora"} <= set(by):
+            ratio = by["ffa_lora"]["upload_bytes_per_round"] / by["fedit"]["upload_bytes_per_round"]
+            lines += [f"- FFA-LoRA's upload is {100 * ratio:.0f} % of FedIT's: both upload the trained head, and B is "
+                      "half of an adapter only where a layer has as many inputs as outputs."]
         lines += [""] + figure_lines(figures_of([name]), "assets/benchmarks/")
     return "\n".join(lines).rstrip() or "No result file yet: run `python -m benchmarks.lora --size cpu`."
