@@ -168,3 +168,16 @@ def test_stepwise_equals_fused():
     _, fused, _, _ = one_round("flora", model((1, 2, 2)))
     for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(fused)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_with_rank_tiers_counts_its_flops_at_the_full_rank():
+    """--lora 4 --lora-ranks 1,4 through the driver: the device model counts the rank tiers' sub-models (it cannot
+    scale a LoRA model's adapter layers) at the full rank, and the round runs."""
+    import fedpartial as fp
+
+    config = fp.RunConfig(method="flora", model="mlp", dataset="digits", num_clients=4, cohort_size=2, rounds=1,
+                          local_steps=1, lora=4, lora_ranks="1,4", out_dir=None, seed=0, strategy="fused")
+    sim = fp.Simulation(config)
+    (record,) = list(sim.rounds())
+    assert sim.model.lora.ranks == (1, 4) and record["client_flops"] > 0
+    assert record["lora_aggregation_error"] < 1e-6

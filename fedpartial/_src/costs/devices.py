@@ -316,7 +316,9 @@ class CostModel:
                 shares = np.asarray(densities, np.float64)[rows]
                 step = submodel_flops(step, self._layers, cost.step_layers, (shares, np.ones_like(shares)),
                                       cost.batch_size, fixed_flops=cost.step_fixed_flops)
-            elif cost.submodel and dropout is not None:
+            elif cost.submodel and dropout is not None and getattr(self.fr.model, "lora", None) is None:
+                # (a LoRA model's sub-models are rank tiers: counted at the full rank, the adapters' share of the
+                # step being small; its adapter layers are not linen calls the analytic model could scale)
                 if self._layers is None:
                     self._layers = layer_costs(self.fr.model)
                 mask = jax.tree.map(lambda a, rows=rows: np.asarray(a)[rows], dropout)
