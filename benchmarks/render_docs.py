@@ -21,18 +21,19 @@ import re
 import statistics
 import sys
 
-from benchmarks import render_families, render_figures
+from benchmarks import render_families, render_figures, render_lora
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BLOCK_PAGES = ("README.md", "docs/index.md", "docs/troubleshooting.md", "docs/reproductions/fedldf.md", "docs/reproductions/fedspu.md",
                "docs/reproductions/embracingfl.md", "docs/reproductions/feddhad.md", "docs/deadlines.md",
-               "docs/reproductions/families.md", "docs/async.md")
+               "docs/reproductions/families.md", "docs/async.md", "docs/lora.md")
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END generated: (?P=name) -->)", re.DOTALL)
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
 SCRIPTS = {
+    "lora": "python -m benchmarks.lora",
     "strategies": "python -m benchmarks.strategies", "compare_revisions": "python -m benchmarks.compare_revisions",
     "throughput": "fedpartial bench", "seeds": "python -m benchmarks.seeds", "scale": "python -m benchmarks.scale",
     "stream_conv": "python -m benchmarks.stream_conv", "data_placement": "python -m benchmarks.data_placement",
@@ -858,6 +859,8 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
             or "No result file yet: run `python -m benchmarks.deadlines`.",
             "async": _with_figures(asynchronous(results), results, "async", prefix="assets/benchmarks/")
             or "No result file yet: run `python -m benchmarks.async`.",
+            "lora": render_lora.block(results, table, device_of, date_of, command_of, render_figures.figures_of,
+                                      render_figures.figure_lines),
             **render_families.blocks(results)}
 
 

@@ -27,6 +27,7 @@ from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.methods.basic.scaffold import control_variates
 from fedpartial._src.models.lora import lora
+from fedpartial._src.models.lora_ranks import with_lora_ranks
 from fedpartial._src.methods.base import Holdout
 from examples import scaffold
 from tests.conftest import make_cohort
@@ -66,7 +67,10 @@ BUILDERS["depthfl"] = lambda: get_method("depthfl", tier_mix="5,2,1")
 BUILDERS["inclusivefl"] = lambda: get_method("inclusivefl", tier_mix="5,2,1")
 ON_STAGED = {"depthfl", "inclusivefl"}
 # The federated LoRA methods train the adapters of a LoRA model (rank 2 on the MLP's hidden layers).
-ON_LORA = {"fedit", "ffa_lora", "fedsa_lora"}
+ON_LORA = {"fedit", "ffa_lora", "fedsa_lora", "flexlora", "flora"}
+# FlexLoRA with rank tiers 1, 2 (ids 0-3 rank 1, 4-7 rank 2): each client's leading components, the SVD's split.
+BUILDERS["flexlora-ranks"] = lambda: get_method("flexlora")
+ON_LORA_RANKS = {"flexlora-ranks"}
 _LORA_MODELS: dict = {}
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
@@ -184,6 +188,8 @@ def model_for(name, method, mlp, staged_mlp):
     a LoRA method the MLP with rank-2 adapters on its hidden layers."""
     if name in ON_LORA:
         return _LORA_MODELS.setdefault(id(mlp), lora(mlp, 2))
+    if name in ON_LORA_RANKS:
+        return _LORA_MODELS.setdefault((id(mlp), "ranks"), with_lora_ranks(lora(mlp, 2), (1, 2)))
     return method.adapt_model(staged_mlp) if name in ON_STAGED else mlp
 
 

@@ -16,7 +16,7 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NOTEBOOKS = ("quickstart", "masks_explained", "throughput")
+NOTEBOOKS = ("quickstart", "masks_explained", "throughput", "lora")
 TIMEOUT_S = 300  # per cell: generous for a loaded machine; the whole notebook takes seconds when idle
 
 

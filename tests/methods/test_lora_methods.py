@@ -206,16 +206,18 @@ def test_a_model_without_adapters_is_refused_in_one_sentence(method):
 
 def test_rank_tiers_train_and_send_each_clients_leading_components(model, cohorts):
     from fedpartial._src.methods.lora.ranks import rank_tiers
+    from fedpartial._src.models.lora_ranks import with_lora_ranks
 
     # N = 5 clients in two tiers by id (0-2: rank 1, 3-4: rank 2); the first cohort is ids 0, 2, 4
-    r, first, state, metrics = run(model, rank_tiers(fedit(), (1, 2)), cohorts)
+    tiered = with_lora_ranks(model, (1, 2))
+    r, first, state, metrics = run(tiered, rank_tiers(fedit()), cohorts)
     assert r.trace_count == 1  # one compiled round serves every tier
     up = metrics[0]["upload_bytes_per_layer"]
     fc1_a, fc1_b = model.lora.adapters[0].a_layer, model.lora.adapters[0].b_layer
     np.testing.assert_array_equal(up[:, fc1_a], 4 * np.array([4 * 1, 4 * 1, 4 * 2]))
     np.testing.assert_array_equal(up[:, fc1_b], 4 * np.array([1 * 6, 1 * 6, 2 * 6]))
     _, _, full, _ = run(model, fedit(), cohorts[:1])
-    one_round = run(model, rank_tiers(fedit(), (1, 2)), cohorts[:1])[2]
+    one_round = run(tiered, rank_tiers(fedit()), cohorts[:1])[2]
     a = one_round.variables["params"]["fc1"]["lora_a"]["kernel"]
     # component 2 was trained by client 4 alone, component 1 by all three: both differ from FedIT's
     assert not np.allclose(a, full.variables["params"]["fc1"]["lora_a"]["kernel"])

@@ -22,6 +22,7 @@ A method (:class:`Method`) is a ``NamedTuple`` of small pure functions; the roun
     aggregate     (cohort)      (ctx, RoundView)           -> (params, received)  optional: replaces it, e.g. DP's noise
     server_correct (cohort)     (ctx, RoundView)           -> params          optional: e.g. FedNova's step
     ... server optimizer (engine) ...
+    rewrite_global (cohort)     (ctx, RoundView)           -> variables       optional: e.g. FLoRA's merge into the base
     update        (cohort)      (ctx, RoundView)           -> MethodState
     metrics       (cohort)      (ctx, RoundView)           -> {name: array}   reaches metrics.jsonl
 
@@ -351,7 +352,10 @@ class Method(NamedTuple):
       formula; its key is ``fold_in(update's key, 2)``); ``server_correct``
       (the server step when it is not the plain aggregate, e.g. FedNova; it returns new global
       ``params``, which the server optimizer treats as the aggregate; elements nobody uploaded keep
-      their global value; its key is ``fold_in(update's key, 1)``); ``update``; ``metrics``.
+      their global value; its key is ``fold_in(update's key, 1)``); ``rewrite_global`` (the new global variables,
+      every collection, the frozen base of a LoRA model included, from ``RoundView.new_global_vars`` after the
+      server optimizer, e.g. FLoRA folding the round's adapters into the base and starting fresh ones; its key is
+      ``fold_in(update's key, 4)``); ``update``; ``metrics``.
     * **outside the round**: ``personal`` (every client's own model) and ``active_clients`` (who may
       still be sampled).
 
@@ -377,6 +381,8 @@ class Method(NamedTuple):
       capabilities: what the method needs of a run, :class:`Capabilities`.
       aggregate: ``(ctx, RoundView) -> (params, received)``, replacing the one formula (None: the formula).
       encode: ``(ctx, RoundView) -> params [K, ...]``, what the server receives (None: ``trained_vars``).
+      rewrite_global: ``(ctx, RoundView) -> variables``, the new global variables, every collection, from
+        ``RoundView.new_global_vars`` (None: those).
 
     Examples:
       >>> import fedpartial as fp
@@ -404,6 +410,7 @@ class Method(NamedTuple):
     capabilities: Capabilities = Capabilities()
     aggregate: Callable[[MethodContext, RoundView], tuple[Any, Any]] | None = None
     encode: Callable[[MethodContext, RoundView], Any] | None = None
+    rewrite_global: Callable[[MethodContext, RoundView], dict] | None = None
 
     def with_capabilities(self, **changes) -> "Method":
         """The same method with some capabilities changed (e.g. a wrapper that needs held-out data).

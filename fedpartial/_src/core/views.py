@@ -113,6 +113,8 @@ VIEW_FIELDS: dict[str, frozenset[str]] = {
     "encode": frozenset(_TRAINED + ("summary", "selection", "carried")),
     "aggregate": frozenset(_TRAINED + ("summary", "selection", "carried", "uploaded")),
     "server_correct": frozenset(_TRAINED + ("summary", "selection", "aggregated", "carried", "uploaded")),
+    "rewrite_global": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried",
+                                            "uploaded")),
     "update": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried", "uploaded")),
     "metrics": frozenset(_TRAINED + ("summary", "selection", "aggregated", "new_global_vars", "carried", "uploaded")),
 }

@@ -120,9 +120,9 @@ def async_refusal(method: Method) -> str | None:
     if not method.capabilities.asynchronous:
         return (f"method {method.name} is not defined on a buffer of asynchronous updates (its Capabilities."
                 "asynchronous is off; docs/async.md lists the methods that are), so run it with --mode sync")
-    if method.server_correct is not None or method.capabilities.needs_holdout:
-        return (f"method {method.name} has a server correction or reads held-out data, which a buffer of asynchronous "
-                "updates does not give, so run it with --mode sync")
+    if method.server_correct is not None or method.rewrite_global is not None or method.capabilities.needs_holdout:
+        return (f"method {method.name} has a server correction, rewrites the global model or reads held-out data, "
+                "which a buffer of asynchronous updates does not give, so run it with --mode sync")
     return None
 
 

@@ -185,7 +185,7 @@ class RoundProgram:
         return selection._replace(weights=jnp.where(view.cohort.valid, selection.weights, 0.0)), view.carried
 
     def conclude(self, state, view: RoundView, keys: HookKeys, selection, aggregated, received, raw_losses, sent):
-        """From the aggregate: server_correct, server optimizer, update, metrics."""
+        """From the aggregate: server_correct, server optimizer, rewrite_global, update, metrics."""
         valid = view.cohort.valid
         losses, steps = view.client_loss, view.client_steps
         view = view._replace(selection=selection, aggregated=aggregated)
@@ -199,6 +199,9 @@ class RoundProgram:
             lr_scale=state.server_lr_scale)
         new_vars = {**aggregated, "params": params}
         view = view._replace(new_global_vars=new_vars)
+        if self.method.rewrite_global is not None:  # e.g. FLoRA: the adapters folded into the frozen base
+            new_vars = self.method.rewrite_global(self.ctx, view._replace(key=jax.random.fold_in(keys.update, 4)))
+            view = view._replace(new_global_vars=new_vars)
         # The round is flagged (not undone) when every real client failed or the new global model is not
         # finite: keeping the input state would need a lax.cond or a select over the whole state, which
         # copies a method's [N, ...] rows every round (measured: FedSPU, N = 1000, 12 ms -> 245 ms a round).

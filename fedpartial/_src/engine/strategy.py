@@ -236,6 +236,8 @@ def stream_refusal(method: Method) -> str | None:
         return f"method {method.name} needs the whole cohort at once, so it cannot be streamed"
     if method.groups is not None or method.server_correct is not None or method.capabilities.needs_holdout:
         return f"method {method.name} has client groups, a server correction or held-out data, so it cannot be streamed"
+    if method.rewrite_global is not None:
+        return f"method {method.name} rewrites the global model from the whole cohort's uploads, so it cannot be streamed"
     if method.aggregate is not None or method.encode is not None:
         return (f"method {method.name} aggregates in its own way (not the one formula) or encodes its uploads, so it "
                 "cannot be streamed")

@@ -102,7 +102,7 @@ def check_privacy(config, custom_method: bool) -> None:
             method = config.build_method()
         except UserError:
             return  # the method's own sentence comes from the method checks
-        if method.server_correct is not None:
+        if method.server_correct is not None or method.rewrite_global is not None:
             raise ConfigError(f"--method {config.method} cannot run with differential privacy: its server step "
                               "reads every client's update outside the clipped, noised sum.")
 

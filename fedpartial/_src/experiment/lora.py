@@ -9,6 +9,7 @@ from fedpartial._src.core.types import Method
 from fedpartial._src.methods.lora.ranks import rank_tiers
 from fedpartial._src.models.adapter import Model
 from fedpartial._src.models.lora import lora
+from fedpartial._src.models.lora_ranks import with_lora_ranks
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:
@@ -45,18 +46,18 @@ def with_lora(config, model: Model) -> Model:
             if value is not None:
                 raise ConfigError(f"{flag} {value} applies to LoRA adapters; add --lora RANK.")
         return model
-    lora_ranks(config)
+    ranks = lora_ranks(config)
     if model.lora is not None:
         return model
     try:
-        return lora(model, rank, alpha=config.lora_alpha, targets=_names(config.lora_targets))
+        model = lora(model, rank, alpha=config.lora_alpha, targets=_names(config.lora_targets))
     except ConfigError:
         raise
     except UserError as error:
         raise ConfigError(str(error)) from None
+    return model if ranks is None else with_lora_ranks(model, ranks)
 
 
 def with_rank_tiers(config, method: Method) -> Method:
     """``method`` with the run's ``--lora-ranks`` tiers around it (itself without them)."""
-    ranks = lora_ranks(config)
-    return method if ranks is None else rank_tiers(method, ranks)
+    return method if lora_ranks(config) is None else rank_tiers(method)

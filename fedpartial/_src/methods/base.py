@@ -176,6 +176,7 @@ def make_method(
     capabilities: Capabilities = Capabilities(),
     aggregate=None,
     encode=None,
+    rewrite_global=None,
 ) -> Method:
     """Builds a :class:`Method`; every hook not given is FedAvg's.
 
@@ -210,6 +211,7 @@ def make_method(
       capabilities: what the method needs from a run (:class:`~fedpartial.Capabilities`).
       aggregate: the ``aggregate`` hook.
       encode: the ``encode`` hook.
+      rewrite_global: the ``rewrite_global`` hook.
 
     Returns:
       The :class:`~fedpartial.Method`.
@@ -227,4 +229,5 @@ def make_method(
                   objective=objective, select=select, update=update, metrics=metrics, groups=groups,
                   personal=personal, active_clients=active_clients, server_correct=server_correct,
                   adapt_model=adapt_model, summarize=summarize, transform_grads=transform_grads,
-                  capabilities=capabilities, aggregate=aggregate, encode=encode)
+                  capabilities=capabilities, aggregate=aggregate, encode=encode,
+                  rewrite_global=rewrite_global)

@@ -54,7 +54,7 @@ HOOK_KINDS: Mapping[str, str] = types.MappingProxyType({
     "init": "init", "plan": "view", "client_start": "rows", "step_plan": "none", "objective": "step",
     "select": "view", "update": "update", "metrics": "view", "groups": "none", "personal": "state",
     "active_clients": "state", "server_correct": "view", "adapt_model": "none", "summarize": "view",
-    "transform_grads": "step", "aggregate": "view", "encode": "view",
+    "transform_grads": "step", "aggregate": "view", "encode": "view", "rewrite_global": "view",
 })
 #: the fields of a :class:`Method` that are not hooks
 NOT_HOOKS = ("name", "capabilities")

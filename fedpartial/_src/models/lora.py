@@ -76,6 +76,8 @@ class LoraSpec:
       adapters: the adapter pairs, input to output (:class:`Adapter`).
       base: the wrapped model (what :func:`merge` returns variables for).
       train_head: whether the output layer trains (else it is part of the frozen base).
+      ranks: heterogeneous rank tiers (``--lora-ranks``, :func:`~fedpartial.models.with_lora_ranks`): clients in
+        equal groups by id train the first ``ranks[t]`` rank components; None: every client the full rank.
     """
 
     rank: int
@@ -83,6 +85,7 @@ class LoraSpec:
     adapters: tuple[Adapter, ...]
     base: Model
     train_head: bool = True
+    ranks: tuple[int, ...] | None = None
 
     @property
     def scale(self) -> float:

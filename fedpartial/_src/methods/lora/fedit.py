@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fedpartial._src.methods.base import Capabilities, InitView, Method, MethodContext, MethodState, make_method
 from fedpartial._src.methods.lora.common import aggregation_error_metric, lora_spec
+from fedpartial._src.methods.lora.ranked import rank_plan
 from fedpartial._src.methods.registry import MethodSpec
 
 
@@ -25,7 +26,7 @@ def fedit() -> Method:
         lora_spec("fedit", ctx)
         return MethodState()
 
-    return make_method("fedit", init=init, metrics=aggregation_error_metric,
+    return make_method("fedit", init=init, plan=rank_plan, metrics=aggregation_error_metric,
                        capabilities=Capabilities(streamable="per_client", asynchronous=True))
 
 

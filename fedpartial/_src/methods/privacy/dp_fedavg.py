@@ -243,5 +243,7 @@ def dp_fedavg(method: Method, clip: float, noise_multiplier: float, *, per_layer
         lambda inner: f"dp-{inner}", init=init, hooks={"aggregate": aggregate, "update": update, "metrics": metrics},
         capabilities=lambda caps: caps._replace(streamable=None), label="DP-FedAvg",
         refuses={"server_correct": "its server step reads every client's update outside the clipped, noised sum",
+                 "rewrite_global": "it rewrites the global model from every client's update, outside the clipped, "
+                                   "noised sum",
                  "aggregate": "it aggregates its own way, and DP-FedAvg replaces the aggregation by the clipped, "
                               "noised sum"}))

@@ -1,0 +1,46 @@
+"""What the methods that form the clients' full updates share: each client's rank (``--lora-ranks``), the plan
+that trains only its leading rank components, and the weighted sum of the clients' products ``Σ_k p_k ΔW_k``.
+
+A client of rank ``r_k`` computes with the first ``r_k`` components of every rank-``r_max`` adapter: the plan's
+sub-model mask over the A layers' units (:meth:`~fedpartial.models.LoraSpec.rank_mask`) drops the rest from its
+forward pass, its training and its upload, so its update is ``ΔW_k = (α/r)·A_k[:, :r_k] B_k[:r_k]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedpartial._src.core.types import ClientPlan, MethodContext, RoundView
+from fedpartial._src.models.lora_ranks import client_ranks
+
+
+def cohort_ranks(ctx: MethodContext, view: RoundView) -> jax.Array:
+    """``[K]`` int32: every cohort client's rank."""
+    return client_ranks(ctx.model, view.cohort.client_ids, ctx.num_clients)
+
+
+def rank_plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
+    """Every client trains its rank's leading components of every adapter (everything, without rank tiers)."""
+    spec = ctx.model.lora
+    if spec is None or spec.ranks is None:
+        return ClientPlan()
+    return ClientPlan(dropout=spec.rank_mask(ctx.structure, cohort_ranks(ctx, view)))
+
+
+def shares(view: RoundView) -> jax.Array:
+    """``[K]`` the aggregation weights ``p_k`` of the clients that count (valid), summing to 1 (all 0 when none)."""
+    w = jnp.where(view.cohort.valid, view.selection.weights, 0.0)
+    return w / jnp.maximum(jnp.sum(w), 1e-30)
+
+
+def mean_update(a: jax.Array, b: jax.Array, ranks: jax.Array, p: jax.Array, scale: float) -> jax.Array:
+    """``Σ_k p_k·scale·A_k[:, :r_k] B_k[:r_k]`` ``[in, out]`` of the cohort's factors ``a [K, in, r]``, ``b [K, r, out]``.
+
+    One product of the stacked factors (FLoRA's stacking): ``[p_1 A_1, …, p_K A_K]`` ``[in, K·r]`` times
+    ``[B_1; …; B_K]`` ``[K·r, out]``, the components past each client's rank zeroed; no ``[K, in, out]`` copy.
+    """
+    k, fan_in, r = a.shape
+    keep = (jnp.arange(r)[None, :] < ranks[:, None]).astype(a.dtype)  # [K, r]
+    stacked_a = jnp.moveaxis(a * (p[:, None] * keep)[:, None, :], 0, 1).reshape(fan_in, k * r)
+    return scale * jnp.matmul(stacked_a, b.reshape(k * r, -1))
