@@ -4,7 +4,9 @@ from fedpartial._src.models.adapter import Model, from_linen, from_nnx, from_sta
 from fedpartial._src.models.conv import CONV_IMPLS
 from fedpartial._src.models.conv import lowering as conv_lowering
 from fedpartial._src.models.exits import MultiExitModel, with_exits
+from fedpartial._src.models.params_io import load_params, save_params
 from fedpartial._src.models.registry import MODELS, ModelSpec, build_model
+from fedpartial._src.models.transformer import SIZES as MODEL_SIZES
 
-__all__ = ["CONV_IMPLS", "MODELS", "Model", "conv_lowering", "ModelSpec", "MultiExitModel", "build_model", "from_linen",
-           "from_nnx", "from_stages", "with_exits"]
+__all__ = ["CONV_IMPLS", "MODELS", "MODEL_SIZES", "Model", "conv_lowering", "ModelSpec", "MultiExitModel", "build_model",
+           "from_linen", "from_nnx", "from_stages", "load_params", "save_params", "with_exits"]

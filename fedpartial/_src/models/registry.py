@@ -31,7 +31,7 @@ class ModelSpec:
       sequential: True when every layer feeds only the next layer (a chain with no
         residual/skip connections); only such models support neuron-level masks.
       sized: whether the model comes in the named sizes of ``--model-size``
-        (:data:`fedpartial._src.models.transformer.SIZES`); its factory then also takes ``size``.
+        (:data:`~fedpartial.models.MODEL_SIZES`); its factory then also takes ``size``.
     """
 
     factory: Callable[..., nn.Module]
