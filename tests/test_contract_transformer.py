@@ -2,11 +2,11 @@
 its global value bit for bit) or is refused in one sentence naming what to change.
 
 One ``transformer_lm`` of the tiny size's structure (2 blocks, but d = 16; 11 tokens, sequences of 6) is shared
-by every case; its labels are per position (next tokens, -1 after the end).  The layer-wise methods the transformers are for (FedLDF,
-FedPart, EmbracingFL, DepthFL, InclusiveFL, FedPer, FedRep) and FedAvg run in the default suite, as do the
-refusals (they stop before anything compiles); the rest of the catalogue runs under ``-m slow`` (a transformer
-round compiles for seconds).  The whole engine contract (strategies, padding, determinism) is test_contract.py's,
-on the small MLPs.
+by every case; its labels are per position (next tokens, -1 after the end).  The layer-wise methods the
+transformers are for (FedLDF, FedPart, EmbracingFL, DepthFL, InclusiveFL, FedPer, FedRep) and FedAvg run in the
+default suite, as do the refusals (they stop before anything compiles); the rest of the catalogue runs under
+``-m slow`` (a transformer round compiles for seconds).  The whole engine contract (strategies, padding,
+determinism) is test_contract.py's, on the small MLPs.
 """
 
 import jax
