@@ -35,7 +35,7 @@ KEY = jax.random.key(0)
 #: the methods that cannot train a transformer, and their one-sentence refusal: dropping single neurons needs a
 #: chain of layers (a residual block is not one), and width tiers need a model with a width-reduced version
 NEURONS = "neuron-level masks need a sequential model|drops single neurons"
-WIDTH = "has no width-reduced version"
+WIDTH = "width-reduced version"
 REFUSED = {**dict.fromkeys(("fedspu", "feddrop", "hermes", "fedmp", "prunefl", "afd", "fedselect", "fedad",
                             "feddhad"), NEURONS),
            "fjord": f"{NEURONS}|{WIDTH}", "heterofl": WIDTH, "fedrolex": WIDTH}
