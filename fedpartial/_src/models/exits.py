@@ -202,7 +202,7 @@ def with_exits(model: Model, after: Sequence[int], *, output: str = "mean") -> M
     order, norms, stage_of, exit_of = [], [], [], []
     layers = list(zip(model.structure.layers, model.stage_of_layer, strict=True))
     for i, (layer, stage) in enumerate(layers):
-        order += [layer.path, *layer.norm_paths]
+        order += model.structure.calls(i)
         norms += list(layer.norm_paths)
         stage_of.append(stage)
         exit_of.append(len(names) if stage == last else -1)
@@ -211,7 +211,8 @@ def with_exits(model: Model, after: Sequence[int], *, output: str = "mean") -> M
             order.append((names[stages.index(stage)],))
             stage_of.append(stage)
             exit_of.append(stages.index(stage))
-    structure = build_structure(variables, order, norms, sequential=False)
+    structure = build_structure(variables, order, norms, sequential=False,
+                                pre_norm_paths=model.structure.pre_norm_paths)
 
     def record_outputs(variables, x, train=False):
         out = dict(model.intermediates(split(variables)[0], x, train=train))
