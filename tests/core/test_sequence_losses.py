@@ -85,7 +85,8 @@ def test_pipeline_carries_labels_per_position():
     np.testing.assert_array_equal(counts[0], np.bincount(y0[y0 >= 0], minlength=16))
     x, y, mask = pad_holdouts([(data.x_test[:3], data.y_test[:3]), (data.x_test[3:4], data.y_test[3:4])])
     assert y.shape == (2, 3, 8)
-    np.testing.assert_array_equal(labels_per_client(y, mask), [(data.y_test[:3] >= 0).sum(), (data.y_test[3] >= 0).sum()])
+    np.testing.assert_array_equal(labels_per_client(y, mask),
+                                  [(data.y_test[:3] >= 0).sum(), (data.y_test[3] >= 0).sum()])
 
 
 @pytest.mark.parametrize("bad, message", [({"vocab_size": 3}, "vocab_size=3 for 'synthetic_lm' must be an integer"),

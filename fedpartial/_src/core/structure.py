@@ -143,6 +143,19 @@ class ModelStructure:
         """Each layer's name, input to output."""
         return tuple(layer.name for layer in self.layers)
 
+    @property
+    def pre_norm_paths(self) -> tuple[Path, ...]:
+        """The normalisers that feed their layer (pre-norms: their leaves lie on its input units)."""
+        pre = {path[:-1] for tree in self.roles.values() for path, role in tree.items() if role.on_input}
+        return tuple(p for layer in self.layers for p in layer.norm_paths if p in pre)
+
+    def calls(self, layer: int) -> list[Path]:
+        """Module paths of layer ``layer`` in call order (its pre-norms, itself, its other normalisers): what
+        :func:`build_structure` reads to rebuild it, e.g. inside a larger model."""
+        spec, pre = self.layers[layer], set(self.pre_norm_paths)
+        return ([p for p in spec.norm_paths if p in pre] + [spec.path]
+                + [p for p in spec.norm_paths if p not in pre])
+
     def role(self, collection: str, path: Path) -> LeafRole:
         """The role of the leaf at ``path`` (a tuple of keys inside ``collection``): its layer and kind."""
         return self.roles[collection][path]

@@ -22,7 +22,7 @@ class ArrayDataset:
       name: the dataset's name (``--dataset``).
       x_train: training features ``[n, ...]``.
       y_train: int training labels ``[n]``, or ``[n, T]`` one per position (a language model's next tokens,
-        -1 where nothing is to be predicted: :mod:`fedpartial._src.data.language`).
+        -1 where nothing is to be predicted, as ``synthetic_lm`` has them).
       x_test: test features ``[m, ...]``.
       y_test: int test labels ``[m]``.
       num_classes: the number of classes ``C``.

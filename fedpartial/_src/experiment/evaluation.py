@@ -48,8 +48,8 @@ def evaluate(model: Model, variables: dict, x: np.ndarray, y: np.ndarray, *, bat
     A model with exits (:class:`~fedpartial.models.MultiExitModel`) also gives
     ``exit_accuracy``, every exit's accuracy (shallow to deep), and ``ensemble_accuracy``, that
     of the mean of their logits; ``accuracy`` is its ``apply``'s output.  With labels per position
-    (``y`` ``[n, T]``, a language model's next tokens) accuracy and loss are over every real target
-    (:func:`~fedpartial._src.core.losses.label_weights`) and the result adds ``perplexity``, ``exp(loss)``.
+    (``y`` ``[n, T]``, a language model's next tokens, -1 where nothing follows) accuracy and loss are over
+    every real target and the result adds ``perplexity``, ``exp(loss)``.
 
     Args:
       model: the :class:`~fedpartial.models.Model`.

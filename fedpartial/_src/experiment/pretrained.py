@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment import disk
 from fedpartial._src.models.params_io import load_params, save_params, starting_from
 
 __all__ = ["FINAL_PARAMS", "initial_model", "params_file", "write_final_params"]
@@ -41,5 +42,12 @@ def initial_model(model, init_from: str | None):
 
 def write_final_params(run_dir: str | None, variables: dict) -> None:
     """Writes the global model's ``variables`` to the run folder's :data:`FINAL_PARAMS` (nothing without one)."""
-    if run_dir:
+    if not run_dir:
+        return
+    try:
         save_params(variables, os.path.join(run_dir, FINAL_PARAMS))
+    except OSError as failure:  # a full disk is the run's out-of-space ending, said in one sentence
+        reason = disk.out_of_space(failure)
+        if reason is None:
+            raise
+        raise disk.OutOfSpace(f"cannot write the final parameters of {run_dir}: {reason}.") from None

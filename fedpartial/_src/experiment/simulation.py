@@ -153,7 +153,8 @@ class Simulation:
             if dataset.natural_partition is not None:
                 raise ConfigError(f"method {self.method.name} needs a server set, which a naturally "
                                   f"partitioned dataset ({dataset.name}) cannot spare.")
-            server = population.server_examples(dataset.groups, self.method.capabilities.server_examples_per_class, config.seed)
+            server = population.server_examples(dataset.groups, self.method.capabilities.server_examples_per_class,
+                                                config.seed)
             self.server_data = ServerData(dataset.x_train[server], dataset.y_train[server])
             pool = np.setdiff1d(np.arange(len(dataset.y_train)), server)
         self.clients = population.partition_clients(config, dataset, self.train_fraction, pool)

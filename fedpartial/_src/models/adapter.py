@@ -59,7 +59,8 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial._src.models.zoo import stage_range
-from fedpartial._src.core.structure import NORMALIZER_NAMES, ModelStructure, Path, build_structure, leaf_paths
+from fedpartial._src.core.structure import NORMALIZER_NAMES, ModelStructure, Path, build_structure
+from fedpartial._src.models.call_order import call_order_recorder, pre_norms
 
 Variables = dict[str, Any]
 
@@ -273,10 +274,10 @@ def from_linen(
 
     sample = jnp.zeros((1, *input_shape), jnp.float32)
     order, norms, calls = [], [], []
-    with nn.intercept_methods(_call_order_recorder(order, norms, calls)):
+    with nn.intercept_methods(call_order_recorder(order, norms, calls)):
         variables = jax.eval_shape(lambda: init(jax.random.key(0), sample))
     structure = build_structure(variables, order, norms, sequential=sequential,
-                                pre_norm_paths=_pre_norms(calls, variables))
+                                pre_norm_paths=pre_norms(calls, variables))
     if declared is None:
         stage_of_layer = (0,) * structure.num_layers
     else:
@@ -300,44 +301,6 @@ def from_linen(
         record_outputs=_linen_recorder(structure, stage_names, run_stages),
         at_width=None if width is None else at_width,
     )
-
-
-def _call_order_recorder(order: list, norms: list, calls: list):
-    """An interceptor appending to ``order`` every module path at its first call, to ``norms`` the normalisers,
-    and to ``calls`` every first call as ``(path, is_normaliser, input, output)`` (for :func:`_pre_norms`)."""
-
-    def record(next_fun, args, kwargs, context):
-        if context.method_name != "__call__":
-            return next_fun(*args, **kwargs)
-        path = tuple(context.module.path)
-        first = path not in order
-        is_norm = type(context.module).__name__ in NORMALIZER_NAMES
-        if first:
-            order.append(path)
-            if is_norm:
-                norms.append(path)
-        out = next_fun(*args, **kwargs)
-        if first:
-            calls.append((path, is_norm, args[0] if args else None, out))
-        return out
-
-    return record
-
-
-def _pre_norms(calls: list, variables) -> list:
-    """The normalisers that are pre-norms (:func:`~fedpartial._src.core.structure.build_structure`): a module
-    called after one takes its output itself, and its input is not the output of a module that owns
-    parameters (a BatchNorm right after its Conv stays with the Conv)."""
-    owners = {path[:-1] for path, _ in leaf_paths(variables.get("params", {}))}
-    found = []
-    for i, (path, is_norm, x, out) in enumerate(calls):
-        if not is_norm or x is None:
-            continue
-        post = any(c_out is x for c_path, c_norm, _, c_out in calls if c_path in owners and not c_norm)
-        feeds = any(c_x is out for _, c_norm, c_x, _ in calls if not c_norm)
-        if feeds and not post:
-            found.append(path)
-    return found
 
 
 def _stage_of_layers(module: nn.Module, sample, structure: ModelStructure, stage_names) -> tuple[int, ...]:

@@ -57,20 +57,26 @@ OUTPUTS = ("mean", "last")
 
 
 class ExitHeads(nn.Module):
-    """One Dense per exit (``names``), each on its (pooled) stage output; returns their logits in order."""
+    """One Dense per exit (``names``), each on its (pooled) stage output; returns their logits in order.
+    ``kept``: the axes after the batch that the model's own logits keep (1 for a language model's positions),
+    which the exits keep too."""
 
     names: tuple[str, ...]
     num_classes: int
+    kept: int = 0
 
     @nn.compact
     def __call__(self, features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        return tuple(nn.Dense(self.num_classes, name=n)(pool(h)) for n, h in zip(self.names, features, strict=True))
+        return tuple(nn.Dense(self.num_classes, name=n)(pool(h, self.kept))
+                     for n, h in zip(self.names, features, strict=True))
 
 
-def pool(h: jax.Array) -> jax.Array:
-    """``[B, ..., C]`` -> ``[B, C]``: the mean over every axis between the batch and the features."""
+def pool(h: jax.Array, kept: int = 0) -> jax.Array:
+    """``[B, ..., C]`` -> ``[B, C]``: the mean over every axis between the batch and the features, but the first
+    ``kept`` of them (``[B, T, C]`` stays as it is with ``kept=1``: a sequence model's positions)."""
     h = h.astype(jnp.float32)
-    return h if h.ndim == 2 else jnp.mean(h, axis=tuple(range(1, h.ndim - 1)))
+    axes = tuple(range(1 + kept, h.ndim - 1))
+    return jnp.mean(h, axis=axes) if axes else h
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as Model
@@ -147,6 +153,8 @@ def with_exits(model: Model, after: Sequence[int], *, output: str = "mean") -> M
     names = tuple(f"exit_{model.stage_names[a]}" for a in stages)
     exit_stages = (*stages, last)
     sample = jnp.zeros((1, *model.input_shape), jnp.float32)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), sample)
+    kept = jax.eval_shape(lambda v: model.apply(v, sample, False)[0], shapes).ndim - 2  # per-position outputs
 
     def features(body: dict, x, stop: int, train: bool, example_mask):
         """Outputs of the exit stages before ``stop`` (the last: the classifier's logits) and the statistics."""
@@ -169,14 +177,14 @@ def with_exits(model: Model, after: Sequence[int], *, output: str = "mean") -> M
         body, own = split(variables)
         outs, stats = features(body, x, stop, train, example_mask)
         held = names[:len(outs) - (stop > last)]
-        heads = ExitHeads(held, model.num_classes).apply({"params": {n: own[n] for n in held}}, outs[:len(held)])
+        heads = ExitHeads(held, model.num_classes, kept).apply({"params": {n: own[n] for n in held}}, outs[:len(held)])
         logits = [*heads, *outs[len(held):]]
         return jnp.stack([lg.astype(jnp.float32) for lg in logits]), stats
 
     def init(key, x):
         body = model.init(key, x)
         outs, _ = features(body, x, last, False, None)
-        return {"params": {**body["params"], **ExitHeads(names, model.num_classes).init(
+        return {"params": {**body["params"], **ExitHeads(names, model.num_classes, kept).init(
             jax.random.fold_in(key, 1), outs)["params"]}, "batch_stats": body.get("batch_stats", {})}
 
     def apply(variables, x, train, example_mask=None):
@@ -195,7 +203,7 @@ def with_exits(model: Model, after: Sequence[int], *, output: str = "mean") -> M
     order, norms, stage_of, exit_of = [], [], [], []
     layers = list(zip(model.structure.layers, model.stage_of_layer, strict=True))
     for i, (layer, stage) in enumerate(layers):
-        order += [layer.path, *layer.norm_paths]
+        order += model.structure.calls(i)
         norms += list(layer.norm_paths)
         stage_of.append(stage)
         exit_of.append(len(names) if stage == last else -1)
@@ -204,7 +212,8 @@ def with_exits(model: Model, after: Sequence[int], *, output: str = "mean") -> M
             order.append((names[stages.index(stage)],))
             stage_of.append(stage)
             exit_of.append(stages.index(stage))
-    structure = build_structure(variables, order, norms, sequential=False)
+    structure = build_structure(variables, order, norms, sequential=False,
+                                pre_norm_paths=model.structure.pre_norm_paths)
 
     def record_outputs(variables, x, train=False):
         out = dict(model.intermediates(split(variables)[0], x, train=train))

@@ -167,11 +167,13 @@ def with_projection_head(model: Model, dim: int = 256, hidden: int | None = None
     encoder_layers = [(layer, stage) for layer, stage in zip(model.structure.layers, model.stage_of_layer,
                                                                strict=True) if stage < cut]
     order, norms = [], []
-    for layer in [layer for layer, _ in encoder_layers] + list(tail.structure.layers):
-        order += [layer.path, *layer.norm_paths]
-        norms += list(layer.norm_paths)
+    for source, i in [(model.structure, i) for i in range(len(encoder_layers))] + \
+            [(tail.structure, i) for i in range(tail.structure.num_layers)]:
+        order += source.calls(i)
+        norms += list(source.layers[i].norm_paths)
     sequential = model.structure.sequential
-    structure = build_structure(join(encoder_vars, tail_vars), order, norms, sequential=sequential)
+    structure = build_structure(join(encoder_vars, tail_vars), order, norms, sequential=sequential,
+                                pre_norm_paths=model.structure.pre_norm_paths + tail.structure.pre_norm_paths)
     stage_names = model.stage_names[:cut] + PROJECTION_STAGES
     return Model(
         name=f"{model.name}+proj{dim}",

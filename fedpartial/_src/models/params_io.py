@@ -28,9 +28,21 @@ _SEP = "/"
 
 
 def save_params(variables: dict, path: str) -> str:
-    """Writes a model's ``variables`` (``{'params': ..., 'batch_stats': ...}``, one model, no client axis) to
-    ``path`` (``.npz`` is added when missing), written to a temporary name and renamed into place; returns the
-    path written."""
+    """Writes a model's variables to a ``.npz`` file, one array per leaf named ``collection/module/…/leaf``.
+
+    Args:
+      variables: ``{'params': ..., 'batch_stats': ...}`` of one model (no client axis), e.g. a run's
+        ``sim.state.variables``.
+      path: the file (``.npz`` is added when missing); written to a temporary name and renamed into place.
+
+    Returns:
+      The path written.
+
+    Example::
+
+        fedpartial.models.save_params(model.init_variables(jax.random.key(0)), "start.npz")
+        # fedpartial run --init-from start.npz ...
+    """
     path = path if path.endswith(".npz") else path + ".npz"
     arrays = {}
     for collection, tree in variables.items():
@@ -43,7 +55,13 @@ def save_params(variables: dict, path: str) -> str:
 
 
 def load_params(path: str) -> dict:
-    """The variables :func:`save_params` wrote to ``path``, as a nested dict of numpy arrays.
+    """The variables :func:`save_params` wrote (or a run's ``final_params.npz``), as a nested dict of arrays.
+
+    Args:
+      path: the ``.npz`` file.
+
+    Returns:
+      ``{'params': {...}, 'batch_stats': {...}}`` of numpy arrays.
 
     Raises:
       UserError: the file is missing or not such an archive.

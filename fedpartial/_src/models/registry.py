@@ -33,7 +33,7 @@ class ModelSpec:
       sequential: True when every layer feeds only the next layer (a chain with no
         residual/skip connections); only such models support neuron-level masks.
       sized: whether the model comes in the named sizes of ``--model-size``
-        (:data:`fedpartial._src.models.transformer.SIZES`); its factory then also takes ``size``.
+        (:data:`~fedpartial.models.MODEL_SIZES`); its factory then also takes ``size``.
     """
 
     factory: Callable[..., nn.Module]
@@ -96,19 +96,21 @@ MODELS: dict[str, ModelSpec] = {
         sequential=False,
     ),
     "transformer_lm": ModelSpec(
-        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerLM(num_classes=num_classes, size=size),
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerLM(
+            num_classes=num_classes, size=size),
         description="Decoder-only causal transformer language model (pre-LayerNorm, GPT-2 style; token ids in, "
                     "next-token logits out; --model-size).",
         sequential=False, sized=True,
     ),
     "transformer_cls": ModelSpec(
-        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerCLS(num_classes=num_classes,
-                                                                                  size=size),
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerCLS(
+            num_classes=num_classes, size=size),
         description="Transformer encoder text classifier (pre-LayerNorm, mean-pooled; token ids; --model-size).",
         sequential=False, sized=True,
     ),
     "vit": ModelSpec(
-        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.ViT(num_classes=num_classes, size=size),
+        factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.ViT(
+            num_classes=num_classes, size=size),
         description="Vision transformer: image patches -> pre-LayerNorm encoder -> mean-pooled classifier "
                     "(--model-size).",
         sequential=False, sized=True,

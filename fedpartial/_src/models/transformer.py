@@ -77,8 +77,11 @@ _init = nn.initializers.normal(0.02)
 _MAX_PATCHES_PER_SIDE = 7
 
 
-def check_size(size: str) -> TransformerSize:
-    """The shape of ``--model-size`` ``size``; a ``UserError`` naming the allowed sizes otherwise."""
+def check_size(size: str | TransformerSize) -> TransformerSize:
+    """The shape of ``--model-size`` ``size`` (a name of :data:`SIZES`, or a :class:`TransformerSize` itself);
+    a ``UserError`` naming the allowed sizes otherwise."""
+    if isinstance(size, TransformerSize):
+        return size
     if size not in SIZES:
         raise UserError(f"--model-size {size!r} is unknown; choose one of {', '.join(SIZES)}.")
     return SIZES[size]
@@ -144,14 +147,13 @@ class _Encoder(nn.Module):
     """Shared staging: ``embed`` (by the subclass), the blocks, then ``ln_f`` and ``head``."""
 
     num_classes: int
-    size: str = DEFAULT_SIZE
+    size: str | TransformerSize = DEFAULT_SIZE
 
     causal = False
     pooled = True
 
     def __post_init__(self):
-        check_size(self.size)
-        shape = SIZES[self.size]
+        shape = check_size(self.size)
         if shape.d_model % shape.heads:
             raise UserError(f"model size {self.size!r} has d={shape.d_model} not divisible by {shape.heads} heads.")
         if not isinstance(self.num_classes, numbers.Integral) or self.num_classes < 1:
@@ -161,7 +163,7 @@ class _Encoder(nn.Module):
 
     @property
     def shape(self) -> TransformerSize:
-        return SIZES[self.size]
+        return check_size(self.size)
 
     @property
     def stage_names(self) -> tuple[str, ...]:
