@@ -17,7 +17,6 @@ clients from the population.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -115,8 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-generate", action="store_true", help="load files generated before")
     args = parser.parse_args(argv)
     folder = pathlib.Path(args.dir)
-    report = {"device": {"device_kind": "cpu", "cpu_count": os.cpu_count(), "machine": platform.machine(),
-                         "jax_version": importlib.metadata.version("jax")},
+    report = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores shared)",
               "data": generate(folder) if not args.skip_generate else describe(folder)}
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-c", _LOAD, str(folder)], capture_output=True, text=True, env=env)
