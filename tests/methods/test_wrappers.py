@@ -73,6 +73,7 @@ def _spy_method(log):
         "summarize": lambda ctx, view: jnp.zeros(view.cohort.valid.shape),
         "server_correct": lambda ctx, view: view.aggregated["params"], "aggregate": _aggregate,
         "encode": lambda ctx, view: view.trained_vars["params"],
+        "rewrite_global": lambda ctx, view: view.new_global_vars,
     }
 
     def spied(hook, fn):
@@ -155,7 +156,8 @@ def test_wrapping_changes_only_what_the_wrapper_declares():
     method = early_stopping(inner)
     assert method.name == "fedavg+es" and method.capabilities.needs_holdout
     assert dataclasses.replace(Wrapper(lambda n: n)).refuses == {}
-    for hook in ("step_plan", "groups", "adapt_model", "server_correct", "aggregate", "summarize", "metrics"):
+    for hook in ("step_plan", "groups", "adapt_model", "server_correct", "aggregate", "summarize", "metrics",
+                 "rewrite_global"):
         assert getattr(method, hook) is getattr(inner, hook) is None, hook
 
 
