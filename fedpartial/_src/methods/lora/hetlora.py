@@ -25,7 +25,8 @@ from fedpartial._src.methods.base import (Capabilities, Carry, ClientPlan, InitV
                                           MethodState, RoundView, Selection, cohort_rows, cross_entropy,
                                           make_method, scatter_clients, trained_part, with_penalty)
 from fedpartial._src.methods.lora.common import lora_spec
-from fedpartial._src.methods.lora.ranked import components, product_norm, shares
+from fedpartial._src.methods.lora.ranked import components, norm_weighted_factors, product_norm, pruned_ranks, \
+    shares
 from fedpartial._src.methods.registry import MethodSpec, Option, at_least, between, check_values
 from fedpartial._src.models.lora_ranks import client_ranks
 
@@ -44,11 +45,11 @@ def hetlora(prune_gamma: float = 0.0, prune_lambda: float = 0.0) -> Method:
     """
     check_values("hetlora", SPEC.options, prune_gamma=prune_gamma, prune_lambda=prune_lambda)
 
-    def tail_norm(ctx, params, ranks):
-        """``√Σ_adapters ‖tail‖²``: the norm of the components a client of rank ``ranks`` would prune."""
+    def tail(ctx, params, ranks):
+        """Every adapter's ``‖(α/r)·A_tail B_tail‖_F``, the components a client of rank ``ranks`` may prune."""
         spec = ctx.model.lora
-        keep = components(spec.rank, jnp.maximum(jnp.floor(prune_gamma * ranks).astype(jnp.int32), 1), ranks)
-        return jnp.sqrt(sum(jnp.square(product_norm(a, b, keep, spec.scale)) for _, a, b in spec.pairs(params)))
+        keep = components(spec.rank, pruned_ranks(ranks, prune_gamma), ranks)
+        return [product_norm(a, b, keep, spec.scale) for _, a, b in spec.pairs(params)]
 
     def init(ctx: MethodContext, view: InitView) -> MethodState:
         lora_spec("hetlora", ctx)
@@ -58,16 +59,14 @@ def hetlora(prune_gamma: float = 0.0, prune_lambda: float = 0.0) -> Method:
         return ClientPlan(dropout=ctx.model.lora.rank_mask(ctx.structure, view.client_state))
 
     def penalty(ctx, params, step):
-        spec, rank = ctx.model.lora, step.client_state
-        keep = components(spec.rank, jnp.maximum(jnp.floor(prune_gamma * rank).astype(jnp.int32), 1), rank)
-        return prune_lambda * sum(product_norm(a, b, keep, spec.scale) for _, a, b in spec.pairs(params))
+        return prune_lambda * sum(tail(ctx, params, step.client_state))
 
     def select(ctx: MethodContext, view: RoundView):
         ranks = view.client_state
-        if prune_gamma > 0:
-            shrank = tail_norm(ctx, view.trained_vars["params"], ranks) < tail_norm(ctx, view.start_vars["params"],
-                                                                                    ranks)
-            ranks = jnp.where(shrank, jnp.maximum(jnp.floor(prune_gamma * ranks).astype(jnp.int32), 1), ranks)
+        if prune_gamma > 0:  # the tail's norm (all adapters together) fell in training: the client drops it
+            before, after = (sum(jnp.square(n) for n in tail(ctx, v["params"], ranks))
+                             for v in (view.start_vars, view.trained_vars))
+            ranks = jnp.where(after < before, pruned_ranks(ranks, prune_gamma), ranks)
         k = ranks.shape[0]
         upload = masks.within(trained_part(ctx, view.plan, k), ctx.model.lora.rank_mask(ctx.structure, ranks))
         return Carry(Selection(upload=upload, weights=view.cohort.num_samples,
@@ -78,18 +77,12 @@ def hetlora(prune_gamma: float = 0.0, prune_lambda: float = 0.0) -> Method:
         out, received = aggregation.aggregate(ctx.structure, view.global_vars, {"params": view.uploaded},
                                               view.selection.upload, view.selection.weights, ("params",))
         params = jax.tree.map(lambda x: x, out["params"])  # fresh containers: the adapters are replaced below
-        counts = shares(view) > 0
         for adapter, a, b in spec.pairs(view.uploaded):
-            keep = components(spec.rank, 0, ranks)
-            norms = jnp.where(counts, product_norm(a, b, keep, spec.scale), 0.0)
-            total = jnp.sum(norms)  # every update zero (nothing trained): the data-size shares instead
-            q = jnp.where(total > 0, norms / jnp.where(total > 0, total, 1.0), shares(view))
             node, got = params, received
             for key in adapter.path:
                 node, got = node[key], got[key]
-            for name, x, kept in (("lora_a", a, keep[:, None, :]), ("lora_b", b, keep[:, :, None])):
-                padded = jnp.tensordot(q, x * kept.astype(x.dtype), 1).astype(x.dtype)
-                node[name]["kernel"] = jnp.where(got[name]["kernel"], padded, node[name]["kernel"])
+            for name, new in zip(("lora_a", "lora_b"), norm_weighted_factors(a, b, ranks, shares(view), spec.scale)):
+                node[name]["kernel"] = jnp.where(got[name]["kernel"], new, node[name]["kernel"])  # else nobody's
         return params, received
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:
