@@ -39,7 +39,8 @@ def model(ranks=RANKS):
 
 
 def cohort():
-    return make_cohort((4,), k=K, steps=2, batch=4, real_steps=[2, 2, 1], real_examples=[4, 3, 2], seed=5, num_classes=4)
+    return make_cohort((4,), k=K, steps=2, batch=4, real_steps=[2, 2, 1], real_examples=[4, 3, 2], seed=5,
+                       num_classes=4)
 
 
 def start_state(r):
