@@ -16,8 +16,11 @@ from fedpartial._src.core.records import MethodState, Selection
 from fedpartial._src.core.structure import FROZEN
 from fedpartial._src.core.types import MethodContext
 from fedpartial._src.core.views import RoundView
+from fedpartial._src.engine.asynchronous import async_refusal
 from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import streamed
 from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.lora import lora
 from fedpartial._src.models.lora_ranks import with_lora_ranks
@@ -169,3 +172,9 @@ def test_bad_options_and_models_are_refused(mlp):
     with pytest.raises(UserError, match="has none; add --lora"):
         FederatedRound(mlp, get_method("hetlora"), num_clients=N, cohort_size=K,
                        client_optimizer=optax.sgd(LR)).init(jax.random.key(0))
+    with pytest.raises(UserError, match="cannot be streamed"):
+        FederatedRound(model(), get_method("hetlora"), num_clients=N, cohort_size=K, client_optimizer=optax.sgd(LR),
+                       strategy=streamed(2))
+    with pytest.raises(UserError, match="aggregates its own way"):
+        dp_fedavg(get_method("hetlora"), clip=1.0, noise_multiplier=1.0)
+    assert "--mode sync" in async_refusal(get_method("hetlora"))
