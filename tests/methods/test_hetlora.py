@@ -122,17 +122,18 @@ def hetlora_round(pruning):
                        cohort_size=K, client_optimizer=optax.sgd(LR))
     state = start_state(r)
     c = cohort()
-    new, _ = r(state, c, jax.random.key(1))
-    return jax.device_get(state.variables), jax.device_get(new), c
+    new, metrics = r(state, c, jax.random.key(1))
+    return jax.device_get(state.variables), jax.device_get(new), jax.device_get(metrics), c
 
 
 def test_hetlora_matches_the_numpy_reference(hetlora_round, pruning):
-    old, new, c = hetlora_round
+    old, new, metrics, c = hetlora_round
     want_a, want_b, want_ranks, q = reference(old, c, *pruning)
     got = new.variables["params"]["fc"]
     np.testing.assert_allclose(got["lora_a"]["kernel"], want_a, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["lora_b"]["kernel"], want_b, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(new.method_state.clients, want_ranks)
+    assert float(metrics["lora_mean_rank"]) == pytest.approx(np.mean(want_ranks))
     assert not np.allclose(q, q[0])  # the norms weigh the clients unequally
     assert want_ranks == {0.0: [2, 4, 4], 0.05: [1, 4, 2], 0.2: [1, 2, 2]}[pruning[1]]
     np.testing.assert_array_equal(new.variables[FROZEN]["fc"]["kernel"], old[FROZEN]["fc"]["kernel"])

@@ -89,9 +89,14 @@ def hetlora(prune_gamma: float = 0.0, prune_lambda: float = 0.0) -> Method:
         return view.method_state._replace(clients=scatter_clients(
             view.method_state.clients, cohort_rows(view), view.carried["select"], view.cohort.valid))
 
+    def metrics(ctx: MethodContext, view: RoundView) -> dict:
+        valid = view.cohort.valid
+        mean = jnp.sum(jnp.where(valid, view.carried["select"], 0)) / jnp.maximum(jnp.sum(valid), 1)
+        return {"lora_mean_rank": mean.astype(jnp.float32)}  # the cohort's ranks after this round's pruning
+
     objective = with_penalty(penalty) if prune_gamma > 0 and prune_lambda > 0 else cross_entropy
     return make_method("hetlora", init=init, plan=plan, objective=objective, select=select, aggregate=aggregate,
-                       update=update, capabilities=Capabilities(host_client_state=True))
+                       update=update, metrics=metrics, capabilities=Capabilities(host_client_state=True))
 
 
 SPEC = MethodSpec("hetlora", hetlora, "LoRA with heterogeneous ranks (--lora RANK, --lora-ranks): zero-padded "
