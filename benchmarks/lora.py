@@ -10,7 +10,7 @@ pre-trains the base centrally (one client holding it, FedAvg = plain SGD); the r
 then fine-tunes the same base for the same number of rounds, every client in every round:
 
 * ``fedavg`` (full fine-tuning) and ``fedpart`` (one layer a round) on the base model;
-* ``fedit``, ``ffa_lora``, ``fedsa_lora``, ``hetlora`` (when registered), ``flexlora``, ``flora`` on the base with
+* ``fedit``, ``ffa_lora``, ``fedsa_lora``, ``hetlora``, ``flexlora``, ``flora`` on the base with
   LoRA adapters of rank ``r`` on every hidden Dense layer (head trained);
 * ``fedit``, ``hetlora``, ``flexlora``, ``flora`` again under heterogeneous ranks (``--lora-ranks r/4,r/2,r``):
   the ``…@ranks`` rows.

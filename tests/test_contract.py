@@ -67,10 +67,13 @@ BUILDERS["depthfl"] = lambda: get_method("depthfl", tier_mix="5,2,1")
 BUILDERS["inclusivefl"] = lambda: get_method("inclusivefl", tier_mix="5,2,1")
 ON_STAGED = {"depthfl", "inclusivefl"}
 # The federated LoRA methods train the adapters of a LoRA model (rank 2 on the MLP's hidden layers).
-ON_LORA = {"fedit", "ffa_lora", "fedsa_lora", "flexlora", "flora"}
+ON_LORA = {"fedit", "ffa_lora", "fedsa_lora", "hetlora", "flexlora", "flora"}
 # FlexLoRA with rank tiers 1, 2 (ids 0-3 rank 1, 4-7 rank 2): each client's leading components, the SVD's split.
 BUILDERS["flexlora-ranks"] = lambda: get_method("flexlora")
-ON_LORA_RANKS = {"flexlora-ranks"}
+# HetLoRA with the same tiers and self-pruning on (γ 0.5, λ 0.1): each client's rank is its own state, its
+# upload the pruned rank's components; plain "hetlora" (every client at rank 2) takes the same path (slow).
+BUILDERS["hetlora-ranks"] = lambda: get_method("hetlora", prune_gamma=0.5, prune_lambda=0.1)
+ON_LORA_RANKS = {"flexlora-ranks", "hetlora-ranks"}
 _LORA_MODELS: dict = {}
 BUILDERS["custom_example"] = custom_example
 BUILDERS["scaffold_example"] = lambda: scaffold.scaffold()  # examples/scaffold.py: public API, control variates
@@ -147,7 +150,8 @@ def data():
 # tests/methods/test_fedad.py, and step_plan itself under every strategy in tests/engine/test_hooks.py.
 # examples/scaffold.py is the built-in scaffold's algorithm on the public API (tests/test_extension.py checks it
 # by hand under every strategy and as learning-rate replicas).
-SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad", "scaffold_example": "scaffold"}
+SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad", "scaffold_example": "scaffold",
+                "hetlora": "hetlora-ranks"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n for n in BUILDERS]
 
 

@@ -24,6 +24,7 @@ from fedpartial._src.methods.lora.fedit import fedit
 from fedpartial._src.methods.lora.fedsa_lora import fedsa_lora
 from fedpartial._src.methods.lora.ffa_lora import ffa_lora
 from fedpartial._src.methods.lora.flexlora import flexlora
+from fedpartial._src.methods.lora.hetlora import hetlora
 from fedpartial._src.methods.lora.flora import flora
 from fedpartial._src.methods.submodel.afd import afd
 from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
@@ -66,7 +67,7 @@ __all__ = [
     "fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto",
     "feddh", "fedjs", "feddhe",
     "fedad", "feddhad",
-    "fedit", "ffa_lora", "fedsa_lora", "flexlora", "flora",
+    "fedit", "ffa_lora", "fedsa_lora", "hetlora", "flexlora", "flora",
     # checks an Option declares
     "at_least", "above", "between", "whole_number", "one_of", "probability", "in_unit_interval", "rate",
     "positive_int",

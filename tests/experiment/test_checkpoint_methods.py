@@ -44,11 +44,12 @@ def fedldf_with_feddh_weights():
     return reweight(fedldf(n=1), feddh_weighting())
 
 
+#: the methods that train LoRA adapters (their default run adds ``--lora 2``)
+LORA_METHODS = ("fedit", "ffa_lora", "fedsa_lora", "hetlora", "flexlora", "flora")
 #: name -> the flags after ``fedpartial run``: every registered method with its defaults, then the wrappers and
 #: placements a user can combine with one
 COMBINATIONS = {
-    **{name: ["--method", name, *(["--lora", "2"] if name in ("fedit", "ffa_lora", "fedsa_lora") else [])]
-       for name in METHODS},
+    **{name: ["--method", name, *(["--lora", "2"] if name in LORA_METHODS else [])] for name in METHODS},
     "ffa_lora --dp": ["--method", "ffa_lora", "--lora", "2", *DP],
     "fedavg --es": ["--method", "fedavg", "--es"],
     "fedavg --dp": ["--method", "fedavg", *DP],

@@ -20,7 +20,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
-from tests.test_contract import BUILDERS, KEY, build, cohorts
+from tests.test_contract import BUILDERS, KEY, build, cohorts, model_for
 
 # Two ways a method writes per-client state back: personal models (FedSPU, with early stopping's stop
 # state on top: two scatters) and FedDyn's per-client gradients written into a state other than the view's.
@@ -61,7 +61,8 @@ def test_the_methods_that_keep_per_client_state_say_whether_it_may_leave_the_dev
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_host_state_equals_device_state_bit_for_bit(mlp, name):
+def test_host_state_equals_device_state_bit_for_bit(mlp, staged_mlp, name):
+    mlp = model_for(name, BUILDERS[name](), mlp, staged_mlp)
     data = cohorts(rounds=3)
     want = run_device(build(mlp, BUILDERS[name](), fused()), data)
     host = build(mlp, BUILDERS[name](), fused(), client_state="host")

@@ -27,6 +27,7 @@ from fedpartial._src.methods.lora import fedit as _fedit
 from fedpartial._src.methods.lora import fedsa_lora as _fedsa_lora
 from fedpartial._src.methods.lora import ffa_lora as _ffa_lora
 from fedpartial._src.methods.lora import flexlora as _flexlora
+from fedpartial._src.methods.lora import hetlora as _hetlora
 from fedpartial._src.methods.lora import flora as _flora
 from fedpartial._src.methods.personal import ditto as _ditto
 from fedpartial._src.methods.personal import fedbabu as _fedbabu
@@ -56,7 +57,7 @@ METHODS: dict[str, MethodSpec] = {
         _fedper.SPEC, _lgfedavg.SPEC, _fedrep.SPEC, _fedbn.SPEC, _fedbabu.SPEC, _ditto.SPEC,
         *_feddh.SPECS, *_fedad.SPECS,
         _fednova.SPEC, _moon.SPEC, _feddyn.SPEC, _scaffold.SPEC, _feddst.SPEC, _fedpart.SPEC, _fiarse.SPEC,
-        _fedit.SPEC, _ffa_lora.SPEC, _fedsa_lora.SPEC, _flexlora.SPEC, _flora.SPEC,
+        _fedit.SPEC, _ffa_lora.SPEC, _fedsa_lora.SPEC, _hetlora.SPEC, _flexlora.SPEC, _flora.SPEC,
     )
 }
 
