@@ -175,6 +175,7 @@ class FederatedRound:
         self.label_counts = None if label_counts is None else np.asarray(label_counts)
         self.execution_times = None if execution_times is None else np.asarray(execution_times)
         self.groups = checks.resolve_groups(self)
+        checks.check_second_order(self)
         if self.strategy.kind == "stream":
             problem = stream_refusal(method)
             if problem:

@@ -1,0 +1,163 @@
+"""fedpartial against Flower + PyTorch on this machine: the same FedAvg rounds, side by side, in one invocation.
+
+Usage (needs the ``peers`` extra: ``pip install -e ".[peers]"``, which installs Flower and PyTorch)::
+
+    python -m benchmarks.peers [--rows mlp:10,mlp:50,cnn:10,cnn:50,cnn2c1f:10,digits] [--rounds 3] [--runs 2]
+        [--quick] [--out PATH]
+
+The workload (:mod:`benchmarks.peers_rows`): FedAvg over N = 100 clients, K = 10 or 50 a round, 10 local SGD steps
+(momentum 0.9) of 32 random 28x28x1 examples, the MLP 784-200-200-10, the CNN conv16-pool-conv32-pool-fc64-fc10
+and the zoo's ``cnn2c1f`` (5x5 SAME convolutions), the same layers on both sides; and the default digits run's
+shape (``cnn2c1f`` on 8x8, N = 20, K = 10, 9 steps of 16).  Flower 1.42 runs its simulation runtime on Ray, one
+actor per core, one torch thread each (:mod:`benchmarks.peers_flower`); fedpartial runs in one process every
+configuration -- ``auto`` (what ``--strategy auto --conv-impl auto`` runs), the layouts it chooses from, and the
+plain JAX loop (a Python loop over clients of one jitted SGD step) -- round by round
+(:mod:`benchmarks.peers_fedpartial`); the cohort split over the cores (one single-threaded XLA device per core)
+runs in a third process.  The three processes alternate, ``--runs`` times a row, so the machine's load falls on
+every side alike; a row's figure is the median of every run's timed rounds (the first round of each run
+compiles or starts the actors and is left out).  The JSON keeps every round, the load averages before and
+after each process, and the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from benchmarks.peers_rows import ROWS
+
+DEFAULT_ROWS = ("mlp:10", "mlp:50", "cnn:10", "cnn:50", "cnn2c1f:10", "digits")
+#: the fedpartial configurations timed beside ``auto`` and the plain loop, by model family
+CONFIGS = {"mlp": ("lax/stepwise:1", "lax/fused:1", "lax/fused"),
+           "conv": ("lax/stepwise:1", "mapped/fused:1")}
+#: the cohort split over the cores: one XLA:CPU device per core, each single-threaded
+SPLIT_FLAGS = "--xla_force_host_platform_device_count={cores} --xla_cpu_multi_thread_eigen=false"
+SPLIT_CONFIGS = {"mlp": ("lax/fused:1@{cores}",), "conv": ("lax/fused:1@{cores}",)}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(module: str, args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
+    """One side's process: its ``PEERS-RESULT`` JSON, or its error; the load averages around it."""
+    before = os.getloadavg()
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PEERS-RESULT ")), None)
+    out = json.loads(line[len("PEERS-RESULT "):]) if line else {"error": (proc.stderr or proc.stdout)[-600:]}
+    out["loadavg_before"], out["loadavg_after"] = before, os.getloadavg()
+    return out
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_row(name: str, rounds: int, runs: int, cores: int, log) -> dict:
+    spec = ROWS[name]
+    family = "mlp" if spec.model == "mlp" else "conv"
+    configs = ["auto", "plain", *CONFIGS[family]]
+    split = [c.format(cores=cores) for c in SPLIT_CONFIGS[family]] if cores > 1 else []
+    record = {"row": name, "settings": spec._asdict(), "runs": []}
+    for r in range(runs):
+        flower = worker("benchmarks.peers_flower", [name, str(rounds)])
+        ours = worker("benchmarks.peers_fedpartial", [name, str(rounds), ",".join(configs)])
+        spread = worker("benchmarks.peers_fedpartial", [name, str(rounds), ",".join(split)],
+                        env={"XLA_FLAGS": SPLIT_FLAGS.format(cores=cores)}) if split else None
+        record["runs"].append({"flower": flower, "fedpartial": ours, "split": spread})
+        log(f"  {name} run {r + 1}/{runs}: " + ", ".join(
+            f"{k}: {'error' if 'error' in v else 'ok'}" for k, v in record["runs"][-1].items() if v))
+    seconds: dict[str, list[float]] = {"flower": []}
+    for run in record["runs"]:
+        seconds["flower"] += run["flower"].get("round_s", [])[1:]
+        for side in ("fedpartial", "split"):
+            for config, times in ((run[side] or {}).get("round_s") or {}).items():
+                seconds.setdefault(config, []).extend(times[1:])
+    record["median_round_s"] = {k: median(v) for k, v in seconds.items()}
+    autos = [run["fedpartial"].get("auto") for run in record["runs"] if run["fedpartial"].get("auto")]
+    record["auto"] = autos[-1] if autos else None
+    errors = {f"{side} run {i + 1}": v["error"] for i, run in enumerate(record["runs"])
+              for side, v in run.items() if v and "error" in v}
+    if errors:
+        record["errors"] = errors
+    summarise(record)
+    return record
+
+
+def summarise(record: dict) -> None:
+    """The row's headline: Flower, the best fedpartial configuration, ``auto``, the plain loop, and the ratios."""
+    med = record["median_round_s"]
+    flower, auto, plain = med.get("flower"), med.get("auto"), med.get("plain")
+    ours = {k: v for k, v in med.items() if k not in ("flower", "plain") and v}
+    best = min(ours, key=ours.get) if ours else None
+    record["summary"] = {
+        "flower_s": flower, "best": best, "best_s": ours.get(best), "auto_s": auto, "plain_s": plain,
+        "best_speedup_vs_flower": flower / ours[best] if flower and best else None,
+        "auto_speedup_vs_flower": flower / auto if flower and auto else None,
+        "auto_vs_best": auto / ours[best] if auto and best else None,
+        "auto_speedup_vs_plain": plain / auto if plain and auto else None,
+    }
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "flwr", "ray"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated: " + ", ".join(ROWS))
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per process (after one untimed round)")
+    p.add_argument("--runs", type=int, default=2, help="alternating runs of each side per row")
+    p.add_argument("--quick", action="store_true", help="smoke test: the tiny 'quick' row, 1 round, 1 run")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "peers-cpu.json"))
+    args = p.parse_args(argv)
+    rows = ["quick"] if args.quick else [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        p.error(f"row {unknown[0]!r} is unknown; use one of {', '.join(ROWS)}.")
+    rounds, runs = (1, 1) if args.quick else (args.rounds, args.runs)
+    cores = os.cpu_count() or 1
+    import platform
+
+    import jax
+
+    device = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "cpu_count": cores,
+              "machine": platform.machine(), "processor": platform.processor(), "python_version": platform.python_version()}
+    report = {"benchmark": "peers", "command": "python -m benchmarks.peers " + " ".join(argv), "argv": argv,
+              "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": device, "versions": versions(), "loadavg_at_start": os.getloadavg(),
+              "settings": {"rounds": rounds, "runs": runs, "split_flags": SPLIT_FLAGS.format(cores=cores)},
+              "rows": []}
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    for name in rows:
+        report["rows"].append(run_row(name, rounds, runs, cores, log))
+        report["loadavg_at_end"] = os.getloadavg()
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(table([report["rows"][-1]]), flush=True)
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| row | Flower + torch | fedpartial best | auto | plain JAX loop |", "|---|---|---|---|---|"]
+    for r in rows:
+        s = r["summary"]
+        fmt = lambda v: "—" if v is None else f"{v:.3f} s"  # noqa: E731
+        best = "—" if s["best"] is None else f"{fmt(s['best_s'])} ({s['best']}, {s['best_speedup_vs_flower'] or 0:.2f}x)"
+        lines.append(f"| {r['row']} | {fmt(s['flower_s'])} | {best} | {fmt(s['auto_s'])} | {fmt(s['plain_s'])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
