@@ -13,9 +13,10 @@ actor per core, one torch thread each (:mod:`benchmarks.peers_flower`); fedparti
 configuration -- ``auto`` (what ``--strategy auto --conv-impl auto`` runs), the layouts it chooses from, and the
 plain JAX loop (a Python loop over clients of one jitted SGD step) -- round by round
 (:mod:`benchmarks.peers_fedpartial`); the cohort split over the cores (one single-threaded XLA device per core)
-runs in a third process.  The three processes alternate, ``--runs`` times a row, so the machine's load falls on
-every side alike; a row's figure is the median of every run's timed rounds (the first round of each run
-compiles or starts the actors and is left out).  The JSON keeps every round, the load averages before and
+runs in a third process.  The three processes alternate, ``--runs`` times, so the machine's load falls on every
+side alike; a row's figure is the median of every run's timed rounds (the first round of each row in each process
+compiles or warms the actors up and is left out).  ``auto`` is measured as ``--conv-impl auto`` measures, and timed
+as the configuration it names (the same code path; the row says which).  The JSON keeps every round, the load averages before and
 after each process, and the versions.
 """
 
@@ -56,42 +57,62 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_row(name: str, rounds: int, runs: int, cores: int, log) -> dict:
-    spec = ROWS[name]
-    family = "mlp" if spec.model == "mlp" else "conv"
-    configs = ["auto", "plain", *CONFIGS[family]]
-    split = [c.format(cores=cores) for c in SPLIT_CONFIGS[family]] if cores > 1 else []
-    record = {"row": name, "settings": spec._asdict(), "runs": []}
+def plans(rows: list[str], cores: int) -> tuple[dict, dict]:
+    """Per row, the configurations of the one-device process and of the split process."""
+    one, split = {}, {}
+    for name in rows:
+        family = "mlp" if ROWS[name].model == "mlp" else "conv"
+        one[name] = ["auto", "plain", *CONFIGS[family]]
+        if cores > 1:
+            split[name] = [c.format(cores=cores) for c in SPLIT_CONFIGS[family]]
+    return one, split
+
+
+def run_all(rows: list[str], rounds: int, runs: int, cores: int, log, save=lambda records: None) -> list[dict]:
+    """Every side's process in turn, ``runs`` times: Flower (every row in one simulation), fedpartial on one
+    device, fedpartial split over the cores; then each row's medians."""
+    one, split = plans(rows, cores)
+    sides = []
     for r in range(runs):
-        flower = worker("benchmarks.peers_flower", [name, str(rounds)])
-        ours = worker("benchmarks.peers_fedpartial", [name, str(rounds), ",".join(configs)])
-        spread = worker("benchmarks.peers_fedpartial", [name, str(rounds), ",".join(split)],
-                        env={"XLA_FLAGS": SPLIT_FLAGS.format(cores=cores)}) if split else None
-        record["runs"].append({"flower": flower, "fedpartial": ours, "split": spread})
-        log(f"  {name} run {r + 1}/{runs}: " + ", ".join(
-            f"{k}: {'error' if 'error' in v else 'ok'}" for k, v in record["runs"][-1].items() if v))
-    seconds: dict[str, list[float]] = {"flower": []}
-    for run in record["runs"]:
-        seconds["flower"] += run["flower"].get("round_s", [])[1:]
-        for side in ("fedpartial", "split"):
-            for config, times in ((run[side] or {}).get("round_s") or {}).items():
-                seconds.setdefault(config, []).extend(times[1:])
-    record["median_round_s"] = {k: median(v) for k, v in seconds.items()}
-    autos = [run["fedpartial"].get("auto") for run in record["runs"] if run["fedpartial"].get("auto")]
-    record["auto"] = autos[-1] if autos else None
-    errors = {f"{side} run {i + 1}": v["error"] for i, run in enumerate(record["runs"])
-              for side, v in run.items() if v and "error" in v}
-    if errors:
-        record["errors"] = errors
-    summarise(record)
-    return record
+        run = {"flower": worker("benchmarks.peers_flower", [str(rounds), ",".join(rows)]),
+               "fedpartial": worker("benchmarks.peers_fedpartial", [str(rounds), json.dumps(one)])}
+        if split:
+            run["split"] = worker("benchmarks.peers_fedpartial", [str(rounds), json.dumps(split)],
+                                  env={"XLA_FLAGS": SPLIT_FLAGS.format(cores=cores)})
+        sides.append(run)
+        log(f"run {r + 1}/{runs}: " + ", ".join(f"{k}: {v.get('error', 'ok')[:300]}" for k, v in run.items()))
+        save(gather(rows, sides, one, split))  # a run cut off keeps the runs it finished
+    return gather(rows, sides, one, split)
+
+
+def gather(rows: list[str], sides: list[dict], one: dict, split: dict) -> list[dict]:
+    """Each row's record from the processes' results: every run's rounds, the medians, ``auto``'s choice."""
+    records = []
+    for name in rows:
+        record = {"row": name, "settings": ROWS[name]._asdict(), "configs": one[name] + split.get(name, []),
+                  "runs": []}
+        seconds: dict[str, list[float]] = {"flower": []}
+        for run in sides:
+            got = {side: {k: v for k, v in out.items() if k != "rows"} | (out.get("rows") or {}).get(name, {})
+                   for side, out in run.items()}
+            record["runs"].append(got)
+            seconds["flower"] += got["flower"].get("round_s", [])[1:]
+            for side in ("fedpartial", "split"):
+                for config, times in (got.get(side, {}).get("round_s") or {}).items():
+                    seconds.setdefault(config, []).extend(times[1:])
+        record["median_round_s"] = {k: median(v) for k, v in seconds.items()}
+        autos = [run["fedpartial"].get("auto") for run in record["runs"] if run["fedpartial"].get("auto")]
+        record["auto"] = autos[-1] if autos else None
+        summarise(record)
+        records.append(record)
+    return records
 
 
 def summarise(record: dict) -> None:
     """The row's headline: Flower, the best fedpartial configuration, ``auto``, the plain loop, and the ratios."""
     med = record["median_round_s"]
     flower, auto, plain = med.get("flower"), med.get("auto"), med.get("plain")
-    ours = {k: v for k, v in med.items() if k not in ("flower", "plain") and v}
+    ours = {k: v for k, v in med.items() if k not in ("flower", "plain", "auto") and v}
     best = min(ours, key=ours.get) if ours else None
     record["summary"] = {
         "flower_s": flower, "best": best, "best_s": ours.get(best), "auto_s": auto, "plain_s": plain,
@@ -139,13 +160,15 @@ def main(argv=None) -> int:
               "settings": {"rounds": rounds, "runs": runs, "split_flags": SPLIT_FLAGS.format(cores=cores)},
               "rows": []}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    for name in rows:
-        report["rows"].append(run_row(name, rounds, runs, cores, log))
-        report["loadavg_at_end"] = os.getloadavg()
+
+    def save(records):
+        report["rows"], report["loadavg_at_end"] = records, os.getloadavg()
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-        print(table([report["rows"][-1]]), flush=True)
+
+    save(run_all(rows, rounds, runs, cores, log, save))
+    print(table(report["rows"]), flush=True)
     return 0
 
 

@@ -1,11 +1,12 @@
 """The fedpartial side of ``python -m benchmarks.peers``: the same FedAvg rounds as the Flower side, in one process,
 every configuration (and the plain JAX loop) alternating round by round.
 
-``python -m benchmarks.peers_fedpartial ROW ROUNDS CONFIG[,CONFIG...]`` prints one JSON line: per configuration the
-seconds of every round (the first compiles), plus what ``auto`` chose.  A configuration is ``plain`` (a Python loop
-over clients of a jitted SGD step, only the Flax module shared), ``auto`` (what ``--strategy auto --conv-impl auto``
-runs) or ``LOWERING/STRATEGY`` (e.g. ``lax/stepwise:1``, ``mapped/fused:1``); ``@D`` splits the cohort over ``D``
-devices (the process must have them: ``XLA_FLAGS=--xla_force_host_platform_device_count=D``).
+``python -m benchmarks.peers_fedpartial ROUNDS '{"ROW": ["CONFIG", ...], ...}'`` prints one JSON line: per row and
+configuration the seconds of every round (the first compiles), plus what ``auto`` chose.  A configuration is
+``plain`` (a Python loop over clients of a jitted SGD step, only the Flax module shared), ``auto`` (what
+``--strategy auto --conv-impl auto`` would run: measured by :func:`auto_choice`, then timed as the configuration it
+names, which is run once) or ``LOWERING/STRATEGY`` (e.g. ``lax/stepwise:1``, ``mapped/fused:1``); ``@D`` splits the
+cohort over ``D`` devices (the process must have them: ``XLA_FLAGS=--xla_force_host_platform_device_count=D``).
 """
 
 from __future__ import annotations
@@ -60,49 +61,48 @@ def engine_round(row: Row, impl: str, strategy, devices: int = 1):
                              strategy=strategy, devices=devices)
 
 
-def auto_round(row: Row) -> tuple[fp.FederatedRound, dict]:
-    """What ``--strategy auto --conv-impl auto`` runs for this row, and how it was chosen."""
+def auto_choice(row: Row) -> dict:
+    """What ``--strategy auto --conv-impl auto`` runs for this row (``config``: as ``LOWERING/STRATEGY``), and how
+    it was chosen."""
     started = time.perf_counter()
     choice = conv_choice.choose(lambda impl: engine_model(row, impl), batch_size=row.batch_size,
                                 cohort_size=row.cohort)
-    from fedpartial._src.engine import layout_choice
-
-    decided = layout_choice.decide(lambda impl: engine_model(row, impl), choice, batch_size=row.batch_size,
-                                   cohort_size=row.cohort, local_steps=row.local_steps)
-    how = {"conv_impl": choice.impl, "conv_layout": choice.layout, "conv_seconds": choice.seconds,
-           "strategy": str(decided.strategy), "fallback": decided.how, "choose_s": time.perf_counter() - started}
-    return engine_round(row, decided.impl, decided.strategy), how
+    strategy = fp.parse_strategy("auto", engine_model(row, choice.impl), layout=choice.layout)
+    return {"config": f"{choice.impl}/{strategy}", "conv_impl": choice.impl, "conv_layout": choice.layout,
+            "conv_seconds": choice.seconds, "how": choice.how, "choose_s": time.perf_counter() - started}
 
 
-def main(row_name: str, rounds: int, configs: list[str]) -> dict:
+def runner(row: Row, name: str, x, y):
+    """``run(ids, t)``: one round of configuration ``name`` on the clients ``ids``, its state kept inside."""
+    if name == "plain":
+        loop = kit.PlainLoop(flax_module(row), optax.sgd(0.05, momentum=0.9), (row.side, row.side, row.channels))
+        held = {"variables": loop.init_variables(jax.random.key(0))}
+
+        def run_plain(ids, t):
+            held["variables"], loss = loop.round(held["variables"], cohort_packed(x, y, ids))
+            return loss
+
+        return run_plain
+    spec, _, devices = name.partition("@")
+    impl, _, strategy = spec.partition("/")
+    rnd = engine_round(row, impl, fp.parse_strategy(strategy), int(devices or 1))
+    held = {"state": rnd.init(jax.random.key(0))}
+
+    def run_engine(ids, t):
+        held["state"], _ = rnd(held["state"], _cohort(cohort_packed(x, y, ids), ids), jax.random.key(t))
+        return held["state"]
+
+    return run_engine
+
+
+def time_row(row_name: str, rounds: int, configs: list[str]) -> dict:
     row = ROWS[row_name]
     x, y = population(row)
-    runners, chosen = {}, None
-    for name in configs:
-        if name == "plain":
-            loop = kit.PlainLoop(flax_module(row), optax.sgd(0.05, momentum=0.9), (row.side, row.side, row.channels))
-            state = {"variables": loop.init_variables(jax.random.key(0))}
-
-            def run_plain(ids, t, loop=loop, state=state):
-                state["variables"], loss = loop.round(state["variables"], cohort_packed(x, y, ids))
-                return loss
-
-            runners[name] = run_plain
-            continue
-        if name == "auto":
-            rnd, chosen = auto_round(row)
-        else:
-            spec, _, devices = name.partition("@")
-            impl, _, strategy = spec.partition("/")
-            rnd = engine_round(row, impl, fp.parse_strategy(strategy), int(devices or 1))
-        holder = {"state": rnd.init(jax.random.key(0))}
-
-        def run_engine(ids, t, rnd=rnd, holder=holder):
-            packed = cohort_packed(x, y, ids)
-            holder["state"], metrics = rnd(holder["state"], _cohort(packed, ids), jax.random.key(t))
-            return holder["state"]
-
-        runners[name] = run_engine
+    chosen = auto_choice(row) if "auto" in configs else None
+    names = [c for c in configs if c != "auto"]
+    if chosen and chosen["config"] not in names:
+        names.append(chosen["config"])
+    runners = {name: runner(row, name, x, y) for name in names}
     seconds = {name: [] for name in runners}
     sampler = np.random.default_rng(1)
     for t in range(rounds + 1):  # round 0 compiles; every configuration trains the same sampled cohort
@@ -111,7 +111,14 @@ def main(row_name: str, rounds: int, configs: list[str]) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(run(ids, t))
             seconds[name].append(time.perf_counter() - start)
-    return {"round_s": seconds, "auto": chosen, "devices": jax.device_count(), "jax": jax.__version__}
+    if chosen:
+        seconds["auto"] = seconds[chosen["config"]]
+    return {"round_s": seconds, "auto": chosen}
+
+
+def main(rounds: int, plan: dict) -> dict:
+    return {"rows": {row: time_row(row, rounds, configs) for row, configs in plan.items()},
+            "devices": jax.device_count(), "jax": jax.__version__}
 
 
 def _cohort(packed, ids):
@@ -121,5 +128,5 @@ def _cohort(packed, ids):
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    result = main(int(sys.argv[1]), json.loads(sys.argv[2]))
     print("PEERS-RESULT " + json.dumps(result), flush=True)

@@ -1,10 +1,12 @@
 """The Flower + PyTorch side of ``python -m benchmarks.peers``: FedAvg in Flower's simulation runtime (Ray, one
 actor per core, one torch thread each), timed round by round.
 
-Run by :mod:`benchmarks.peers` in its own process (``python -m benchmarks.peers_flower ROW ROUNDS``), which
-prints one JSON line: the seconds of every round (the first one starts the actors) and the versions.  The
-models are the ones :mod:`benchmarks.peers` builds in Flax, layer for layer; the data are random, drawn on
-each client from its id (as a Flower client loads its own partition).
+Run by :mod:`benchmarks.peers` in its own process (``python -m benchmarks.peers_flower ROUNDS ROW[,ROW...]``): one
+simulation (the actors start once) runs every row in turn, ``ROUNDS + 1`` rounds each (the first one is warm-up), and
+prints one JSON line: the seconds of every round and the versions.  The models are the ones
+:mod:`benchmarks.peers_fedpartial` builds in Flax, layer for layer; the data are random, drawn on each client from
+its id (as a Flower client loads its own partition).  The simulation has as many nodes as the largest population;
+a row of a smaller one samples its K from them (a round's work is the same).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def torch_model(name: str, side: int):
     raise ValueError(f"model {name!r} has no torch twin here.")
 
 
-def main(row: str, rounds: int) -> dict:
+def main(rounds: int, rows: list[str]) -> dict:
     import torch
     from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
@@ -45,13 +47,14 @@ def main(row: str, rounds: int) -> dict:
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
 
-    spec = ROWS[row]
+    nodes = max(ROWS[r].clients for r in rows)
     cores = os.cpu_count() or 1
     client_app = ClientApp()
 
     @client_app.train()
     def train(msg: Message, context: Context):
         torch.set_num_threads(1)
+        spec = ROWS[str(msg.content["config"]["row"])]
         cid = int(context.node_config["partition-id"])
         rng = np.random.default_rng([0, cid])
         n = spec.local_steps * spec.batch_size
@@ -69,7 +72,7 @@ def main(row: str, rounds: int) -> dict:
         content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": n})})
         return Message(content=content, reply_to=msg)
 
-    stamps: list[tuple[float, float]] = []
+    stamps: dict[str, list[tuple[float, float]]] = {r: [] for r in rows}
 
     class TimedFedAvg(FedAvg):
         def configure_train(self, server_round, arrays, config, grid):
@@ -78,30 +81,37 @@ def main(row: str, rounds: int) -> dict:
 
         def aggregate_train(self, server_round, replies):
             out = super().aggregate_train(server_round, replies)
-            stamps.append((self._started, time.perf_counter()))
+            stamps[self.row].append((self._started, time.perf_counter()))
             return out
 
     server_app = ServerApp()
 
     @server_app.main()
     def server(grid: Grid, context: Context):
-        torch.manual_seed(0)
-        initial = ArrayRecord(torch_model(spec.model, spec.side).state_dict())
-        strategy = TimedFedAvg(fraction_train=spec.cohort / spec.clients, fraction_evaluate=0.0,
-                               min_train_nodes=spec.cohort, min_available_nodes=spec.clients)
-        strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds + 1)
+        from flwr.app import ConfigRecord
+
+        for row in rows:
+            spec = ROWS[row]
+            torch.manual_seed(0)
+            initial = ArrayRecord(torch_model(spec.model, spec.side).state_dict())
+            strategy = TimedFedAvg(fraction_train=spec.cohort / nodes, fraction_evaluate=0.0,
+                                   min_train_nodes=spec.cohort, min_available_nodes=nodes)
+            strategy.row = row
+            strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds + 1,
+                           train_config=ConfigRecord({"row": row}))
 
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                "init_args": {"num_cpus": cores, "include_dashboard": False, "logging_level": "error",
                              "log_to_driver": False}}
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=spec.clients, backend_config=backend)
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes, backend_config=backend)
     import flwr
     import ray
 
-    return {"round_s": [end - start for start, end in stamps], "actors": cores, "torch_threads": 1,
+    return {"rows": {r: {"round_s": [end - start for start, end in s]} for r, s in stamps.items()},
+            "actors": cores, "torch_threads": 1,
             "versions": {"flwr": flwr.__version__, "torch": torch.__version__, "ray": ray.__version__}}
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1], int(sys.argv[2]))
+    result = main(int(sys.argv[1]), sys.argv[2].split(","))
     print("PEERS-RESULT " + json.dumps(result), flush=True)
