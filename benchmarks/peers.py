@@ -9,7 +9,8 @@ The workload (:mod:`benchmarks.peers_rows`): FedAvg over N = 100 clients, K = 10
 (momentum 0.9) of 32 random 28x28x1 examples, the MLP 784-200-200-10, the CNN conv16-pool-conv32-pool-fc64-fc10
 and the zoo's ``cnn2c1f`` (5x5 SAME convolutions), the same layers on both sides; and the default digits run's
 shape (``cnn2c1f`` on 8x8, N = 20, K = 10, 9 steps of 16).  Flower 1.42 runs its simulation runtime on Ray, one
-actor per core, one torch thread each (:mod:`benchmarks.peers_flower`); fedpartial runs in one process every
+actor per core, one torch thread each, at the driver's priority (Ray starts its workers niced by default)
+(:mod:`benchmarks.peers_flower`); fedpartial runs in one process every
 configuration -- ``auto`` (what ``--strategy auto --conv-impl auto`` runs), the layouts it chooses from, and the
 plain JAX loop (a Python loop over clients of one jitted SGD step) -- round by round
 (:mod:`benchmarks.peers_fedpartial`); the cohort split over the cores (one single-threaded XLA device per core)
@@ -39,6 +40,8 @@ CONFIGS = {"mlp": ("lax/stepwise:1", "lax/fused:1", "lax/fused"),
 #: the cohort split over the cores: one XLA:CPU device per core, each single-threaded
 SPLIT_FLAGS = "--xla_force_host_platform_device_count={cores} --xla_cpu_multi_thread_eigen=false"
 SPLIT_CONFIGS = {"mlp": ("lax/fused:1@{cores}",), "conv": ("lax/fused:1@{cores}",)}
+#: Ray starts its workers at niceness 15 by default: on a machine other work loads, the actors would wait behind it
+FLOWER_ENV = {"RAY_worker_niceness": "0"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,7 +77,7 @@ def run_all(rows: list[str], rounds: int, runs: int, cores: int, log, save=lambd
     one, split = plans(rows, cores)
     sides = []
     for r in range(runs):
-        run = {"flower": worker("benchmarks.peers_flower", [str(rounds), ",".join(rows)]),
+        run = {"flower": worker("benchmarks.peers_flower", [str(rounds), ",".join(rows)], env=FLOWER_ENV),
                "fedpartial": worker("benchmarks.peers_fedpartial", [str(rounds), json.dumps(one)])}
         if split:
             run["split"] = worker("benchmarks.peers_fedpartial", [str(rounds), json.dumps(split)],
@@ -157,7 +160,8 @@ def main(argv=None) -> int:
     report = {"benchmark": "peers", "command": "python -m benchmarks.peers " + " ".join(argv), "argv": argv,
               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": device, "versions": versions(), "loadavg_at_start": os.getloadavg(),
-              "settings": {"rounds": rounds, "runs": runs, "split_flags": SPLIT_FLAGS.format(cores=cores)},
+              "settings": {"rounds": rounds, "runs": runs, "split_flags": SPLIT_FLAGS.format(cores=cores),
+                           "flower_env": FLOWER_ENV},
               "rows": []}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
