@@ -48,12 +48,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def worker(module: str, args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
-    """One side's process: its ``PEERS-RESULT`` JSON, or its error; the load averages around it."""
+    """One side's process: its ``PEERS-RESULT`` JSON, or its error with the rows it finished (``PEERS-ROW``
+    lines: a process cut off or failing keeps them); the load averages around it."""
     before = os.getloadavg()
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PEERS-RESULT ")), None)
-    out = json.loads(line[len("PEERS-RESULT "):]) if line else {"error": (proc.stderr or proc.stdout)[-600:]}
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, **(env or {})}, timeout=timeout)
+        stdout, stderr = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = f"stopped after {timeout:.0f} s"
+    lines = stdout.splitlines()
+    line = next((ln for ln in lines if ln.startswith("PEERS-RESULT ")), None)
+    if line:
+        out = json.loads(line[len("PEERS-RESULT "):])
+    else:
+        rows = {}
+        for ln in lines:
+            if ln.startswith("PEERS-ROW "):
+                rows.update(json.loads(ln[len("PEERS-ROW "):]))
+        out = {"error": (stderr or stdout)[-600:], "rows": rows}
     out["loadavg_before"], out["loadavg_after"] = before, os.getloadavg()
     return out
 

@@ -117,8 +117,11 @@ def time_row(row_name: str, rounds: int, configs: list[str]) -> dict:
 
 
 def main(rounds: int, plan: dict) -> dict:
-    return {"rows": {row: time_row(row, rounds, configs) for row, configs in plan.items()},
-            "devices": jax.device_count(), "jax": jax.__version__}
+    rows = {}
+    for row, configs in plan.items():
+        rows[row] = time_row(row, rounds, configs)
+        print("PEERS-ROW " + json.dumps({row: rows[row]}), flush=True)  # kept if the process is cut off
+    return {"rows": rows, "devices": jax.device_count(), "jax": jax.__version__}
 
 
 def _cohort(packed, ids):

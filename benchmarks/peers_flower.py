@@ -82,6 +82,9 @@ def main(rounds: int, rows: list[str]) -> dict:
         def aggregate_train(self, server_round, replies):
             out = super().aggregate_train(server_round, replies)
             stamps[self.row].append((self._started, time.perf_counter()))
+            if server_round == rounds + 1:  # the row's last round: kept if the process is cut off
+                seconds = [end - start for start, end in stamps[self.row]]
+                print("PEERS-ROW " + json.dumps({self.row: {"round_s": seconds}}), flush=True)
             return out
 
     server_app = ServerApp()
