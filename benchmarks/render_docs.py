@@ -354,12 +354,14 @@ def peers(results) -> list[str]:
                          f"{num(s['auto_s'], 3, ' s')} (`{auto}`) — {num(s['auto_speedup_vs_flower'], 2, '×')}",
                          num(s["auto_vs_best"], 2, "×"), num(med.get("plain"), 3, " s")])
         load = d.get("loadavg_at_start")
-        lines += [source(name, d) + f"; {d['versions'].get('flwr')} Flower, torch {d['versions'].get('torch')}, "
+        lines += [source(name, d) + f"; Flower {d['versions'].get('flwr')}, torch {d['versions'].get('torch')}, "
                   f"ray {d['versions'].get('ray')}; load averages at the start {tuple(round(v, 1) for v in load)}, "
                   f"at the end {tuple(round(v, 1) for v in d.get('loadavg_at_end', load))} on "
                   f"{d['device'].get('cpu_count')} cores", ""]
         lines += table(["model", "K", "Flower + torch", "fedpartial best (vs Flower)", "fedpartial auto (vs Flower)",
-                        "auto / best", "plain JAX loop"], rows)
+                        "auto's time / best's", "plain JAX loop"], rows)
+        if d.get("note"):
+            lines += ["", d["note"]]
         lines += ["", "Median seconds a round after warm-up. `lax/fused:1@2`, `mapped/fused:1@2`: the cohort split "
                   "over 2 single-threaded XLA:CPU devices (one per core); `plain`: a Python loop of one jitted SGD "
                   "step per client."]
