@@ -41,7 +41,8 @@ CONFIGS = {"mlp": ("lax/stepwise:1", "lax/fused:1", "lax/fused"),
 SPLIT_FLAGS = "--xla_force_host_platform_device_count={cores} --xla_cpu_multi_thread_eigen=false"
 SPLIT_CONFIGS = {"mlp": ("lax/fused:1@{cores}",), "conv": ("mapped/fused:1@{cores}",)}
 #: Ray starts its workers at niceness 15 by default: on a machine other work loads, the actors would wait behind it;
-#: and its node manager gives its agents 15 s to start, which a loaded machine missed (Ray then stops)
+#: the registration timeouts are lengthened for a loaded machine.  Not cured by these: Ray's node manager stops when
+#: its dashboard agent takes more than about 15 s to start (seen at load averages over 20); run the benchmark again
 FLOWER_ENV = {"RAY_worker_niceness": "0", "RAY_agent_register_timeout_ms": "600000",
               "RAY_worker_register_timeout_seconds": "600"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
