@@ -45,6 +45,7 @@ SCRIPTS = {
     "personalised": "python -m benchmarks.personalised", "privacy": "python -m benchmarks.privacy",
     "tiers": "python -m benchmarks.tiers", "drift": "python -m benchmarks.drift",
     "async": "python -m benchmarks.async", "async_machinery": "python -m benchmarks.async --machinery",
+    "peers": "python -m benchmarks.peers",
 }
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "fednova": "FedNova", "moon": "MOON", "feddyn": "FedDyn",
           "fedjs": "FedJS", "feddh": "FedDH", "feddhe": "FedDHE", "feddst": "FedDST", "prunefl": "PruneFL",
@@ -355,6 +356,34 @@ def conv_lowering(results) -> list[str]:
                   + (f" · conditions: {d['note']}" if d.get("note") else ""), ""]
         lines += table(["row (model@input:K)", "dtype", "lowering/strategy", "rounds/s", "vs loop", "GFLOP/s",
                         "of matmul", "max abs diff vs loop"], rows)
+    return lines
+
+
+def peers(results) -> list[str]:
+    """fedpartial against Flower + PyTorch: per row the medians, the best configuration, ``auto`` and the plain loop."""
+    lines = []
+    for name, d in family(results, "peers").items():
+        rows = []
+        for r in d["rows"]:
+            s, st, med = r["summary"], r["settings"], r["median_round_s"]
+            auto = (r.get("auto") or {}).get("config", "—")
+            rows.append([f"{r['row'].split(':')[0]} ({st['side']}×{st['side']})", str(st["cohort"]),
+                         num(s["flower_s"], 3, " s"),
+                         f"{num(s['best_s'], 3, ' s')} (`{s['best']}`) — {num(s['best_speedup_vs_flower'], 2, '×')}",
+                         f"{num(s['auto_s'], 3, ' s')} (`{auto}`) — {num(s['auto_speedup_vs_flower'], 2, '×')}",
+                         num(s["auto_vs_best"], 2, "×"), num(med.get("plain"), 3, " s")])
+        load = d.get("loadavg_at_start")
+        lines += [source(name, d) + f"; Flower {d['versions'].get('flwr')}, torch {d['versions'].get('torch')}, "
+                  f"ray {d['versions'].get('ray')}; load averages at the start {tuple(round(v, 1) for v in load)}, "
+                  f"at the end {tuple(round(v, 1) for v in d.get('loadavg_at_end', load))} on "
+                  f"{d['device'].get('cpu_count')} cores", ""]
+        lines += table(["model", "K", "Flower + torch", "fedpartial best (vs Flower)", "fedpartial auto (vs Flower)",
+                        "auto's time / best's", "plain JAX loop"], rows)
+        if d.get("note"):
+            lines += ["", d["note"]]
+        lines += ["", "Median seconds a round after warm-up. `lax/fused:1@2`, `mapped/fused:1@2`: the cohort split "
+                  "over 2 single-threaded XLA:CPU devices (one per core); `plain`: a Python loop of one jitted SGD "
+                  "step per client."]
     return lines
 
 
@@ -674,7 +703,7 @@ def asynchronous(results) -> list[str]:
 
 SECTIONS = (
     ("Execution strategies", "FedAvg rounds/s of every strategy beside a plain per-client Python loop of jitted "
-     "steps (what Python FL frameworks do), as the speed-up over that loop. `python -m benchmarks.strategies`.",
+     "steps, as the speed-up over that loop (Flower itself: the section against Flower + PyTorch). `python -m benchmarks.strategies`.",
      strategies),
     ("Two revisions compared", "The strategies benchmark run on two trees, interleaved. "
      "`python -m benchmarks.compare_revisions --before REV`.", compare_revisions),
@@ -689,6 +718,9 @@ SECTIONS = (
     ("Convolution lowerings", "Every lowering of the models' convolutions (`--conv-impl`) under each strategy, "
      "against the plain loop (lax's convolution), FedAvg on random data of each row's shape; `(auto)` marks what "
      "`--conv-impl auto` picked for the row. `python -m benchmarks.conv_lowering`.", conv_lowering),
+    ("Against Flower + PyTorch", "The same FedAvg rounds in Flower 1.42's simulation runtime (Ray, one actor per "
+     "core, one torch thread each) and in fedpartial, the sides taking turns process by process (medians). "
+     "`python -m benchmarks.peers` (needs `pip install -e \".[peers]\"`).", peers),
     ("Seeds and learning rates as replicas", "`--seeds` / `--lrs` / `--server-lrs` replicas in one jitted round "
      "against the same runs one after another. `python -m benchmarks.seeds`.", seeds),
     ("Data placement", "Host packing against gathering on the device, medians per round. "
@@ -849,6 +881,8 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
     headline = strategies(gpu) if gpu else ["No GPU measurement of the strategies yet."]
     speed = "\n".join(speed_cpu(results) + [""] + speed_gpu(results)).rstrip()
     return {"readme-headline": "\n".join(headline).rstrip(), "speed": speed,
+            "readme-peers": "\n".join(peers(results)).rstrip() or "No peer measurement yet: run "
+                            "`python -m benchmarks.peers`.",
             "readme-gpu-scale": "\n".join(gpu_scale(results)).rstrip() or "No GPU measurement of large cohorts yet.",
             "fedldf": _with_figures(fedldf(results), results, "fedldf"),
             "fedspu": _with_figures(fedspu(results), results, "fedspu"),

@@ -20,7 +20,7 @@ from fedpartial._src.engine import strategy as strategies
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.experiment.checkpoint import _from_arrays, _to_arrays
 from fedpartial._src.methods.basic.scaffold import control_variates
-from fedpartial._src.methods.catalog import METHODS
+from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
@@ -120,3 +120,46 @@ def test_every_method_with_every_wrapper_it_allows(mlp, staged_mlp, data, name, 
     if strategy == "host":  # the per-client state kept in a host store: the same run, bit for bit
         got, _ = run_host(build(model, stacked(name, leave_out=("reweight",))[0], "host"), data)
         chex.assert_trees_all_equal(got, second)
+
+
+def _tiny_cnn(impl):
+    from fedpartial._src.models.adapter import from_linen
+    from fedpartial._src.models.zoo import CNN2C1F
+
+    return from_linen(CNN2C1F(3, features=(2, 2), conv_impl=impl), input_shape=(8, 8, 1), num_classes=3,
+                      sequential=True, name="cnn2c1f")
+
+
+def _differentiates_twice(name):
+    try:
+        return get_method(name).capabilities.second_order  # the method's defaults
+    except (UserError, TypeError, ValueError):  # a method with a required option is built with it in BUILDERS
+        return BUILDERS[name]().capabilities.second_order
+
+
+SECOND_ORDER = [name for name in METHODS if _differentiates_twice(name)]
+
+
+@pytest.mark.parametrize("impl", ["lax", "im2col", "hybrid", "mapped"])
+def test_methods_that_differentiate_twice_run_on_a_lowering_or_are_refused_in_one_sentence(impl):
+    from fedpartial._src.engine.conv_choice import REVERSE_ONLY, candidates
+
+    assert {"fedad", "feddhad"} <= set(SECOND_ORDER)
+    model = _tiny_cnn(impl)
+    for name in SECOND_ORDER:
+        method = get_method(name)  # the defaults: Hessian-vector products choose the rate
+        assert method.capabilities.second_order
+        make = lambda m: FederatedRound(model, m, num_clients=4, cohort_size=2,  # noqa: E731
+                                        client_optimizer=optax.sgd(0.1))
+        if impl in REVERSE_ONLY:
+            with pytest.raises(UserError) as refused:
+                make(method)
+            sentence = str(refused.value)
+            assert sentence.startswith(f"method {method.name} differentiates its loss twice") and "\n" not in sentence
+            assert sentence.endswith("use --conv-impl lax or im2col.")
+        else:
+            make(method)  # forward over reverse traced through this lowering
+        make(get_method(name, rate=0.5))  # a fixed rate differentiates once: every lowering runs it
+    for platform in ("cpu", "gpu"):  # --conv-impl auto never offers a method that differentiates twice these
+        assert not {impl for impl, _ in candidates(platform, second_order=True)} & set(REVERSE_ONLY)
+        assert {impl for impl, _ in candidates(platform)} & set(REVERSE_ONLY)

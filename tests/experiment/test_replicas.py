@@ -293,6 +293,24 @@ def test_cli_seeds_writes_the_parent_folder(tmp_path, capsys):
         "fedavg-synthetic-seed5", "fedavg-synthetic-seed7", "job.json", "seeds_summary.json", "seeds_summary.md"]
 
 
+def test_a_failed_replica_says_why_under_quiet_too(tmp_path, capsys, monkeypatch):
+    from fedpartial._src.core.errors import UserError
+
+    def one_fails(config, seeds, **kwargs):  # the replicas' results as run_seeds gives them, the second failed
+        results = [{"status": "complete", "run_dir": str(tmp_path / "r-seed0")},
+                   {"status": "failed", "run_dir": str(tmp_path / "r-seed1"),
+                    "error": UserError("method fedad cannot run this lowering; use --conv-impl lax.")}]
+        return {"out_dir": str(tmp_path / "r"), "results": results, "replica_axis": "map", "data_placement": "host",
+                "note": None}
+
+    monkeypatch.setattr(replicas, "run_seeds", one_fails)
+    assert main(["run", "--dataset", "synthetic", "--clients", "6", "--cohort", "2", "--rounds", "1",
+                 "--local-steps", "1", "--seeds", "0,1", "--out", str(tmp_path), "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "r")
+    assert err.strip() == "r-seed1: failed: method fedad cannot run this lowering; use --conv-impl lax."
+
+
 def test_learning_rates_as_replicas_equal_separate_runs_at_each_rate(tmp_path):
     """``--lrs``: every rate with every seed, one round for all (rate 1 in the optimizer, each replica's
     rate in its cohort); each replica equals its separate run at its rate, and the summary has a row per

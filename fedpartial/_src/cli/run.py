@@ -231,6 +231,16 @@ def _resume_replicas(args, console: Console, stop) -> int:
     return 1 if failed else 0
 
 
+def _one_sentence(error) -> str:
+    """A replica's error as one line: a :class:`UserError`'s sentence, else the exception's type and first line."""
+    if error is None:
+        return "stopped before its last round"
+    if isinstance(error, UserError):
+        return str(error).strip()
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 def _replicas_asked(args) -> bool:
     return any(getattr(args, name, None) is not None for name in ("seeds", "lrs", "server_lrs"))
 
@@ -275,6 +285,8 @@ def _run_seeds(args, console: Console, stop) -> int:
     done = replicas.run_seeds(config, seeds, on_round=on_round, stop=stop, checkpoint_every=args.checkpoint_every,
                               lrs=lrs, server_lrs=server_lrs)
     failed = [(os.path.basename(r["run_dir"] or "?"), r) for r in done["results"] if r["status"] != "complete"]
+    for name, r in failed:  # whatever the verbosity: a failed run says why, in its one sentence
+        print(f"{name}: {r['status']}: {_one_sentence(r.get('error'))}", file=sys.stderr, flush=True)
     if args.quiet:
         print(done["out_dir"], flush=True)
     else:

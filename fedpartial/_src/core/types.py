@@ -311,6 +311,10 @@ class Capabilities(NamedTuple):
       asynchronous: the method's hooks after local training are defined on any set of updates, each of one
         client trained on the model of its own moment, so a buffered asynchronous run (``--mode async``;
         docs/async.md) may aggregate them; False: refused there.
+      second_order: a hook differentiates the loss twice, forward mode over reverse mode (FedAD's
+        Hessian-vector products), which the ``hybrid`` and ``mapped`` convolution lowerings, whose gradient is
+        a custom reverse-mode rule, do not support: the round refuses such a model and ``--conv-impl auto``
+        leaves them out.
     """
 
     personalised: bool = False
@@ -323,6 +327,7 @@ class Capabilities(NamedTuple):
     finetune_epochs: float = 0
     local_passes: int = 1
     asynchronous: bool = False
+    second_order: bool = False
 
 
 @document_fields

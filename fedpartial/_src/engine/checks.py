@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedpartial._src.core.errors import UserError
@@ -53,6 +54,35 @@ def resolve_groups(rnd: RoundSettings) -> tuple[ClientGroup, ...]:
                 f"method {rnd.method.name}: group {g.name!r} samples {sampled} clients per round "
                 f"from only {len(g.members)} members.")
     return groups
+
+
+def check_second_order(rnd: RoundSettings) -> None:
+    """Refuses, in one sentence, a model whose gradient has no forward-mode derivative (a custom reverse-mode
+    rule: the ``hybrid`` and ``mapped`` convolution lowerings) for a method that differentiates twice
+    (:attr:`~fedpartial.Capabilities.second_order`).  Traced on one example's shapes, nothing computed; any
+    other tracing error is left to the round, which reports it where it arises."""
+    if not rnd.method.capabilities.second_order:
+        return
+    model = rnd.model
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), jnp.float32)
+
+    def hvp(var, xx):  # as the method's Hessian-vector products run: the gradient linearised
+        def loss(params):
+            return jnp.sum(model.apply({**var, "params": params}, xx, False)[0])
+
+        return jax.linearize(jax.grad(loss), var["params"])[1](var["params"])
+
+    two = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype), variables)
+    try:  # one client, and two vmapped as the round runs them (the lowerings differ under vmap)
+        jax.eval_shape(hvp, variables, x)
+        jax.eval_shape(jax.vmap(hvp, in_axes=(0, None)), two, x)
+    except Exception as e:  # noqa: BLE001 - only the missing forward-mode rule is this check's to report
+        if "Linearization failed" not in str(e) and "custom_vjp" not in str(e):
+            return
+        raise UserError(f"method {rnd.method.name} differentiates its loss twice (forward mode over the gradient), "
+                        f"which this model's convolution lowering cannot (its gradient is a custom reverse-mode "
+                        f"rule); use --conv-impl lax or im2col.") from None
 
 
 def resolve_mesh(rnd: RoundSettings, devices) -> jax.sharding.Mesh | None:

@@ -39,7 +39,7 @@ import optax
 
 from fedpartial._src.models.adapter import Model
 
-__all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "candidates", "choose"]
+__all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "REVERSE_ONLY", "candidates", "choose"]
 
 LAYOUTS = ("loop", "vmap", "map")
 #: a cohort larger than this is timed on this many clients and scaled, by platform
@@ -62,12 +62,17 @@ class ConvChoice(NamedTuple):
         return f"{self.impl}, {self.layout} ({self.how}: {best * 1e3:.1f} ms a cohort step)"
 
 
-def candidates(platform: str) -> tuple[tuple[str, str], ...]:
-    """The (lowering, layout) pairs ``auto`` times on ``platform``, the default first (ties keep it)."""
+#: the lowerings whose gradient is a custom reverse-mode rule: no forward mode over it (second-order methods)
+REVERSE_ONLY = ("hybrid", "mapped")
+
+
+def candidates(platform: str, second_order: bool = False) -> tuple[tuple[str, str], ...]:
+    """The (lowering, layout) pairs ``auto`` times on ``platform``, the default first (ties keep it);
+    ``second_order``: for a method that differentiates twice, without :data:`REVERSE_ONLY`."""
     pairs = [("lax", "loop"), ("hybrid", "vmap"), ("mapped", "map"), ("im2col", "map")]
     if platform != "cpu":
         pairs.insert(1, ("lax", "vmap"))
-    return tuple(pairs)
+    return tuple(p for p in pairs if not (second_order and p[0] in REVERSE_ONLY))
 
 
 def _step(model: Model):
@@ -151,10 +156,11 @@ def _pick(seconds: dict) -> tuple[str, str]:
     return tuple((first if keep else fastest).split("/"))
 
 
-def _key(model: Model, batch_size: int, cohort_size: int, dtype: str) -> str:
+def _key(model: Model, batch_size: int, cohort_size: int, dtype: str, second_order: bool = False) -> str:
     device = jax.devices()[0]
     return "|".join(map(str, (jax.default_backend(), device.device_kind, model.name, tuple(model.input_shape),
-                               batch_size, cohort_size, dtype, jax.__version__)))
+                               batch_size, cohort_size, dtype, jax.__version__)
+                         + (("second-order",) if second_order else ())))
 
 
 def _read(path: str | None) -> dict:
@@ -166,20 +172,22 @@ def _read(path: str | None) -> dict:
 
 
 def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, dtype: str = "float32",
-           cache_dir: str | None = None) -> ConvChoice:
+           cache_dir: str | None = None, second_order: bool = False) -> ConvChoice:
     """The fastest (lowering, layout) for the model ``build(impl)`` builds, measured once per setting.
 
     ``cache_dir``: where ``conv-impl.json`` keeps the choices (None: measure every time, keep nothing).
+    ``second_order``: the method differentiates twice (:attr:`~fedpartial.Capabilities.second_order`), so
+    :data:`REVERSE_ONLY` lowerings are not candidates.
     """
     model = build("lax")
     if "conv" not in model.structure.kinds:
         return ConvChoice("lax", None, {}, "no convolutions")
     path = None if cache_dir is None else os.path.join(cache_dir, CACHE_FILE)
-    key = _key(model, batch_size, cohort_size, dtype)
+    key = _key(model, batch_size, cohort_size, dtype, second_order)
     known = _read(path).get(key)
     if known:
         return ConvChoice(known["impl"], known["layout"], known["seconds"], "cached")
-    pairs = candidates(jax.default_backend())
+    pairs = candidates(jax.default_backend(), second_order)
     models = {impl: model if impl == "lax" else build(impl) for impl in dict(pairs)}
     variables = _stand_in_variables(model)
     ready = [prepare(models[impl], layout, batch_size, cohort_size, variables) for impl, layout in pairs]

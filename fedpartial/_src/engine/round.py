@@ -183,6 +183,7 @@ class FederatedRound:
         self.execution_times = None if execution_times is None else np.asarray(execution_times)
         #: the method's client groups (:class:`~fedpartial.ClientGroup`), one per graph the cohort trains
         self.groups = checks.resolve_groups(self)
+        checks.check_second_order(self)
         if self.strategy.kind == "stream":
             problem = stream_refusal(method)
             if problem:

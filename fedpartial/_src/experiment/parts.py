@@ -42,11 +42,14 @@ def build_model(name: str, dataset: sources.ArrayDataset, *, conv_impl: str = "l
     return with_compute_dtype(model, compute_dtype)
 
 
-def choose_conv(config: RunConfig, dataset: sources.ArrayDataset) -> conv_choice.ConvChoice:
+def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: bool = False
+                ) -> conv_choice.ConvChoice:
     """``--conv-impl``: the lowering it names, or for ``auto`` the fastest (lowering, cohort layout) for the
     config's model, measured once per setting (:mod:`fedpartial._src.engine.conv_choice`).
     ``FEDPARTIAL_CONV_IMPL`` in the environment names what ``auto`` gives without measuring (the test suite
-    sets ``lax``, so its numbers stay those of the plain convolution and no test spends seconds timing)."""
+    sets ``lax``, so its numbers stay those of the plain convolution and no test spends seconds timing).
+    ``second_order``: the run's method differentiates twice, which ``auto`` never gives a lowering that cannot
+    (:data:`~fedpartial._src.engine.conv_choice.REVERSE_ONLY`; a named one is refused when the round is built)."""
     if config.conv_impl != "auto":
         return conv_choice.ConvChoice(config.conv_impl, None, {}, "--conv-impl")
     forced = os.environ.get("FEDPARTIAL_CONV_IMPL")
@@ -56,20 +59,20 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset) -> conv_choice
         lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype,
                                  size=config.model_size),
         batch_size=config.batch_size, cohort_size=config.cohort_size, dtype=config.compute_dtype,
-        cache_dir=compile_cache.cache_folder())
+        cache_dir=compile_cache.cache_folder(), second_order=second_order)
 
 
-def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None, adapt=None
-               ) -> tuple[Model, Model | None, conv_choice.ConvChoice]:
+def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None, adapt=None,
+               second_order: bool = False) -> tuple[Model, Model | None, conv_choice.ConvChoice]:
     """A run's model (the caller's ``model``, else the config's adapted by ``adapt``, the method's
-    ``adapt_model``) lowered and in the dtype the config says; the same model plain (lax, float32) when the run's
+    ``adapt_model``) lowered and in the dtype the config says (``second_order``: the method differentiates twice); the same model plain (lax, float32) when the run's
     is not, else None; and the lowering's :class:`~fedpartial._src.engine.conv_choice.ConvChoice`."""
     dtype = config.compute_dtype
     if model is not None:
         choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")
         model = with_lora(config, model)
         return with_compute_dtype(model, dtype), None if dtype == "float32" else model, choice
-    choice = choose_conv(config, dataset)
+    choice = choose_conv(config, dataset, second_order)
     model = build_model(config.model, dataset, conv_impl=choice.impl, compute_dtype=dtype, size=config.model_size)
     plain = None if (choice.impl, dtype) == ("lax", "float32") else \
         build_model(config.model, dataset, size=config.model_size)

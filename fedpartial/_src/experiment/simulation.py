@@ -173,7 +173,8 @@ class Simulation:
         dataset = self.dataset
         #: the model, and the same model lowered by lax in float32 when the run's is not (the device model counts its
         #: FLOPs; None: it is), and how its convolutions are lowered
-        model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model)
+        model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model,
+                                                               self.method.capabilities.second_order)
         self.model = pretrained.initial_model(model, self.config.init_from)  # --init-from: checked against it
         if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
             raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "

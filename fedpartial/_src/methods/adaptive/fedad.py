@@ -188,7 +188,8 @@ def fedad(rate: float | None = None, measure_every: int = 2, patience: int = 4, 
 
     return make_method("fedad", init=init, plan=plan, step_plan=step_plan if per_step else None,
                        select=select, update=update, metrics=metrics,
-                       capabilities=Capabilities(needs_execution_times=True, neuron_masks=True))
+                       capabilities=Capabilities(needs_execution_times=True, neuron_masks=True,
+                                                 second_order=rate is None))
 
 
 def feddhad(rate: float | None = None, measure_every: int = 2, patience: int = 4, max_rate: float = 0.5,

@@ -1,0 +1,135 @@
+"""The fedpartial side of ``python -m benchmarks.peers``: the same FedAvg rounds as the Flower side, in one process,
+every configuration (and the plain JAX loop) alternating round by round.
+
+``python -m benchmarks.peers_fedpartial ROUNDS '{"ROW": ["CONFIG", ...], ...}'`` prints one JSON line: per row and
+configuration the seconds of every round (the first compiles), plus what ``auto`` chose.  A configuration is
+``plain`` (a Python loop over clients of a jitted SGD step, only the Flax module shared), ``auto`` (what
+``--strategy auto --conv-impl auto`` would run: measured by :func:`auto_choice`, then timed as the configuration it
+names, which is run once) or ``LOWERING/STRATEGY`` (e.g. ``lax/stepwise:1``, ``mapped/fused:1``); ``@D`` splits the
+cohort over ``D`` devices (the process must have them: ``XLA_FLAGS=--xla_force_host_platform_device_count=D``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+import fedpartial as fp
+from benchmarks.peers_rows import ROWS, Row
+from fedpartial._src.bench import kit
+from fedpartial._src.engine import conv_choice
+from fedpartial._src.models import zoo
+from fedpartial.models import from_linen
+
+
+def flax_module(row: Row, impl: str = "lax"):
+    if row.model == "mlp":
+        return zoo.MLP(10)
+    if row.model == "cnn":
+        return zoo.CNN2C3F(10, features=(16, 32), hidden=(64,), kernel_size=5, padding="SAME", conv_impl=impl)
+    return zoo.CNN2C1F(10, conv_impl=impl)
+
+
+def engine_model(row: Row, impl: str = "lax"):
+    return from_linen(flax_module(row, impl), input_shape=(row.side, row.side, row.channels), num_classes=10,
+                      sequential=True, name=row.model)
+
+
+def population(row: Row):
+    """Every client's examples (``local_steps x batch`` each, drawn from its id) packed ``[N, S, B, ...]``."""
+    rng = np.random.default_rng(0)
+    shape = (row.clients, row.local_steps, row.batch_size)
+    x = rng.normal(size=(*shape, row.side, row.side, row.channels)).astype(np.float32)
+    y = rng.integers(0, 10, size=shape).astype(np.int32)
+    return x, y
+
+
+def cohort_packed(x, y, ids):
+    k, s, b = len(ids), x.shape[1], x.shape[2]
+    return fp.data.CohortBatches(x[ids], y[ids], np.ones((k, s, b), bool), np.ones((k, s), bool),
+                                 np.full((k,), s * b, np.float32))
+
+
+def engine_round(row: Row, impl: str, strategy, devices: int = 1):
+    return fp.FederatedRound(engine_model(row, impl), fp.methods.fedavg(), num_clients=row.clients,
+                             cohort_size=row.cohort, client_optimizer=optax.sgd(0.05, momentum=0.9),
+                             strategy=strategy, devices=devices)
+
+
+def auto_choice(row: Row) -> dict:
+    """What ``--strategy auto --conv-impl auto`` runs for this row (``config``: as ``LOWERING/STRATEGY``), and how
+    it was chosen."""
+    started = time.perf_counter()
+    choice = conv_choice.choose(lambda impl: engine_model(row, impl), batch_size=row.batch_size,
+                                cohort_size=row.cohort)
+    strategy = fp.parse_strategy("auto", engine_model(row, choice.impl), layout=choice.layout)
+    return {"config": f"{choice.impl}/{strategy}", "conv_impl": choice.impl, "conv_layout": choice.layout,
+            "conv_seconds": choice.seconds, "how": choice.how, "choose_s": time.perf_counter() - started}
+
+
+def runner(row: Row, name: str, x, y):
+    """``run(ids, t)``: one round of configuration ``name`` on the clients ``ids``, its state kept inside."""
+    if name == "plain":
+        loop = kit.PlainLoop(flax_module(row), optax.sgd(0.05, momentum=0.9), (row.side, row.side, row.channels))
+        held = {"variables": loop.init_variables(jax.random.key(0))}
+
+        def run_plain(ids, t):
+            held["variables"], loss = loop.round(held["variables"], cohort_packed(x, y, ids))
+            return loss
+
+        return run_plain
+    spec, _, devices = name.partition("@")
+    impl, _, strategy = spec.partition("/")
+    rnd = engine_round(row, impl, fp.parse_strategy(strategy), int(devices or 1))
+    held = {"state": rnd.init(jax.random.key(0))}
+
+    def run_engine(ids, t):
+        held["state"], _ = rnd(held["state"], _cohort(cohort_packed(x, y, ids), ids), jax.random.key(t))
+        return held["state"]
+
+    return run_engine
+
+
+def time_row(row_name: str, rounds: int, configs: list[str]) -> dict:
+    row = ROWS[row_name]
+    x, y = population(row)
+    chosen = auto_choice(row) if "auto" in configs else None
+    names = [c for c in configs if c != "auto"]
+    if chosen and chosen["config"] not in names:
+        names.append(chosen["config"])
+    runners = {name: runner(row, name, x, y) for name in names}
+    seconds = {name: [] for name in runners}
+    sampler = np.random.default_rng(1)
+    for t in range(rounds + 1):  # round 0 compiles; every configuration trains the same sampled cohort
+        ids = np.sort(sampler.choice(row.clients, row.cohort, replace=False))
+        for name, run in runners.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run(ids, t))
+            seconds[name].append(time.perf_counter() - start)
+    if chosen:
+        seconds["auto"] = seconds[chosen["config"]]
+    return {"round_s": seconds, "auto": chosen}
+
+
+def main(rounds: int, plan: dict) -> dict:
+    rows = {}
+    for row, configs in plan.items():
+        rows[row] = time_row(row, rounds, configs)
+        print("PEERS-ROW " + json.dumps({row: rows[row]}), flush=True)  # kept if the process is cut off
+    return {"rows": rows, "devices": jax.device_count(), "jax": jax.__version__}
+
+
+def _cohort(packed, ids):
+    from fedpartial._src.engine.types import cohort_from_packed
+
+    return cohort_from_packed(packed, ids)
+
+
+if __name__ == "__main__":
+    result = main(int(sys.argv[1]), json.loads(sys.argv[2]))
+    print("PEERS-RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,47 @@
+"""The peer benchmark's fedpartial side on its tiny row, and how the driver turns the sides' rounds into a row."""
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import peers, peers_fedpartial
+from benchmarks.peers_rows import ROWS
+
+
+def test_the_fedpartial_side_times_every_configuration_on_the_same_cohorts():
+    got = peers_fedpartial.main(1, {"quick": ["auto", "plain", "lax/fused:1"]})["rows"]["quick"]
+    # auto (a dense model on a CPU: one client at a time) is timed as the configuration it names
+    assert got["auto"]["config"] == "lax/stepwise:1" and got["auto"]["conv_impl"] == "lax"
+    assert set(got["round_s"]) == {"plain", "lax/fused:1", "lax/stepwise:1", "auto"}
+    assert got["round_s"]["auto"] is got["round_s"]["lax/stepwise:1"]
+    assert all(len(t) == 2 and min(t) > 0 for t in got["round_s"].values())  # the compiling round and one more
+
+
+def test_a_row_is_the_median_of_every_runs_timed_rounds_and_the_ratios_follow():
+    def side(seconds):  # a process's result for the row 'quick'
+        return {"rows": {"quick": {"round_s": seconds}}, "loadavg_before": (1.0, 1.0, 1.0)}
+
+    runs = [{"flower": side([9.0, 2.0, 4.0]), "fedpartial": side({"plain": [9.0, 1.0, 1.0], "lax/x": [9.0, 0.5, 1.5]}),
+             "split": side({"lax/x@2": [9.0, 0.4, 0.6]})},
+            {"flower": side([9.0, 3.0, 5.0]), "fedpartial": side({"plain": [9.0, 1.0, 3.0], "lax/x": [9.0, 0.5, 0.5]}),
+             "split": side({"lax/x@2": [9.0, 0.5, 0.5]})}]
+    runs[1]["fedpartial"]["rows"]["quick"]["auto"] = {"config": "lax/x"}
+    runs[1]["fedpartial"]["rows"]["quick"]["round_s"]["auto"] = [9.0, 0.5, 0.5]
+    (row,) = peers.gather(["quick"], runs, {"quick": ["auto", "plain", "lax/x"]}, {"quick": ["lax/x@2"]})
+    assert row["median_round_s"] == {"flower": 3.5, "plain": 1.0, "lax/x": 0.5, "lax/x@2": 0.5, "auto": 0.5}
+    s = row["summary"]
+    assert s["best"] in ("lax/x", "lax/x@2") and s["best_s"] == 0.5 and s["best_speedup_vs_flower"] == 7.0
+    assert s["auto_vs_best"] == 1.0 and s["auto_speedup_vs_plain"] == 2.0 and row["auto"] == {"config": "lax/x"}
+    assert "| quick | 3.500 s | 0.500 s" in peers.table([row])
+
+
+@pytest.mark.parametrize("row", ["mlp:10", "cnn:10", "cnn2c1f:10", "digits"])
+def test_both_sides_train_the_same_layers(row):
+    torch = pytest.importorskip("torch")  # the peers extra
+    from benchmarks.peers_flower import torch_model
+
+    spec = ROWS[row]
+    variables = jax.eval_shape(peers_fedpartial.engine_model(spec).init_variables, jax.random.key(0))
+    ours = sorted(int(np.prod(a.shape)) for a in jax.tree.leaves(variables["params"]))
+    theirs = sorted(p.numel() for p in torch_model(spec.model, spec.side).parameters())
+    assert ours == theirs and isinstance(torch.__version__, str)
