@@ -83,7 +83,7 @@ class AsyncSimulation:
     """A buffered asynchronous run of ``config`` (``mode='async'``, docs/async.md): C clients in flight, the
     server stepping on every M arrivals, on the simulated clock.
 
-    It holds :attr:`simulation`, the :class:`~fedpartial.Simulation` of the buffer (``M`` clients a round), and
+    It holds ``simulation``, the :class:`~fedpartial.Simulation` of the buffer (``M`` clients a round), and
     reads through to it what it does not hold itself (the data, model, method, state, clock, evaluation).
 
     Args:
@@ -146,8 +146,8 @@ class AsyncSimulation:
         self._host_pool = None
         if self.pool_place == "host":  # said where the run's layout is said (summary.json's strategy_note)
             why = (f"the pool of in-flight updates ({human_bytes(self.pool_bytes)}) is kept in host memory: with the "
-                   f"round it needs about {human_bytes(with_pool.total)} but {human_bytes(available)} of {where} is "
-                   "available")
+                   f"round it needs about {human_bytes(with_pool.total)}"
+                   + ("" if available is None else f" but {human_bytes(available)} of {where} is available"))
             sim.strategy_note = "; ".join(n for n in (sim.strategy_note, why) if n)
             return
         sim.memory = with_pool
