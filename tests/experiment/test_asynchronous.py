@@ -196,7 +196,10 @@ def test_a_pool_that_does_not_fit_is_refused_before_it_is_built(compiled, monkey
     monkeypatch.setattr(memory, "available_bytes",
                         lambda device=None: (room, "test memory") if device is None else (host["room"], "RAM"))
     assert asynchronous.pool_place(sim.pool_bytes, sim.memory.total, room, "test memory") == "host"
-    host["room"] = 0
+    host["room"] = sim.pool_bytes  # the pool does not fit there either
+    assert asynchronous.pool_place(sim.pool_bytes, sim.memory.total, room, "test memory") == "device"
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (room, "test memory"))
+    monkeypatch.setattr(asynchronous, "pool_place", lambda *a: "device")  # (the decision just checked)
     with pytest.raises(ConfigError, match=r"--concurrency 4 keeps .* of in-flight updates.*lower --concurrency"):
         AsyncSimulation(RunConfig(**ASYNC))
 
