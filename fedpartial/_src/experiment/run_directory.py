@@ -14,43 +14,14 @@ import os
 import shutil
 import signal
 import sys
-from typing import Any, Protocol
 
-import numpy as np
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import checkpoint, disk, run_files, signals
-from fedpartial._src.experiment.run_summary import execution_facts, save_decisions, summarize
+from fedpartial._src.experiment.run_summary import RunSimulation, execution_facts, save_decisions, summarize
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
-
-
-class RunSimulation(Protocol):
-    """What a run directory reads of the simulation it records: a
-    :class:`~fedpartial._src.experiment.simulation.Simulation` (which imports this module, so this module
-    names only its shape; :func:`~fedpartial._src.experiment.checkpoint.save` and ``restore`` read its state)."""
-
-    config: RunConfig
-    progress: dict
-    last_decisions: dict | None
-    dataset: Any
-    model: Any
-    round: Any  # the FederatedRound (its ``strategy``)
-    holdout: Any
-    mesh: Any
-    strategy_note: str | None
-    data_placement: str
-    client_state: str
-    train_fraction: float
-
-    @property
-    def num_params(self) -> int: ...
-
-    @property
-    def personal_state_bytes(self) -> int: ...
-
-    def active_clients(self) -> np.ndarray: ...
 
 
 def unique_run_dir(out_dir: str, name: str) -> str:

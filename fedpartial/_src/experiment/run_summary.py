@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -14,8 +14,32 @@ import numpy as np
 from fedpartial._src.experiment import privacy
 from fedpartial._src.experiment.config import RunConfig
 
-if TYPE_CHECKING:
-    from fedpartial._src.experiment.run_directory import RunSimulation
+
+class RunSimulation(Protocol):
+    """What a run directory reads of the simulation it records: a
+    :class:`~fedpartial._src.experiment.simulation.Simulation` (which imports this module, so this module
+    names only its shape; :func:`~fedpartial._src.experiment.checkpoint.save` and ``restore`` read its state)."""
+
+    config: RunConfig
+    progress: dict
+    last_decisions: dict | None
+    dataset: Any
+    model: Any
+    round: Any  # the FederatedRound (its ``strategy``)
+    holdout: Any
+    mesh: Any
+    strategy_note: str | None
+    data_placement: str
+    client_state: str
+    train_fraction: float
+
+    @property
+    def num_params(self) -> int: ...
+
+    @property
+    def personal_state_bytes(self) -> int: ...
+
+    def active_clients(self) -> np.ndarray: ...
 
 def save_decisions(path: str, decisions: dict) -> None:
     """Writes one round's plan and selection masks to ``path`` (``.npz``, one array per named field).
