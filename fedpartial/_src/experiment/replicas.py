@@ -204,7 +204,7 @@ class Replicas:
         configs = replica_configs(config, seeds, out_dir, lrs, server_lrs)
         # decided before anything is built: the layout a single run of the first replica would take
         first = dataset_for(configs[0]) if dataset_for else population.load_dataset(configs[0])
-        decided = replica_axis_lib.decided_layout(configs[0], first)
+        decided = replica_axis_lib.decided_layout(config, first)  # the options as given: --strategy auto
         if decided is not None:
             configs = [dataclasses.replace(c, strategy=decided[0], conv_impl=decided[1]) for c in configs]
         datasets = [first] + [dataset_for(c) if dataset_for else None for c in configs[1:]]
