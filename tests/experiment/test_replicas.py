@@ -519,3 +519,15 @@ def test_fine_tuning_replicas_train_at_their_own_rate_as_separate_runs(tmp_path)
     alone, _, _ = _separate(config, 1)  # one seed is enough (a separate run is a compile)
     mine, theirs = done["results"][1]["records"][-1], alone["records"][-1]
     assert mine["personal_accuracy"] == pytest.approx(theirs["personal_accuracy"], rel=RTOL, abs=ATOL)
+
+
+@pytest.mark.parametrize("layout, strategy", [("vmap", "fused"), ("map", "fused:1"), ("loop", "fused:1"), (None, None)])
+def test_replicas_follow_the_layout_a_single_run_measures(layout, strategy, monkeypatch):
+    """``--strategy auto`` with ``--conv-impl auto``: the lowering and layout measured for a single run, in the fused
+    family (a host loop is one client at a time inside the round); nothing measured, or a strategy named: None."""
+    from fedpartial._src.engine.conv_choice import ConvChoice
+
+    monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("mapped", layout, {}, "test"))
+    config = RunConfig(dataset="digits", model="cnn2c1f", conv_impl="auto")
+    assert replica_axis.decided_layout(config, None) == (None if strategy is None else (strategy, "mapped"))
+    assert replica_axis.decided_layout(dataclasses.replace(config, strategy="fused:2"), None) is None
