@@ -42,7 +42,7 @@ def worker(axis: str, clients: int, seeds: list[int], rounds: int) -> dict:
     """One replica axis in this process: the estimate, the stacked state and peak RSS."""
     from benchmarks.scale import _rss
     from fedpartial._src.core import memory
-    from fedpartial._src.experiment import replicas
+    from fedpartial._src.experiment import replica_axis, replicas
     from fedpartial._src.experiment.config import RunConfig
 
     config = RunConfig(**COMMON, num_clients=clients, rounds=rounds, eval_every=rounds + 1)
@@ -51,7 +51,7 @@ def worker(axis: str, clients: int, seeds: list[int], rounds: int) -> dict:
     reps = replicas.Replicas(config, seeds, replica_axis=axis)
     build_s = time.perf_counter() - t0
     est = max((sim.memory for sim in reps.sims), key=lambda e: e.total)
-    need = memory.for_replicas(est, len(seeds), replicas.at_once(reps.replica_axis, len(seeds)))
+    need = memory.for_replicas(est, len(seeds), replica_axis.at_once(reps.replica_axis, len(seeds)))
     out = {"axis": axis, "axis_used": list(reps.replica_axis), "estimate_bytes": need.total,
            "estimate": need._asdict(), "one_replica_estimate": est._asdict(),
            "stacked_state_bytes": memory.tree_bytes(reps.state), "rss_start": start, "build_s": build_s,

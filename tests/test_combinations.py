@@ -18,7 +18,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import client_sgd
 from fedpartial._src.engine import strategy as strategies
 from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.experiment.checkpoint import _from_arrays, _to_arrays
+from fedpartial._src.experiment.checkpoint_arrays import from_arrays as _from_arrays, to_arrays as _to_arrays
 from fedpartial._src.methods.basic.scaffold import control_variates
 from fedpartial._src.methods.catalog import METHODS, get_method
 from fedpartial._src.methods.codecs import upload_codec

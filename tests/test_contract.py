@@ -145,7 +145,7 @@ def data():
 
 
 # Same code path as another entry, so out of the default run: FedMP is Hermes with an L1 instead of an L2
-# norm (one chooser, ``dropout._by_parameter_norm``); FedJS is FedDH's weighting with (υ, b) never stepped.
+# norm (one chooser, ``dropout.by_parameter_norm``); FedJS is FedDH's weighting with (υ, b) never stepped.
 # FedAD's per-step masks (a step_plan) are checked for determinism and against the device model in
 # tests/methods/test_fedad.py, and step_plan itself under every strategy in tests/engine/test_hooks.py.
 # examples/scaffold.py is the built-in scaffold's algorithm on the public API (tests/test_extension.py checks it

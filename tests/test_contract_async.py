@@ -7,7 +7,9 @@ DP-FedAvg on one method of each family.
 Each method's run: finite losses; every server step's record has its fields (``server_step``,
 ``simulated_clock_s``, ``staleness_mean``/``staleness_max`` that agree with the arrivals, ``clients_arrived``,
 ``clients_in_flight``, bytes and FLOPs); at least one update arrives stale; a run restored from the checkpoint after
-server step 1 ends with the uninterrupted run's state, pool and records, bit for bit; and per family, a property of
+server step 1, written to a run folder on disk and read back from it, ends with the uninterrupted run's state, pool
+and records, bit for bit (with the pool on the device, and for FedAvg with the pool in host memory too, as a pool
+that does not fit beside the round on an accelerator is kept); and per family, a property of
 its masks that can fail:
 
 * dense (FedAvg, FedProx): every element is received at every step (nothing is frozen by accident);
@@ -24,16 +26,14 @@ The synchronous contract of the same methods is tests/test_contract.py; the equi
 and by hand are tests/engine/test_asynchronous.py and tests/experiment/test_asynchronous.py.
 """
 
-import copy
-
 import chex
 import jax
 import numpy as np
 import pytest
 
 from fedpartial._src.core import masks
+from fedpartial._src.experiment import asynchronous, checkpoint
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
-from fedpartial._src.experiment.checkpoint import _from_arrays, _to_arrays
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.methods.catalog import METHODS, get_method
 
@@ -99,16 +99,29 @@ def received_per_client(sim, decisions, params):
     return jax.tree.map(lambda e: np.asarray(e) & weights.reshape((-1,) + (1,) * (np.ndim(e) - 1)), expanded)
 
 
+def _pool_on_host(monkeypatch):
+    monkeypatch.setattr(asynchronous, "pool_place", lambda *_: "host")
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_async_method_keeps_the_contract(name):
+def test_async_method_keeps_the_contract(name, tmp_path):
+    _check_contract(name, str(tmp_path))
+
+
+def test_a_pool_kept_in_host_memory_keeps_the_contract_and_runs_as_on_the_device(tmp_path, monkeypatch):
+    on_device = [record for record, *_ in steps(AsyncSimulation(config("fedavg")))]
+    _pool_on_host(monkeypatch)
+    assert _check_contract("fedavg", str(tmp_path), pool_place="host") == on_device
+
+
+def _check_contract(name, run_dir, pool_place="device"):
     sim = AsyncSimulation(config(name))
-    saved = None
+    assert sim.pool_place == pool_place
     run = []
     for i, step in enumerate(steps(sim)):
         run.append(step)
-        if i == 0:  # the checkpoint after server step 1: the state and pool as saved, and the host item
-            host = jax.device_get(sim.checkpoint_state())
-            saved = (_to_arrays(host), host, copy.deepcopy(sim.progress))
+        if i == 0:  # the checkpoint after server step 1, written to the run folder
+            checkpoint.save(run_dir, sim)
     assert len(run) == 3
     final = jax.device_get((sim.state, sim.pool))
     stale = False
@@ -139,13 +152,13 @@ def test_async_method_keeps_the_contract(name):
     if name in FREEZES:
         assert sum(step[-1] for step in run) > 0, "nothing was frozen: the check above showed nothing"
 
-    # Resumed from the checkpoint after server step 1: the uninterrupted run, bit for bit.
-    arrays, host, progress = saved
-    sim.load_state(_from_arrays(arrays, host))
-    sim.progress = progress
+    # Resumed from the checkpoint on disk after server step 1: the uninterrupted run, bit for bit.
+    checkpoint.restore(run_dir, sim)
+    assert sim.progress["round"] == 1
     resumed = list(steps(sim))
     chex.assert_trees_all_equal(jax.device_get((sim.state, sim.pool)), final)
     assert [r for r, *_ in resumed] == [step[0] for step in run[1:]]
+    return [step[0] for step in run]
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -10,7 +10,7 @@ import pytest
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.costs import devices
 from fedpartial._src.experiment.config import ConfigError, RunConfig
-from fedpartial._src.experiment.run_directory import summarize
+from fedpartial._src.experiment.run_summary import summarize
 from fedpartial._src.experiment.simulation import Simulation, run
 
 # ------------------------------------------------------------------ simulated time

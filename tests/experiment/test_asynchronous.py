@@ -15,7 +15,7 @@ from fedpartial._src.analysis.plots import plot_runs
 from fedpartial._src.cli.main import main
 from fedpartial._src.core import memory
 from fedpartial._src.costs import devices
-from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment import asynchronous, checkpoint, signals
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
 from fedpartial._src.experiment.availability import Availability
 from fedpartial._src.experiment.config import ConfigError, RunConfig
@@ -113,7 +113,7 @@ def test_stopped_between_server_steps_resumes_bit_exact(compiled, tmp_path):
         if record["round"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(checkpoint.RunInterrupted) as stopped:
+    with pytest.raises(signals.RunInterrupted) as stopped:
         run(sim.config, sim=sim, on_round=on_round)
     run_dir = stopped.value.summary["run_dir"]
     assert checkpoint.latest_round(run_dir) == 2
@@ -184,12 +184,22 @@ def test_only_available_clients_are_dispatched_and_the_run_ends_when_nobody_is_l
 
 
 def test_a_pool_that_does_not_fit_is_refused_before_it_is_built(compiled, monkeypatch):
-    """The pool (two copies of the model per in-flight client) is in the memory estimate: with room for the round
-    but not the pool, the run is refused in one sentence naming --concurrency."""
+    """The pool (two copies of the model per in-flight client) is in the memory estimate: with room on the device for
+    the round but not the pool, the pool is kept in host memory (the run and its records are the same:
+    tests/test_contract_async.py); with no room there either, the run is refused in one sentence naming
+    --concurrency."""
     sim = compiled[0]
     assert sim.pool_bytes == sum(a.nbytes for a in jax.tree.leaves((sim.pool.trained, sim.pool.start))) + 20 * 4
     room = int((sim.memory.total - sim.pool_bytes) / memory.HEADROOM) + 2  # the round fits, the pool does not
+    assert asynchronous.pool_place(sim.pool_bytes, sim.memory.total, room, "RAM") == "device"  # a CPU: nowhere else
+    host = {"room": 2 * sim.pool_bytes}
+    monkeypatch.setattr(memory, "available_bytes",
+                        lambda device=None: (room, "test memory") if device is None else (host["room"], "RAM"))
+    assert asynchronous.pool_place(sim.pool_bytes, sim.memory.total, room, "test memory") == "host"
+    host["room"] = sim.pool_bytes  # the pool does not fit there either
+    assert asynchronous.pool_place(sim.pool_bytes, sim.memory.total, room, "test memory") == "device"
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: (room, "test memory"))
+    monkeypatch.setattr(asynchronous, "pool_place", lambda *a: "device")  # (the decision just checked)
     with pytest.raises(ConfigError, match=r"--concurrency 4 keeps .* of in-flight updates.*lower --concurrency"):
         AsyncSimulation(RunConfig(**ASYNC))
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import availability, checkpoint
+from fedpartial._src.experiment import availability, signals
 from fedpartial._src.experiment.availability import Availability
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
@@ -137,7 +137,7 @@ def test_a_run_with_availability_and_a_deadline_resumes_bit_for_bit(tmp_path):
         if record["round"] == 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(checkpoint.RunInterrupted) as stopped:
+    with pytest.raises(signals.RunInterrupted) as stopped:
         run(config, sim=sim, on_round=on_round)
     run_dir = stopped.value.summary["run_dir"]
     sim.state, sim.progress = start[0], dict(start[1])

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, disk
+from fedpartial._src.experiment import checkpoint, checkpoint_arrays, disk, run_files, signals
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation, load_config, run
+from fedpartial._src.experiment.run_directory import load_config
+from fedpartial._src.experiment.simulation import Simulation, run
 
 ROUNDS = 5
 TINY = dict(dataset="digits", model="mlp", num_clients=6, cohort_size=3, rounds=ROUNDS, local_steps=2,
@@ -81,16 +82,16 @@ def baseline(compiled, tmp_path_factory):
 
 def test_strict_json_writes_non_finite_numbers_as_null():
     value = {"a": math.nan, "b": [math.inf, 1.5, -math.inf], "c": np.float32("nan"), "d": np.int64(3)}
-    assert checkpoint.strict_json(value) == '{"a": null, "b": [null, 1.5, null], "c": null, "d": 3}'
+    assert run_files.strict_json(value) == '{"a": null, "b": [null, 1.5, null], "c": null, "d": 3}'
 
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_typed_prng_keys_round_trip_through_key_data(impl):
     tree = {"key": jax.random.key(7, impl=impl), "keys": jax.random.split(jax.random.key(3, impl=impl), 4),
             "w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.int32(5)}
-    arrays = checkpoint._to_arrays(tree)
-    assert all(not checkpoint._is_key(a) for a in arrays.values())
-    back = checkpoint._from_arrays(arrays, tree)
+    arrays = checkpoint_arrays.to_arrays(tree)
+    assert all(not checkpoint_arrays.is_key(a) for a in arrays.values())
+    back = checkpoint_arrays.from_arrays(arrays, tree)
     assert jax.random.key_impl(back["keys"]) == jax.random.key_impl(tree["keys"])
     np.testing.assert_array_equal(jax.random.key_data(back["keys"]), jax.random.key_data(tree["keys"]))
     np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(tree["key"]))
@@ -125,7 +126,7 @@ def test_signal_stops_after_the_round_and_resume_matches_uninterrupted_run(compi
         if record["round"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(checkpoint.RunInterrupted) as stopped:
+    with pytest.raises(signals.RunInterrupted) as stopped:
         run(sim.config, sim=sim, on_round=on_round, checkpoint_every=3)
     assert stopped.value.exit_code == 143
     run_dir = stopped.value.summary["run_dir"]
@@ -156,7 +157,7 @@ def test_signal_stops_after_the_round_and_resume_matches_uninterrupted_run(compi
     assert result["total_upload_bytes"] == base["total_upload_bytes"]
     assert result["total_simulated_time_s"] == base["total_simulated_time_s"]
     assert not os.path.exists(torn)  # removed by the checkpoint manager
-    assert checkpoint.read_status(run_dir)["status"] == "complete"
+    assert run_files.read_status(run_dir)["status"] == "complete"
 
 
 def test_per_process_checkpoints_of_a_multi_process_run_resume_bit_identically(compiled, baseline, tmp_path,
@@ -200,7 +201,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(compiled, basel
     time.sleep(rng.uniform(0.0, 0.3))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert checkpoint.read_status(run_dir)["status"] == "running"  # killed mid-run: nobody wrote otherwise
+    assert run_files.read_status(run_dir)["status"] == "running"  # killed mid-run: nobody wrote otherwise
     assert checkpoint.latest_round(run_dir) >= 1
 
     assert main(["run", "--resume", run_dir]) == 0
@@ -210,7 +211,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(compiled, basel
     checkpoint.restore(run_dir, resumed)  # the final checkpoint: the resumed run's final state
     assert resumed.progress == base_progress and resumed.progress["round"] == ROUNDS
     _same_state(resumed.state, base_state)
-    assert checkpoint.read_status(run_dir)["status"] == "complete"
+    assert run_files.read_status(run_dir)["status"] == "complete"
 
 
 def test_cli_sigint_at_any_moment_exits_130_and_says_what_was_kept(tmp_path, capsys):
@@ -254,7 +255,7 @@ def test_an_error_is_status_failed_and_raised(compiled, tmp_path):
     sim = fresh(compiled, tmp_path, "f")
     with pytest.raises(RuntimeError, match="disk on fire"):
         run(sim.config, sim=sim, on_round=boom)
-    status = checkpoint.read_status(str(tmp_path / "f"))
+    status = run_files.read_status(str(tmp_path / "f"))
     assert status["status"] == "failed" and "RuntimeError: disk on fire" in status["message"]
     assert status["checkpoint_round"] is None
 
@@ -267,13 +268,13 @@ def test_resume_without_a_checkpoint_is_one_sentence(tmp_path, capsys):
 
 def test_resuming_a_completed_run_changes_nothing(tmp_path, capsys):
     """A completed run is said to be complete in one sentence, exit 0, and no file of it is rewritten."""
-    from fedpartial._src.experiment import checkpoint
+
 
     run_dir = tmp_path / "done"
     run_dir.mkdir()
     (run_dir / "config.json").write_text("{}")
     (run_dir / "summary.json").write_text('{"status": "complete"}')
-    checkpoint.write_status(str(run_dir), "complete", round=3, message="3 rounds", checkpoint_round=3)
+    run_files.write_status(str(run_dir), "complete", round=3, message="3 rounds", checkpoint_round=3)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.iterdir()}
     assert main(["run", "--resume", str(run_dir)]) == 0
     assert f"{run_dir} is complete (3 rounds): nothing to resume" in capsys.readouterr().out
@@ -305,13 +306,13 @@ def test_more_rounds_extend_a_completed_run_to_what_a_longer_run_gives_and_fewer
     assert _without_wall_clock(_records(run_dir)) == _without_wall_clock(result["records"])
     assert load_config(run_dir).rounds == 5 and summary["planned_rounds"] == 5 and summary["resumed_from_round"] == 3
     assert "rounds = 5" in open(os.path.join(run_dir, "config.toml")).read()
-    assert checkpoint.read_status(run_dir)["status"] == "complete"
+    assert run_files.read_status(run_dir)["status"] == "complete"
 
 
 def test_a_run_folder_in_use_is_refused_and_a_dead_holder_s_lock_is_taken_over(tmp_path, capsys):
     """A second process resuming a folder another live process writes is one sentence and writes nothing; a lock a
     killed run left behind is taken over with a sentence; the lock is given back when the run ends."""
-    from fedpartial._src.experiment import checkpoint
+
 
     run_dir = tmp_path / "busy"
     run_dir.mkdir()
@@ -326,10 +327,10 @@ def test_a_run_folder_in_use_is_refused_and_a_dead_holder_s_lock_is_taken_over(t
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (run_dir / "lock-0").write_text(f"{dead.pid} {socket.gethostname()}\n")
-    note = checkpoint.lock_run_dir(str(run_dir))
+    note = run_files.lock_run_dir(str(run_dir))
     assert note == f"took over the lock of {run_dir} from process {dead.pid}, which is no longer running"
     assert (run_dir / "lock-0").read_text().split() == [str(os.getpid()), socket.gethostname()]
-    checkpoint.unlock_run_dir(str(run_dir))
+    run_files.unlock_run_dir(str(run_dir))
     assert not (run_dir / "lock-0").exists()
 
 
@@ -376,7 +377,7 @@ def stopped_at_4(compiled, tmp_path_factory):
         if record["round"] == 4:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(checkpoint.RunInterrupted) as stopped:
+    with pytest.raises(signals.RunInterrupted) as stopped:
         run(sim.config, sim=sim, on_round=on_round, checkpoint_every=2)
     return stopped.value.summary["run_dir"]
 
@@ -398,7 +399,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_o
     _same_state(sim.state, base_state)  # rounds 3 and 4 run again: the same result as never stopping
     assert _without_wall_clock(_strict(os.path.join(run_dir, "metrics.jsonl"))) == \
         _without_wall_clock(_strict(os.path.join(base["run_dir"], "metrics.jsonl")))
-    assert checkpoint.read_status(run_dir)["status"] == "complete"
+    assert run_files.read_status(run_dir)["status"] == "complete"
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "damaged-4"))  # kept for inspection, never read
 
 
@@ -426,12 +427,12 @@ def test_a_config_json_edited_to_another_method_is_refused_and_nothing_changes(s
     config["method"], config["options"] = "fedprox", {}  # the same state shapes: it would restore silently
     with open(path, "w") as f:
         json.dump(config, f)
-    status_before = checkpoint.read_status(run_dir)
+    status_before = run_files.read_status(run_dir)
     capsys.readouterr()
     assert main(["run", "--resume", run_dir]) == 2
     err = capsys.readouterr().err
     assert "method = 'fedprox'" in err and "written with method = 'fedavg'" in err and "Traceback" not in err
-    assert checkpoint.read_status(run_dir) == status_before
+    assert run_files.read_status(run_dir) == status_before
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]
 
 
@@ -447,7 +448,7 @@ def test_when_no_checkpoint_reads_back_the_run_says_so_and_its_status_is_failed(
     err = capsys.readouterr().err
     assert "no checkpoint" in err and "round 4" in err and "round 2" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
-    status = checkpoint.read_status(run_dir)
+    status = run_files.read_status(run_dir)
     assert status["status"] == "failed" and "no checkpoint" in status["message"]
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == before  # nothing moved or removed
 
@@ -487,7 +488,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_sentence_and_the_last_good_one_is
     assert len(lines) == 1 and "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
     assert "cannot write the checkpoint of round 5" in lines[0] and "the file-size limit is reached" in lines[0]
     assert "KiB" in lines[0] and "the checkpoint of round 4 is kept" in lines[0] and "--resume" in lines[0]
-    status = checkpoint.read_status(run_dir)
+    status = run_files.read_status(run_dir)
     assert status["status"] == "failed" and status["message"] in lines[0]
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]  # no temporary leftovers
     # The last good checkpoint is whole: resuming with room finishes the run as if it never stopped.
@@ -531,7 +532,7 @@ def test_a_full_filesystem_is_one_sentence_and_the_last_good_checkpoint_is_untou
     assert len(lines) == 1 and "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
     assert "cannot write the checkpoint of round 5" in lines[0] and "no space" in lines[0].lower(), lines[0]
     assert "the checkpoint of round 4 is kept" in lines[0]
-    status = checkpoint.read_status(run_dir)
+    status = run_files.read_status(run_dir)
     assert status["status"] == "failed" and status["message"] in lines[0]
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]  # no temporary leftovers
 
@@ -553,21 +554,21 @@ def test_results_that_do_not_fit_are_one_sentence_and_status_failed(compiled, tm
     run_dir = os.path.join(tmp_path, "full")
     assert str(full.value).startswith(f"cannot write the results of round 3 in {run_dir}: no space is left")
     assert "the checkpoint of round 2 is kept" in str(full.value)
-    status = checkpoint.read_status(run_dir)
+    status = run_files.read_status(run_dir)
     assert status["status"] == "failed" and status["message"] == str(full.value)
     assert checkpoint.latest_round(run_dir) == 2
 
 
 def test_a_run_folder_that_cannot_start_on_a_full_disk_is_one_sentence_and_leaves_nothing(compiled, tmp_path,
                                                                                        monkeypatch):
-    real = checkpoint.write_json
+    real = run_files.write_json
 
     def full(path, value):
         if path.endswith("environment.json"):
             raise OSError(28, "No space left on device")
         return real(path, value)
 
-    monkeypatch.setattr(checkpoint, "write_json", full)
+    monkeypatch.setattr(run_files, "write_json", full)
     sim = fresh(compiled, tmp_path, "start")
     with pytest.raises(disk.OutOfSpace) as no_room:
         run(sim.config, sim=sim)
@@ -583,7 +584,7 @@ def test_a_second_signal_exits_after_a_short_grace_and_says_what_is_kept(compile
     run_dir = os.path.join(tmp_path, "forced")
 
     def exit_now(code):  # stands in for os._exit: notes the code and the status the process would leave
-        exits.append((code, checkpoint.read_status(run_dir)))
+        exits.append((code, run_files.read_status(run_dir)))
         exited.set()
 
     def on_round(record):  # two Ctrl-C after round 2; the 'round' then outlasts the grace
@@ -592,8 +593,8 @@ def test_a_second_signal_exits_after_a_short_grace_and_says_what_is_kept(compile
             os.kill(os.getpid(), signal.SIGINT)
             assert exited.wait(5)
 
-    flag = checkpoint.StopFlag(stream, grace_s=0.2, exit=exit_now)
-    with flag, pytest.raises(checkpoint.RunInterrupted):
+    flag = signals.StopFlag(stream, grace_s=0.2, exit=exit_now)
+    with flag, pytest.raises(signals.RunInterrupted):
         run(sim.config, sim=sim, on_round=on_round, checkpoint_every=1, stop=flag)
     [(code, status)] = exits
     assert code == 130 and status["status"] == "interrupted"
@@ -605,7 +606,7 @@ def test_a_second_signal_exits_after_a_short_grace_and_says_what_is_kept(compile
 
 def test_a_second_signal_within_the_grace_of_a_finished_stop_changes_nothing():
     exits = []
-    flag = checkpoint.StopFlag(open(os.devnull, "w"), grace_s=0.2, exit=exits.append)
+    flag = signals.StopFlag(open(os.devnull, "w"), grace_s=0.2, exit=exits.append)
     with flag:
         flag._handle(signal.SIGINT, None)
         flag._handle(signal.SIGINT, None)

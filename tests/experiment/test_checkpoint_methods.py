@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from fedpartial._src.cli import entry
-from fedpartial._src.experiment import checkpoint, checkpoint_arrays, replicas, simulation
+from fedpartial._src.experiment import checkpoint, checkpoint_arrays, replicas, run_directory, simulation
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.catalog import METHODS
@@ -145,7 +145,7 @@ def test_seeds_as_replicas_checkpoint_each_replica_and_resume_it_alone(tmp_path)
         assert _status(run_dir) == "complete"
         assert checkpoint.latest_round(run_dir) == 2
         final = _stored(vsim)
-        alone = Simulation(simulation.load_config(run_dir))
+        alone = Simulation(run_directory.load_config(run_dir))
         checkpoint.restore(run_dir, alone)
         chex.assert_trees_all_equal(_stored(alone), final)
         checkpoint.restore(run_dir, alone, step=1)

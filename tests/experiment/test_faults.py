@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from fedpartial._src.cli.main import main
-from fedpartial._src.experiment import checkpoint
+from fedpartial._src.experiment import run_files
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "validation.md"
 
@@ -35,7 +35,7 @@ def sandbox(tmp_path):
     (run / "config.json").write_text(json.dumps({"method": "fedavg", "dataset": "digits", "rounds": 2}))
     (run / "metrics.jsonl").write_text('{"round": 1, "train_loss": 1.0}\n{"round": 2, "train_loss": 0.5}\n')
     (run / "summary.json").write_text('{"status": "complete", "rounds": 2}')
-    checkpoint.write_status(str(run), "complete", round=2, message="2 rounds", checkpoint_round=2)
+    run_files.write_status(str(run), "complete", round=2, message="2 rounds", checkpoint_round=2)
     (tmp_path / "result.json").write_text('{"mine": 1}')
     (tmp_path / "empty").mkdir()
     return tmp_path, {"{run}": str(run), "{file}": str(tmp_path / "result.json"), "{dir}": str(tmp_path / "empty")}

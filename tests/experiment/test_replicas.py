@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core import memory
-from fedpartial._src.experiment import replicas
+from fedpartial._src.experiment import replica_axis, replicas
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
@@ -114,7 +114,7 @@ def test_a_second_signal_during_replicas_writes_every_replicas_status_before_exi
     import signal
     import threading
 
-    from fedpartial._src.experiment import checkpoint
+    from fedpartial._src.experiment import run_files, signals
 
     config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,
                        cohort_size=3, rounds=2, batch_size=8, local_epochs=1.0, out_dir=str(tmp_path))
@@ -122,7 +122,7 @@ def test_a_second_signal_during_replicas_writes_every_replicas_status_before_exi
 
     def exit_now(code):  # stands in for os._exit: the statuses the process would leave
         parent = next(p for p in tmp_path.iterdir() if p.is_dir())
-        statuses.extend((code, checkpoint.read_status(str(d))) for d in sorted(parent.iterdir()) if d.is_dir())
+        statuses.extend((code, run_files.read_status(str(d))) for d in sorted(parent.iterdir()) if d.is_dir())
         exited.set()
 
     def on_round(t, records):
@@ -130,8 +130,8 @@ def test_a_second_signal_during_replicas_writes_every_replicas_status_before_exi
         os.kill(os.getpid(), signal.SIGINT)
         assert exited.wait(5)
 
-    flag = checkpoint.StopFlag(io.StringIO(), grace_s=0.1, exit=exit_now)
-    with flag, pytest.raises(checkpoint.RunInterrupted):
+    flag = signals.StopFlag(io.StringIO(), grace_s=0.1, exit=exit_now)
+    with flag, pytest.raises(signals.RunInterrupted):
         replicas.run_seeds(config, [0, 1], on_round=on_round, stop=flag)
     assert len(statuses) == 2
     for code, status in statuses:
@@ -170,12 +170,12 @@ def test_interrupted_replicas_resume_folder_by_folder_and_the_summary_is_written
     own to the uninterrupted replicas' results, and seeds_summary says every replica is complete."""
     import signal
 
-    from fedpartial._src.experiment import checkpoint
+    from fedpartial._src.experiment import signals
 
     config = RunConfig(method="fedldf", options={"n": 1}, dataset="synthetic", model="mlp", num_clients=8,
                        cohort_size=3, rounds=2, batch_size=8, local_epochs=1.0, out_dir=str(tmp_path))
-    flag = checkpoint.StopFlag(open(os.devnull, "w"))
-    with flag, pytest.raises(checkpoint.RunInterrupted):
+    flag = signals.StopFlag(open(os.devnull, "w"))
+    with flag, pytest.raises(signals.RunInterrupted):
         replicas.run_seeds(config, [0, 1], on_round=lambda t, records: os.kill(os.getpid(), signal.SIGINT),
                            stop=flag)
     parent = str(next(tmp_path.iterdir()))
@@ -201,7 +201,7 @@ def test_the_replica_round_is_traced_once(fedldf):
     """Two rounds ran: the first replica's round function was traced once (under ``auto``'s lax.map on
     CPU, vmap elsewhere), no other ran."""
     assert [sim.round.trace_count for sim in fedldf["simulations"]] == [1, 0]
-    assert fedldf["summary"]["replica_axis"] == replicas.parse_replica_axis("auto", jax.devices()[0].platform)[0]
+    assert fedldf["summary"]["replica_axis"] == replica_axis.parse_replica_axis("auto", jax.devices()[0].platform)[0]
 
 
 def test_the_device_model_counts_the_step_once_for_every_replica(fedldf):
@@ -221,7 +221,7 @@ def test_every_replica_axis_gives_each_replica_its_own_result(axis):
 
     w, x = jnp.arange(3 * 4 * 2.0).reshape(3, 4, 2) / 10, jnp.ones((3, 5, 4))
     keys = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(0), 3))
-    got = jax.jit(replicas.over_replicas(fn, *replicas.parse_replica_axis(axis, "cpu")))(w, x, keys)
+    got = jax.jit(replica_axis.over_replicas(fn, *replica_axis.parse_replica_axis(axis, "cpu")))(w, x, keys)
     for i in range(3):
         for a, b in zip(got, fn(w[i], x[i], keys[i])):
             np.testing.assert_allclose(a[i], b, rtol=1e-6)
@@ -244,13 +244,13 @@ def test_the_mapped_replica_round_updates_the_stacked_state_in_place(axis, most)
 
 
 def test_replica_axis_choices():
-    assert replicas.parse_replica_axis("auto", "cpu") == ("map", None)
-    assert replicas.parse_replica_axis("auto", "gpu") == ("vmap", None)
-    assert replicas.parse_replica_axis("vmap", "cpu") == ("vmap", None)
-    assert replicas.parse_replica_axis("map:3", "gpu") == ("map", 3)
+    assert replica_axis.parse_replica_axis("auto", "cpu") == ("map", None)
+    assert replica_axis.parse_replica_axis("auto", "gpu") == ("vmap", None)
+    assert replica_axis.parse_replica_axis("vmap", "cpu") == ("vmap", None)
+    assert replica_axis.parse_replica_axis("map:3", "gpu") == ("map", 3)
     for bad in ("pmap", "map:0", "map:x", "vmap:2", ""):
         with pytest.raises(ConfigError, match=f"replica axis {bad!r} is not allowed"):
-            replicas.parse_replica_axis(bad, "cpu")
+            replica_axis.parse_replica_axis(bad, "cpu")
 
 
 @pytest.mark.parametrize("args, words", [
@@ -270,10 +270,10 @@ def test_bad_seeds_exit_2_with_one_sentence(tmp_path, capsys, args, words):
 
 
 def test_strategy_for_replicas():
-    assert replicas.replica_strategy("auto") == "fused"
-    assert replicas.replica_strategy("fused:4") == "fused:4"
+    assert replica_axis.replica_strategy("auto") == "fused"
+    assert replica_axis.replica_strategy("fused:4") == "fused:4"
     with pytest.raises(ConfigError, match="--strategy stepwise:2 cannot run with --seeds"):
-        replicas.replica_strategy("stepwise:2")
+        replica_axis.replica_strategy("stepwise:2")
 
 
 def test_replicas_run_on_one_device():
@@ -442,10 +442,10 @@ def test_auto_trains_the_most_replicas_at_a_time_that_fit_and_a_named_axis_is_re
     est = memory.MemoryEstimate(server=memory.RUNTIME_BYTES + 10 * MIB, clients=100 * MIB, data=5 * MIB,
                                 in_flight=10, per_client=int(10.5 * MIB))
     vmap, where = ("vmap", None), "Fake GPU memory"
-    fit = lambda available_mib, **kw: replicas.fit_replica_axis(est, 3, kw.pop("axis", vmap),  # noqa: E731
+    fit = lambda available_mib, **kw: replica_axis.fit_replica_axis(est, 3, kw.pop("axis", vmap),  # noqa: E731
                                                                 available_mib * MIB, where, **kw)
     assert fit(700, auto=True) == (vmap, None)  # 0.9 × 700 = 630 ≥ 601
-    assert replicas.fit_replica_axis(est, 3, vmap, None, where, auto=True) == (vmap, None)  # nothing known
+    assert replica_axis.fit_replica_axis(est, 3, vmap, None, where, auto=True) == (vmap, None)  # nothing known
     head = "3 replicas all at once (vmap) would need about 601 MiB but {} MiB of Fake GPU memory is available"
     assert fit(600, auto=True) == (("map", 2), "auto runs 2 of the replicas at a time: " + head.format(600))
     assert fit(500, auto=True) == (("map", None), "auto runs 1 of the replicas at a time: " + head.format(500))
@@ -537,3 +537,15 @@ def test_fine_tuning_replicas_train_at_their_own_rate_as_separate_runs(tmp_path)
     alone, _, _ = _separate(config, 1)  # one seed is enough (a separate run is a compile)
     mine, theirs = done["results"][1]["records"][-1], alone["records"][-1]
     assert mine["personal_accuracy"] == pytest.approx(theirs["personal_accuracy"], rel=RTOL, abs=ATOL)
+
+
+@pytest.mark.parametrize("layout, strategy", [("vmap", "fused"), ("map", "fused:1"), ("loop", "fused:1"), (None, None)])
+def test_replicas_follow_the_layout_a_single_run_measures(layout, strategy, monkeypatch):
+    """``--strategy auto`` with ``--conv-impl auto``: the lowering and layout measured for a single run, in the fused
+    family (a host loop is one client at a time inside the round); nothing measured, or a strategy named: None."""
+    from fedpartial._src.engine.conv_choice import ConvChoice
+
+    monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("mapped", layout, {}, "test"))
+    config = RunConfig(dataset="digits", model="cnn2c1f", conv_impl="auto")
+    assert replica_axis.decided_layout(config, None) == (None if strategy is None else (strategy, "mapped"))
+    assert replica_axis.decided_layout(dataclasses.replace(config, strategy="fused:2"), None) is None

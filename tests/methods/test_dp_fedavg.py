@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fedpartial as fp
-from fedpartial._src.engine.round import carry
+from fedpartial._src.engine.program import carry
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import get_method

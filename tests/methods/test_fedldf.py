@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedpartial._src.core import aggregation
+from fedpartial._src.core import aggregation, masks
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
@@ -366,8 +366,8 @@ def test_n_larger_than_cohort_is_reported_when_the_round_is_built(mlp):
 
 
 def test_keep_count_rounds_halves_up():
-    assert [selection.keep_count(0.2, u) for u in (1, 3, 5, 6, 8, 10, 64)] == [1, 1, 1, 1, 2, 2, 13]
-    assert selection.keep_count(0.25, 10) == 3
+    assert [masks.keep_count(0.2, u) for u in (1, 3, 5, 6, 8, 10, 64)] == [1, 1, 1, 1, 2, 2, 13]
+    assert masks.keep_count(0.25, 10) == 3
     with pytest.raises(ValueError, match="fraction"):
         fedadp(0.0)
 

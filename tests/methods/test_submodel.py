@@ -53,7 +53,7 @@ def test_check_tiers_rejects_bad_ratios():
 ])
 def test_kept_units_round_half_up_and_ceil(p, u, by_round, by_ceil):
     assert submodel.kept_units(p, u) == by_round
-    assert submodel.kept_units(p, u, "round") == selection.keep_count(p, u) == by_round
+    assert submodel.kept_units(p, u, "round") == masks.keep_count(p, u) == by_round
     assert submodel.kept_units(p, u, "ceil") == by_ceil
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, jobs
+from fedpartial._src.experiment import jobs, run_files
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.preflight import preflight
@@ -176,7 +176,7 @@ def resume(out_dir: str, *, stop=None, on_run: Callable[[int, int, dict], None] 
     results, stopped = jobs.continue_runs([(os.path.join(out_dir, c.run_name), c) for c in configs],
                                           stop=stop, on_run=on_run)
     finished = [r["run_dir"] for r in results if os.path.exists(os.path.join(r["run_dir"], "summary.json"))
-                and (checkpoint.read_status(r["run_dir"]) or {}).get("status") == "complete"]
+                and (run_files.read_status(r["run_dir"]) or {}).get("status") == "complete"]
     out = {"out_dir": out_dir, "run_dirs": finished, "results": results, **_tables(finished, out_dir)}
     if stopped:
         raise jobs.interrupted(stop, out_dir, out)

@@ -110,7 +110,7 @@ def _resume(args, console: Console, argv: list[str] | None) -> int:
 
     from fedpartial._src.analysis import compare
     from fedpartial._src.cli import config_file
-    from fedpartial._src.experiment import checkpoint, summaries
+    from fedpartial._src.experiment import signals, summaries
 
     parser, tokens = _compare_flags(argv)
     given = config_file.given_on_command_line(parser, tokens) - {"resume", "quiet"}
@@ -124,7 +124,7 @@ def _resume(args, console: Console, argv: list[str] | None) -> int:
                 else f"{result['status']}: {result['error']}")
         console.print(f"  {i + 1}/{total} {os.path.basename(result['run_dir'])}: {what}", markup=False)
 
-    with checkpoint.StopFlag() as stop:
+    with signals.StopFlag() as stop:
         done = compare.resume(args.resume, stop=stop, on_run=on_run)
     print(summaries.table_markdown(done["rows"]), end="")
     console.print(f"table: {', '.join(done['table_files'])}; figures: {args.resume}", markup=False)

@@ -34,7 +34,6 @@ def whole_number(text: str) -> int:
 
 
 whole_number.toml_kind = "integer"  # what the flag takes in a --config file (fedpartial._src.cli.config_file)
-positive_int = whole_number  # the old name; ranges are checked by RunConfig.validate, naming the flag
 
 
 def number(text: str) -> float:
@@ -182,7 +181,7 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
         if name == "execution":
             _process_flags(run)
     runs = run.add_argument_group("checkpoints")
-    runs.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+    runs.add_argument("--checkpoint-every", type=whole_number, default=None, metavar="N",
                       help="save the whole simulation state to RUN_DIR/checkpoints every N rounds "
                            "(the final state is always saved)")
     runs.add_argument("--resume", default=None, metavar="RUN_DIR",

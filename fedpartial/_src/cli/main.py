@@ -26,7 +26,8 @@ from rich.console import Console
 from fedpartial._src.cli import bench, capacity, compare, listing, plot, run
 from fedpartial._src.cli.flags import Parser, config_from_args, method_specs, named_methods
 from fedpartial._src.core.errors import NothingTrainedWarning, UserError
-from fedpartial._src.experiment.checkpoint import RunInterrupted, is_diverged
+from fedpartial._src.experiment.run_files import is_diverged
+from fedpartial._src.experiment.signals import RunInterrupted
 from fedpartial._src.version import __version__
 
 __all__ = ["build_parser", "config_from_args", "main"]

@@ -18,6 +18,7 @@ from rich.table import Table
 from fedpartial._src.cli import progress as progress_lib
 from fedpartial._src.cli.flags import Formatter, Parser, add_run_flags, config_from_args
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment.config import REPLICA_FLAGS
 
 
 def add_parser(subparsers, specs=None, shown=(), brief=False) -> argparse.ArgumentParser:
@@ -44,8 +45,8 @@ def _run_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[st
 
 def handle(args, console: Console, argv: list[str] | None = None) -> int:
     """``fedpartial run``: ``argv`` is the command line as given (None: ``sys.argv[1:]``), for ``--config``."""
-    from fedpartial._src.cli import config_file  # tomllib only when a run starts, as before
-    from fedpartial._src.experiment import checkpoint
+    from fedpartial._src.cli import config_file  # tomllib only when a run starts
+    from fedpartial._src.experiment import run_files
 
     args.from_file = {}  # flag -> key of the values the --config file gave, so messages name the file's key
     if args.config is not None:
@@ -58,22 +59,23 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
                                                                 "server_lr" in given)
     try:
         if args.resume is not None:
-            _check_resume(args, *_run_flags(argv), checkpoint)
-        return _run_checked(args, console, checkpoint)
+            _check_resume(args, *_run_flags(argv))
+        return _run_checked(args, console)
     except RunComplete as done:
         print(str(done), flush=True)  # plain: a path is neither wrapped nor read as markup
         return 0
     except UserError as e:
-        if not args.from_file or checkpoint.is_diverged(e):
+        if not args.from_file or run_files.is_diverged(e):
             raise
         raise UserError(config_file.attribute(str(e).strip(), args.from_file, args.config)) from None
 
 
-def _run_checked(args, console: Console, checkpoint) -> int:
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise UserError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}.")
+def _run_checked(args, console: Console) -> int:
+    from fedpartial._src.experiment import driver, signals
+
+    driver.check_checkpoint_every(args.checkpoint_every)
     # Signals from here on only set a flag: the run stops between rounds, never inside JAX.
-    with checkpoint.StopFlag() as stop:
+    with signals.StopFlag() as stop:
         return _run_stoppable(args, console, stop)
 
 
@@ -99,13 +101,13 @@ def _join_processes(args) -> None:
 
 #: what may be given with --resume: how this session runs, not what the run is (that is its config.json)
 RESUME_FLAGS = ("resume", "checkpoint_every", "quiet", "coordinator", "num_processes", "process_id", "rounds")
-REPLICA_FLAGS = {"seeds", "lrs", "server_lrs"}
 
 
-def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str], checkpoint) -> None:
+def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str]) -> None:
     """A run flag given with --resume would be dropped without a word: refused, naming it.  A completed run
     is left as it is (:class:`RunComplete`)."""
     from fedpartial._src.cli import config_file
+    from fedpartial._src.experiment import run_files
 
     given = config_file.given_on_command_line(parser, tokens)
     if given & set(REPLICA_FLAGS):
@@ -116,7 +118,7 @@ def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str], chec
         raise UserError(f"{extra[0].option_strings[0]} cannot be combined with --resume: a resumed run keeps its own "
                         f"config.json (only --checkpoint-every, --quiet and --rounds, to extend it, may be given).")
     args.extend_to = args.rounds if "rounds" in given else None
-    status = checkpoint.read_status(args.resume) if os.path.isdir(args.resume) else None
+    status = run_files.read_status(args.resume) if os.path.isdir(args.resume) else None
     planned = None
     if args.extend_to is not None and status is not None:
         from fedpartial._src.experiment.run_directory import load_config
@@ -135,7 +137,7 @@ class RunComplete(Exception):
 
 
 def _run_stoppable(args, console: Console, stop) -> int:
-    from fedpartial._src.experiment import jobs, simulation
+    from fedpartial._src.experiment import jobs, run_directory, simulation
     from fedpartial._src.experiment.preflight import preflight
     from fedpartial._src.experiment.runs import simulation_for
 
@@ -147,7 +149,7 @@ def _run_stoppable(args, console: Console, stop) -> int:
             raise UserError("--mode async runs one replica at a time; give one --seed, --lr and --server-lr.")
         return _run_seeds(args, console, stop)
     if args.resume is not None:
-        config = simulation.load_config(args.resume)
+        config = run_directory.load_config(args.resume)
         if getattr(args, "extend_to", None) is not None:  # more rounds than planned: the run is extended
             config = dataclasses.replace(config, rounds=args.extend_to)
     else:
@@ -249,7 +251,7 @@ def _run_seeds(args, console: Console, stop) -> int:
     """``fedpartial run --seeds`` / ``--lrs`` / ``--server-lrs``: the replicas as one simulation
     (:mod:`fedpartial._src.experiment.replicas`)."""
     from fedpartial._src.analysis import compare
-    from fedpartial._src.experiment import replicas
+    from fedpartial._src.experiment import replica_axis, replicas
     from fedpartial._src.experiment.preflight import preflight
 
     flag = "--seeds" if args.seeds is not None else "--lrs" if args.lrs is not None else "--server-lrs"
@@ -269,7 +271,7 @@ def _run_seeds(args, console: Console, stop) -> int:
     config = config_from_args(args)
     config.validate(check_model=True)
     preflight(config)
-    replicas.replica_strategy(config.strategy)
+    replica_axis.replica_strategy(config.strategy)
     every = max(1, math.ceil(config.rounds / 50))
 
     labels = progress_lib.replica_labels(replicas.replica_settings(seeds, lrs, server_lrs), args.seeds is not None)

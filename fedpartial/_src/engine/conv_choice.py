@@ -10,7 +10,7 @@ candidate is a lowering and a *layout*:
 * ``map`` — a ``lax.map`` of one client's step over the cohort in one jitted call (what ``fused:1`` runs: the
   whole round one program, the clients a loop inside it).
 
-``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is the fused round of today; on
+``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is what the fused round runs by default; on
 XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with ``mapped`` (inside a loop XLA:CPU
 runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids) and ``im2col`` (matrix products
 only).  Each candidate is compiled (XLA:CPU already compiles on every core: compiling them in parallel

@@ -72,9 +72,9 @@ from fedpartial._src.core.types import (
 from fedpartial._src.engine import checks, graphs
 from fedpartial._src.engine import sharding as sharding_lib
 from fedpartial._src.engine.client import ClientFns, as_client_optimizer, make_client_fns
-from fedpartial._src.engine.program import RoundProgram, carry  # noqa: F401  (carry: here too)
+from fedpartial._src.engine.program import RoundProgram
 from fedpartial._src.engine.runners import RUNNERS
-from fedpartial._src.engine.runners.base import count_traces
+from fedpartial._src.engine.runners.base import count_traces, jit
 from fedpartial._src.engine.strategy import Strategy, default_strategy, stream_refusal
 from fedpartial._src.engine.types import (
     Cohort,
@@ -210,7 +210,7 @@ class FederatedRound:
             record_decisions=record_decisions)
         # ``functions.round``: ``pure_round`` in a jax.jit that is inlined into whatever traces it (the same
         # computation, e.g. under a user's jit, scan or vmap), so that JAX's trace cache counts its traces
-        self._round_fn = jax.jit(self.pure_round, inline=True)
+        self._round_fn = jit(self.pure_round, inline=True)
         #: how this round's strategy runs it (:mod:`fedpartial._src.engine.runners`), picked once
         self.runner = RUNNERS[self.strategy.kind](self.program)
 

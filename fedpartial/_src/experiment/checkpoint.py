@@ -1,7 +1,7 @@
-"""Checkpoints, run status and clean interruption of a run directory.
+"""A run folder's checkpoints: ``checkpoints/<round>/`` (orbax), written and read back.
 
-A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
-``status.json`` and ``checkpoints/<round>/`` (orbax).  Decisions taken here:
+The folder's other files and its lock are :mod:`~fedpartial._src.experiment.run_files`'s, signals
+:mod:`~fedpartial._src.experiment.signals`'. Decisions taken here:
 
 * **What a checkpoint holds.**  The whole :class:`fedpartial._src.engine.round.ServerState`
   (round counter, variables, server optimizer state, method state) as a flat list of
@@ -17,8 +17,8 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
   bit for bit.
 * **Leaves a format refuses** (orbax: an array of zero size, ``uint4``; ``np.savez``: ml_dtypes' types).
   A zero-size leaf is not stored, its shape and dtype are in the JSON item and rebuild it; a leaf of a
-  dtype that is not plain numpy is stored as its bytes; every other leaf is stored as it always was, so
-  older checkpoints restore unchanged (:mod:`~fedpartial._src.experiment.checkpoint_arrays` says why).
+  dtype that is not plain numpy is stored as its bytes; every other leaf is stored as a plain array under its
+  index, the layout every checkpoint has (:mod:`~fedpartial._src.experiment.checkpoint_arrays` says why).
 * **Atomicity.**  Orbax's ``CheckpointManager`` writes a step into a temporary
   directory and renames it when complete; a kill mid-write leaves a temporary
   directory that is never read (``latest_step`` ignores it) and is removed the next
@@ -30,13 +30,6 @@ A run directory holds ``config.json``, ``metrics.jsonl``, ``summary.json``,
   arrays) and ``host.json``, written into a temporary folder renamed into place.
   Orbax is not used there: its manager synchronises every process on one shared
   directory, and it writes numpy arrays from process 0 only.
-* **Strict JSON.**  Result files never contain bare ``NaN``/``Infinity``: a
-  non-finite float is written as ``null`` (:func:`strict_json`).
-* **Signals.**  :class:`StopFlag` turns SIGINT/SIGTERM into a flag checked between
-  rounds, so a signal during JAX compilation or a round never interrupts native
-  code; the round finishes, a checkpoint is written and the run stops with status
-  ``interrupted`` (exit status 130 / 143 on the command line).  A second signal is
-  deferred too (it only repeats the notice).
 """
 
 from __future__ import annotations
@@ -44,13 +37,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
-import signal
-import socket
 import sys
-import threading
 import time
 
 import jax
@@ -58,33 +47,13 @@ import numpy as np
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import checkpoint_arrays as stored_arrays
-from fedpartial._src.experiment.checkpoint_arrays import checksum
-from fedpartial._src.experiment.checkpoint_arrays import from_arrays as _from_arrays
-from fedpartial._src.experiment.checkpoint_arrays import is_key as _is_key  # noqa: F401  (tests use it here)
-from fedpartial._src.experiment.checkpoint_arrays import to_arrays as _to_arrays
+from fedpartial._src.experiment.checkpoint_arrays import checksum, from_arrays, to_arrays
 from fedpartial._src.experiment.disk import OutOfSpace, free_bytes, human_bytes, out_of_space
+from fedpartial._src.experiment.run_files import finite, write_json
 
 CHECKPOINTS = "checkpoints"
-STATUS = "status.json"
-STATUSES = ("running", "complete", "interrupted", "diverged", "failed")
 #: checkpoints kept on disk (the newest, and one before it in case the newest is unreadable)
 KEEP = 2
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM after writing its checkpoint, status and summary (a
-    ``KeyboardInterrupt``, so ``except Exception`` does not swallow a person's Ctrl-C).
-
-    ``signum`` is the signal, ``exit_code`` 128 + signum, ``message`` says what was kept,
-    ``summary`` is what :func:`fedpartial._src.experiment.simulation.run` would have returned.
-    """
-
-    def __init__(self, signum: int, message: str, summary: dict | None = None):
-        super().__init__(message)
-        self.signum = signum
-        self.exit_code = 128 + signum
-        self.message = message
-        self.summary = summary
 
 
 def _remove_partial_writes(run_dir: str, step: int) -> None:
@@ -109,202 +78,6 @@ def _remove_partial_writes(run_dir: str, step: int) -> None:
 class CheckpointsDamaged(UserError):
     """No checkpoint of a run folder reads back (each is truncated, zeroed, flipped or incomplete)."""
 
-
-def is_diverged(error: BaseException) -> bool:
-    """Whether ``error`` is :class:`fedpartial._src.core.errors.DivergedError` (matched by name, so this module does
-    not depend on where it is defined)."""
-    return isinstance(error, UserError) and type(error).__name__ == "DivergedError"
-
-
-# --- strict JSON ---------------------------------------------------------------------------------------
-
-
-def _finite(value):
-    """``value`` with every non-finite float replaced by ``None`` and numpy scalars/arrays made plain."""
-    if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _finite(value.tolist())
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def strict_json(value, **kwargs) -> str:
-    """``json.dumps`` that never writes ``NaN``/``Infinity``: non-finite floats become ``null``."""
-    return json.dumps(_finite(value), allow_nan=False, **kwargs)
-
-
-def write_json(path: str, value) -> None:
-    """Writes ``value`` as strict JSON to ``path`` atomically (a temporary file renamed over it)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(strict_json(value, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# --- status ----------------------------------------------------------------------------------------------
-
-
-def write_status(run_dir: str, status: str, *, round: int, message: str, checkpoint_round: int | None) -> None:
-    """``RUN_DIR/status.json``: the run's state, the rounds it completed, one sentence, the newest checkpoint."""
-    assert status in STATUSES, status
-    write_json(os.path.join(run_dir, STATUS), {
-        "status": status, "round": round, "message": message, "checkpoint_round": checkpoint_round,
-        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
-
-
-def read_status(run_dir: str) -> dict | None:
-    path = os.path.join(run_dir, STATUS)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-# --- the run folder's lock ------------------------------------------------------------------------------
-
-
-def _lock_path(run_dir: str) -> str:
-    # One per process: the processes of one multi-process run share the folder, each holding its own lock.
-    return os.path.join(run_dir, f"lock-{jax.process_index()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def lock_run_dir(run_dir: str) -> str | None:
-    """Takes ``run_dir``'s lock (a file holding this process's pid and host) so that no second process writes
-    the folder at the same time.  Held by a live process: one sentence (:class:`UserError`).  Left by a process
-    that is no longer running: taken over, and the sentence saying so is returned (None otherwise)."""
-    path, mine = _lock_path(run_dir), f"{os.getpid()} {socket.gethostname()}\n"
-    note = None
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    pid_text, _, host = f.read().strip().partition(" ")
-                pid = int(pid_text)
-            except (OSError, ValueError):
-                pid, host = None, ""
-            here = host == socket.gethostname()
-            if pid is not None and pid != os.getpid() and (not here or _alive(pid)):
-                where = "" if here else f" on {host}"
-                raise UserError(f"{run_dir} is in use by process {pid}{where} (its lock file {path}); wait for it to "
-                                f"finish or stop it{'' if here else ', or delete the lock file if it has ended'}.")
-            if pid is not None and pid != os.getpid():
-                note = f"took over the lock of {run_dir} from process {pid}, which is no longer running"
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(mine)
-        return note
-    raise UserError(f"{run_dir}'s lock file {path} keeps coming back; another process is taking it.")
-
-
-def unlock_run_dir(run_dir: str) -> None:
-    """Gives ``run_dir``'s lock back, if this process holds it."""
-    path = _lock_path(run_dir)
-    with contextlib.suppress(OSError):
-        with open(path) as f:
-            if f.read().split(" ")[0] != str(os.getpid()):
-                return
-        os.remove(path)
-
-
-# --- signals ---------------------------------------------------------------------------------------------
-
-
-#: seconds a second SIGINT/SIGTERM gives the round in progress before the process exits without it
-FORCE_GRACE_S = 3.0
-
-
-class StopFlag:
-    """Context manager: SIGINT and SIGTERM set :attr:`signum` instead of raising, until exit.
-
-    A second signal forces the exit: if the run has not stopped ``grace_s`` seconds later (a long round,
-    a long compilation), a timer thread runs the ``on_force`` callbacks (e.g. the run folder's status),
-    says what is lost and kept, and ends the process with 128 + signum (``exit``: :func:`os._exit`, as
-    native code may hold the main thread).  Installed only in the main thread (Python delivers signals
-    there); elsewhere it is an inert flag.  Nested use keeps the outer handlers (``installed`` is False).
-    """
-
-    def __init__(self, stream=None, *, grace_s: float = FORCE_GRACE_S, exit=os._exit):
-        self.signum: int | None = None
-        self.stream = stream if stream is not None else sys.stderr
-        self.installed = False
-        self._previous = {}
-        self.grace_s, self._exit = grace_s, exit
-        self.on_force: list = []  # callables run before a forced exit, e.g. writing status.json
-        self._timer: threading.Timer | None = None
-
-    def _say(self, text: str) -> None:
-        try:
-            self.stream.write(text)
-            self.stream.flush()
-        except (OSError, ValueError):  # a closed stream must not turn a stop into a crash
-            pass
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.signum is None:
-            self.signum = signum
-            self._say(f"fedpartial: {name} received; stopping after the current round and writing a "
-                      f"checkpoint (again to exit at once).\n")
-            return
-        if self._timer is None:
-            self._say(f"fedpartial: {name} received again; exiting in {self.grace_s:g} s unless the round "
-                      "ends first.\n")
-            self._timer = threading.Timer(self.grace_s, self._force, args=(signum,))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _force(self, signum: int) -> None:
-        for callback in self.on_force:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 — exiting is what was asked; a failed note must not stop it
-                pass
-        self._say("fedpartial: exited without finishing the round in progress; the newest checkpoint and the "
-                  "metrics of finished rounds are kept.\n")
-        self._exit(128 + signum)
-
-    @property
-    def stopped(self) -> bool:
-        return self.signum is not None
-
-    def __enter__(self) -> StopFlag:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-            self.installed = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._timer is not None:  # the run stopped within the grace: no forced exit
-            self._timer.cancel()
-            self._timer = None
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-        self.installed = False
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------
@@ -378,7 +151,7 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
 
     step = int(sim.progress["round"])
     state = sim.checkpoint_state()  # per-client rows kept off the device included
-    arrays = _to_arrays(state)
+    arrays = to_arrays(state)
     stored, layout = stored_arrays.encode(arrays)  # zero-size leaves left out, exotic dtypes as bytes
     host = {"progress": dict(sim.progress), "num_leaves": len(arrays), "checksum": checksum(stored), **layout,
             **(extra or {})}
@@ -387,11 +160,11 @@ def save(run_dir: str, sim, *, extra: dict | None = None) -> int:
         return step  # already saved after this round
     try:
         if several_processes():
-            _save_local(run_dir, step, stored, _finite(host))
+            _save_local(run_dir, step, stored, finite(host))
         else:
             with _quiet_orbax_errors(), _manager(run_dir) as mgr:
                 mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(stored),
-                                                       host=ocp.args.JsonSave(_finite(host))), force=True)
+                                                       host=ocp.args.JsonSave(finite(host))), force=True)
                 mgr.wait_until_finished()
     except Exception as error:
         reason = out_of_space(error)
@@ -435,7 +208,7 @@ def _read_host(run_dir: str, step: int) -> dict:
 
 def _read_arrays(run_dir: str, step: int, template: dict, host: dict) -> dict:
     """Checkpoint ``step``'s arrays (:func:`~.checkpoint_arrays.to_arrays`'s layout), verified against the checksum in
-    ``host`` (older checkpoints have none)."""
+    ``host`` (a checkpoint written without one is read unchecked)."""
     import orbax.checkpoint as ocp
 
     if several_processes():
@@ -533,7 +306,7 @@ def restore(run_dir: str, sim, step: int | None = None, *, identity: dict | None
     if not rounds:
         raise UserError(f"{run_dir} has no checkpoint to resume from (it stopped before its first one); "
                         "start the run again.")
-    template = _to_arrays(sim.checkpoint_state())
+    template = to_arrays(sim.checkpoint_state())
     damaged: list[tuple[int, str]] = []
     for candidate in reversed(rounds):
         try:
@@ -546,7 +319,7 @@ def restore(run_dir: str, sim, step: int | None = None, *, identity: dict | None
         except Exception as error:  # noqa: BLE001 — any failure to read a checkpoint back is damage to it
             damaged.append((candidate, _damage(error)))
             continue
-        state = _from_arrays(arrays, sim.checkpoint_state(), put=False)  # a shape mismatch: UserError
+        state = from_arrays(arrays, sim.checkpoint_state(), put=False)  # a shape mismatch: UserError
         aside = [(bad, why, os.path.basename(_set_aside(run_dir, bad))) for bad, why in damaged]
         sim.load_state(state)
         sim.progress = {**sim.progress, **host["progress"]}

@@ -16,13 +16,13 @@ checkpoint per process).  Decisions taken here:
     array in the file that the state does not have, and a shape record is what the template checks anyway;
   - a leaf whose dtype is not a plain numpy one (kind ``b``, ``i``, ``u``, ``f`` or ``c``) is stored as its
     raw bytes (``uint8``, one trailing axis of the item size) and its dtype named in ``"as_bytes"``;
-  - every other leaf is stored as before, under the same name and with the same values.
+  - every other leaf is stored as the plain array it is, under its index.
 
   Which leaves were left out or re-encoded is read from the host record on restore (:func:`stored_like`,
   :func:`decode`), not from the present state, so a checkpoint says how to read itself; one written before
-  these records existed has neither and restores as it always did (it could hold no refused leaf: its write
+  these records existed has neither and restores as plain arrays (it could hold no refused leaf: its write
   would have failed, except a zero-size leaf in ``state.npz``, which is read back as the array it is).
-* **Checksum.**  Over the arrays as stored (:func:`checksum`), so older checkpoints' checksums still match.
+* **Checksum.**  Over the arrays as stored (:func:`checksum`), so it is checked before anything is decoded.
 """
 
 from __future__ import annotations

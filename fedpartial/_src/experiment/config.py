@@ -20,8 +20,7 @@ from fedpartial._src.engine import round as engine
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment import config_checks
-from fedpartial._src.experiment.config_checks import (  # noqa: F401  (the constants: read from here too)
-    DATASET_SHAPES, DEFAULT_MODELS, MAX_RUN_NAME_BYTES, check_finite, check_int, is_finite, is_int, refuse)
+from fedpartial._src.experiment.config_checks import check_finite, check_int, is_finite, is_int, refuse
 from fedpartial._src.experiment.settings import ConfigError, attributes_doc, flag_of, reference_markdown, setting
 from fedpartial._src.methods.catalog import METHODS, find_method
 from fedpartial._src.methods.codecs import parse_codec
@@ -37,6 +36,8 @@ DEFAULT_LOCAL_EPOCHS = 2.0
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
+#: the flags (by destination) that make a run a set of replicas, run as one simulation (not RunConfig fields)
+REPLICA_FLAGS = ("seeds", "lrs", "server_lrs")
 #: per-client state kept off the device is initialised about this many bytes at a time
 CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
 
@@ -44,7 +45,7 @@ CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
 _MAX_SEED = 2**32 - 1
 
 
-def _flag(field: str) -> str:
+def flag_name(field: str) -> str:
     """The flag of the RunConfig field named ``field``: what messages name."""
     return flag_of(field, RunConfig)
 
@@ -285,7 +286,7 @@ class RunConfig:
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
         run cannot use — a neuron-level method (``Capabilities.neuron_masks``) on a residual model, or a model
-        that cannot take the dataset's known example shape (:data:`DATASET_SHAPES`).  Leave it off when
+        that cannot take the dataset's known example shape (:data:`~fedpartial._src.experiment.config_checks.DATASET_SHAPES`).  Leave it off when
         the caller brings its own dataset or model, whose shape the names do not tell.
         """
         def bad(msg):
@@ -294,7 +295,7 @@ class RunConfig:
         # Types first: a string where a mapping belongs (options='n=4') must not reach the checks below.
         for field in ("method", "dataset", "model", "partition"):
             if not isinstance(getattr(self, field), str):
-                bad(f"{_flag(field)} {getattr(self, field)!r} is not allowed: it must be a name (a string).")
+                bad(f"{flag_name(field)} {getattr(self, field)!r} is not allowed: it must be a name (a string).")
         if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
             bad(f"options {self.options!r} is not allowed: it must be a mapping of option names to values, e.g. "
                 f"{{'n': 4}} (the method's own flags on the command line).")
@@ -410,7 +411,7 @@ class RunConfig:
         try:  # nothing the population's size is drawn: a huge --clients is the preflight's to refuse
             if self.device_profiles is None:
                 for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
-                    devices.parse_distribution(getattr(self, field), _flag(field))
+                    devices.parse_distribution(getattr(self, field), flag_name(field))
             else:
                 devices.load_profiles(self.device_profiles, 1)
         except UserError as e:

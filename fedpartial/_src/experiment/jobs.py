@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, summaries
+from fedpartial._src.experiment import run_files, signals, summaries
 from fedpartial._src.experiment.config import RunConfig
 
 #: the job's description, written in its folder when it starts
@@ -30,7 +30,7 @@ COLUMNS = summaries.COLUMNS + (("rounds_per_s", "rounds/s"),)
 
 def write_job(folder: str, kind: str, **fields) -> None:
     """Writes ``folder/job.json``: ``kind`` (``"replicas"`` or ``"compare"``) and what the job runs."""
-    checkpoint.write_json(os.path.join(folder, JOB_FILE), {"kind": kind, **fields})
+    run_files.write_json(os.path.join(folder, JOB_FILE), {"kind": kind, **fields})
 
 
 def read_job_file(folder: str, name: str) -> dict | None:
@@ -64,27 +64,27 @@ def is_job_folder(path: str) -> bool:
 
 def _continue(run_dir: str, config: RunConfig | None, stop) -> dict:
     """Resumes ``run_dir`` (or, when it does not exist, runs ``config`` there); its result, or its status."""
-    from fedpartial._src.experiment import runs, simulation
+    from fedpartial._src.experiment import run_directory, runs
 
-    status = checkpoint.read_status(run_dir) if os.path.isdir(run_dir) else None
+    status = run_files.read_status(run_dir) if os.path.isdir(run_dir) else None
     if status is not None and status.get("status") == "complete":
         return {"run_dir": run_dir, "status": "complete", "resumed": False}
     try:
         if os.path.isdir(run_dir):
-            result = runs.run(simulation.load_config(run_dir), resume=run_dir, stop=stop)
+            result = runs.run(run_directory.load_config(run_dir), resume=run_dir, stop=stop)
         else:
             result = runs.run(config, stop=stop)
-    except checkpoint.RunInterrupted:
+    except signals.RunInterrupted:
         raise
     except Exception as error:  # this run ends; the job goes on with the others
         message = str(error).strip() if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-        status = checkpoint.read_status(run_dir) if os.path.isdir(run_dir) else None
+        status = run_files.read_status(run_dir) if os.path.isdir(run_dir) else None
         return {"run_dir": run_dir, "status": status["status"] if status else "failed", "error": message,
                 "resumed": True}
     return {**result, "run_dir": result["run_dir"], "status": "complete", "resumed": True}
 
 
-def continue_runs(plan: list[tuple[str, RunConfig | None]], *, stop: checkpoint.StopFlag | None = None,
+def continue_runs(plan: list[tuple[str, RunConfig | None]], *, stop: signals.StopFlag | None = None,
                   on_run: Callable[[int, int, dict], None] | None = None) -> tuple[list[dict], bool]:
     """Each ``(run_dir, config)`` of ``plan`` continued in turn (:func:`_continue`); returns the results and
     whether a stop signal ended it early (the current run's folder is then resumable again)."""
@@ -94,16 +94,16 @@ def continue_runs(plan: list[tuple[str, RunConfig | None]], *, stop: checkpoint.
             return results, True
         try:
             results.append(_continue(run_dir, config, stop))
-        except checkpoint.RunInterrupted:
+        except signals.RunInterrupted:
             return results, True
         if on_run:
             on_run(i, len(plan), results[-1])
     return results, stop is not None and stop.stopped
 
 
-def interrupted(stop: checkpoint.StopFlag | None, folder: str, out: dict) -> checkpoint.RunInterrupted:
+def interrupted(stop: signals.StopFlag | None, folder: str, out: dict) -> signals.RunInterrupted:
     """What a job stopped by a signal raises, once its table is written."""
-    return checkpoint.RunInterrupted(stop.signum if stop is not None and stop.signum else 2,
+    return signals.RunInterrupted(stop.signum if stop is not None and stop.signum else 2,
                                      f"stopped; the runs are kept in {folder}; continue with the same command", out)
 
 
@@ -117,13 +117,13 @@ def job_of(folder: str, kind: str) -> dict:
     return job
 
 
-def resume_replicas(folder: str, *, stop: checkpoint.StopFlag | None = None,
+def resume_replicas(folder: str, *, stop: signals.StopFlag | None = None,
                     on_run: Callable[[int, int, dict], None] | None = None) -> dict:
     """Continues the ``--seeds``/``--lrs`` replicas in ``folder`` (see the module's note) and writes
     ``seeds_summary.json``/``.md`` again.  ``on_run(i, total, result)`` after each replica folder
     (``result["status"]``, ``"resumed"``, ``"error"``).  Returns ``{"out_dir", "results", "summary"}``; a stop
     signal ends it after the current replica and raises
-    :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` once the summary is written."""
+    :class:`~fedpartial._src.experiment.signals.RunInterrupted` once the summary is written."""
     job = job_of(folder, "replicas")
     t0 = time.perf_counter()
     plan = [(os.path.join(folder, d), None) for d in job["run_dirs"]]
@@ -136,7 +136,7 @@ def resume_replicas(folder: str, *, stop: checkpoint.StopFlag | None = None,
 
 
 def _replica_summary(folder: str, job: dict, plan: list, results: list[dict], wall: float) -> dict:
-    statuses = [(checkpoint.read_status(d) or {}).get("status", "missing") for d, _ in plan]
+    statuses = [(run_files.read_status(d) or {}).get("status", "missing") for d, _ in plan]
     finished = [(d, s) for (d, _), s in zip(plan, statuses) if os.path.exists(os.path.join(d, "summary.json"))]
     resumed = sum(r.get("resumed", False) for r in results)
     note = f"{resumed} of {len(plan)} replica folders resumed one at a time" if resumed else None
@@ -185,7 +185,7 @@ def write_summary(parent: str, seeds: Sequence[int], run_dirs: Sequence[str], wa
                "wall_time_s": wall, "std": "population (ddof=0)",
                **({} if data_placement is None else {"data_placement": data_placement}),
                **({} if note is None else {"layout_note": note})}
-    checkpoint.write_json(os.path.join(parent, "seeds_summary.json"), summary)
+    run_files.write_json(os.path.join(parent, "seeds_summary.json"), summary)
     with open(os.path.join(parent, "seeds_summary.md"), "w") as f:
         f.write(summaries.table_markdown(rows, COLUMNS))
     return summary

@@ -16,7 +16,8 @@ from fedpartial._src.data import sources
 from fedpartial._src.core.types import ClientOptimizer, client_sgd
 from fedpartial._src.engine import conv_choice
 from fedpartial._src.experiment import compile_cache
-from fedpartial._src.experiment.config import DEFAULT_MODELS, ConfigError, RunConfig
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import DEFAULT_MODELS
 from fedpartial._src.models import registry, zoo
 from fedpartial._src.experiment.lora import with_lora
 from fedpartial._src.models.adapter import Model, from_linen

@@ -47,7 +47,7 @@ def preflight(config: RunConfig) -> None:
 
 def check_pool_fits(config: RunConfig) -> None:
     """An asynchronous run whose pool of in-flight updates alone (two copies of the model per client in flight)
-    would not fit on the device is refused before any data is loaded.  The model's size comes from the config:
+    would fit neither on the device nor, on an accelerator, in host memory is refused before any data is loaded.  The model's size comes from the config:
     its registry entry on the dataset's known example shape, with two classes (a lower bound; a dataset of no
     fixed shape is left to the full estimate, which :class:`~fedpartial.AsyncSimulation` checks with the round
     beside the pool once the data is loaded)."""
@@ -66,6 +66,10 @@ def check_pool_fits(config: RunConfig) -> None:
     need = pool_bytes(jax.eval_shape(model.init_variables, jax.random.key(0)), config.async_concurrency)
     available, where = memory.available_bytes()
     if available is not None and need > memory.HEADROOM * available:
+        if where != "RAM":  # on an accelerator a pool that does not fit there is kept in host memory
+            host, _ = memory.available_bytes(jax.devices("cpu")[0])
+            if host is None or need <= memory.HEADROOM * host:
+                return
         raise ConfigError(
             f"--concurrency {config.async_concurrency} keeps at least {memory.gib(need)} of in-flight updates (two "
             f"copies of the model for each client in flight), more than the {memory.gib(available)} available "
@@ -74,7 +78,7 @@ def check_pool_fits(config: RunConfig) -> None:
 
 def check_synthetic_fits(config: RunConfig, ram: int) -> None:
     """Synthetic data for ``num_clients`` clients that would not fit in ``ram`` bytes to generate is refused
-    before anything is drawn (it used to grow until the kernel killed the process)."""
+    before anything is drawn, rather than growing until the kernel kills the process."""
     from fedpartial._src.data import synthetic
 
     cap = config.max_samples

@@ -6,17 +6,20 @@
 server states on a leading replica axis and runs every round as ONE jitted function over the
 stacked states, cohorts and keys: ``jax.vmap`` of the round over the replica axis on an
 accelerator, a ``lax.scan`` (one replica after another inside the jit, each new state written over its
-old one) on CPU (:func:`parse_replica_axis`, :func:`over_replicas`).  Each replica's record is then
+old one) on CPU (:mod:`~fedpartial._src.experiment.replica_axis`).  Each replica's record is then
 built by the same host code as a single run (:meth:`Simulation.finish_round`) and written by the same
 writer (:class:`~fedpartial._src.experiment.run_directory.RunWriter`), so every seed gets an ordinary run directory.
 
 Decisions:
 
 * **Strategy.**  The replicas run the fused round (the pure ``FederatedRound.functions.round``)
-  over seeds.  ``--strategy auto`` means ``fused``; ``fused:N`` and ``fused-unrolled[:N]``
-  keep their meaning for the client axis inside each replica; ``stepwise`` and ``debug`` drive a
-  host loop per client and cannot run inside one jitted function, so they are refused.  Each replica equals a separate
-  ``fedpartial run --seed S --strategy fused`` (same chunking) of its seed.
+  over seeds.  ``--strategy auto`` follows the layout a single run decides: for a convolutional model under
+  ``--conv-impl auto``, the lowering and cohort layout measured once for all replicas (:func:`~fedpartial._src.experiment.replica_axis.decided_layout`:
+  ``vmap`` runs ``fused``, ``map`` and ``loop`` the clients one at a time inside the program, ``fused:1``);
+  otherwise ``fused``.  ``fused:N`` and ``fused-unrolled[:N]`` keep their meaning for the client axis inside
+  each replica; ``stepwise`` and ``debug`` drive a host loop per client and cannot run inside one jitted
+  function, so they are refused.  Each replica equals a separate ``fedpartial run --seed S --strategy STRATEGY
+  --conv-impl LOWERING`` of its seed, with the strategy and lowering its ``config.json`` names.
 * **Learning rates.**  A replica's client learning rate is data, not a constant of the round: every
   replica's simulation is built with the client optimizer at rate 1 and its cohort carries its rate
   (``CohortInfo.lr_scale``), which multiplies each update.  ``sgd(1)`` then ``× lr`` is ``sgd(lr)``
@@ -48,7 +51,7 @@ Decisions:
   exceeds what is available, data that ``auto`` would put on the device stays on the host first (the
   data is copied only once the checks pass); then ``replica_axis="auto"`` trains the most replicas at a
   time that fit (``map:B``), and a named axis, or replicas that do not fit even one at a time, are
-  refused in one sentence with the estimate and what fits (:func:`fit_replica_axis`). Why the layout
+  refused in one sentence with the estimate and what fits (:func:`~fedpartial._src.experiment.replica_axis.fit_replica_axis`). Why the layout
   changed: :attr:`Replicas.note`, ``layout_note`` in ``seeds_summary.json``.
 * **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
   of the replica round; ``rounds_per_s`` in each summary follows from that.
@@ -62,7 +65,6 @@ Decisions:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -73,34 +75,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial._src.experiment import checkpoint, jobs
+from fedpartial._src.experiment import driver, jobs, signals
+from fedpartial._src.experiment import replica_axis as replica_axis_lib
 from fedpartial._src.experiment import summaries
-from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
+from fedpartial._src.experiment import population
 from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer
 from fedpartial._src.experiment.run_directory import RunWriter, unique_run_dir
 from fedpartial._src.experiment.simulation import Simulation
-
-#: the flags that make a run a set of replicas (named in refusals)
-REPLICA_FLAGS = "--seeds, --lrs or --server-lrs"
-
-
-def replica_strategy(strategy: str) -> str:
-    """The fused strategy the replicas run for ``--strategy`` (``auto`` → ``fused``); refuses host-loop ones."""
-    if strategy == "auto":
-        return "fused"
-    try:
-        kind = engine_strategy.parse_strategy(strategy).kind
-    except ValueError as e:
-        raise ConfigError(f"--{e}") from None
-    if kind != "fused":
-        raise ConfigError(f"--strategy {strategy} cannot run with {REPLICA_FLAGS}: the replicas run the fused "
-                          "round as one jitted function over the replicas; use auto, fused, fused:N or fused-unrolled.")
-    return strategy
 
 
 def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] | None = None,
@@ -158,19 +144,20 @@ def replica_run_name(config: RunConfig, setting: Setting) -> str | None:
 def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None,
                     lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> list[RunConfig]:
     """One validated configuration per replica (:func:`replica_settings`): ``config`` with the seed, the
-    learning rates, the fused strategy and ``out_dir``."""
+    learning rates, the fused strategy (:func:`~fedpartial._src.experiment.replica_axis.replica_strategy`; :class:`Replicas` then
+    follows :func:`~fedpartial._src.experiment.replica_axis.decided_layout`) and ``out_dir``."""
     if len(seeds) < 1 or len(set(seeds)) < len(seeds):
         raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
     for flag, rates in (("--lrs", lrs), ("--server-lrs", server_lrs)):
         if rates is not None and (len(rates) < 1 or len(set(rates)) < len(rates)):
             raise ConfigError(f"{flag} {','.join(map(str, rates))} is not allowed: it must name distinct learning "
                               "rates.")
-    strategy = replica_strategy(config.strategy)
+    strategy = replica_axis_lib.replica_strategy(config.strategy)
     if config.devices is not None and config.devices > 1:
-        raise ConfigError(f"--devices {config.devices} cannot run with {REPLICA_FLAGS}: the replicas run on one "
+        raise ConfigError(f"--devices {config.devices} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas run on one "
                           "device; use --devices 1.")
     if config.client_state in ("host", "disk"):
-        raise ConfigError(f"--client-state {config.client_state} cannot run with {REPLICA_FLAGS}: the replicas "
+        raise ConfigError(f"--client-state {config.client_state} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas "
                           "stack every seed's state on the device; use --client-state device.")
     configs = [dataclasses.replace(
         config, seed=r.seed, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
@@ -183,122 +170,6 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     preflight(configs[0])  # the replicas share the population, devices and --out
     return configs
 
-
-REPLICA_AXES = ("auto", "vmap", "map")
-
-
-def _platform() -> str:
-    """The platform the replicas run on (what ``auto`` decides by)."""
-    return jax.devices()[0].platform
-
-
-def parse_replica_axis(axis: str, platform: str) -> tuple[str, int | None]:
-    """``(kind, batch)`` for ``axis``: ``vmap`` (every replica at once), ``map`` or ``map:N`` (a loop:
-    one replica, or N vmapped together, after another inside the one jitted round; :func:`over_replicas`) or
-    ``auto``.
-
-    ``auto`` is ``map`` on CPU and ``vmap`` on an accelerator.  On CPU a vmapped round over replicas
-    batches the per-replica weights into each matmul and convolution, which XLA:CPU runs slower than
-    the replicas one after another (``benchmarks/results/seeds-cpu-2026-11-23-map.json``, 4 seeds: the
-    steady rounds took 0.47 s mapped vs 1.02 s vmapped for the MLP, 28 s vs 49 s for cnn2c1f); an
-    accelerator has the parallelism to run them at once (not measured yet).
-    """
-    kind, _, batch = axis.partition(":")
-    if kind not in REPLICA_AXES or (batch and (kind != "map" or not batch.isdigit() or int(batch) < 1)):
-        raise ConfigError(f"replica axis {axis!r} is not allowed: choose auto, vmap, map or map:N with N >= 1.")
-    if kind == "auto":
-        kind = "map" if platform == "cpu" else "vmap"
-    return kind, int(batch) if batch else None
-
-
-def over_replicas(fn: Callable, kind: str, batch: int | None = None) -> Callable:
-    """``fn(state, *args) -> (state, *outputs)`` of one replica lifted to arguments with a leading replica
-    axis: ``jax.vmap`` for ``vmap``; for ``map`` a ``lax.scan`` inside the jitted function over the replicas,
-    ``batch`` of them vmapped at a time (one, un-vmapped, for None) and the remainder vmapped after.  The
-    result is the same either way; ``fn``'s new state has its state's shapes.
-
-    The scan carries the stacked state and writes each batch's new rows over the old ones, so that with the
-    state donated it exists once; ``jax.lax.map`` stacked its outputs into new buffers, which with every
-    replica's own state beside them (:class:`Replicas`) held three copies (FedSPU, 4 replicas: 13.9 GiB)."""
-    if kind == "vmap":
-        return jax.vmap(fn)
-    group = fn if batch is None else jax.vmap(fn)
-
-    def rows(tree, start, size):
-        if batch is None:
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, start, keepdims=False), tree)
-        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), tree)
-
-    def write(state, start, new):
-        new = jax.tree.map(lambda r: r[None], new) if batch is None else new
-        return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, start, 0), state, new)
-
-    def mapped(state, *args):
-        count = jax.tree.leaves(state)[0].shape[0]
-        size = min(batch or 1, count)
-        full, rest = divmod(count, size)
-
-        def body(state, g):
-            start = g * size
-            new, *outs = group(rows(state, start, size), *rows(args, start, size))
-            return write(state, start, new), tuple(outs)
-
-        state, outs = jax.lax.scan(body, state, jnp.arange(full))
-        if batch is not None:  # [groups, size, ...] -> [groups × size, ...]
-            outs = jax.tree.map(lambda o: o.reshape((full * size,) + o.shape[2:]), outs)
-        if rest:  # the last rows, vmapped together
-            new, *tail = jax.vmap(fn)(*jax.tree.map(lambda a: a[full * size:], (state, *args)))
-            state = jax.tree.map(lambda a, r: a.at[full * size:].set(r), state, new)
-            outs = jax.tree.map(lambda o, t: jnp.concatenate([o, t]), outs, tuple(tail))
-        return (state, *outs)
-
-    return mapped
-
-
-def at_once(axis: tuple[str, int | None], count: int) -> int:
-    """How many of ``count`` replicas train together on the replica ``axis`` (``(kind, batch)``)."""
-    kind, batch = axis
-    return count if kind == "vmap" else min(batch or 1, count)
-
-
-def _describe(axis: tuple[str, int | None], count: int) -> str:
-    together = at_once(axis, count)
-    return "all at once (vmap)" if axis[0] == "vmap" else "one at a time" if together == 1 else f"{together} at a time"
-
-
-def fit_replica_axis(est: memory.MemoryEstimate, count: int, axis: tuple[str, int | None], available: int | None,
-                     where: str, *, auto: bool) -> tuple[tuple[str, int | None], str | None]:
-    """The replica axis for ``count`` replicas of one replica's estimate ``est`` within ``available`` bytes of
-    ``where``, and why it is not ``axis`` (None: it is).  ``auto`` (the axis was not named): when ``axis`` does
-    not fit, the most replicas at a time that do (``map:B``); a named axis that does not fit, or replicas that
-    do not fit even one at a time, are refused (:class:`ConfigError`) with the estimate and what fits."""
-    if available is None:
-        return axis, None
-    together = at_once(axis, count)
-    need = memory.for_replicas(est, count, together)
-    if memory.fits(need, available):
-        return axis, None
-    head = (f"{count} replicas {_describe(axis, count)} would need about {memory.gib(need.total)} but "
-            f"{memory.gib(available)} of {where} is available")
-    smaller = next((b for b in range(together - 1, 0, -1)
-                    if memory.fits(memory.for_replicas(est, count, b), available)), None)
-    if smaller is not None and auto:
-        return ("map", smaller if smaller > 1 else None), f"auto runs {smaller} of the replicas at a time: {head}"
-    if smaller is not None:
-        raise ConfigError(f"{head}; use replica_axis='map' (one at a time)." if smaller == 1 else
-                          f"{head}; use replica_axis='map:{smaller}' ({smaller} at a time).")
-    fewer = next((c for c in range(count - 1, 0, -1) if memory.fits(memory.for_replicas(est, c, 1), available)), 0)
-    if fewer:
-        raise ConfigError(f"{head}, and too much even one at a time (every replica's state and cohort stay on the "
-                          f"device); run at most {fewer} of them together and the rest in another run "
-                          "(fedpartial compare reads them all).")
-    raise ConfigError(f"{head}, and too much even one at a time; use a smaller --cohort or fewer --clients.")
-
-
-def _axis_name(axis: tuple[str, int | None]) -> str:
-    """``vmap``, ``map`` or ``map:B``: the replica axis as :func:`parse_replica_axis` reads it."""
-    kind, batch = axis
-    return kind if batch is None else f"{kind}:{batch}"
 
 
 def _shapes(tree) -> list:
@@ -331,17 +202,23 @@ class Replicas:
                  dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
                  lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None):
         configs = replica_configs(config, seeds, out_dir, lrs, server_lrs)
+        # decided before anything is built: the layout a single run of the first replica would take
+        first = dataset_for(configs[0]) if dataset_for else population.load_dataset(configs[0])
+        decided = replica_axis_lib.decided_layout(config, first)  # the options as given: --strategy auto
+        if decided is not None:
+            configs = [dataclasses.replace(c, strategy=decided[0], conv_impl=decided[1]) for c in configs]
+        datasets = [first] + [dataset_for(c) if dataset_for else None for c in configs[1:]]
         self.seeds = [c.seed for c in configs]
         # rate 1 in the optimizers, each replica's rates in its cohorts (with_lr) and server state: one round
         # for all rates.  --data-placement auto is decided once for all replicas, from their data together
         # (below), so that every replica draws its batches the same way
         auto_data = config.data_placement == "auto"
-        self.sims = [Simulation(c, dataset_for(c) if dataset_for else None,
+        self.sims = [Simulation(c, data,
                                 client_optimizer=make_client_optimizer(dataclasses.replace(c, client_lr=1.0)),
                                 server_optimizer=None if server_lrs is None else
                                 make_server_optimizer(dataclasses.replace(c, server_lr=1.0)),
                                 data_placement="host" if auto_data else None)
-                     for c in configs]
+                     for c, data in zip(configs, datasets)]
         for sim, c in zip(self.sims, configs):  # fine-tuning (FedBABU's evaluation) trains at the replica's own rate
             sim.finetune_optimizer = make_client_optimizer(c)
         self._server_lrs = server_lrs is not None
@@ -352,23 +229,23 @@ class Replicas:
             # padded steps and examples are no-ops: the same training, one shape for all (the device
             # gather's bounds and the placed holdout follow, so data_placement="device" works too)
             sim.pad_shapes(num_steps, longest or None)
-        platform = _platform()
+        platform = replica_axis_lib.platform()
         count, notes = len(self.sims), []
         together = sum(sim.data_bytes for sim in self.sims)
         available, where = memory.available_bytes()  # one reading for the placement and the axis below
         place = auto_data and ondevice.resolve_placement("auto", together, available, platform) == "device"
-        #: ``(kind, batch)`` how the replica axis runs (:func:`parse_replica_axis`, then what fits in memory)
-        self.replica_axis = parse_replica_axis(replica_axis, platform)
+        #: ``(kind, batch)`` how the replica axis runs (:func:`~fedpartial._src.experiment.replica_axis.parse_replica_axis`, then what fits in memory)
+        self.replica_axis = replica_axis_lib.parse_replica_axis(replica_axis, platform)
         est = max((sim.memory for sim in self.sims), key=lambda e: e.total)
         if place and available is not None:  # the checks count the data as on the device; it is copied after
-            need = memory.for_replicas(est, count, at_once(self.replica_axis, count))
+            need = memory.for_replicas(est, count, replica_axis_lib.at_once(self.replica_axis, count))
             if memory.fits(need, available - together):
                 available -= together
             else:  # the data gives way first (as for one run: Simulation's own check), then the parallelism
                 place = False
                 notes.append(memory.data_stays_on_host(f"the {count} replicas'", together, "they", need.total,
                                                        available - together, where))
-        self.replica_axis, fitted = fit_replica_axis(est, count, self.replica_axis, available, where,
+        self.replica_axis, fitted = replica_axis_lib.fit_replica_axis(est, count, self.replica_axis, available, where,
                                                      auto=replica_axis == "auto")
         #: why the replicas' layout (data placement, replica axis) is not what the options resolve to alone
         self.note = "; ".join(notes + ([fitted] if fitted else [])) or None
@@ -390,7 +267,7 @@ class Replicas:
             return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
 
         self.round = first.round  # its trace_count counts the replica round's traces
-        self._round = jax.jit(over_replicas(one, *self.replica_axis), donate_argnums=(0,))
+        self._round = jax.jit(replica_axis_lib.over_replicas(one, *self.replica_axis), donate_argnums=(0,))
         # one replica's row, taken as its old state is let go: with every row taken at once, the old states,
         # the new rows and the stacked state were held together (FedSPU, 4 replicas, vmap: 11.8 GiB, 9.0 row by row)
         self._row = jax.jit(lambda s, i: jax.tree.map(lambda a: a[i], s))
@@ -439,7 +316,7 @@ class Replicas:
 
 
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
-              stop: checkpoint.StopFlag | None = None, checkpoint_every: int | None = None,
+              stop: signals.StopFlag | None = None, checkpoint_every: int | None = None,
               dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
               lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> dict:
     """Runs ``config`` once per seed (and, with ``lrs`` / ``server_lrs``, per client / server learning rate:
@@ -455,10 +332,11 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial._src.experiment.simulation.run`'s, per
     seed.  ``on_round(t, records)`` gets each round's records (None for a finished replica).  A stop signal
     ends every replica after the current round (status ``interrupted``).
-    ``replica_axis``: how the replicas run inside the one jitted round (:func:`parse_replica_axis`).
+    ``replica_axis``: how the replicas run inside the one jitted round (:func:`~fedpartial._src.experiment.replica_axis.parse_replica_axis`).
     """
     t0 = time.perf_counter()
-    parse_replica_axis(replica_axis, "cpu")  # a bad value before a folder is made
+    driver.check_checkpoint_every(checkpoint_every)
+    replica_axis_lib.parse_replica_axis(replica_axis, "cpu")  # a bad value before a folder is made
     parent = None
     if config.out_dir:
         replica_configs(config, seeds, config.out_dir, lrs, server_lrs)  # every bad value before a folder is made
@@ -469,51 +347,35 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     if parent:  # what the job runs, so that an interrupted one can be continued (fedpartial run --resume PARENT)
         jobs.write_job(parent, "replicas", seeds=list(dict.fromkeys(replicas.seeds)), lrs=lrs, server_lrs=server_lrs,
                        run_dirs=[os.path.relpath(w.run_dir, parent) for w in writers],
-                       replica_axis=_axis_name(replicas.replica_axis))
+                       replica_axis=replica_axis_lib.axis_name(replicas.replica_axis))
     count = len(writers)
-    active, last, errors = [True] * count, [None] * count, [None] * count
-    flag = stop if stop is not None else checkpoint.StopFlag()
-    results = []
-    with flag if stop is None else contextlib.nullcontext(flag):
-        flag.on_force.extend(w.forced for w in writers)  # a second signal: each replica's status says so
-        try:
-            for t in range(config.rounds):
-                if flag.stopped or not any(active):
-                    break
-                records = replicas.run_round(t, active, last)
-                for i, record in enumerate(records):
-                    if isinstance(record, BaseException):
-                        errors[i] = record
-                    elif record is not None:
-                        writers[i].write(record)
-                if on_round:
-                    on_round(t, [r if isinstance(r, dict) else None for r in records])
-        except BaseException as e:  # every still-running replica records it
-            errors = [err if err is not None or not a else e for err, a in zip(errors, active)]
-        finally:
-            for w in writers:
-                flag.on_force.remove(w.forced)
-                w.close()
-        wall = time.perf_counter() - t0
-        for i, w in enumerate(writers):
-            try:
-                results.append(w.finish(errors[i], flag.signum, wall))
-            except BaseException as e:  # written down in its directory; reported in its result
-                results.append({"status": checkpoint.read_status(w.run_dir)["status"] if w.run_dir else "failed",
-                                "run_dir": w.run_dir, "records": w.records, "error": e})
+    active, last = [True] * count, [None] * count
+
+    def steps():  # each replica's record, the error that ended it, or None once it has stopped
+        for t in range(config.rounds):
+            yield replicas.run_round(t, active, last)
+
+    def progress(records):
+        if on_round:
+            on_round(progress.t, [r if isinstance(r, dict) else None for r in records])
+        progress.t += 1
+
+    progress.t = 0
+    results, flag = driver.drive(writers, steps(), stop=stop, on_step=progress, started=t0, each_alone=True)
     run_dirs = [w.run_dir for w in writers]
     summary = None
     if parent:
         summary = jobs.write_summary(parent, replicas.seeds, run_dirs, time.perf_counter() - t0,
-                                [r["status"] for r in results], replica_axis=_axis_name(replicas.replica_axis),
+                                [r["status"] for r in results],
+                                replica_axis=replica_axis_lib.axis_name(replicas.replica_axis),
                                 lrs=lrs, server_lrs=server_lrs, data_placement=replicas.sims[0].data_placement,
                                 note=replicas.note)
     if flag.stopped:
-        raise checkpoint.RunInterrupted(flag.signum, f"stopped by signal after round "
+        raise signals.RunInterrupted(flag.signum, f"stopped by signal after round "
                                         f"{max(s.progress['round'] for s in replicas.sims)}; the seeds' "
                                         f"checkpoints and summaries are kept in {parent}",
                                         {"out_dir": parent, "run_dirs": run_dirs, "results": results})
     return {"out_dir": parent, "run_dirs": run_dirs, "results": results, "summary": summary,
-            "simulations": replicas.sims, "replica_axis": _axis_name(replicas.replica_axis),
+            "simulations": replicas.sims, "replica_axis": replica_axis_lib.axis_name(replicas.replica_axis),
             "data_placement": replicas.sims[0].data_placement, "note": replicas.note}
 

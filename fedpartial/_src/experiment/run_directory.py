@@ -14,43 +14,16 @@ import os
 import shutil
 import signal
 import sys
-from typing import Any, Protocol
 
 import jax
-import numpy as np
+
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.experiment import checkpoint, disk, pretrained, privacy
+from fedpartial._src.experiment import checkpoint, disk, pretrained, run_files, signals
+from fedpartial._src.experiment.run_summary import RunSimulation, execution_facts, save_decisions, summarize
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.summaries import metric_records
 
-
-
-class RunSimulation(Protocol):
-    """What a run directory reads of the simulation it records: a
-    :class:`~fedpartial._src.experiment.simulation.Simulation` (which imports this module, so this module
-    names only its shape; :func:`~fedpartial._src.experiment.checkpoint.save` and ``restore`` read its state)."""
-
-    config: RunConfig
-    progress: dict
-    last_decisions: dict | None
-    dataset: Any
-    model: Any
-    round: Any  # the FederatedRound (its ``strategy``)
-    holdout: Any
-    mesh: Any
-    strategy_note: str | None
-    data_placement: str
-    client_state: str
-    train_fraction: float
-
-    @property
-    def num_params(self) -> int: ...
-
-    @property
-    def personal_state_bytes(self) -> int: ...
-
-    def active_clients(self) -> np.ndarray: ...
 
 
 def unique_run_dir(out_dir: str, name: str) -> str:
@@ -75,12 +48,12 @@ def _identity(sim: RunSimulation) -> dict:
     from fedpartial._src.experiment import records as run_record
 
     full = dataclasses.asdict(run_record.resolved(sim.config, sim))
-    return json.loads(checkpoint.strict_json({field: full[field] for field in IDENTITY}))
+    return json.loads(run_files.strict_json({field: full[field] for field in IDENTITY}))
 
 
 def _status_or_none(run_dir: str) -> dict | None:
     try:
-        status = checkpoint.read_status(run_dir)
+        status = run_files.read_status(run_dir)
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None
@@ -111,9 +84,9 @@ class RunWriter:
                 previous = _status_or_none(resume) if isinstance(error, checkpoint.CheckpointsDamaged) else None
                 if previous is not None:
                     # Say so where the run's state is read, not only on the terminal; nothing else is touched.
-                    checkpoint.write_status(resume, "failed", round=previous.get("round") or 0,
+                    run_files.write_status(resume, "failed", round=previous.get("round") or 0,
                                             message=str(error), checkpoint_round=previous.get("checkpoint_round"))
-                checkpoint.unlock_run_dir(resume)
+                run_files.unlock_run_dir(resume)
                 raise
             for step, why, aside in host.get("damaged", ()):
                 print(f"note: the checkpoint of round {step} in {resume} does not read back ({why}); it is kept as "
@@ -132,16 +105,16 @@ class RunWriter:
             # repeated from config.json or config.toml alone; environment.json says what it ran on.
             full = run_record.resolved(config, sim)
             try:
-                checkpoint.write_json(os.path.join(self.run_dir, "config.json"), dataclasses.asdict(full))
+                run_files.write_json(os.path.join(self.run_dir, "config.json"), dataclasses.asdict(full))
                 with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
                     f.write(run_record.to_toml(full))
-                checkpoint.write_json(os.path.join(self.run_dir, "environment.json"),
+                run_files.write_json(os.path.join(self.run_dir, "environment.json"),
                                       {**run_record.environment(config), **execution_facts(sim)})
             except OSError as error:
                 reason = disk.out_of_space(error)
                 if reason is None:
                     raise
-                checkpoint.unlock_run_dir(self.run_dir)
+                run_files.unlock_run_dir(self.run_dir)
                 shutil.rmtree(self.run_dir, ignore_errors=True)  # made just now, by this run: nothing is lost
                 free = disk.free_bytes(config.out_dir)
                 raise disk.OutOfSpace(
@@ -166,13 +139,13 @@ class RunWriter:
 
     @staticmethod
     def _lock(run_dir: str) -> None:
-        note = checkpoint.lock_run_dir(run_dir)
+        note = run_files.lock_run_dir(run_dir)
         if note:  # a lock a killed run left behind: taken over, and said
             print(f"note: {note}.", file=sys.stderr, flush=True)
 
     def status(self, state: str, message: str = "") -> None:
         if self.run_dir:
-            checkpoint.write_status(self.run_dir, state, round=self.sim.progress["round"], message=message,
+            run_files.write_status(self.run_dir, state, round=self.sim.progress["round"], message=message,
                                     checkpoint_round=self.saved)
 
     def write(self, record: dict) -> None:
@@ -181,7 +154,7 @@ class RunWriter:
         if not self.run_dir:
             return
         try:
-            self.log.write(checkpoint.strict_json(record) + "\n")
+            self.log.write(run_files.strict_json(record) + "\n")
             self.log.flush()
             self.table.write(record)
             if self.sim.last_decisions is not None:
@@ -204,7 +177,7 @@ class RunWriter:
                                    f"; {kept}" + (f"; continue with: fedpartial run --resume {self.run_dir}"
                                                   if self.saved is not None else ""))
         if self.run_dir:
-            checkpoint.unlock_run_dir(self.run_dir)
+            run_files.unlock_run_dir(self.run_dir)
 
     def _no_room(self, error: OSError, what: str) -> None:
         """Raises ``error`` again, as one sentence when it is a full disk."""
@@ -223,7 +196,7 @@ class RunWriter:
 
     def finish(self, error: BaseException | None, signum: int | None, wall: float) -> dict:
         """Writes the final checkpoint, ``summary.json`` and ``status.json``; raises ``error`` again, or
-        :class:`~fedpartial._src.experiment.checkpoint.RunInterrupted` when signal ``signum`` stopped the run early;
+        :class:`~fedpartial._src.experiment.signals.RunInterrupted` when signal ``signum`` stopped the run early;
         returns the summary with ``run_dir`` and ``records``."""
         sim, run_dir, config = self.sim, self.run_dir, self.sim.config
         done = sim.progress["round"]
@@ -245,7 +218,7 @@ class RunWriter:
         else:
             kept = (f"the checkpoint of round {self.saved} is kept" if self.saved is not None
                     else "no checkpoint was written")
-            if checkpoint.is_diverged(error):
+            if run_files.is_diverged(error):
                 state, message = "diverged", f"{str(error).strip().rstrip('.')}; {kept}."
             elif isinstance(error, KeyboardInterrupt):
                 state, message = "interrupted", f"interrupted during round {done + 1}; {kept}"
@@ -261,7 +234,7 @@ class RunWriter:
             summary = {"status": state, "rounds": len(self.records)}
         if run_dir:
             try:
-                checkpoint.write_json(os.path.join(run_dir, "summary.json"), summary)
+                run_files.write_json(os.path.join(run_dir, "summary.json"), summary)
                 self.status(state, message)
             except OSError as failure:  # written where they can be: a full disk must not hide the run's error
                 reason = disk.out_of_space(failure)
@@ -270,12 +243,12 @@ class RunWriter:
                 if error is None:
                     error = disk.OutOfSpace(f"cannot write the summary of {run_dir}: {reason}.")
             finally:
-                checkpoint.unlock_run_dir(run_dir)
+                run_files.unlock_run_dir(run_dir)
         if error is not None:
             raise error
         result = {**summary, "run_dir": run_dir, "records": self.records}
         if state == "interrupted":
-            raise checkpoint.RunInterrupted(signum, message, result)
+            raise signals.RunInterrupted(signum, message, result)
         return result
 
 
@@ -305,7 +278,7 @@ def _extend(run_dir: str, rounds: int) -> int | None:
         raise UserError(f"--rounds {rounds} cannot shorten {run_dir}, which plans {planned.rounds} rounds; give more "
                         f"rounds to extend it, or none to resume it as planned.")
     extended = dataclasses.replace(planned, rounds=rounds)
-    checkpoint.write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(extended))
+    run_files.write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(extended))
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(run_record.to_toml(extended))
     return planned.rounds
@@ -324,112 +297,6 @@ def _truncate_metrics(path: str, upto: int) -> list[dict]:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         for record in records:
-            f.write(checkpoint.strict_json(record) + "\n")
+            f.write(run_files.strict_json(record) + "\n")
     os.replace(tmp, path)
     return [{k: math.nan if v is None else v for k, v in r.items()} for r in records]
-
-
-def save_decisions(path: str, decisions: dict) -> None:
-    """Writes one round's plan and selection masks to ``path`` (``.npz``, one array per named field).
-
-    Array names are the pytree paths, e.g. ``selection/upload/layers`` (``[K, L]``)
-    or ``plan/train/neurons/0`` (``[K, units_0]``); ``client_ids`` says whose rows they are.
-    """
-    arrays = {}
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(decisions)[0]:
-        name = "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keys)
-        arrays[name] = np.asarray(leaf)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.savez_compressed(path, **arrays)
-
-
-def execution_facts(sim) -> dict:
-    """How the run's model executes: the convolution lowering (and what ``auto`` measured), the compute dtype,
-    the compilation cache folder."""
-    choice = getattr(sim, "conv_choice", None)
-    conv = None if choice is None else {"impl": choice.impl, "layout": choice.layout, "how": choice.how,
-                                        "seconds_per_cohort_step": choice.seconds}
-    return {"conv_impl": conv, "compute_dtype": sim.config.compute_dtype,
-            "compile_cache_dir": getattr(sim, "compile_cache_dir", None)}
-
-
-def _round_times(records: list[dict]) -> dict:
-    """The first round's time (it compiles the round) apart from the others': ``compile_time_s`` is the first
-    round's time less the median of the rest (an estimate: compiling, or loading from the cache, and warming up)."""
-    times = [r["round_time_s"] for r in records]
-    if len(times) < 2:
-        return {"first_round_time_s": times[0] if times else math.nan, "compile_time_s": math.nan}
-    rest = sorted(times[1:])
-    return {"first_round_time_s": times[0], "compile_time_s": max(0.0, times[0] - rest[len(rest) // 2]),
-            "steady_rounds_per_s": len(rest) / sum(rest) if sum(rest) else math.nan}
-
-
-def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: float, *, status: str = "complete",
-              resumed_from: int | None = None) -> dict:
-    """The run's totals from its records.  Values that do not exist yet (no evaluated round) are NaN here
-    and ``null`` in ``summary.json``; ``status`` is the run's (see :mod:`fedpartial._src.experiment.checkpoint`)."""
-    evaluated = [r for r in records if "test_accuracy" in r]
-    accs = [r["test_accuracy"] for r in evaluated]
-    train_time = sum(r["round_time_s"] for r in records)
-    personal = {}
-    if sim.holdout is not None and evaluated:
-        keys = ("personal_accuracy", "personal_accuracy_std", "personal_accuracy_min", "personal_accuracy_max",
-                "global_client_accuracy")
-        personal = {f"final_{k}": evaluated[-1][k] for k in keys}
-        personal["best_personal_accuracy"] = max(r["personal_accuracy"] for r in evaluated)
-    target = config.target_accuracy
-    reached = next((r for r in evaluated if target is not None and r["test_accuracy"] >= target), None)
-    stopping = {}
-    if config.early_stopping:
-        stopping = {"rounds_saved": config.rounds - len(records),
-                    "stopped_clients": int(config.num_clients - sim.active_clients().sum())}
-    return {
-        "status": status,
-        "method": config.method_name,
-        "dataset": sim.dataset.name,
-        "model": sim.model.name,
-        "num_params": sim.num_params,
-        "strategy": f"{sim.round.strategy.name}:{sim.round.strategy.chunk_size}",
-        **({"strategy_note": sim.strategy_note} if sim.strategy_note else {}),
-        "conv_impl": sim.conv_choice.describe() if getattr(sim, "conv_choice", None) else None,
-        "compute_dtype": sim.config.compute_dtype,
-        "devices": 1 if sim.mesh is None else sim.mesh.size,
-        "backend": jax.default_backend(),
-        "data_placement": sim.data_placement,
-        "client_state": sim.client_state,
-        "rounds": len(records),
-        "final_test_accuracy": accs[-1] if accs else math.nan,
-        "best_test_accuracy": max(accs) if accs else math.nan,
-        "final_test_loss": evaluated[-1]["test_loss"] if evaluated else math.nan,
-        # a language model (labels per position): exp(test loss)
-        **({"final_perplexity": evaluated[-1]["perplexity"]} if evaluated and "perplexity" in evaluated[-1] else {}),
-        # a model with exits: every exit's accuracy and their ensemble's (test_accuracy_exit1, …)
-        **{f"final_{k}": v for k, v in (evaluated[-1] if evaluated else {}).items() if k.startswith("test_accuracy_")},
-        "final_train_loss": records[-1]["train_loss"] if records else math.nan,
-        "total_upload_bytes": records[-1]["cumulative_upload_bytes"] if records else 0,
-        "total_download_bytes": records[-1]["cumulative_download_bytes"] if records else 0,
-        "total_client_steps": sum(r["client_steps"] for r in records),
-        "total_client_flops": sum(r["client_flops"] for r in records),
-        "total_simulated_time_s": records[-1]["cumulative_simulated_time_s"] if records else 0.0,
-        "simulated_clock_s": records[-1].get("simulated_clock_s", 0.0) if records else 0.0,
-        "total_clients_dropped": sum(r.get("clients_dropped", 0) for r in records),
-        **({"rounds_training_nothing": n} if (n := sum(r.get("trained_nothing", False) for r in records)) else {}),
-        "total_wasted_flops": sum(r.get("wasted_flops", 0) for r in records),
-        "total_wasted_bytes": sum(r.get("wasted_bytes", 0) for r in records),
-        "target_accuracy": target,
-        # the clock (simulated time plus waits for availability; the same without --availability)
-        "time_to_target_s": reached.get("simulated_clock_s", reached["cumulative_simulated_time_s"]) if reached
-        else None,
-        "round_to_target": reached["round"] if reached else None,
-        "train_time_s": train_time,
-        "rounds_per_s": len(records) / train_time if train_time else math.nan,
-        **_round_times(records),
-        "wall_time_s": wall,
-        "planned_rounds": config.rounds,
-        "resumed_from_round": resumed_from,
-        "client_train_fraction": sim.train_fraction,
-        "personal_state_bytes": sim.personal_state_bytes,
-        **personal,
-        **stopping,
-        **privacy.summary_fields(config, records),
-    }

@@ -9,7 +9,6 @@ cohorts are :mod:`~fedpartial._src.experiment.population`'s, where things live a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -25,21 +24,20 @@ from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, packing, sources
 from fedpartial._src.data.partition import train_holdout_split
 from fedpartial._src.engine import round as engine
-from fedpartial._src.engine import metrics as engine_metrics
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import (checkpoint, compile_cache, finetune, layout, population, privacy,
-                                       simulated_time, timing)
+from fedpartial._src.experiment import (compile_cache, driver, finetune, layout, population, privacy, round_record,
+                                       signals, simulated_time, timing)
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.timing import PreparedRound
-from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts, record_fields
+from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
 from fedpartial._src.experiment import pretrained
 from fedpartial._src.experiment.parts import (check_outputs_fit_labels, make_client_optimizer, make_server_optimizer,
                                               model_outputs, run_models)
-from fedpartial._src.experiment.run_directory import RunWriter, load_config  # noqa: F401  (load_config: here too)
+from fedpartial._src.experiment.run_directory import RunWriter
 from fedpartial._src.experiment.lora import with_rank_tiers
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
@@ -505,96 +503,55 @@ class Simulation:
         ``round_time``: the record's ``round_time_s`` (default: the time since :meth:`prepare_round`
         started, the round's host and device work); its ``wall_time_s`` adds the time taken here.
         """
-        from fedpartial._src.core.errors import DivergedError  # here: only rounds() is this module's part for faults
-
         cfg = self.config
         t, ids, valid, cohort = prepared.round, prepared.ids, prepared.valid, prepared.cohort
-        metrics = jax.device_get(metrics)
-        failed = int(metrics["nonfinite_clients"])
+
+        def diverged(metrics):
+            what = ("every client's update was non-finite (NaN/inf)" if int(metrics["nonfinite_clients"]) ==
+                    int(np.sum(valid)) else "the global model became non-finite (NaN/inf)")
+            return f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data"
+
+        metrics = round_record.checked(metrics, diverged)
         trained_nothing = bool(metrics.get("trained_nothing", False))
         if trained_nothing and not getattr(self, "_said_trained_nothing", False):  # once a run
             self._said_trained_nothing = warn_nothing_trained(t + 1)
-        if bool(metrics["diverged"]):
-            what = ("every client's update was non-finite (NaN/inf)" if failed == int(np.sum(valid))
-                    else "the global model became non-finite (NaN/inf)")
-            raise DivergedError(f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data")
-        metrics.update(engine_metrics.traffic_totals(metrics))
         finished = time.perf_counter()
         train_time = finished - prepared.start if round_time is None else round_time
-        self.progress["cumulative_upload_bytes"] += int(metrics["upload_bytes"])
-        self.progress["cumulative_download_bytes"] += int(metrics["download_bytes"])
         flops, simulated = simulated_time.client_work(self.costs, self.devices, cohort, ids, valid, metrics,
                                                       sparse_flops=self.config.sparse_flops)
         simulated, clock = self.clock.finish(prepared.timing or timing.Timing(), self.progress, valid, simulated)
         self.progress["cumulative_simulated_time_s"] += simulated
         self.progress["round"] = t + 1
-        record = {
-            "round": t + 1,
-            "train_loss": float(metrics["train_loss"]),
-            "client_steps": int(metrics["client_steps"]),
-            "upload_bytes": int(metrics["upload_bytes"]),
-            "download_bytes": int(metrics["download_bytes"]),
-            "cumulative_upload_bytes": self.progress["cumulative_upload_bytes"],
-            "cumulative_download_bytes": self.progress["cumulative_download_bytes"],
-            "round_time_s": train_time,
-            "host_time_s": prepared.host_time,
-            "clients": int(valid.sum()),
-            "nonfinite_clients": failed,
-            "client_flops": round(float(np.sum(flops[valid]))),
-            "simulated_time_s": simulated,
-            "cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
-            **clock,  # clients sampled, finished and dropped, wasted FLOPs and bytes, the clock
-            **({"trained_nothing": True} if trained_nothing else {}),
-        }
-        # The method's own per-round values (its ``metrics`` hook), as JSON numbers / lists.
-        for name, value in metrics.items():
-            if name not in engine_metrics.ENGINE_METRICS and name != simulated_time.KEEP_PROBABILITY and name not in record:
-                record[name] = np.asarray(value).tolist()
-        if "decisions" in metrics:
-            self.last_decisions = {"client_ids": ids, **metrics["decisions"]}
+        record = round_record.record(
+            self, t, metrics, round_time_s=train_time, host_time_s=prepared.host_time, clients=int(valid.sum()),
+            client_flops=np.sum(flops[valid]), simulated_time_s=simulated,
+            inserted={"simulated_time_s": {"cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
+                                           **clock}})  # clients sampled, finished and dropped, wasted work, the clock
+        round_record.method_values(self, record, metrics, ids)
+        if trained_nothing:
+            record["trained_nothing"] = True
         if self.method.active_clients is not None:
             record["active_clients"] = int(self.active_clients().sum())
-        if self.accountant is not None:  # this round composed with every one before it (resumed runs too)
-            record["dp_epsilon"] = privacy.account_round(self.accountant, self.progress, prepared.draw)
-        last = t + 1 == cfg.rounds or record.get("active_clients", 1) == 0
-        if (t + 1) % cfg.eval_every == 0 or last:
-            record.update(record_fields(self.evaluate()))  # with every exit's accuracy, for a model with exits
-            if self.holdout is not None:
-                record.update(self.evaluate_personal())
+        round_record.privacy_spent(self, record, prepared.draw)
+        round_record.evaluate_into(self, record, t, t + 1 == cfg.rounds or record.get("active_clients", 1) == 0)
         record["wall_time_s"] = train_time + time.perf_counter() - finished
         return record
 
 
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
         sim: Simulation | None = None, checkpoint_every: int | None = None, resume: str | None = None,
-        stop: checkpoint.StopFlag | None = None, **parts) -> dict:
-    """Runs the synchronous simulation ``sim`` (or a new :class:`Simulation` of ``config`` and ``parts``) to its
-    end, writing its run folder: what :func:`fedpartial.run` does (documented there) for ``--mode sync``."""
-    t0 = time.perf_counter()
-    if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
-                                         or checkpoint_every < 1):
-        raise UserError(f"checkpoint interval {checkpoint_every!r} must be a whole number of rounds ≥ 1.")
+        stop: signals.StopFlag | None = None, **parts) -> dict:
+    """Runs the simulation ``sim`` (or a new :class:`Simulation` of ``config`` and ``parts``) to its end, writing
+    its run folder through the run loop (:func:`~fedpartial._src.experiment.driver.drive`): what
+    :func:`fedpartial.run` does (documented there)."""
+    started = time.perf_counter()
+    driver.check_checkpoint_every(checkpoint_every)
     if sim is None and config.mode != "sync":
         raise UserError("an asynchronous configuration (--mode async) runs with fedpartial.run, which builds its "
                         "AsyncSimulation, or pass sim=AsyncSimulation(config).")
     sim = sim or Simulation(config, **parts)
     writer = RunWriter(sim, checkpoint_every=checkpoint_every, resume=resume)
-    error = None
-    # A caller's flag (the command line's, installed before the simulation was built) is used as it is.
-    with contextlib.nullcontext(stop) if stop is not None else checkpoint.StopFlag() as flag:
-        flag.on_force.append(writer.forced)
-        try:
-            rounds = iter(()) if flag.stopped else sim.rounds()  # a signal while the simulation was built
-            for record in rounds:
-                writer.write(record)
-                if on_round:
-                    on_round(record)
-                if flag.stopped:
-                    break
-        except BaseException as e:  # written down as the run's status, then raised again below
-            error = e
-        finally:
-            flag.on_force.remove(writer.forced)
-            writer.close()
-        return writer.finish(error, flag.signum, time.perf_counter() - t0)
-
+    steps = ([record] for record in sim.rounds())
+    results, _ = driver.drive([writer], steps, stop=stop, started=started,
+                              on_step=None if on_round is None else lambda records: on_round(records[0]))
+    return results[0]

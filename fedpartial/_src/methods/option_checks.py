@@ -29,7 +29,7 @@ def ratios(text: str | Any) -> tuple[float, ...]:
     return tuple(float(t) for t in text)
 
 
-def _number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -61,7 +61,7 @@ class Range:
 
     def __call__(self, value) -> str | None:
         kind_ok = (isinstance(value, numbers.Integral) and not isinstance(value, bool)) if self.integer \
-            else _number(value)
+            else is_number(value)
         inside = kind_ok and (self.low is None or (value > self.low if self.low_open else value >= self.low)) \
             and (self.high is None or (value < self.high if self.high_open else value <= self.high))
         return None if inside else self.allowed or self.describe()
@@ -173,12 +173,12 @@ def is_boolean(v) -> str | None:
 
 
 def ratios_in_unit_interval(v) -> str | None:
-    return None if isinstance(v, (tuple, list)) and len(v) and all(_number(p) and 0 < p <= 1 for p in v) \
+    return None if isinstance(v, (tuple, list)) and len(v) and all(is_number(p) and 0 < p <= 1 for p in v) \
         else "must be keep ratios in (0, 1], e.g. 0.2,0.4,0.6,0.8,1.0"
 
 
-def _not_finite(value) -> bool:
+def not_finite(value) -> bool:
     """A NaN or ±inf anywhere in ``value`` (a number or a sequence of them): every comparison with NaN is
     False, so a range check alone would let it through."""
     values = value if isinstance(value, (tuple, list)) else (value,)
-    return any(_number(v) and not math.isfinite(v) for v in values)
+    return any(is_number(v) and not math.isfinite(v) for v in values)

@@ -25,8 +25,8 @@ from fedpartial._src.methods.option_checks import (  # noqa: F401  (re-exported:
     Check,
     OneOf,
     Range,
-    _not_finite,
-    _number,
+    not_finite,
+    is_number,
     above,
     at_least,
     between,
@@ -90,7 +90,7 @@ class Option:
         """None when ``value`` is allowed, else the phrase saying what is (``must be ...``)."""
         if value is None and self.default is None:
             return None
-        if _not_finite(value):
+        if not_finite(value):
             return "must be finite numbers" if isinstance(value, (tuple, list)) else "must be a finite number"
         if self.choices is not None and (found := OneOf(tuple(self.choices))(value)):
             return found
@@ -103,7 +103,7 @@ class Option:
         if problem is None:
             return None
         if typed:  # a NaN is wrong for any method: the sentence does not name one
-            scope = "" if _not_finite(value) else f" for {method}"
+            scope = "" if not_finite(value) else f" for {method}"
             return f"{self.cli_flag} {shown(value)} is not allowed{scope}: it {problem}."
         return f"{method}: {self.cli_flag} = {value!r} {problem}."
 

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.core.masks import keep_count  # noqa: F401  (re-exported: part of the selection vocabulary)
+from fedpartial._src.core.masks import keep_count
 from fedpartial._src.core.structure import ModelStructure, leaf_paths
 
 

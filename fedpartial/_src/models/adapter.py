@@ -298,7 +298,7 @@ def from_linen(
         stage_names=stage_names,
         stage_of_layer=stage_of_layer,
         run_stages=run_stages if declared is not None else None,
-        record_outputs=_linen_recorder(structure, stage_names, run_stages),
+        record_outputs=linen_recorder(structure, stage_names, run_stages),
         at_width=None if width is None else at_width,
     )
 
@@ -331,7 +331,7 @@ def _stage_of_layers(module: nn.Module, sample, structure: ModelStructure, stage
     return tuple(first_stage[layer.path] for layer in structure.layers)
 
 
-def _linen_recorder(structure: ModelStructure, stage_names, run_stages):
+def linen_recorder(structure: ModelStructure, stage_names, run_stages):
     """``intermediates`` for a linen model: the stages run one by one under an output interceptor."""
     layer_of_path = {layer.path: layer.name for layer in structure.layers}
 

@@ -6,7 +6,7 @@ chip's matmul rate.  A *lowering* is a drop-in for ``lax.conv_general_dilated`` 
 as its ``conv_general_dilated`` argument (:func:`lowering`); the parameters, their names and shapes, and the
 result (within float32 rounding) do not change:
 
-* ``"lax"`` — ``lax.conv_general_dilated`` itself (grouped when vmapped): the default, bit for bit as before.
+* ``"lax"`` — ``lax.conv_general_dilated`` itself (grouped when vmapped): the default.
 * ``"im2col"`` — the image's patches (one strided slice per kernel tap, concatenated) times the kernel as a
   matrix: a vmapped conv with per-client weights is then a *batched* matrix product, and its gradient too.
 * ``"hybrid"`` — ``lax`` for one client; under ``vmap`` (a cohort) im2col's batched matrix product where each

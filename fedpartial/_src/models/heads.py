@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.models.adapter import Model, _linen_recorder, from_linen
+from fedpartial._src.models.adapter import Model, linen_recorder, from_linen
 from fedpartial._src.models.zoo import stage_range
 from fedpartial._src.core.structure import build_structure
 
@@ -185,7 +185,7 @@ def with_projection_head(model: Model, dim: int = 256, hidden: int | None = None
         stage_names=stage_names,
         stage_of_layer=tuple(stage for _, stage in encoder_layers) + tuple(cut + s for s in tail.stage_of_layer),
         run_stages=run_stages,
-        record_outputs=_linen_recorder(structure, stage_names, run_stages),
+        record_outputs=linen_recorder(structure, stage_names, run_stages),
     )
 
 

@@ -4,13 +4,13 @@ A runner is built once with its round's program (``Runner(program)``, a
 :class:`~fedpartial._src.engine.program.RoundProgram`, when the round is built) and called every
 round as ``runner(state, cohort, key) -> (state, metrics)``, after the round has checked the cohort.
 It reads the program's pure pieces (the view, the plan, one client's training, aggregation and update)
-and jits them its own way; :meth:`Runner.jitted` lists its jitted functions, whose traces
+and jits them its own way, with :func:`jit`; :meth:`Runner.jitted` lists its jitted functions, whose traces
 :func:`count_traces` counts outside any traced code (``FederatedRound.trace_count``).
 """
 
 from __future__ import annotations
 
-import weakref
+import functools
 from typing import TYPE_CHECKING, Any, Iterable
 
 import jax
@@ -21,28 +21,23 @@ from fedpartial._src.engine.types import ClientData, Cohort, ServerState
 if TYPE_CHECKING:
     from fedpartial._src.engine.program import RoundProgram
 
-try:  # JAX's cache of traced jitted functions, one entry per function and argument signature traced
-    from jax._src.pjit import _infer_params_cached as _jax_traces
-except ImportError:  # another JAX: counted by compiled entries instead (see count_traces)
-    _jax_traces = None
+def jit(fn, **jit_kwargs):
+    """``jax.jit(fn, **jit_kwargs)`` whose traces :func:`count_traces` counts: ``fn``'s Python body runs once per
+    trace (each new signature, also inside another jitted function), and never when a compiled program is reused."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        traced.traces += 1
+        return fn(*args, **kwargs)
+
+    traced.traces = 0
+    return jax.jit(traced, **jit_kwargs)
 
 
 def count_traces(jitted: Iterable[Any]) -> int:
-    """How many times the ``jax.jit`` functions ``jitted`` were traced, wherever they were called (also
-    inside another jitted function, e.g. ``FederatedRound.functions.round`` under a user's ``jit``).
-
-    Read from JAX's trace cache, which holds one entry per function and signature it traced, so
-    nothing runs inside traced code.  Where this JAX has no such cache, each function's count of
-    compiled entries (``_cache_size``), which counts only calls from outside any trace and can count
-    a signature twice (e.g. NumPy and device arguments)."""
-    jitted = list(jitted)
-    if not jitted:
-        return 0
-    if _jax_traces is None or not hasattr(_jax_traces, "cache_keys"):
-        return sum(f._cache_size() for f in jitted)
-    funs = {id(f.__wrapped__) for f in jitted}  # alive: each jitted function holds its own
-    return sum(1 for key in _jax_traces.cache_keys()
-               if isinstance(key[0], weakref.ref) and id(key[0]()) in funs)
+    """How many times the functions ``jitted`` (made by :func:`jit`) were traced, wherever they were called (also
+    inside another jitted function, e.g. ``FederatedRound.functions.round`` under a user's ``jit``)."""
+    return sum(f.__wrapped__.traces for f in jitted)
 
 
 class Runner:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 
 from fedpartial._src.engine import sharding as sharding_lib
-from fedpartial._src.engine.runners.base import Runner
+from fedpartial._src.engine.runners.base import Runner, jit
 
 
 class Fused(Runner):
@@ -19,10 +19,10 @@ class Fused(Runner):
     def __init__(self, program):
         super().__init__(program)
         if program.mesh is None:
-            self.round = jax.jit(lambda s, c, k: program.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
+            self.round = jit(lambda s, c, k: program.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
         else:  # the outputs replicated too: every process can read the metrics and feed the state back
             everywhere = sharding_lib.replicated(program.mesh)
-            self.round = jax.jit(
+            self.round = jit(
                 lambda s, c, k: jax.lax.with_sharding_constraint(program.pure_round(s, c, self._wrap(k)), everywhere),
                 in_shardings=(everywhere, sharding_lib.cohort_sharding(program.mesh), everywhere), donate_argnums=(0,))
 

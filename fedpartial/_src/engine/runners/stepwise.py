@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial._src.engine.runners.base import Runner
+from fedpartial._src.engine.runners.base import Runner, jit
 from fedpartial._src.engine.types import Cohort, ServerState, hook_keys
 
 
@@ -51,7 +51,7 @@ class Steps:
                 return step(local, batch, plan, global_vars, cstate, wrap(ckey_data), s, server_state)
 
             fn = one_step if chunk is None else jax.vmap(one_step, in_axes=(0, 0, None, 0, None, 0, 0, None))
-            self.fns[group, chunk, full] = jax.jit(fn, donate_argnums=(0,))
+            self.fns[group, chunk, full] = jit(fn, donate_argnums=(0,))
         return self.fns[group, chunk, full]
 
     def run(self, group: int, chunk: int | None, step_mask: np.ndarray, full_step: np.ndarray, local, args):
@@ -72,8 +72,8 @@ class Stepwise(Runner):
 
     def __init__(self, program):
         super().__init__(program)
-        self._begin = jax.jit(lambda s, c, k: self._begin_round(s, c, self._wrap(k)))
-        self._finish = jax.jit(lambda s, c, k, p, locals_: program.finish(s, c, self._wrap(k), p, locals_))
+        self._begin = jit(lambda s, c, k: self._begin_round(s, c, self._wrap(k)))
+        self._finish = jit(lambda s, c, k, p, locals_: program.finish(s, c, self._wrap(k), p, locals_))
         self.steps = Steps(self)
 
     def __call__(self, state, cohort, key):

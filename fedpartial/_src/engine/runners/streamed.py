@@ -22,7 +22,7 @@ from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import CohortInfo
 from fedpartial._src.engine._rows import clean_faults
-from fedpartial._src.engine.runners.base import Runner
+from fedpartial._src.engine.runners.base import Runner, jit
 from fedpartial._src.engine.runners.stepwise import Steps
 from fedpartial._src.engine.types import ClientData, Cohort, ServerState, hook_keys
 
@@ -44,7 +44,7 @@ class Streamed(Runner):
 
     def _stream_fn(self, name: str, fn: Callable, donate=()):
         if name not in self._stream_fns:
-            self._stream_fns[name] = jax.jit(fn, donate_argnums=donate)
+            self._stream_fns[name] = jit(fn, donate_argnums=donate)
         return self._stream_fns[name]
 
     def _stream_begin(self, state: ServerState, info: CohortInfo, key):

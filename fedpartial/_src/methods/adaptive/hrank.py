@@ -89,7 +89,7 @@ def filter_ranks(
       Per layer, float32 ``[units]`` average ranks over the real images for a conv
       layer (:func:`importance_kinds`), None for a dense layer.
     """
-    ranks, _, _ = _conv_statistics(model, variables, x, example_mask)
+    ranks, _, _ = conv_statistics(model, variables, x, example_mask)
     return ranks
 
 
@@ -97,7 +97,7 @@ def filter_ranks(
 
 
 @functools.partial(jax.jit, static_argnums=0)  # compiled once per model and shapes, also when called eagerly
-def _conv_statistics(model, variables, x, example_mask):
+def conv_statistics(model, variables, x, example_mask):
     """Per layer ``(average rank [C], mean |activation| [C])`` (None for dense) and the real-image count."""
     kinds = importance_kinds(model)
     n = len(kinds)
@@ -154,7 +154,7 @@ def _batched(model, x, example_mask):
     return x, example_mask.astype(bool)
 
 
-def _subtree(tree: Mapping[str, Any], path: Path) -> Mapping[str, Any] | None:
+def subtree(tree: Mapping[str, Any], path: Path) -> Mapping[str, Any] | None:
     node = tree
     for key in path:
         if not isinstance(node, Mapping) or key not in node:
@@ -166,7 +166,7 @@ def _subtree(tree: Mapping[str, Any], path: Path) -> Mapping[str, Any] | None:
 def _check_norms(variables, layer) -> None:
     stats = variables.get("batch_stats", {})
     for path in layer.norm_paths:
-        s = _subtree(stats, path)
+        s = subtree(stats, path)
         if s is None or "mean" not in s or "var" not in s:
             raise UserError(
                 f"conv layer {layer.name} is followed by normaliser {'/'.join(path)} without running "
@@ -187,8 +187,8 @@ def _post_activation(variables, layer, y):
         return jnp.asarray(v, jnp.float32).reshape((1, 1, 1, c))
 
     for path in layer.norm_paths:
-        stats = _subtree(variables["batch_stats"], path)
-        params = _subtree(variables.get("params", {}), path) or {}
+        stats = subtree(variables["batch_stats"], path)
+        params = subtree(variables.get("params", {}), path) or {}
         mul = jax.lax.rsqrt(per_channel(stats["var"]) + BATCH_NORM_EPSILON)  # Flax's order of operations
         if "scale" in params:
             mul = mul * per_channel(params["scale"])

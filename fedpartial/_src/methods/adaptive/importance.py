@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from fedpartial._src.core.structure import Path
-from fedpartial._src.methods.adaptive.hrank import _conv_statistics, _subtree, importance_kinds
+from fedpartial._src.methods.adaptive.hrank import conv_statistics, subtree, importance_kinds
 from fedpartial._src.models.adapter import Model
 
 # importance_kinds (from hrank) is part of this API too: FedAD groups its units by it
@@ -77,7 +77,7 @@ def unit_importance(
     :func:`~fedpartial._src.methods.adaptive.hrank.filter_ranks`; ``x`` is not run through the
     model when it has no conv layer.
     """
-    ranks, activity, count = _conv_statistics(model, variables, x, example_mask)
+    ranks, activity, count = conv_statistics(model, variables, x, example_mask)
     sums = dense_weight_sums(model, variables["params"])
     out = []
     for r, a, s in zip(ranks, activity, sums, strict=True):
@@ -94,7 +94,7 @@ def unit_importance(
 
 def _kernel(params, path: Path):
     """The module's kernel: its ``kernel`` leaf, else its highest-rank leaf (as the structure picks units)."""
-    leaves = _subtree(params, path)
+    leaves = subtree(params, path)
     if "kernel" in leaves:
         return leaves["kernel"]
     return max(leaves.values(), key=lambda a: (jnp.ndim(a), jnp.size(a)))

@@ -202,13 +202,13 @@ def fedadp(fraction: float = 0.2) -> Method:
     Returns:
       The :class:`~fedpartial.Method` (``--method fedadp``).
     """
-    selection.keep_count(fraction, 1)  # validates the fraction now
+    masks.keep_count(fraction, 1)  # validates the fraction now
 
     def select(ctx: MethodContext, view: RoundView) -> Selection:
         structure, k = ctx.structure, _cohort_size(view)
         norms = selection.neuron_update_norms(structure, view.trained_vars["params"], view.global_vars["params"])
         chosen = selection.top_fraction_neurons(norms, fraction)  # [K, units_l] per layer
-        extra = sum(index_bytes(u, selection.keep_count(fraction, u)) for u in structure.units)
+        extra = sum(index_bytes(u, masks.keep_count(fraction, u)) for u in structure.units)
         return Selection(
             upload=masks.unwired(structure, masks.from_neurons(structure, chosen)),  # whole input columns
             weights=view.cohort.num_samples,

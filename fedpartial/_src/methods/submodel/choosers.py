@@ -39,22 +39,22 @@ WIDTH_BYTES = 4
 Chooser = Callable[[MethodContext, RoundView, tuple], tuple]
 
 
-def _random(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+def random_units(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
     return submodel.random_neurons(view.key, counts, ctx.structure.units, view.cohort.client_ids)
 
 
-def _leftmost(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+def leftmost_units(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
     return submodel.leftmost_neurons(counts, ctx.structure.units)
 
 
-def _by_parameter_norm(ord: int) -> Chooser:
+def by_parameter_norm(ord: int) -> Chooser:
     def choose(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
         scores = selection.neuron_norms(ctx.structure, view.client_state.variables["params"], ord=ord)
         return submodel.strongest_neurons(scores, counts)
     return choose
 
 
-def _by_gradient_norm(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
+def by_gradient_norm(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
     batch = submodel.first_batch(view.data)
 
     def gradient(variables, x, y, example_mask):
@@ -67,11 +67,11 @@ def _by_gradient_norm(ctx: MethodContext, view: RoundView, counts: tuple) -> tup
     return submodel.strongest_neurons(selection.neuron_norms(ctx.structure, grads, ord=2), counts)
 
 
-def _width_bytes(structure, mask) -> jax.Array:
+def width_bytes(structure, mask) -> jax.Array:
     return jnp.full(mask.layers.shape[:-1], WIDTH_BYTES * (structure.num_layers - 1), jnp.int32)
 
 
-def _dense_only(choose: Chooser) -> Chooser:
+def dense_layers_only(choose: Chooser) -> Chooser:
     """``choose`` with every convolution keeping all its units: only dense layers are thinned."""
     def dense(ctx: MethodContext, view: RoundView, counts: tuple) -> tuple:
         counts = tuple(jnp.full_like(c, u) if kind == "conv" else c
@@ -80,7 +80,7 @@ def _dense_only(choose: Chooser) -> Chooser:
     return dense
 
 
-def _dense_index_bytes(structure, mask) -> jax.Array:
+def dense_index_bytes(structure, mask) -> jax.Array:
     """Index bytes of the hidden dense layers only: conv layers are never thinned, so nothing names them."""
     total = jnp.zeros(mask.layers.shape[:-1], jnp.int32)
     for units, kind, on in zip(structure.units[:-1], structure.kinds[:-1], mask.neurons[:-1]):

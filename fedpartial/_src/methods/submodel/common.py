@@ -61,7 +61,7 @@ def kept_units(ratio: float, units: int, rounding: str = "round") -> int:
     if rounding == "ceil":
         # p·u computed in float can land a hair above an integer (0.6·5 = 3.0000000000000004).
         return max(1, math.ceil(round(ratio * units, 9)))
-    return selection.keep_count(ratio, units)
+    return masks.keep_count(ratio, units)
 
 
 def keep_table(structure: ModelStructure, tiers: Sequence[float], rounding: str = "round") -> np.ndarray:
@@ -154,12 +154,12 @@ def schedule_counts(structure: ModelStructure, start: float, end: float, rounds:
     """Per layer, ``max(1, round(f_t·u))`` for the linear ramp ``f_t`` of :func:`schedule`.
 
     The counts come from a static ``[rounds, L]`` table built with
-    :func:`fedpartial._src.methods.selection.keep_count` (exact halves round up), indexed
+    :func:`fedpartial._src.core.masks.keep_count` (exact halves round up), indexed
     by the traced round, so no float32 rounding decides a count.
     """
     steps = max(rounds or 1, 1)
     fractions = [start + (end - start) * t / (steps - 1) if steps > 1 else end for t in range(steps)]
-    table = np.array([[selection.keep_count(f, u) for u in structure.units] for f in fractions], np.int32)
+    table = np.array([[masks.keep_count(f, u) for u in structure.units] for f in fractions], np.int32)
     row = jnp.asarray(table)[jnp.clip(round_index, 0, steps - 1)]
     return tuple(row[layer] for layer in range(structure.num_layers))
 

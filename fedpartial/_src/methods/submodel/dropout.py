@@ -48,13 +48,13 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.submodel import common as submodel
 from fedpartial._src.methods.submodel.choosers import (
     Chooser,
-    _by_gradient_norm,
-    _by_parameter_norm,
-    _dense_index_bytes,
-    _dense_only,
-    _leftmost,
-    _random,
-    _width_bytes,
+    by_gradient_norm,
+    by_parameter_norm,
+    dense_index_bytes,
+    dense_layers_only,
+    leftmost_units,
+    random_units,
+    width_bytes,
 )
 from fedpartial._src.methods.base import (
     Capabilities,
@@ -146,9 +146,9 @@ def feddrop(tiers: Sequence[float] = submodel.DEFAULT_TIERS, dense_only: bool = 
     """
     check_values("feddrop", (DENSE_ONLY_OPTION,), dense_only=dense_only)
     if dense_only:
-        return submodel_method("feddrop", _dense_only(_random), tiers=tiers, chosen_by="server",
-                               index_cost=_dense_index_bytes)
-    return submodel_method("feddrop", _random, tiers=tiers, chosen_by="server")
+        return submodel_method("feddrop", dense_layers_only(random_units), tiers=tiers, chosen_by="server",
+                               index_cost=dense_index_bytes)
+    return submodel_method("feddrop", random_units, tiers=tiers, chosen_by="server")
 
 
 def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS, tier_mix=None, capacity_case: int | None = None,
@@ -168,8 +168,8 @@ def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS, tier_mix=None, capaci
       The :class:`~fedpartial.Method` (``--method fjord``).
     """
     if tier_mix is None and capacity_case is None:
-        return submodel_method("fjord", _leftmost, tiers=tiers, rounding="ceil", chosen_by="server",
-                               index_cost=_width_bytes)
+        return submodel_method("fjord", leftmost_units, tiers=tiers, rounding="ceil", chosen_by="server",
+                               index_cost=width_bytes)
     if tuple(tiers) != submodel.DEFAULT_TIERS:
         raise UserError("fjord: give either --tiers (equal clusters) or --tier-mix / --capacity-case with --widths, "
                         "not both.")
@@ -177,8 +177,8 @@ def fjord(tiers: Sequence[float] = submodel.DEFAULT_TIERS, tier_mix=None, capaci
     def population_tiers(ctx: MethodContext) -> np.ndarray:
         return np.repeat(np.arange(3), resolve_mix(ctx.num_clients, tier_mix, capacity_case).counts)
 
-    return submodel_method("fjord", _leftmost, tiers=tier_ratios(widths), rounding="ceil", chosen_by="server",
-                           index_cost=_width_bytes, population_tiers=population_tiers)
+    return submodel_method("fjord", leftmost_units, tiers=tier_ratios(widths), rounding="ceil", chosen_by="server",
+                           index_cost=width_bytes, population_tiers=population_tiers)
 
 
 def hermes(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
@@ -190,7 +190,7 @@ def hermes(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     Returns:
       The :class:`~fedpartial.Method` (``--method hermes``).
     """
-    return submodel_method("hermes", _by_parameter_norm(2), tiers=tiers)
+    return submodel_method("hermes", by_parameter_norm(2), tiers=tiers)
 
 
 def fedmp(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
@@ -202,7 +202,7 @@ def fedmp(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     Returns:
       The :class:`~fedpartial.Method` (``--method fedmp``).
     """
-    return submodel_method("fedmp", _by_parameter_norm(1), tiers=tiers)
+    return submodel_method("fedmp", by_parameter_norm(1), tiers=tiers)
 
 
 def prunefl(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
@@ -214,7 +214,7 @@ def prunefl(tiers: Sequence[float] = submodel.DEFAULT_TIERS) -> Method:
     Returns:
       The :class:`~fedpartial.Method` (``--method prunefl``).
     """
-    return submodel_method("prunefl", _by_gradient_norm, tiers=tiers)
+    return submodel_method("prunefl", by_gradient_norm, tiers=tiers)
 
 
 DENSE_ONLY_OPTION = Option("dense_only", boolean, False,

@@ -91,7 +91,7 @@ class DegreeState(NamedTuple):
     known: jax.Array
 
 
-def _label_distributions(name: str):
+def label_distributions(name: str):
     """``init`` of the distribution state from ``InitView.label_counts`` (FedDH, FedJS)."""
 
     def init(ctx: MethodContext, view: InitView) -> DegreeState:

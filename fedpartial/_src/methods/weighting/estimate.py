@@ -84,7 +84,7 @@ def estimate_distribution(ctx: MethodContext, variables: dict, by_class: ServerD
     return jax.nn.softmax(beta * class_gradient_norms(ctx, variables, by_class))
 
 
-def _estimated_distributions(name: str, beta: float):
+def estimated_distributions(name: str, beta: float):
     """``init`` (nothing known) and ``fill`` (estimate new cohort clients) of FedDHE's distribution state."""
 
     def init(ctx: MethodContext, view: InitView) -> DegreeState:

@@ -64,14 +64,14 @@ from fedpartial._src.methods.weighting.compose import Weighting, reweight
 from fedpartial._src.methods.weighting.degrees import (
     MIN_DEGREE,
     DegreeState,
-    _label_distributions,
+    label_distributions,
     control_gradients,
     degree_weights,
     js_divergence,
     non_iid_degree,
     population_distribution,
 )
-from fedpartial._src.methods.weighting.estimate import _estimated_distributions, group_by_class
+from fedpartial._src.methods.weighting.estimate import estimated_distributions, group_by_class
 
 # ---- the FedDH weighting ---------------------------------------------------------------------
 
@@ -97,9 +97,9 @@ def feddh_weighting(lr_upsilon: float = 1e-4, decay_upsilon: float = 0.999, lr_b
         raise UserError(f"{name}: min_degree = {min_degree!r} must be > 0 (it keeps D_k positive).")
     learns = lr_upsilon > 0 or lr_b > 0
     if estimate_beta is None:
-        init, fill, per_class = _label_distributions(name), None, 0
+        init, fill, per_class = label_distributions(name), None, 0
     else:
-        init, fill = _estimated_distributions(name, float(estimate_beta))
+        init, fill = estimated_distributions(name, float(estimate_beta))
         per_class = int(server_examples)
 
     def init_state(ctx: MethodContext, view: InitView) -> MethodState:
