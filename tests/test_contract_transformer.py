@@ -38,7 +38,7 @@ NEURONS = "neuron-level masks need a sequential model|drops single neurons"
 WIDTH = "width-reduced version"
 REFUSED = {**dict.fromkeys(("fedspu", "feddrop", "hermes", "fedmp", "prunefl", "afd", "fedselect", "fedad",
                             "feddhad"), NEURONS),
-           "fjord": f"{NEURONS}|{WIDTH}", "heterofl": WIDTH, "fedrolex": WIDTH}
+           "fjord": f"{NEURONS}|{WIDTH}", "fedrolex": WIDTH}
 #: run in the default suite; every other built-in method under -m slow
 LAYERWISE = ("fedavg", "fedldf", "fedpart", "embracingfl", "depthfl", "inclusivefl", "fedper", "fedrep")
 

@@ -53,15 +53,15 @@ def test_a_factory_by_module_path_gets_its_keyword_options_as_flags(monkeypatch,
     passed; a flag the factory does not take is refused in one sentence."""
     module = tmp_path / "my_methods.py"
     module.write_text("import fedpartial as fp\n\n"
-                      "def proximal(mu: float = 0.01, label: str = 'x'):\n"
+                      "def proximal(mu: float = 0.01, tag: str = 'x'):\n"
                       "    '''FedProx written elsewhere.'''\n"
-                      "    return fp.methods.fedprox(mu=mu)._replace(name='proximal-' + label)\n")
+                      "    return fp.methods.fedprox(mu=mu)._replace(name='proximal-' + tag)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     base = ["run", "--method", "my_methods:proximal", "--dataset", "synthetic", "--clients", "4", "--cohort", "2",
             "--rounds", "1", "--local-steps", "1", "--quiet", "--out", str(tmp_path / "runs")]
-    assert main(base + ["--mu", "0.5", "--label", "y"]) == 0
+    assert main(base + ["--mu", "0.5", "--tag", "y"]) == 0
     run_dir = pathlib.Path(capsys.readouterr().out.strip().splitlines()[-1])
-    assert json.loads((run_dir / "config.json").read_text())["options"] == {"mu": 0.5, "label": "y"}
+    assert json.loads((run_dir / "config.json").read_text())["options"] == {"mu": 0.5, "tag": "y"}
     assert main(base + ["--n", "3"]) == 2  # fedldf's option, not this method's
     assert "--n is an option of" in capsys.readouterr().err
     assert main(base[:2] + ["nowhere.at_all:factory"] + base[3:]) == 2

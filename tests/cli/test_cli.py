@@ -123,7 +123,7 @@ def test_method_flags_come_from_the_methods(capsys, tmp_path):
     plain = run_help()
     assert "--mu" not in plain and "--tiers" not in plain
     assert "fedpartial run --method NAME --help" in plain
-    assert len(plain.splitlines()) < 200  # was 367 lines with every method's options
+    assert len(plain.splitlines()) < 250  # every method's options would add about 170 lines
     # The rarer groups name their flags; --help-all gives each its help too.
     assert "Flags: --dp-clip, --dp-noise-multiplier" in " ".join(plain.split())
     assert "noise std" not in plain and "C: clip each client's update" not in plain

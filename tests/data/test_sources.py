@@ -63,7 +63,7 @@ def test_unknown_dataset_and_option():
         load_dataset("digits", test_fraction=1.5)
     assert set(DATASETS) == {
         "digits", "mnist5k", "synthetic", "mnist", "fashion_mnist", "emnist", "cifar10", "cifar100",
-        "svhn_cropped", "synthetic_text", "imdb_reviews", "leaf", "hf",
+        "svhn_cropped", "synthetic_text", "imdb_reviews", "synthetic_lm", "leaf", "hf",
     }
 
 

@@ -24,6 +24,12 @@ def test_a_run_folder_checkpointed_by_an_earlier_version_resumes_to_its_uninterr
     shutil.copytree(os.path.join(HERE, mode), run_dir)
     assert len(_records(os.path.join(run_dir, "metrics.jsonl"))) == 2
     assert main(["run", "--resume", run_dir]) == 0
-    assert _records(os.path.join(run_dir, "metrics.jsonl")) == _records(os.path.join(HERE, f"{mode}-uninterrupted.jsonl"))
+    resumed = _records(os.path.join(run_dir, "metrics.jsonl"))
+    expected = _records(os.path.join(HERE, f"{mode}-uninterrupted.jsonl"))
+    # within 1e-4: this version counts a step's FLOPs from its own compiled program and averages the test loss
+    # per label in float64, which moves those values in their last digits
+    assert [sorted(r) for r in resumed] == [sorted(r) for r in expected]
+    assert resumed == [{k: pytest.approx(v, rel=1e-4) if isinstance(v, float | int) and not isinstance(v, bool) else v
+                        for k, v in r.items()} for r in expected]
     with open(os.path.join(run_dir, "status.json")) as f:
         assert json.load(f)["status"] == "complete"

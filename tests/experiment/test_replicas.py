@@ -467,7 +467,7 @@ def _pose_as_gpu(monkeypatch, limit_mib):
     """This CPU as an accelerator of ``limit_mib`` MiB (:func:`tests.conftest.fake_device_memory`) without the
     runtime's fixed share in the estimate, so that data and clients decide."""
     monkeypatch.setattr(memory, "RUNTIME_BYTES", 0)
-    monkeypatch.setattr(replicas, "_platform", lambda: "gpu")
+    monkeypatch.setattr(replica_axis, "platform", lambda: "gpu")
     fake_device_memory(monkeypatch, limit_mib)
 
 

@@ -14,7 +14,7 @@ from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise, streamed
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.models.adapter import from_linen
-from fedpartial._src.models.lora import lora, merge, merge_into_base
+from fedpartial._src.models.lora import lora, merge_adapters, merge_into_base
 from tests.conftest import make_cohort
 
 
@@ -71,7 +71,7 @@ def test_merged_weights_evaluate_as_the_adapted_model(mlp, lora_mlp, trained):
     _, state, _ = trained
     x = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
     ours = lora_mlp.apply(state.variables, x, False)[0]
-    np.testing.assert_allclose(mlp.apply(merge(lora_mlp, state.variables), x, False)[0], ours, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mlp.apply(merge_adapters(lora_mlp, state.variables), x, False)[0], ours, rtol=1e-5, atol=1e-6)
     folded = merge_into_base(lora_mlp, state.variables)
     assert not np.any(folded["params"]["fc1"]["lora_b"]["kernel"])
     np.testing.assert_allclose(lora_mlp.apply(folded, x, False)[0], ours, rtol=1e-5, atol=1e-6)

@@ -36,11 +36,16 @@ def _x(shape, seed: int = 1):
 
 
 def test_registry_covers_the_zoo():
-    assert set(MODELS) == set(NATURAL) | {"bilstm"}  # the text model has its own tests (test_bilstm.py)
+    # the token-id models and the vision transformer have their own tests (test_bilstm.py, test_transformer.py,
+    # test_recurrent.py)
+    assert set(MODELS) == set(NATURAL) | {"bilstm", "transformer_lm", "transformer_cls", "vit", "shakespeare_lstm",
+                                          "sent140_lstm"}
     for name, spec in MODELS.items():
         assert isinstance(spec, ModelSpec)
         assert spec.description and "\n" not in spec.description, name
-    assert {n for n, s in MODELS.items() if not s.sequential} == {"resnet20", "bilstm"}
+    assert {n for n, s in MODELS.items() if not s.sequential} == {"resnet20", "bilstm", "transformer_lm",
+                                                                  "transformer_cls", "vit", "shakespeare_lstm",
+                                                                  "sent140_lstm"}
 
 
 def _param_count(module: nn.Module, input_shape, batch: int = 2) -> int:

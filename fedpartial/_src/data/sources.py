@@ -173,7 +173,7 @@ def load_dataset(
         return make_synthetic(seed=seed, **kwargs)
     if name in NATURAL_DATASETS:
         if not data_dir:
-            raise DataError(f"Dataset {name!r} reads files you have: give data_dir (--data-dir), see docs/data.md.")
+            raise DataError(f"Dataset {name!r} reads files you have: give data_dir (--data-dir), see the Data page of the documentation.")
         if name == "leaf":
             from fedpartial._src.data.leaf import load_leaf
 

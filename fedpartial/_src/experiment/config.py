@@ -74,7 +74,7 @@ class RunConfig:
     # --- data and population ---
     dataset: str = setting("digits", section="data", help="the dataset (fedpartial list datasets); digits, "
                            "mnist5k, synthetic and synthetic_text are offline; leaf and hf read files you have "
-                           "(docs/data.md)")
+                           "(the Data page)")
     data_dir: str | None = setting(None, section="data", help="the data folder: tensorflow-datasets' data "
                                    "directory, or the folder of a leaf or hf dataset",
                                    default_text="tensorflow-datasets' own")
@@ -128,11 +128,11 @@ class RunConfig:
     bn_policy: str = setting("global", section="model", help="BatchNorm statistics: global (aggregated like "
                              "weights) or static (not tracked; batch statistics at test time)")
     lora: int | None = setting(None, section="model", metavar="RANK", help="LoRA adapters of this rank on the "
-                               "model's Dense layers over a frozen base held once (docs/lora.md)", default_text="off")
+                               "model's Dense layers over a frozen base held once (the LoRA fine-tuning page)", default_text="off")
     lora_alpha: float | None = setting(None, section="model", metavar="ALPHA", help="the LoRA scaling numerator: an "
                                        "adapter adds (alpha/rank)·x·A·B", default_text="the rank (scale 1)")
-    lora_targets: str | None = setting(None, section="model", metavar="NAME,...", help="the layers LoRA wraps, "
-                                       "names or globs (block*/attn/*)", default_text="every block's attention "
+    lora_targets: str | None = setting(None, section="model", metavar="NAME,...", help="the layers LoRA wraps: "
+                                       "layer names or globs, comma-separated", default_text="every block's attention "
                                        "projections and MLP, else every Dense layer but the output layer")
     lora_ranks: str | None = setting(None, section="model", metavar="R,R,...", help="heterogeneous LoRA ranks: "
                                      "clients in equal groups by id train the first r of the --lora adapters' "

@@ -18,7 +18,7 @@ Where the variables live:
 * ``batch_stats``: as in the wrapped model.
 
 The forward pass never forms ``W + ΔW`` per client (that would be a client-sized copy of the base): the base
-layer runs on ``x`` and the adapter adds ``(x A) B``.  :func:`merge` forms it once, for evaluation or export.
+layer runs on ``x`` and the adapter adds ``(x A) B``.  :func:`merge_adapters` forms it once, for evaluation or export.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LoraSpec:
       rank: every adapter's rank ``r`` (the units of each A layer).
       alpha: the scaling numerator; an adapter adds ``(alpha / rank)·(x A) B``.
       adapters: the adapter pairs, input to output (:class:`Adapter`).
-      base: the wrapped model (what :func:`merge` returns variables for).
+      base: the wrapped model (what :func:`merge_adapters` returns variables for).
       train_head: whether the output layer trains (else it is part of the frozen base).
       ranks: heterogeneous rank tiers (``--lora-ranks``, :func:`~fedpartial.models.with_lora_ranks`): clients in
         equal groups by id train the first ``ranks[t]`` rank components; None: every client the full rank.
@@ -192,7 +192,7 @@ def lora(model: Model, rank: int, *, alpha: float | None = None, targets: Sequen
       train_head: the output layer trains with the adapters (default); False: it joins the frozen base.
 
     Returns:
-      The LoRA model (``model.lora`` says where its adapters are; :func:`merge` folds them into the base).
+      The LoRA model (``model.lora`` says where its adapters are; :func:`merge_adapters` folds them into the base).
 
     Raises:
       UserError: a bad rank, a target that matches nothing or is not a Dense layer.
@@ -315,7 +315,7 @@ def lora(model: Model, rank: int, *, alpha: float | None = None, targets: Sequen
                  lora=spec)
 
 
-def merge(model: Model, variables: dict) -> dict:
+def merge_adapters(model: Model, variables: dict) -> dict:
     """The wrapped model's variables with every adapter folded into its kernel, ``W + (α/r)·A B``: the base
     model (``model.lora.base``) computes with them what ``model`` computes with ``variables``.
 
