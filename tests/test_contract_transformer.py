@@ -4,9 +4,11 @@ its global value bit for bit) or is refused in one sentence naming what to chang
 One ``transformer_lm`` of the tiny size's structure (2 blocks, but d = 16; 11 tokens, sequences of 6) is shared
 by every case; its labels are per position (next tokens, -1 after the end).  The layer-wise methods the
 transformers are for (FedLDF, FedPart, EmbracingFL, DepthFL, InclusiveFL, FedPer, FedRep) and FedAvg run in the
-default suite, as do the refusals (they stop before anything compiles); the rest of the catalogue runs under
-``-m slow`` (a transformer round compiles for seconds).  The whole engine contract (strategies, padding,
-determinism) is test_contract.py's, on the small MLPs.
+default suite, and so does the rest of the catalogue: the MLP contract cannot stand in for it (pre-norms on a
+layer's inputs, residual streams and per-position labels broke FedADP, FedDHE and MOON until this test ran them).
+The LoRA methods run on the transformer with rank-2 adapters on every block (and FlexLoRA/HetLoRA with rank
+tiers 1 and 2).  The whole engine contract (strategies, padding, determinism) is test_contract.py's, on the small
+MLPs.
 """
 
 import jax
@@ -25,7 +27,9 @@ from fedpartial._src.methods.base import CohortInfo
 from fedpartial._src.methods.catalog import METHODS
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.transformer import TransformerLM, TransformerSize
-from tests.test_contract import BUILDERS, ON_STAGED
+from fedpartial._src.models.lora import lora
+from fedpartial._src.models.lora_ranks import with_lora_ranks
+from tests.test_contract import BUILDERS, ON_LORA, ON_LORA_RANKS, ON_STAGED
 
 N, K, V, T = 8, 3, 11, 6
 #: the structure of the tiny size (two blocks, every module) at a quarter of its width: the same program, less work
@@ -33,13 +37,15 @@ MICRO = TransformerSize(layers=2, d_model=16, heads=2, mlp=32)
 KEY = jax.random.key(0)
 
 #: the methods that cannot train a transformer, and their one-sentence refusal: dropping single neurons needs a
-#: chain of layers (a residual block is not one), and width tiers need a model with a width-reduced version
+#: chain of layers (a residual block is not one), width tiers need a model with a width-reduced version, and
+#: FedDHE's server-side label estimate needs one label per example (a language model has one per position)
 NEURONS = "neuron-level masks need a sequential model|drops single neurons"
 WIDTH = "width-reduced version"
 REFUSED = {**dict.fromkeys(("fedspu", "feddrop", "hermes", "fedmp", "prunefl", "afd", "fedselect", "fedad",
                             "feddhad"), NEURONS),
-           "fjord": f"{NEURONS}|{WIDTH}", "fedrolex": WIDTH}
-#: run in the default suite; every other built-in method under -m slow
+           "fjord": f"{NEURONS}|{WIDTH}", "fedrolex": WIDTH,
+           "feddhe": "one label per example"}
+#: the layer-wise methods transformers are for (a lighter test of their own below)
 LAYERWISE = ("fedavg", "fedldf", "fedpart", "embracingfl", "depthfl", "inclusivefl", "fedper", "fedrep")
 
 
@@ -96,6 +102,10 @@ def build(model, method):
 
 def one_round(lm, data, name):
     method = BUILDERS[name]()
+    if name in ON_LORA_RANKS:
+        lm = with_lora_ranks(lora(lm, 2), (1, 2))
+    elif name in ON_LORA:
+        lm = lora(lm, 2)
     model = method.adapt_model(lm) if name in ON_STAGED else lm
     r = build(model, method)
     before = jax.device_get(r.init(KEY))
@@ -103,7 +113,7 @@ def one_round(lm, data, name):
     return r, before, jax.device_get(after), jax.device_get(metrics)
 
 
-NAMES = [n if n in LAYERWISE or n in REFUSED else pytest.param(n, marks=pytest.mark.slow) for n in METHODS]
+NAMES = [*METHODS, *sorted(ON_LORA_RANKS)]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -68,7 +68,8 @@ def neuron_norms(structure: ModelStructure, params: Any, ord: int = 2) -> tuple[
 
     A neuron's parameters are the slice at its index of the last axis of every leaf of
     its layer: the kernel column (all inputs, all spatial taps), the bias, and the
-    normaliser's scale and bias.
+    normaliser's scale and bias.  A pre-norm's leaves (on the layer's inputs) and
+    whole-layer leaves (a low-rank factor) belong to no single neuron and are left out.
 
     Args:
       structure: the model's layer structure.
@@ -80,9 +81,12 @@ def neuron_norms(structure: ModelStructure, params: Any, ord: int = 2) -> tuple[
     """
     if ord not in (1, 2):
         raise ValueError(f"neuron norm order must be 1 or 2, got {ord!r}.")
-    flat = [(structure.role("params", path).layer, leaf) for path, leaf in leaf_paths(params)]
-    k = flat[0][1].shape[0]
+    roles = [(structure.role("params", path), leaf) for path, leaf in leaf_paths(params)]
+    k = roles[0][1].shape[0]
     acc = [jnp.zeros((k, u), jnp.float32) for u in structure.units]
+    # a pre-norm's leaves sit on the layer's inputs and a low-rank factor's last axis is its rank: neither is
+    # part of one output neuron, so neither counts towards a neuron's norm
+    flat = [(role.layer, leaf) for role, leaf in roles if role.units_axis and not role.on_input]
     for layer, leaf in flat:
         units = leaf.shape[-1]
         if units != structure.units[layer]:

@@ -240,7 +240,7 @@ def lora(model: Model, rank: int, *, alpha: float | None = None, targets: Sequen
         role = inner.role("params", path)
         if role.layer in trained_layers:
             roles["params"][path] = LeafRole(layer=new_index[role.layer], has_input_axis=False, norm=role.norm,
-                                             units_axis=role.units_axis)
+                                             on_input=role.on_input, units_axis=role.units_axis)  # (a pre-norm)
         else:
             roles[FROZEN][path] = LeafRole(layer=new_index[role.layer], has_input_axis=False, units_axis=False)
     for adapter in adapters:

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.core.losses import masked_cross_entropy
+from fedpartial._src.core.losses import label_weights, masked_cross_entropy
 from fedpartial._src.core.structure import with_frozen, without_frozen
 from fedpartial._src.methods.base import (
     Capabilities,
@@ -126,8 +126,8 @@ def moon(mu: float = 1.0, temperature: float = 0.5, projection_dim: int = 256) -
         previous: PreviousModel = step.client_state
         con = contrastive_loss(z, representation(ctx, step.global_vars, step),
                                representation(ctx, previous.variables, step), temperature, previous.exists)
-        real = step.batch.example_mask
-        con = jnp.sum(jnp.where(real, con, 0.0)) / jnp.maximum(jnp.sum(real), 1)
+        real = label_weights(step.batch.y, step.batch.example_mask)  # a language model's: one per position
+        con = jnp.sum(con * real) / jnp.maximum(jnp.sum(real), 1.0)
         return ce + mu * con, LossAux(loss=ce, batch_stats=stats)
 
     def update(ctx: MethodContext, view: RoundView) -> MethodState:

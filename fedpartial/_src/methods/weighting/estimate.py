@@ -50,6 +50,10 @@ def group_by_class(server: ServerData, num_classes: int, name: str = "feddhe") -
     Raises UserError unless every class has the same number ``m ≥ 1`` of examples.
     """
     x, y = np.asarray(server.x), np.asarray(server.y)
+    if y.ndim != 1:
+        raise UserError(f"{name} estimates label distributions on a server set with one label per example, but "
+                        f"its labels have shape {list(y.shape)} (one per position, a language model's); use "
+                        "feddh, which counts the clients' labels instead.")
     counts = np.bincount(y, minlength=num_classes) if y.size else np.zeros(num_classes, int)
     if len(counts) != num_classes or counts.min() < 1 or counts.min() != counts.max():
         raise UserError(f"{name}: the server set must hold the same number (≥ 1) of examples of each of the "
