@@ -133,3 +133,43 @@ def test_method_runs_on_a_transformer_or_is_refused(lm, data, name):
                                                    axes=(0, 0)) > 0, expanded)
     for new, old, got in zip(jax.tree.leaves(after.variables["params"]), jax.tree.leaves(g), jax.tree.leaves(received)):
         np.testing.assert_array_equal(np.asarray(new)[~got], np.asarray(old)[~got])
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_fedpart_trains_one_block_a_round(lm, data, adapters):
+    """``--train-unit block``: the cycle's unit is a stage (embed, block0, block1, head); round 2 of the cycle
+    trains every layer of block1 (its pre-norms too) and nothing else.  Under LoRA the frozen embedding is no
+    unit, so round 1 already reaches block1's adapters."""
+    from fedpartial._src.methods.layerwise.fedpart import fedpart, unit_of_layer
+
+    model = lora(lm, 2) if adapters else lm
+    stages = [model.stage_names[s] for s in model.stage_of_layer]
+    assert list(unit_of_layer(model, "block")) == [{"embed": 0, "block0": 1, "block1": 2, "head": 3}[s] - adapters
+                                                    for s in stages]
+    r = build(model, fedpart(train_unit="block"))
+    state = r.init(KEY)
+    state = state._replace(round=np.int32(1 if adapters else 2))
+    before = jax.device_get(state.variables["params"])
+    after, _ = r(state, data[0], KEY)
+    after = jax.device_get(after.variables["params"])
+    changed = {"/".join(map(str, p)) for p, a in jax.tree_util.tree_leaves_with_path(
+        jax.tree.map(lambda x, y: bool(np.any(x != y)), before, after)) if a}
+    changed = {name.replace("['", "").replace("']", "") for name in changed}
+    assert changed and all(name.startswith("block1") for name in changed), changed
+    expected = {"ln1", "ln2", "attn", "mlp"} if not adapters else {"attn", "mlp"}
+    assert {name.split("/")[1] for name in changed} == expected
+
+
+def test_fedpart_by_block_refuses_a_model_of_one_stage():
+    from fedpartial._src.methods.layerwise.fedpart import unit_of_layer
+    import flax.linen as nn
+
+    class Plain(nn.Module):  # a user's module: no stages
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(3, name="head")(nn.relu(nn.Dense(5, name="fc")(x)))
+
+    mlp = from_linen(Plain(), input_shape=(4,), num_classes=3, name="plain")
+    with pytest.raises(UserError, match=r"^fedpart --train-unit block needs a model of several stages .*; use "
+                                        r"--train-unit layer\.$"):
+        unit_of_layer(mlp, "block")

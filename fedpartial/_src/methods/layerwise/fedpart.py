@@ -23,17 +23,28 @@ cycle** — its reference implementation (FLAIR-Community/Fling, ``partial_model
 it (an earlier version of that file ran the 5 full rounds only once, at the start).  The defaults here
 (``F = 0``, ``R = 1``, one layer a round) are the plain cycle; ``--full-rounds 5 --rounds-per-layer 2`` is
 the paper's setting.  ``--layers-per-round`` ≥ the number of layers (or every round full) is FedAvg.
+
+Decision (``--train-unit block``): on a transformer a "layer" of the paper (a conv or a Dense with its norm) is
+one of a block's six projections, so the plain cycle would train a block's query alone, then its key, …  With
+``--train-unit block`` the unit of the schedule is the model's stage instead — ``embed``, ``block0`` …
+``block{n-1}``, ``head`` for the zoo transformers (a ResNet's stages, a CNN's conv stages) — and
+``--layers-per-round`` counts stages: one block a round.  Under ``--lora`` a stage's unit is its adapters
+(a stage with nothing to train, the frozen embedding, is no unit).  A model of one stage is refused.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import Capabilities, ClientPlan, Method, MethodContext, RoundView, make_method
 from fedpartial._src.methods.layerwise.fedldf import uploads_per_client
 from fedpartial._src.methods.registry import MethodSpec, Option, check_values, positive_int, whole_number
+
+TRAIN_UNITS = ("layer", "block")
 
 
 def schedule(round_, num_layers: int, layers_per_round: int = 1, rounds_per_layer: int = 1,
@@ -53,28 +64,46 @@ OPTIONS = (
            "(default 1; the paper's code: 2)", positive_int),
     Option("full_rounds", int, 0, "FedPart: full-network rounds before every input-to-output cycle (default 0; "
            "the paper's code: 5)", whole_number(0)),
+    Option("train_unit", str, "layer", "FedPart: what one step of the cycle trains: a layer or a block (a model "
+           "stage: a transformer block, a ResNet stage)", choices=TRAIN_UNITS),
 )
 
 
-def fedpart(layers_per_round: int = 1, rounds_per_layer: int = 1, full_rounds: int = 0) -> Method:
+def unit_of_layer(model, train_unit: str) -> np.ndarray:
+    """Per layer of ``model.structure``, the index of its unit in the cycle (static)."""
+    num_layers = model.structure.num_layers
+    if train_unit == "layer":
+        return np.arange(num_layers)
+    stages = np.asarray(model.stage_of_layer)
+    if len(np.unique(stages)) < 2:
+        raise UserError(f"fedpart --train-unit block needs a model of several stages (a zoo transformer, ResNet or "
+                        f"CNN), but model {model.name} has one; use --train-unit layer.")
+    return np.searchsorted(np.unique(stages), stages)  # the stages that have layers, numbered in order
+
+
+
+def fedpart(layers_per_round: int = 1, rounds_per_layer: int = 1, full_rounds: int = 0,
+            train_unit: str = "layer") -> Method:
     """FedPart: the whole cohort trains and uploads the same few layers a round, cycling input to output.
 
     Args:
-      layers_per_round: layers trained and uploaded each round.
+      layers_per_round: layers (or blocks) trained and uploaded each round.
       rounds_per_layer: rounds each group of layers is trained before moving on.
       full_rounds: rounds of whole-model training (FedAvg) before the cycle starts.
+      train_unit: ``"layer"``: the cycle's unit is a layer; ``"block"``: a model stage (one block a round).
 
     Returns:
       The :class:`~fedpartial.Method` (``--method fedpart``).
     """
     check_values("fedpart", OPTIONS, layers_per_round=layers_per_round, rounds_per_layer=rounds_per_layer,
-                 full_rounds=full_rounds)
+                 full_rounds=full_rounds, train_unit=train_unit)
     settings = dict(layers_per_round=int(layers_per_round), rounds_per_layer=int(rounds_per_layer),
                     full_rounds=int(full_rounds))
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         k, num_layers = view.cohort.num_samples.shape[0], ctx.structure.num_layers
-        layers = schedule(view.round, num_layers, **settings)
+        unit = unit_of_layer(ctx.model, train_unit)
+        layers = schedule(view.round, int(unit.max()) + 1, **settings)[unit]
         # The download stays None (the whole model): a client needs every layer to train one.
         return ClientPlan(train=masks.from_layers(ctx.structure, jnp.broadcast_to(layers, (k, num_layers))))
 
