@@ -216,6 +216,11 @@ def test_rank_tiers_train_and_send_each_clients_leading_components(model, cohort
     fc1_a, fc1_b = model.lora.adapters[0].a_layer, model.lora.adapters[0].b_layer
     np.testing.assert_array_equal(up[:, fc1_a], 4 * np.array([4 * 1, 4 * 1, 4 * 2]))
     np.testing.assert_array_equal(up[:, fc1_b], 4 * np.array([1 * 6, 1 * 6, 2 * 6]))
+    # each client receives its own rank's components too (and the whole trained head)
+    down = metrics[0]["download_bytes_per_layer"]
+    np.testing.assert_array_equal(down[:, fc1_a], up[:, fc1_a])
+    np.testing.assert_array_equal(down[:, fc1_b], up[:, fc1_b])
+    np.testing.assert_array_equal(down[:, -1], 4 * (5 * 3 + 3))
     _, _, full, _ = run(model, fedit(), cohorts[:1])
     one_round = run(tiered, rank_tiers(fedit()), cohorts[:1])[2]
     a = one_round.variables["params"]["fc1"]["lora_a"]["kernel"]

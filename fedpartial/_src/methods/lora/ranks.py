@@ -5,7 +5,7 @@ The tiers are the model's (:func:`~fedpartial.models.with_lora_ranks`): the clie
 id (``floor(id · T / N)``, as FIARSE's ``--ratios``); tier ``t`` has rank ``ranks[t]``.  The rank components are the units of every adapter's A layer (:class:`~fedpartial.models.LoraSpec`):
 a neuron mask keeping A's first ``r_k`` columns keeps, through the wiring, B's first ``r_k`` rows.  It is the
 client's sub-model (``ClientPlan.dropout``: the components past ``r_k`` are out of its forward pass and its
-training) and limits its upload, so one compiled round serves every tier, and the server averages each
+training), is not sent to it (its download) and limits its upload, so one compiled round serves every tier, and the server averages each
 component over the clients that hold it (the one formula: HetLoRA's zero-padding without the zeros counted).
 """
 
@@ -44,7 +44,8 @@ def rank_tiers(method: Method) -> Method:
     def plan(ctx: MethodContext, view: RoundView, inner: ClientPlan) -> ClientPlan:
         lora_spec(method.name, ctx)
         tiers = rank_mask(ctx, view.cohort.client_ids)
-        return inner._replace(dropout=_within(inner.dropout, tiers))
+        # the components past r_k are out of the client's model: not sent to it either
+        return inner._replace(dropout=_within(inner.dropout, tiers), download=_within(inner.download, tiers))
 
     def select(ctx: MethodContext, view: RoundView, inner: Selection) -> Selection:
         lora_spec(method.name, ctx)
