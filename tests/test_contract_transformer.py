@@ -173,3 +173,38 @@ def test_fedpart_by_block_refuses_a_model_of_one_stage():
     with pytest.raises(UserError, match=r"^fedpart --train-unit block needs a model of several stages .*; use "
                                         r"--train-unit layer\.$"):
         unit_of_layer(mlp, "block")
+
+
+#: combinations on the transformer, at the smallest size that shows them: a LoRA method under rank tiers and a
+#: layer-wise method, each with every wrapper it allows stacked around it (test_combinations.py's, on the MLPs)
+COMBINED = [("fedit", "ranks", "fused:2"), ("fedldf", None, "fused"), ("fedsa_lora", "lora", "fused")]
+
+
+@pytest.mark.parametrize("name, adapters, strategy", COMBINED, ids=[c[0] for c in COMBINED])
+def test_combinations_on_a_transformer(lm, data, name, adapters, strategy):
+    """No retrace and a resumed round equal bit for bit (the fused round equals the stepwise one for every bare
+    method in test_contract.py)."""
+    import chex
+
+    from tests.test_combinations import OPT, SERVER, checkpointed, stacked
+
+    model = {"ranks": lambda: with_lora_ranks(lora(lm, 2), (1, 2)), "lora": lambda: lora(lm, 2),
+             None: lambda: lm}[adapters]()
+    method, refused = stacked(name)
+    assert len(refused) < 3, refused
+
+    def make(strategy):
+        return FederatedRound(model, stacked(name)[0], num_clients=N, cohort_size=K, client_optimizer=OPT,
+                              server_optimizer=SERVER, rounds=4, label_counts=label_counts(),
+                              server_data=server_data(), strategy=strategies.parse_strategy(strategy),
+                              bn_policy="static")
+
+    r = make(strategy)
+    first, _ = r(r.init(KEY), data[0], jax.random.fold_in(KEY, 0))
+    traces, restore = r.trace_count, checkpointed(first)
+    second = jax.device_get(r(first, data[1], jax.random.fold_in(KEY, 1))[0])
+    assert r.trace_count == traces, "round 2 retraced"
+    resumed, _ = r(restore(), data[1], jax.random.fold_in(KEY, 1))
+    chex.assert_trees_all_equal(jax.device_get(resumed), second)
+    for leaf in jax.tree.leaves(second.variables):
+        assert np.isfinite(leaf).all()
