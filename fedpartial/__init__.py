@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from fedpartial._src.version import __version__
 
 if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference) read them
-    from fedpartial._src.core.errors import DivergedError, UserError
+    from fedpartial._src.core.errors import DivergedError, NothingTrainedWarning, UserError
     from fedpartial._src.core.masks import Mask
     from fedpartial._src.core.structure import ModelStructure
     from fedpartial._src.engine.metrics import traffic_totals
@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # the names as static tools (type checkers, the API reference
 _WHERE = {
     "DivergedError": "fedpartial._src.core.errors",
     "UserError": "fedpartial._src.core.errors",
+    "NothingTrainedWarning": "fedpartial._src.core.errors",
     "Mask": "fedpartial._src.core.masks",
     "ModelStructure": "fedpartial._src.core.structure",
     "traffic_totals": "fedpartial._src.engine.metrics",
@@ -170,7 +171,7 @@ __all__ = [
     # differential privacy: DP-FedAvg around any method, and its accountant
     "PrivacyAccountant", "dp_fedavg",
     # errors
-    "DivergedError", "UserError",
+    "DivergedError", "NothingTrainedWarning", "UserError",
     "__version__",
     # curated subpackages
     "data", "masks", "methods", "models",

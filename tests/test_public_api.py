@@ -8,7 +8,7 @@ PUBLIC = ("fedpartial", "fedpartial.methods", "fedpartial.models", "fedpartial.d
 
 TOP = [
     "Batch", "Capabilities", "Carry", "ClientGroup", "ClientOptimizer", "ClientPlan", "Cohort", "CohortInfo",
-    "DivergedError",
+    "DivergedError", "NothingTrainedWarning",
     "ENTRY_POINT_GROUP", "FederatedRound", "Holdout", "InitView", "LocalGraph", "LocalStep", "LossAux", "Mask",
     "Method", "MethodContext", "MethodSpec", "MethodState", "Option", "OptimizerSettings", "PersonalModels",
     "PrivacyAccountant", "RoundView", "RunConfig", "Selection", "ServerData", "ServerState", "Simulation", "Strategy",
