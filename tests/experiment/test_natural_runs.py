@@ -10,6 +10,7 @@ import pytest
 import fedpartial as fp
 from fedpartial._src.cli.main import main as cli
 from fedpartial._src.data.leaf import load_leaf
+from fedpartial._src.experiment import population
 from tests.data.natural_files import leaf_folder
 
 SMALL_MODELS = '''
@@ -20,6 +21,12 @@ def chars(num_classes, input_shape):
 
 def words(num_classes, input_shape):
     return StackedLSTM(num_classes=num_classes, vocab_size=10_000, embed_dim=8, hidden=(8, 8), dense=(8,))
+
+def lm(num_classes, input_shape):
+    from fedpartial._src.models.transformer import TransformerLM
+    return TransformerLM(num_classes=num_classes)
+
+lm.language_model = True
 '''
 
 
@@ -92,6 +99,21 @@ def test_transformer_lm_reads_shakespeare_files_per_position_and_counts_characte
     perplexity = [r["perplexity"] for r in records]
     assert perplexity[-1] == pytest.approx(np.exp(records[-1]["test_loss"]), rel=1e-5)
     assert perplexity[0] < 82 and perplexity[-1] < perplexity[0]  # it learns from the first rounds
+
+
+def test_the_view_follows_the_model(folders):
+    loaded = load_leaf(folders / "shakespeare")
+
+    def view(model):
+        return population.for_model(fp.RunConfig(dataset="leaf", data_dir=str(folders / "shakespeare"), model=model,
+                                                 out_dir=None), loaded)
+
+    # the classifiers (auto: shakespeare_lstm) read one label per example, the language models one per position
+    assert view("auto") is loaded and view("transformer_cls") is loaded and view("natural_small_models:chars") is loaded
+    mine = view("natural_small_models:lm")  # a user's model that says language_model = True
+    assert mine.y_train.shape == (192, 20) and mine.num_classes == 82
+    assert population.for_model(fp.RunConfig(dataset="leaf", data_dir="x", model="transformer_lm", out_dir=None),
+                                mine) is mine  # already per position: a caller's dataset is not viewed twice
 
 
 def test_sent140_files_learn_the_sentiment(folders):
