@@ -36,8 +36,8 @@ class ArrayDataset:
         per position (e.g. ``synthetic_lm``'s topic), or None.
       label_token_offset: when each example's label is the token that follows its token ids (next-character
         prediction, LEAF's Shakespeare), the token id of class ``c`` is ``c + label_token_offset`` (1 there:
-        id 0 is padding), which gives the data a language model's view
-        (:func:`~fedpartial._src.data.language.next_token_view`); None: the labels are not tokens.
+        id 0 is padding), so a run whose model is a language model reads it with a label per position;
+        None: the labels are not tokens.
     """
 
     name: str
