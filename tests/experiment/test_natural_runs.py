@@ -11,6 +11,9 @@ import fedpartial as fp
 from fedpartial._src.cli.main import main as cli
 from fedpartial._src.data.leaf import load_leaf
 from fedpartial._src.experiment import population
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.recurrent import StackedLSTM
+from fedpartial._src.models.transformer import TransformerLM
 from tests.data.natural_files import leaf_folder
 
 SMALL_MODELS = '''
@@ -114,6 +117,13 @@ def test_the_view_follows_the_model(folders):
     assert mine.y_train.shape == (192, 20) and mine.num_classes == 82
     assert population.for_model(fp.RunConfig(dataset="leaf", data_dir="x", model="transformer_lm", out_dir=None),
                                 mine) is mine  # already per position: a caller's dataset is not viewed twice
+    # a caller's model: a language model when its logits are per position
+    config = fp.RunConfig(dataset="leaf", data_dir="x", out_dir=None)
+    lm = from_linen(TransformerLM(num_classes=82), input_shape=(20,), num_classes=82)
+    classifier = from_linen(StackedLSTM(num_classes=81, vocab_size=82, embed_dim=4, hidden=(4,)), input_shape=(20,),
+                            num_classes=81)
+    np.testing.assert_array_equal(population.for_model(config, loaded, lm).y_train, mine.y_train)
+    assert population.for_model(config, loaded, classifier) is loaded
 
 
 def test_sent140_files_learn_the_sentiment(folders):

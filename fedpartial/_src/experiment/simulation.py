@@ -116,11 +116,12 @@ class Simulation:
 
     def _load_dataset(self, dataset: sources.ArrayDataset | None, model: Model | None) -> None:
         """The training and test data: the caller's ``dataset``, else the one the config names; in the view the
-        config's model reads (a language model: labels per position), unless the caller brings the model."""
-        if dataset is None:
+        run's model (the caller's ``model``, else the config's) reads (a language model: labels per position)."""
+        if dataset is None and model is None:
             self.dataset = population.load_dataset(self.config)
         else:
-            self.dataset = dataset if model is not None else population.for_model(self.config, dataset)
+            loaded = dataset if dataset is not None else population.load_dataset(self.config, viewed=False)
+            self.dataset = population.for_model(self.config, loaded, model)
         self.config = population.with_population(self.config, self.dataset)  # leaf, hf: --clients from the files
         population.check_labels(self.dataset)  # before the partition counts them
 
