@@ -9,6 +9,7 @@ datasets = pytest.importorskip("datasets")
 from fedpartial._src.data.arrays import DataError  # noqa: E402
 from fedpartial._src.data.hf import load_hf  # noqa: E402
 from fedpartial._src.data.leaf import LEAF_CHARACTERS  # noqa: E402
+from fedpartial._src.data.language import next_token_view  # noqa: E402
 
 WRITERS = np.random.default_rng(1).permutation(["w1"] * 11 + ["w2"] * 2 + ["w3"] * 7).tolist()
 
@@ -66,6 +67,11 @@ def test_parquet_folder_and_a_test_split_of_characters(tmp_path):
                                                [idx("a") + 1, idx("b") + 1, idx("}") + 1],
                                                [idx("a") + 1, idx("b") + 1, idx("c") + 1]])
     np.testing.assert_array_equal(ds.y_train, [80, idx("c"), idx("d")])
+    # the labels are the next characters, so a language model reads it per position as LEAF's Shakespeare
+    assert ds.label_token_offset == 1
+    np.testing.assert_array_equal(next_token_view(ds).y_train, [[idx("q") + 1, 81, 81],
+                                                                [idx("b") + 1, idx("}") + 1, idx("c") + 1],
+                                                                [idx("b") + 1, idx("c") + 1, idx("d") + 1]])
     # a's test row is a's; c is in no training row, so its row joins the test set without a client
     assert [len(p) for p in ds.natural_test_partition] == [1, 0] and len(ds.y_test) == 2
 
@@ -75,7 +81,7 @@ def test_words_and_named_labels(tmp_path):
                                         "sentiment": ["pos", "neg", "pos"]})
     datasets.DatasetDict({"train": train, "test": train.select([2])}).save_to_disk(str(tmp_path))
     ds = load_hf(tmp_path, client_column="user")
-    assert ds.num_classes == 2 and ds.usual_model == "sent140_lstm"
+    assert ds.num_classes == 2 and ds.usual_model == "sent140_lstm" and ds.label_token_offset is None
     np.testing.assert_array_equal(ds.y_train, [1, 0, 1])  # neg 0, pos 1 (sorted)
     np.testing.assert_array_equal(ds.x_train[:, :3], [[3, 2, 0], [4, 2, 0], [3, 0, 0]])  # day 2, good 3, bad 4
 

@@ -1,6 +1,7 @@
 """LEAF's JSON files read as clients: exact per-user counts and rows (ragged storage equal to a dense reference),
 LEAF's own split per user, the vocabularies, the choice of clients, and one sentence for every bad file."""
 
+import dataclasses
 import json
 import os
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from fedpartial._src.data import text
-from fedpartial._src.data.arrays import DataError
+from fedpartial._src.data.arrays import ArrayDataset, DataError
+from fedpartial._src.data.language import next_token_view
 from fedpartial._src.data.leaf import LEAF_CHARACTERS, SENT140_SEQ_LEN, load_leaf
 from fedpartial._src.data.sources import load_dataset
 from tests.data.natural_files import leaf_folder, write_leaf
@@ -26,6 +28,7 @@ def test_femnist_users_are_clients_in_file_order_with_leafs_split(femnist):
     folder, written = femnist
     ds = load_leaf(folder)
     assert ds.name == "femnist" and ds.num_classes == 62 and ds.usual_model == "femnist_cnn"
+    assert ds.label_token_offset is None  # its labels are no tokens: no language model's view
     assert ds.client_names == tuple(SIZES)  # files in name order, users in file order
     assert [len(p) for p in ds.natural_partition] == [n for n, _ in SIZES.values()]
     assert [len(p) for p in ds.natural_test_partition] == [n for _, n in SIZES.values()]
@@ -80,6 +83,38 @@ def test_shakespeare_uses_leafs_80_characters(tmp_path):
                                                [ids["Z"] + 1, 81, ids[" "] + 1, ids["a"] + 1]])
     np.testing.assert_array_equal(ds.y_train, [ids[" "], 80])
     np.testing.assert_array_equal(ds.y_test, [ids["d"]])
+
+
+def test_shakespeare_per_position_view_predicts_every_next_character(tmp_path):
+    write_leaf(tmp_path, "train", [{"HAMLET": (["ab}\n", "Z~ a"], [" ", "~"])}])
+    write_leaf(tmp_path, "test", [{"HAMLET": (["abc!"], ["d"])}])
+    ds = load_leaf(tmp_path)
+    assert ds.label_token_offset == 1
+    view = next_token_view(ds)
+    tok = {c: LEAF_CHARACTERS.index(c) + 1 for c in "ab}\n Z!cd"}  # token ids; 81 any other character
+    # position t's label is the token at t + 1; the last position's is the example's label, as a token id
+    np.testing.assert_array_equal(view.y_train, [[tok["b"], tok["}"], tok["\n"], tok[" "]],
+                                                 [81, tok[" "], tok["a"], 81]])
+    np.testing.assert_array_equal(view.y_test, [[tok["b"], tok["c"], tok["!"], tok["d"]]])
+    np.testing.assert_array_equal(view.x_train, ds.x_train)
+    # one vocabulary for inputs and outputs: 82 token ids (padding, LEAF's 80 characters, other)
+    assert view.num_classes == 82 and view.label_token_offset is None and view.usual_model == "transformer_lm"
+    np.testing.assert_array_equal(view.group_train, [LEAF_CHARACTERS.index(" "), 80])  # the next characters
+    assert [list(p) for p in view.natural_partition] == [[0, 1]] and view.client_names == ("HAMLET",)
+
+
+def test_the_per_position_view_ignores_padding_and_needs_next_token_labels():
+    x = np.array([[5, 6, 7, 0, 0], [9, 0, 0, 0, 0], [0, 0, 0, 0, 0]], np.int32)
+    data = ArrayDataset(name="chars", x_train=x, y_train=np.array([3, 4, 2], np.int32), x_test=x[:1],
+                        y_test=np.array([8], np.int32), num_classes=10, label_token_offset=1)
+    view = next_token_view(data)
+    # the label after the last real token (y + 1) sits at that token; padding positions are ignored (-1)
+    np.testing.assert_array_equal(view.y_train, [[6, 7, 4, -1, -1], [5, -1, -1, -1, -1], [-1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(view.y_test, [[6, 7, 9, -1, -1]])
+    assert view.num_classes == 11
+    with pytest.raises(DataError, match=r"^chars's labels are not the tokens that follow its examples, so it has "
+                                        r"no per-position view; .*\.$"):
+        next_token_view(dataclasses.replace(data, label_token_offset=None))
 
 
 def test_sent140_vocabulary_comes_from_the_training_tweets(tmp_path):

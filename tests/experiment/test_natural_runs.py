@@ -9,6 +9,11 @@ import pytest
 
 import fedpartial as fp
 from fedpartial._src.cli.main import main as cli
+from fedpartial._src.data.leaf import load_leaf
+from fedpartial._src.experiment import population
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.recurrent import StackedLSTM
+from fedpartial._src.models.transformer import TransformerLM
 from tests.data.natural_files import leaf_folder
 
 SMALL_MODELS = '''
@@ -19,6 +24,12 @@ def chars(num_classes, input_shape):
 
 def words(num_classes, input_shape):
     return StackedLSTM(num_classes=num_classes, vocab_size=10_000, embed_dim=8, hidden=(8, 8), dense=(8,))
+
+def lm(num_classes, input_shape):
+    from fedpartial._src.models.transformer import TransformerLM
+    return TransformerLM(num_classes=num_classes)
+
+lm.language_model = True
 '''
 
 
@@ -72,6 +83,49 @@ def test_shakespeare_files_learn_the_next_character(folders):
     assert accuracy[-1] >= 0.9  # 9 characters: chance is about 0.11
 
 
+def test_transformer_lm_reads_shakespeare_files_per_position_and_counts_characters(folders):
+    config = fp.RunConfig(dataset="leaf", data_dir=str(folders / "shakespeare"), model="transformer_lm", rounds=2,
+                          cohort_size=2, local_steps=4, batch_size=8, client_lr=0.1, out_dir=None,
+                          strategy="stepwise:1")
+    sim = fp.Simulation(config)
+    records = list(sim.rounds())
+    loaded = load_leaf(folders / "shakespeare")
+    x, y = sim.dataset.x_train, sim.dataset.y_train
+    # one vocabulary of 82 token ids in and out; every position's label is the next character's id, the last
+    # position's the file's next character (LEAF's strings have no padding, so no label is ignored)
+    assert sim.dataset.num_classes == 82 and y.shape == x.shape == (192, 20)
+    np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
+    np.testing.assert_array_equal(y[:, -1], loaded.y_train + 1)
+    # accuracy counts characters: the model's arg-max at every test position
+    logits = np.asarray(sim.model.apply(sim.state.variables, sim.dataset.x_test, False)[0])
+    assert records[-1]["test_accuracy"] == pytest.approx(np.mean(logits.argmax(-1) == sim.dataset.y_test), abs=1e-6)
+    perplexity = [r["perplexity"] for r in records]
+    assert perplexity[-1] == pytest.approx(np.exp(records[-1]["test_loss"]), rel=1e-5)
+    assert perplexity[0] < 82 and perplexity[-1] < perplexity[0]  # it learns from the first rounds
+
+
+def test_the_view_follows_the_model(folders):
+    loaded = load_leaf(folders / "shakespeare")
+
+    def view(model):
+        return population.for_model(fp.RunConfig(dataset="leaf", data_dir=str(folders / "shakespeare"), model=model,
+                                                 out_dir=None), loaded)
+
+    # the classifiers (auto: shakespeare_lstm) read one label per example, the language models one per position
+    assert view("auto") is loaded and view("transformer_cls") is loaded and view("natural_small_models:chars") is loaded
+    mine = view("natural_small_models:lm")  # a user's model that says language_model = True
+    assert mine.y_train.shape == (192, 20) and mine.num_classes == 82
+    assert population.for_model(fp.RunConfig(dataset="leaf", data_dir="x", model="transformer_lm", out_dir=None),
+                                mine) is mine  # already per position: a caller's dataset is not viewed twice
+    # a caller's model: a language model when its logits are per position
+    config = fp.RunConfig(dataset="leaf", data_dir="x", out_dir=None)
+    lm = from_linen(TransformerLM(num_classes=82), input_shape=(20,), num_classes=82)
+    classifier = from_linen(StackedLSTM(num_classes=81, vocab_size=82, embed_dim=4, hidden=(4,)), input_shape=(20,),
+                            num_classes=81)
+    np.testing.assert_array_equal(population.for_model(config, loaded, lm).y_train, mine.y_train)
+    assert population.for_model(config, loaded, classifier) is loaded
+
+
 def test_sent140_files_learn_the_sentiment(folders):
     _, accuracy = _run(folders, "sent140", model="natural_small_models:words", rounds=6, client_lr=0.5)
     assert accuracy[-1] >= 0.9
@@ -116,9 +170,16 @@ def test_hf_parquet_learns(tmp_path):
      "--leaf-task 'celeba' is not allowed: it must be one of femnist, shakespeare, sent140."),
     (["--dataset", "leaf", "--data-dir", "{femnist}", "--model", "natural_small_models:nothing"],
      "--model 'natural_small_models:nothing': module 'natural_small_models' has no 'nothing'."),
+    (["--dataset", "leaf", "--data-dir", "{femnist}", "--model", "transformer_lm"],
+     "--model transformer_lm is a language model (a next token at every position), but the labels of femnist are "
+     "one class per example, not the token that follows; choose a classifier such as femnist_cnn, or "
+     "next-character data (LEAF's or a Hugging Face Shakespeare) or synthetic_lm for the language model."),
+    (["--dataset", "leaf", "--data-dir", "{sent140}", "--model", "transformer_lm"],
+     "--model transformer_lm is a language model (a next token at every position), but the labels of sent140 are "
+     "one class per example, not the token that follows; choose a classifier such as sent140_lstm"),
 ])
 def test_the_command_line_refuses_in_one_sentence(folders, capsys, flags, message):
-    flags = [f.format(femnist=folders / "femnist") for f in flags]
+    flags = [f.format(femnist=folders / "femnist", sent140=folders / "sent140") for f in flags]
     assert cli(["run", *flags, "--rounds", "1", "--out", str(folders / "runs")]) != 0
     err = capsys.readouterr().err
     assert message.format(femnist=folders / "femnist") in " ".join(err.split()), err

@@ -34,6 +34,10 @@ class ArrayDataset:
         the one the dataset's name gives.
       group_train: per training example a group id (``[n]`` int) that partitioning reads when the labels are
         per position (e.g. ``synthetic_lm``'s topic), or None.
+      label_token_offset: when each example's label is the token that follows its token ids (next-character
+        prediction, LEAF's Shakespeare), the token id of class ``c`` is ``c + label_token_offset`` (1 there:
+        id 0 is padding), so a run whose model is a language model reads it with a label per position;
+        None: the labels are not tokens.
     """
 
     name: str
@@ -47,6 +51,7 @@ class ArrayDataset:
     client_names: tuple[str, ...] | None = None
     usual_model: str | None = None
     group_train: np.ndarray | None = None
+    label_token_offset: int | None = None
 
     @property
     def groups(self) -> np.ndarray:

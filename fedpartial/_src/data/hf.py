@@ -208,7 +208,8 @@ def load_hf(folder: str, *, client_column: str | None = None, feature: str | Non
     if kind == "images":
         usual = "femnist_cnn" if x_all.shape[1:3] == (28, 28) else "cnn2c1f"
     return ragged_dataset("hf", train, test, num_clients=len(chosen), num_classes=num_classes,
-                          client_names=[str(n) for n in names[chosen]], usual_model=usual or "mlp")
+                          client_names=[str(n) for n in names[chosen]], usual_model=usual or "mlp",
+                          label_token_offset=leaf.CHARACTER_ID_OFFSET if kind == "chars" else None)
 
 
 def _rows_by_owner(owner_of: np.ndarray, chosen: np.ndarray) -> list[np.ndarray]:

@@ -1,4 +1,5 @@
-"""Language-model data: next-token targets, and ``synthetic_lm``, an offline corpus with learnable structure.
+"""Language-model data: next-token targets, the per-position view of next-character data, and ``synthetic_lm``,
+an offline corpus with learnable structure.
 
 A language-model dataset's features are int32 token ids ``[n, T]``, right-padded with 0 (the layout of
 :mod:`fedpartial._src.data.text`: 0 padding, 1 unknown, real tokens from 2), and its labels are the *next
@@ -6,6 +7,12 @@ tokens* ``[n, T]`` (:func:`next_token_targets`): ``y[:, t] = x[:, t + 1]``, with
 :data:`~fedpartial._src.core.losses.IGNORED_LABEL` (-1) where the next token is padding or past the end, so
 loss and accuracy count every real target and nothing else.  ``num_classes`` is the vocabulary size.  The
 labels have no class per example, so partitioning reads ``group_train`` instead (:attr:`ArrayDataset.groups`).
+
+Next-character data (LEAF's Shakespeare: token ids ``[n, T]`` and one label, the character that follows) has
+a language model's view (:func:`next_token_view`): the labels of position ``t`` are the token at ``t + 1``,
+the last real position's label is the example's own label as a token id, and padding positions are ignored.
+Its classes are the token ids themselves, so the inputs and the outputs share one vocabulary (``num_classes``
+is the number of token ids; padding, id 0, is never a label).
 
 ``synthetic_lm`` (:func:`make_synthetic_lm`) draws every sequence from one of ``num_topics`` first-order
 Markov chains over the ``vocab_size - 2`` words: in each topic every word has ``branching`` possible
@@ -22,6 +29,7 @@ from ``numpy.random.default_rng(seed)``.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import numpy as np
@@ -30,7 +38,7 @@ from fedpartial._src.core.losses import IGNORED_LABEL
 from fedpartial._src.data.arrays import ArrayDataset, DataError, stratified_test_indices
 from fedpartial._src.data.text import PAD
 
-__all__ = ["make_synthetic_lm", "next_token_targets"]
+__all__ = ["make_synthetic_lm", "next_token_targets", "next_token_view"]
 
 _FIRST_WORD = 2  # ids 0 (padding) and 1 (unknown) are reserved
 
@@ -43,6 +51,38 @@ def next_token_targets(x: np.ndarray) -> np.ndarray:
     following = x[:, 1:]
     y[:, :-1] = np.where(following == PAD, IGNORED_LABEL, following)
     return y
+
+
+def next_token_view(dataset: ArrayDataset) -> ArrayDataset:
+    """``dataset`` (next-character data: :attr:`ArrayDataset.label_token_offset` set) with labels per position.
+
+    For right-padded token ids ``x`` ``[n, T]`` and labels ``y`` ``[n]``: position ``t``'s label is
+    ``x[t + 1]``; the last real (non-padding) position's is ``y + label_token_offset``, the token ``y``
+    names; padding positions get :data:`~fedpartial._src.core.losses.IGNORED_LABEL`. ``num_classes`` becomes
+    the number of token ids (``num_classes + label_token_offset``: LEAF's 81 classes are 82 ids), the old
+    labels become ``group_train`` (what a label-skewed partition splits by), and the clients and the rest stay.
+
+    Raises:
+      DataError: labels that are not next tokens (``label_token_offset`` None), in one sentence.
+    """
+    offset = dataset.label_token_offset
+    if offset is None or np.ndim(dataset.y_train) != 1:
+        raise DataError(f"{dataset.name}'s labels are not the tokens that follow its examples, so it has no "
+                        "per-position view; a language model needs next-character data such as LEAF's Shakespeare.")
+
+    def per_position(x, y):
+        targets = next_token_targets(x)
+        real = x != PAD
+        last = x.shape[1] - 1 - np.argmax(real[:, ::-1], axis=1)  # the last real position of each row
+        rows = np.flatnonzero(real.any(axis=1))  # a row of padding alone has nothing to predict
+        targets[rows, last[rows]] = np.asarray(y)[rows] + offset
+        targets[~real] = IGNORED_LABEL
+        return targets
+
+    return dataclasses.replace(
+        dataset, y_train=per_position(dataset.x_train, dataset.y_train),
+        y_test=per_position(dataset.x_test, dataset.y_test), num_classes=int(dataset.num_classes + offset),
+        group_train=np.asarray(dataset.y_train, np.int32), label_token_offset=None, usual_model="transformer_lm")
 
 
 def make_synthetic_lm(num_examples: int = 2000, seq_len: int = 32, vocab_size: int = 64, num_topics: int = 4,

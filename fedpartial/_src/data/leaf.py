@@ -18,7 +18,9 @@ Tasks (which one comes from the first example, or ``task`` where given):
     characters (:data:`LEAF_CHARACTERS`, from LEAF's ``models/utils/language_utils.py``); a character
     outside it is "other" (LEAF's reference code would look it up as -1). Token ids: 0 padding, ``1 + i``
     for the ``i``-th character of :data:`LEAF_CHARACTERS`, 81 other; classes: ``i`` for the ``i``-th
-    character, 80 other (81 classes). Examples ``[80]`` int32. Usual model ``shakespeare_lstm``.
+    character, 80 other (81 classes). Examples ``[80]`` int32. Usual model ``shakespeare_lstm``. The label
+    is the token that follows ``x`` (its id the class + :data:`CHARACTER_ID_OFFSET`), so a language model
+    reads the same data per position (:func:`fedpartial._src.data.language.next_token_view`).
 ``sent140``
     ``x`` is LEAF's list of tweet fields, of which ``x[4]`` is the tweet's text; ``y`` is 0 (negative) or 1
     (positive). Words are LEAF's (``[\\w']+`` runs and ``.,!?;``), lower-cased; instead of LEAF's GloVe
@@ -44,7 +46,7 @@ from fedpartial._src.data import text
 from fedpartial._src.data.arrays import DataError
 from fedpartial._src.data.natural import RaggedBuilder, choose_users, ragged_dataset
 
-__all__ = ["LEAF_CHARACTERS", "LEAF_TASKS", "load_leaf"]
+__all__ = ["CHARACTER_ID_OFFSET", "LEAF_CHARACTERS", "LEAF_TASKS", "load_leaf"]
 
 LEAF_TASKS = ("femnist", "shakespeare", "sent140")
 #: LEAF's character vocabulary (``ALL_LETTERS`` of its ``models/utils/language_utils.py``), 80 characters
@@ -52,6 +54,8 @@ LEAF_CHARACTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdef
 SENT140_SEQ_LEN = 25
 SENT140_VOCAB_SIZE = 10_000
 FEMNIST_CLASSES = 62
+#: the token id of character class ``c`` is ``c + CHARACTER_ID_OFFSET`` (id 0 is padding)
+CHARACTER_ID_OFFSET = 1
 USUAL_MODELS = {"femnist": "femnist_cnn", "shakespeare": "shakespeare_lstm", "sent140": "sent140_lstm"}
 
 _CHAR_ID = {c: i for i, c in enumerate(LEAF_CHARACTERS)}
@@ -69,7 +73,7 @@ def char_ids(strings, users_what: str) -> np.ndarray:
         if not isinstance(s, str) or len(s) != length:
             raise DataError(f"{users_what} has an x that is not a string of {length} characters like the others "
                             f"(example {i}: {str(s)[:40]!r}).")
-        rows[i] = [_CHAR_ID.get(c, _OTHER) + 1 for c in s]
+        rows[i] = [_CHAR_ID.get(c, _OTHER) + CHARACTER_ID_OFFSET for c in s]
     return rows
 
 
@@ -262,7 +266,8 @@ def load_leaf(folder: str, *, task: str | None = None, seed: int = 0, max_client
             test.offsets.append(test.filled)
     num_classes = {"femnist": FEMNIST_CLASSES, "shakespeare": _OTHER + 1, "sent140": 2}[task]
     return ragged_dataset(task, train, test, num_clients=len(chosen), num_classes=num_classes,
-                          client_names=list(client_of), usual_model=USUAL_MODELS[task])
+                          client_names=list(client_of), usual_model=USUAL_MODELS[task],
+                          label_token_offset=CHARACTER_ID_OFFSET if task == "shakespeare" else None)
 
 
 def _read_split(files: list[str], wanted, task: str | None, take, task_of: list) -> str | None:

@@ -108,12 +108,14 @@ class RaggedBuilder:
 
 
 def ragged_dataset(name: str, train: RaggedBuilder, test: RaggedBuilder, *, num_clients: int, num_classes: int,
-                   client_names: Sequence[str], usual_model: str | None) -> ArrayDataset:
+                   client_names: Sequence[str], usual_model: str | None,
+                   label_token_offset: int | None = None) -> ArrayDataset:
     """The :class:`ArrayDataset` of the clients' rows: client ``k`` is the ``k``-th user added to ``train``
-    and to ``test`` (test rows after the clients' are the test examples of users who are no client)."""
+    and to ``test`` (test rows after the clients' are the test examples of users who are no client);
+    ``label_token_offset`` as :class:`ArrayDataset` says (next-character data)."""
     x_train, y_train = train.arrays((), np.float32)
     x_test, y_test = test.arrays(x_train.shape[1:], x_train.dtype)
     return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
                         num_classes=num_classes, natural_partition=train.ranges(),
                         natural_test_partition=test.ranges(num_clients), client_names=tuple(client_names),
-                        usual_model=usual_model)
+                        usual_model=usual_model, label_token_offset=label_token_offset)

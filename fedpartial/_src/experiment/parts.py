@@ -90,12 +90,18 @@ def model_outputs(model: Model, dtype=np.float32) -> int:
     return int(logits.shape[-1])
 
 
+def labels_per_example(model: Model, dtype) -> tuple[int, ...]:
+    """The shape of the labels ``model`` predicts for one example of ``dtype``: ``()`` a class, ``(T,)`` one per
+    position (a language model); from shapes alone."""
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), dtype)
+    return tuple(jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x).shape[1:-1])
+
+
 def check_outputs_fit_labels(model: Model, dataset: sources.ArrayDataset) -> None:
     """Refuses, in one sentence, a model whose logits do not have one row per label of an example: a language
     model (logits per position) on one label per example, or a classifier on labels per position."""
-    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
-    x = jax.ShapeDtypeStruct((1, *model.input_shape), dataset.x_train.dtype)
-    per_example = tuple(jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x).shape[1:-1])
+    per_example = labels_per_example(model, dataset.x_train.dtype)
     labels = tuple(np.shape(dataset.y_train)[1:])
     if per_example != labels:
         def said(shape):

@@ -14,16 +14,21 @@ import numpy as np
 
 from fedpartial._src.core.losses import IGNORED_LABEL
 from fedpartial._src.core.types import CohortInfo, Holdout
-from fedpartial._src.data import packing, sources
+from fedpartial._src.data import language, packing, sources
 from fedpartial._src.data.partition import partition as split_population
 from fedpartial._src.core import types as core_types
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import DEFAULT_MODELS
+from fedpartial._src.experiment.parts import labels_per_example
+from fedpartial._src.models import registry
+from fedpartial._src.models.adapter import Model
 
 
-def load_dataset(config: RunConfig) -> sources.ArrayDataset:
-    """The dataset ``config`` names (the synthetic generator sized by its population settings)."""
+def load_dataset(config: RunConfig, viewed: bool = True) -> sources.ArrayDataset:
+    """The dataset ``config`` names (the synthetic generator sized by its population settings), in the view its
+    model reads (:func:`for_model`; ``viewed=False``: as loaded)."""
     options = {}
     if config.dataset == "synthetic":
         options = {"alpha": config.alpha, "beta": config.alpha, "num_clients": config.num_clients}
@@ -34,7 +39,31 @@ def load_dataset(config: RunConfig) -> sources.ArrayDataset:
                    "num_clients": config.num_clients}
         options.update({"task": config.leaf_task} if config.dataset == "leaf" else
                        {"client_column": config.client_column, "feature": config.feature, "label": config.label})
-    return sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
+    loaded = sources.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed, **options)
+    return for_model(config, loaded) if viewed else loaded
+
+
+def for_model(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None = None) -> sources.ArrayDataset:
+    """``dataset`` as the run's model reads it: next-character data (LEAF's or a Hugging Face Shakespeare)
+    with a label per position for a language model (:func:`~fedpartial._src.data.language.next_token_view`),
+    anything else as it is.  The model is the caller's ``model`` (a language model when its logits are per
+    position), else the config's (its registry entry says); a language model the config names on labels that
+    are not next tokens is refused in one sentence (a caller's model is checked when the run is built)."""
+    if model is not None:
+        if dataset.label_token_offset is None or np.ndim(dataset.y_train) > 1 or \
+                not labels_per_example(model, dataset.x_train.dtype):
+            return dataset
+        return language.next_token_view(dataset)
+    usual = dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+    name = usual if config.model == "auto" else config.model
+    if not registry.find_model(name).language_model or np.ndim(dataset.y_train) > 1:
+        return dataset
+    if dataset.label_token_offset is None:
+        raise ConfigError(f"--model {name} is a language model (a next token at every position), but the labels of "
+                          f"{dataset.name} are one class per example, not the token that follows; choose a "
+                          f"classifier such as {usual}, or next-character data (LEAF's or a Hugging Face "
+                          "Shakespeare) or synthetic_lm for the language model.")
+    return language.next_token_view(dataset)
 
 
 def with_population(config: RunConfig, dataset: sources.ArrayDataset) -> RunConfig:

@@ -79,7 +79,7 @@ class Simulation:
         self.config = self._checked_config(config, method, data_placement)
         #: the persistent compilation cache's folder (None: off)
         self.compile_cache_dir = compile_cache.enable(self.config.compile_cache)
-        self._load_dataset(dataset)
+        self._load_dataset(dataset, model)
         self._choose_method(method)
         self._split_population()
         self._place_data(data_placement)
@@ -114,9 +114,14 @@ class Simulation:
                               f"--data-placement {config.data_placement}).")
         return config
 
-    def _load_dataset(self, dataset: sources.ArrayDataset | None) -> None:
-        """The training and test data: the caller's ``dataset``, else the one the config names."""
-        self.dataset = dataset if dataset is not None else population.load_dataset(self.config)
+    def _load_dataset(self, dataset: sources.ArrayDataset | None, model: Model | None) -> None:
+        """The training and test data: the caller's ``dataset``, else the one the config names; in the view the
+        run's model (the caller's ``model``, else the config's) reads (a language model: labels per position)."""
+        if dataset is None and model is None:
+            self.dataset = population.load_dataset(self.config)
+        else:
+            loaded = dataset if dataset is not None else population.load_dataset(self.config, viewed=False)
+            self.dataset = population.for_model(self.config, loaded, model)
         self.config = population.with_population(self.config, self.dataset)  # leaf, hf: --clients from the files
         population.check_labels(self.dataset)  # before the partition counts them
 

@@ -34,12 +34,15 @@ class ModelSpec:
         residual/skip connections); only such models support neuron-level masks.
       sized: whether the model comes in the named sizes of ``--model-size``
         (:data:`~fedpartial.models.MODEL_SIZES`); its factory then also takes ``size``.
+      language_model: whether the model predicts the next token at every position of its token ids (labels
+        per position, ``num_classes`` its vocabulary); a run gives it next-character data in that view.
     """
 
     factory: Callable[..., nn.Module]
     description: str
     sequential: bool
     sized: bool = False
+    language_model: bool = False
 
 
 #: the model zoo: each name of ``--model`` (``fedpartial list models``) -> how to build it
@@ -100,7 +103,7 @@ MODELS: dict[str, ModelSpec] = {
             num_classes=num_classes, size=size),
         description="Decoder-only causal transformer language model (pre-LayerNorm, GPT-2 style; token ids in, "
                     "next-token logits out; --model-size).",
-        sequential=False, sized=True,
+        sequential=False, sized=True, language_model=True,
     ),
     "transformer_cls": ModelSpec(
         factory=lambda num_classes, input_shape, size=transformer.DEFAULT_SIZE: transformer.TransformerCLS(
@@ -129,7 +132,7 @@ def find_model(name: str) -> ModelSpec:
     ``cls(num_classes=C)``) or a factory ``factory(num_classes, input_shape) -> flax.linen.Module``; the
     module is imported as ``--method`` plug-ins are (the command line puts the working directory on the
     path). A user's model is taken as not sequential (no neuron-level methods) unless the attribute says
-    ``sequential = True``.
+    ``sequential = True``, and as a classifier unless it says ``language_model = True``.
 
     Raises:
       UserError: an unknown name, or a reference that cannot be imported, in one sentence.
@@ -151,12 +154,13 @@ def find_model(name: str) -> ModelSpec:
     if isinstance(obj, ModelSpec):
         return obj
     sequential = bool(getattr(obj, "sequential", False))
+    language_model = bool(getattr(obj, "language_model", False))
     if isinstance(obj, type) and issubclass(obj, nn.Module):
         return ModelSpec(lambda num_classes, input_shape: obj(num_classes=num_classes),
-                         (obj.__doc__ or name).strip().splitlines()[0], sequential)
+                         (obj.__doc__ or name).strip().splitlines()[0], sequential, language_model=language_model)
     if callable(obj):
         return ModelSpec(obj, ((getattr(obj, "__doc__", None) or name).strip().splitlines() or [name])[0],
-                         sequential)
+                         sequential, language_model=language_model)
     raise UserError(f"model {name!r} is a {type(obj).__name__}, not a flax.linen.Module class, a ModelSpec or a "
                     "factory(num_classes, input_shape) returning a module.")
 
