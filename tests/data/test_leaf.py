@@ -42,8 +42,9 @@ def test_femnist_users_are_clients_in_file_order_with_leafs_split(femnist):
             np.testing.assert_array_equal(ds.x_test[ds.natural_test_partition[k]],
                                           np.asarray(written["test"][user][0], np.float32).reshape(-1, 28, 28, 1))
     assert ds.x_test.shape[0] == 6
-    # LEAF's pixels as they are: the background 1.0, the ink 0
-    assert ds.x_train.max() == 1.0 and ds.x_train.min() == 0.0
+    # LEAF's pixels as they are (the background light, the ink dark): the same values as written, not inverted
+    written_pixels = np.concatenate([np.asarray(x, np.float32) for x, _ in written["train"].values()])
+    assert ds.x_train.max() == written_pixels.max() and ds.x_train.min() == written_pixels.min() < 0.5
 
 
 def test_clients_are_chosen_deterministically_for_a_seed(femnist):

@@ -14,7 +14,7 @@ from fedpartial._src.experiment import population
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.recurrent import StackedLSTM
 from fedpartial._src.models.transformer import TransformerLM
-from tests.data.natural_files import leaf_folder
+from tests.data.natural_files import femnist_examples, leaf_folder
 
 SMALL_MODELS = '''
 from fedpartial._src.models.recurrent import StackedLSTM
@@ -60,27 +60,29 @@ def _run(folders, task, **settings):
 
 
 def test_femnist_files_learn_with_every_writer_a_client_and_resume(folders, tmp_path):
-    config = fp.RunConfig(dataset="leaf", data_dir=str(folders / "femnist"), model="mlp", rounds=4, cohort_size=3,
+    config = fp.RunConfig(dataset="leaf", data_dir=str(folders / "femnist"), model="mlp", rounds=7, cohort_size=3,
                           local_steps=4, batch_size=8, client_lr=0.01, strategy="stepwise:1",
                           out_dir=str(tmp_path / "runs"))
     assert config.num_clients is None and config.partition == "natural"
     summary = fp.run(config, checkpoint_every=2)
     accuracy = [r["test_accuracy"] for r in summary["records"]]
-    assert accuracy[0] < 0.5 and accuracy[-1] >= 0.9  # 4 classes: chance is 0.25
+    # 4 classes: chance is 0.25, the best about 0.93 (a label in ten is random); measured 0.19 ... 0.92
+    assert accuracy[0] < 0.5 and accuracy[-1] >= 0.75
     run_dir = summary["run_dir"]
     saved = json.load(open(os.path.join(run_dir, "config.json")))
     assert saved["num_clients"] == 6 and saved["partition"] == "natural"  # every writer, resolved from the files
     # extend the finished run by a round from its checkpoint: the same population, the rounds continue
-    assert cli(["run", "--resume", run_dir, "--rounds", "5", "--quiet"]) == 0
+    assert cli(["run", "--resume", run_dir, "--rounds", "8", "--quiet"]) == 0
     rounds = [json.loads(line)["round"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    assert rounds == [1, 2, 3, 4, 5]
+    assert rounds == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_shakespeare_files_learn_the_next_character(folders):
-    sim, accuracy = _run(folders, "shakespeare", model="natural_small_models:chars", rounds=5, local_steps=8,
+    sim, accuracy = _run(folders, "shakespeare", model="natural_small_models:chars", rounds=6, local_steps=8,
                          client_lr=0.5)
     assert sim.dataset.num_classes == 81 and sim.config.num_clients == 4
-    assert accuracy[-1] >= 0.9  # 9 characters: chance is about 0.11
+    # 9 characters: chance is about 0.11, the best 0.75 (a character's successor is random one time in 4)
+    assert accuracy[0] < 0.3 and accuracy[-1] >= 0.45
 
 
 def test_transformer_lm_reads_shakespeare_files_per_position_and_counts_characters(folders):
@@ -128,28 +130,28 @@ def test_the_view_follows_the_model(folders):
 
 def test_sent140_files_learn_the_sentiment(folders):
     _, accuracy = _run(folders, "sent140", model="natural_small_models:words", rounds=6, client_lr=0.5)
-    assert accuracy[-1] >= 0.9
+    # the best is about 0.95 (a label in ten is random); measured 0.69 ... 0.83
+    assert accuracy[-1] >= 0.75 and accuracy[-1] > accuracy[0]
 
 
 def test_hf_parquet_learns(tmp_path):
     datasets = pytest.importorskip("datasets")
     rng = np.random.default_rng(0)
-    labels = rng.integers(0, 4, 120)
-    images = np.full((120, 28, 28), 255, np.uint8)
-    for i, c in enumerate(labels):
-        images[i, 7 * c:7 * c + 7] = 0
+    pixels, labels = femnist_examples(rng, 120)  # FEMNIST-like, not learnt at once (see natural_files)
+    images = np.round(255 * np.asarray(pixels).reshape(120, 28, 28)).astype(np.uint8)
+    labels = np.asarray(labels)
     ds = datasets.Dataset.from_dict({"writer_id": [f"w{i % 5}" for i in range(120)], "image": list(images),
                                      "label": labels.tolist()},
                                     features=datasets.Features({"writer_id": datasets.Value("string"),
                                                                 "image": datasets.Image(),
                                                                 "label": datasets.ClassLabel(num_classes=4)}))
     ds.to_parquet(str(tmp_path / "train.parquet"))
-    config = fp.RunConfig(dataset="hf", data_dir=str(tmp_path), client_column="writer_id", model="mlp", rounds=4,
+    config = fp.RunConfig(dataset="hf", data_dir=str(tmp_path), client_column="writer_id", model="mlp", rounds=7,
                           cohort_size=2, local_steps=4, batch_size=8, client_lr=0.01, out_dir=None,
                           strategy="stepwise:1")
     sim = fp.Simulation(config)
     assert sim.config.num_clients == 5
-    assert [r["test_accuracy"] for r in sim.rounds()][-1] >= 0.9
+    assert [r["test_accuracy"] for r in sim.rounds()][-1] >= 0.6  # 4 classes: chance is 0.25
 
 
 @pytest.mark.parametrize("flags, message", [
