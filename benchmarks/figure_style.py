@@ -36,6 +36,8 @@ METHOD_COLOURS = {
     "ditto": "#8c564b",
     "feddh": "#d62728", "fedjs": "#2ca02c", "feddhe": "#ff7f0e", "fedad": "#9467bd", "feddhad": "#1f77b4",
     "fedasync": "#e377c2", "fedbuff": "#1f77b4", "async": "#17becf",
+    "fedit": "#1f77b4", "ffa_lora": "#ff7f0e", "fedsa_lora": "#2ca02c", "hetlora": "#d62728", "flexlora": "#9467bd",
+    "flora": "#17becf",
     "auto": "#d62728", "stepwise": "#1f77b4", "fused": "#2ca02c",
 }
 _FALLBACK = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",

@@ -41,6 +41,7 @@ def test_one_colour_per_method_everywhere():
                      ("fedldf", "random", "hdfl", "fedadp", "fedavg"),
                      ("embracingfl", "heterofl", "fedrolex", "depthfl", "inclusivefl"),
                      ("fedper", "lgfedavg", "fedrep", "fedbn", "fedbabu", "ditto", "fedavg"),
-                     ("feddh", "fedjs", "feddhe", "fedad", "feddhad", "fedavg")):
+                     ("feddh", "fedjs", "feddhe", "fedad", "feddhad", "fedavg"),
+                     ("fedavg", "fedpart", "fedit", "ffa_lora", "fedsa_lora", "hetlora", "flexlora", "flora")):
         colours = [figure_style.colour(m) for m in together]
         assert len(set(colours)) == len(colours), together
