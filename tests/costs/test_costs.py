@@ -183,3 +183,31 @@ def test_fedspu_table_needs_a_sequential_model():
     model = from_linen(zoo.MLP(num_classes=3, hidden=(5,)), input_shape=(4,), num_classes=3, sequential=False)
     with pytest.raises(ValueError, match="sequential"):
         costs.fedspu_memory_table(model, batch_size=1)
+
+
+def test_a_lora_clients_footprint_holds_the_base_once_and_its_activations():
+    """Weights: the frozen base and the adapters (the head once); gradients: the adapters and the head; activations:
+    the base's (the backward pass to the adapters goes through it) plus each adapter's ``x A`` (batch · r)."""
+    import flax.linen as nn
+
+    from fedpartial._src.costs.flops import layer_costs
+    from fedpartial._src.costs.footprint import memory_footprint
+    from fedpartial._src.models.adapter import from_linen
+    from fedpartial._src.models.lora import lora
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(3, name="head")(nn.relu(nn.Dense(6, name="fc")(x)))
+
+    base = from_linen(Net(), input_shape=(4,), num_classes=3, name="net")
+    adapted = lora(base, 2, targets=["fc"])
+    plain, got = memory_footprint(base, batch_size=5), memory_footprint(adapted, batch_size=5)
+    adapters = 4 * (4 * 2 + 2 * 6)  # A [4, 2], B [2, 6], float32
+    head = 4 * (6 * 3 + 3)
+    assert got["weights_bytes"] == plain["weights_bytes"] + adapters
+    assert got["gradient_bytes"] == adapters + head
+    assert got["activation_bytes"] == plain["activation_bytes"] + 5 * 2 * 4
+    # the adapters' layers have FLOPs of their own: x A (4 x 2) and (x A) B (2 x 6), per example
+    a, b = adapted.lora.adapters[0].a_layer, adapted.lora.adapters[0].b_layer
+    assert list(layer_costs(adapted).forward_flops[[a, b]]) == [2 * 4 * 2, 2 * 2 * 6]

@@ -77,6 +77,7 @@ from flax.linen.linear import canonicalize_padding
 
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.core.structure import leaf_paths
+from fedpartial._src.costs.footprint import adapted_paths, adapter_outputs
 from fedpartial._src.engine import graphs
 from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.models.adapter import Model
@@ -152,7 +153,7 @@ def layer_costs(model: Model, input_shape: Sequence[int] | None = None) -> Layer
       ValueError: no call was recorded for some layer (e.g. an NNX model).
     """
     structure = model.structure
-    wanted = {layer.path for layer in structure.layers}
+    wanted = {layer.path for layer in structure.layers} | adapted_paths(model)
     seen: dict[tuple[str, ...], tuple] = {}
 
     def record(next_fun, args, kwargs, context):
@@ -168,6 +169,11 @@ def layer_costs(model: Model, input_shape: Sequence[int] | None = None) -> Layer
     x = jax.ShapeDtypeStruct((1, *shape), getattr(model, "input_dtype", jnp.float32))
     with nn.intercept_methods(record):
         jax.eval_shape(lambda v, xb: model.apply(v, xb, False), variables, x)
+    recorded = {path: out[1:] for path, (_, _, out) in seen.items()}  # one example's, as adapter_outputs takes
+    for path, (a_out, b_out) in adapter_outputs(model, recorded).items():  # a LoRA model's A and B layers
+        module, in_shape, _ = seen[path]
+        seen.setdefault((*path, "lora_a"), (module, in_shape, (1, *a_out)))
+        seen.setdefault((*path, "lora_b"), (module, (1, *a_out), (1, *b_out)))
     kernels = {}
     for path, leaf in leaf_paths(variables["params"]):
         if path[:-1] in wanted:

@@ -32,7 +32,7 @@ import numpy as np
 from fedpartial._src.core import masks
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.models.adapter import Model
-from fedpartial._src.core.structure import ModelStructure
+from fedpartial._src.core.structure import FROZEN, ModelStructure
 
 #: ratios of FedSPU's Fig. 5 plus full training (p = 1)
 FEDSPU_RATIOS = (0.2, 0.4, 0.6, 0.8, 1.0)
@@ -52,6 +52,28 @@ def _check_mask(structure: ModelStructure, mask: Mask | None, name: str) -> None
         )
 
 
+def values_bytes(tree, bytes_per_value: int) -> int:
+    """Bytes of every value of ``tree`` at ``bytes_per_value`` each (shapes only: abstract leaves do)."""
+    return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))) * bytes_per_value
+
+
+def adapted_paths(model: Model) -> set[tuple[str, ...]]:
+    """The module paths of a LoRA model's targeted Dense layers (empty for any other model)."""
+    spec = getattr(model, "lora", None)
+    return set() if spec is None else {a.path for a in spec.adapters}
+
+
+def adapter_outputs(model: Model, outputs: dict) -> dict:
+    """Per targeted layer of a LoRA model whose output shape ``outputs`` recorded (one example, no batch axis),
+    the output shapes of its A layer (``x A``: the rank on the last axis) and its B layer (the target's own):
+    the adapters are parameters of the target's call, not modules of their own, so no call records them."""
+    spec = getattr(model, "lora", None)
+    if spec is None:
+        return {}
+    return {a.path: (tuple(outputs[a.path][:-1]) + (spec.rank,), tuple(outputs[a.path]))
+            for a in spec.adapters if a.path in outputs}
+
+
 def layer_output_shapes(model: Model, input_shape: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
     """Per layer (structure order), the shape of one example's Conv/Dense output, without a batch axis.
 
@@ -66,7 +88,7 @@ def layer_output_shapes(model: Model, input_shape: Sequence[int] | None = None) 
       ValueError: no output was recorded for some layer (e.g. an NNX model, whose
         calls linen cannot intercept).
     """
-    wanted = {layer.path for layer in model.structure.layers}
+    wanted = {layer.path for layer in model.structure.layers} | adapted_paths(model)
     seen: dict[tuple[str, ...], tuple[int, ...]] = {}
 
     def record(next_fun, args, kwargs, context):
@@ -82,6 +104,9 @@ def layer_output_shapes(model: Model, input_shape: Sequence[int] | None = None) 
     x = jax.ShapeDtypeStruct((1, *shape), jnp.float32)  # models cast their input (token models to int32)
     with nn.intercept_methods(record):
         jax.eval_shape(lambda v, xb: model.apply(v, xb, False), variables, x)
+    for path, (a_out, b_out) in adapter_outputs(model, seen).items():
+        seen.setdefault((*path, "lora_a"), a_out)
+        seen.setdefault((*path, "lora_b"), b_out)
     for layer in model.structure.layers:
         if layer.path not in seen:
             raise ValueError(
@@ -120,7 +145,9 @@ def memory_footprint(
     * ``total_bytes`` — their sum.
 
     Only the ``params`` collection counts (running statistics are neither trained
-    nor large).  Masks may carry leading axes (e.g. ``[K]``); values are then int64
+    nor large), and, for a LoRA model (:func:`~fedpartial.models.lora`), the frozen base
+    held once in ``weights_bytes`` and the base's activations, which the backward pass to
+    the adapters goes through, in ``activation_bytes``.  Masks may carry leading axes (e.g. ``[K]``); values are then int64
     arrays with the broadcast leading shape, and Python ints otherwise.
 
     Raises:
@@ -141,14 +168,25 @@ def memory_footprint(
 
     shapes = layer_output_shapes(model)
     units = _units_per_layer(structure, trained if trained is not None else held)
+    spec = getattr(model, "lora", None)
+    # a LoRA model's B layers and head add to the base's outputs, which the base's own activations count
+    counted = range(structure.num_layers) if spec is None else [a.a_layer for a in spec.adapters]
     activations = np.asarray(0, np.int64)
-    for layer, shape, u in zip(structure.layers, shapes, units):
+    for i, (layer, shape, u) in enumerate(zip(structure.layers, shapes, units)):
+        if i not in counted:
+            continue
         if shape[-1:] != (layer.units,):
             raise ValueError(
                 f"layer {layer.name!r} outputs shape {shape}, whose last axis is not its "
                 f"{layer.units} units; activation counts need the units on the last axis."
             )
         activations = activations + batch_size * math.prod(shape[:-1]) * u * bytes_per_value
+    if spec is not None:
+        # a LoRA client also holds the frozen base (once) and keeps the base's activations for the backward pass
+        # that reaches the adapters through it, beside each adapter's x A
+        base = memory_footprint(spec.base, batch_size=batch_size, bytes_per_value=bytes_per_value)
+        weights = weights + values_bytes(variables.get(FROZEN, {}), bytes_per_value)
+        activations = activations + base["activation_bytes"]
 
     weights, gradients, activations = np.broadcast_arrays(weights, gradients, activations)
     out = {
