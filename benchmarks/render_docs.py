@@ -33,7 +33,7 @@ BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(<!-- END 
 
 # How each result family is produced (the JSON's ``benchmark`` field -> the script that writes it).
 SCRIPTS = {
-    "lora": "python -m benchmarks.lora",
+    "lora": "python -m benchmarks.lora", "lora_speed": "python -m benchmarks.lora_speed",
     "strategies": "python -m benchmarks.strategies", "compare_revisions": "python -m benchmarks.compare_revisions",
     "throughput": "fedpartial bench", "seeds": "python -m benchmarks.seeds", "scale": "python -m benchmarks.scale",
     "stream_conv": "python -m benchmarks.stream_conv", "data_placement": "python -m benchmarks.data_placement",
@@ -895,6 +895,7 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
             or "No result file yet: run `python -m benchmarks.async`.",
             "lora": render_lora.block(results, table, device_of, date_of, command_of, render_figures.figures_of,
                                       render_figures.figure_lines),
+            "lora-speed": render_lora.speed_block(results, table, device_of, date_of, command_of),
             **render_families.blocks(results)}
 
 

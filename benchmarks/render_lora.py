@@ -74,3 +74,26 @@ def block(results: dict, table, device_of, date_of, command_of, figures_of, figu
                       "half of an adapter only where a layer has as many inputs as outputs."]
         lines += [""] + figure_lines(figures_of([name]), "assets/benchmarks/")
     return "\n".join(lines).rstrip() or "No result file yet: run `python -m benchmarks.lora --size cpu`."
+
+
+def speed_block(results: dict, table, device_of, date_of, command_of) -> str:
+    """The LoRA speed benchmark: each runner's round time beside the plain loop's and full fine-tuning's."""
+    lines = []
+    for name, d in sorted((n, d) for n, d in results.items() if d.get("benchmark") == "lora_speed"):
+        s = d["settings"]
+        lines += [f"`benchmarks/results/{name}` — {device_of(name, d)}, {date_of(name, d)}: {command_of(name, d)}. "
+                  f"`transformer_lm` ({s['size']}), K = {s['clients']} clients, each {s['local_steps']} local steps "
+                  f"of {s['batch']} sequences of {s['seq_len']} tokens; LoRA rank {s['rank']} (FedIT) against full "
+                  f"fine-tuning (FedAvg); median of {s['repeats']} rounds; a float32 matmul ran at "
+                  f"{d['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s.", ""]
+        rows = [[r["runner"], f"{r['round_s']:.3f}", f"{r['speedup_vs_plain_loop']:.2f}",
+                 f"{r['speedup_vs_full_finetuning']:.2f}" if "speedup_vs_full_finetuning" in r else "—",
+                 f"{r['achieved_flops_per_s'] / 1e9:.1f}", f"{r['percent_of_matmul']:.1f} %",
+                 f"{r['step_floor_s']:.3f}"] for r in d["rows"]]
+        lines += table(["runner", "round (s)", "× plain loop", "× full fine-tuning", "GFLOP/s", "of matmul",
+                        "steps alone (s)"], rows)
+        flops = d["step_flops"]
+        lines += ["", f"A client step costs {flops['lora'] / 1e6:.0f} MFLOPs under LoRA and {flops['full'] / 1e6:.0f} "
+                      f"fully ({d['trained_parameters']['lora']:,} against {d['trained_parameters']['full']:,} "
+                      "trained parameters).", ""]
+    return "\n".join(lines).rstrip() or "No result file yet: run `python -m benchmarks.lora_speed`."

@@ -18,3 +18,12 @@ def test_auto_resolves_for_this_platform_and_model(mlp, cnn):
     for m in (mlp, cnn, None):
         assert parse_strategy("auto", m) == default_strategy(jax.default_backend(), m)
     assert parse_strategy("stepwise:3", cnn) == stepwise(3)  # explicit choices are kept
+
+
+def test_a_lora_model_fuses_the_cohort_on_every_platform(mlp):
+    """Its frozen base is shared: vmapped, each base product is one over every client's examples."""
+    from fedpartial._src.models.lora import lora
+
+    adapted = lora(mlp, 2)
+    for platform in ("cpu", "gpu", "tpu"):
+        assert default_strategy(platform, adapted) == fused(None)
