@@ -2,11 +2,13 @@
 
 Usage::
 
-    python -m benchmarks.lora_memory [--cohorts 4,16,64] [--width 1024] [--rank 8] [--stacked-up-to K] [--run]
-        [--out PATH]
+    python -m benchmarks.lora_memory [--model mlp|transformer_lm] [--size tiny|small|...] [--cohorts 4,16,64]
+        [--width 1024] [--rank 8] [--stacked-up-to K] [--run] [--out PATH]
 
 The model is an MLP of three ``--width`` hidden Dense layers on 64 inputs (the base: about 2.2M parameters at
-width 1024, 8.7 MB), with LoRA adapters of ``--rank`` on every hidden layer and a trained head.  Two rounds of the
+width 1024, 8.7 MB), with LoRA adapters of ``--rank`` on every hidden layer and a trained head, or
+(``--model transformer_lm``) the zoo's language model of ``--size`` on sequences of 32 tokens, with adapters on
+every block's attention projections and MLP (the default targets) and a trained head.  Two rounds of the
 same arithmetic are compared, FedAvg over the fused strategy:
 
 * ``held once``: the LoRA model (``fedpartial.models.lora``): the base is the ``frozen`` collection, held once
@@ -19,7 +21,8 @@ For each, the peak is XLA's buffer assignment for the compiled round (arguments 
 aliased: the memory the round needs on its device, read from ``compiled.memory_analysis()``, identical on every
 run), and the growth per extra client against the smallest cohort.  It must grow by about
 K × (adapters + their optimizer state + activations) held once, not K × the base.  JSON with the device, date and
-command goes to ``benchmarks/results/lora-memory-<backend>.json``.
+command goes to ``benchmarks/results/lora-memory-<backend>.json`` (the MLP) or
+``lora-memory-<model>-<size>-<backend>.json``.
 """
 
 from __future__ import annotations
@@ -116,10 +119,17 @@ def base_frozen_by_masks(twin, frozen_paths):
     return make_method("fedavg-masked-base", plan=plan, select=select)
 
 
-def cohort(k: int, steps: int, batch: int) -> Cohort:
+SEQ_LEN, VOCAB = 32, 66  # the language model's sequences: synthetic_lm's shape
+
+
+def cohort(k: int, steps: int, batch: int, tokens: bool = False) -> Cohort:
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(k, steps, batch, 64)).astype(np.float32)
-    y = rng.integers(0, 10, (k, steps, batch)).astype(np.int32)
+    if tokens:  # full-length sequences and their next tokens
+        ids = rng.integers(2, VOCAB, (k, steps, batch, SEQ_LEN + 1)).astype(np.int32)
+        x, y = ids[..., :-1], ids[..., 1:]
+    else:
+        x = rng.normal(size=(k, steps, batch, 64)).astype(np.float32)
+        y = rng.integers(0, 10, (k, steps, batch)).astype(np.int32)
     return Cohort(Batch(x, y, np.ones((k, steps, batch), bool), np.ones((k, steps), bool)),
                   CohortInfo(np.arange(k, dtype=np.int32), np.full((k,), float(steps * batch), np.float32),
                              np.ones((k,), bool)))
@@ -131,7 +141,7 @@ def peak(model, method, k: int, steps: int, batch: int, run: bool = False) -> di
     r = FederatedRound(model, method, num_clients=k, cohort_size=k, strategy=fused(),
                        client_optimizer=optax.sgd(0.01, momentum=0.9))
     state = jax.eval_shape(r.pure_init, jax.random.key(0))
-    c = cohort(k, steps, batch)
+    c = cohort(k, steps, batch, tokens=model.input_shape == (SEQ_LEN,))
     compiled = jax.jit(r.pure_round).lower(state, c, jax.random.key(1)).compile()
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -152,6 +162,8 @@ def peak(model, method, k: int, steps: int, batch: int, run: bool = False) -> di
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("mlp", "transformer_lm"), default="mlp")
+    ap.add_argument("--size", default="tiny", help="the transformer's --model-size")
     ap.add_argument("--cohorts", default="4,16,64")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=8)
@@ -163,7 +175,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cohorts = [int(k) for k in args.cohorts.split(",")]
-    base = from_linen(Wide(args.width), input_shape=(64,), num_classes=10, name=f"mlp{args.width}x3")
+    if args.model == "transformer_lm":
+        from fedpartial._src.models.transformer import SIZES, TransformerLM
+
+        base = from_linen(TransformerLM(num_classes=VOCAB, size=SIZES[args.size]), input_shape=(SEQ_LEN,),
+                          num_classes=VOCAB, name=f"transformer_lm-{args.size}")
+    else:
+        base = from_linen(Wide(args.width), input_shape=(64,), num_classes=10, name=f"mlp{args.width}x3")
     model = lora(base, args.rank)
     twin, frozen_paths = stacked_twin(model)
     shapes = jax.eval_shape(model.init_variables, jax.random.key(0))
@@ -187,7 +205,8 @@ def main(argv=None):
                             "assignment), base held once vs stacked per client", "model": base.name,
                     "rank": args.rank, "steps": args.steps, "batch": args.batch, **sizes, "rows": rows,
                     "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend()})
-    out = args.out or os.path.join("benchmarks", "results", f"lora-memory-{jax.default_backend()}.json")
+    stem = "lora-memory" if args.model == "mlp" else f"lora-memory-{args.model}-{args.size}"
+    out = args.out or os.path.join("benchmarks", "results", f"{stem}-{jax.default_backend()}.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"base {sizes['base_bytes'] / 2**20:.1f} MiB, trained {sizes['trained_bytes'] / 2**20:.2f} MiB; wrote {out}")

@@ -174,12 +174,12 @@ def command_of(name: str, d: dict) -> str:
 
 #: result files a later measurement replaces: file -> (the newer file, why); their tables stay, marked
 SUPERSEDED = {
-    "strategies-cpu-cpu.json": ("conv-lowering-cpu-cpu-20261203-loaded.json",
+    "strategies-cpu-cpu.json": ("conv-lowering-cpu-cpu-20261203.json",
                                 "measured before the convolution lowerings and today's `auto`; its CPU cells are "
                                 "noisier than the quiet re-run's (0.78× there, 0.98× here for cnn2c1f stepwise:1)"),
-    "strategies-cpu-cpu-quiet-rerun.json": ("conv-lowering-cpu-cpu-20261203-loaded.json",
+    "strategies-cpu-cpu-quiet-rerun.json": ("conv-lowering-cpu-cpu-20261203.json",
                                             "measured before the convolution lowerings and today's `auto`"),
-    "throughput-cpu-cpu-20261123.json": ("conv-lowering-cpu-cpu-20261203-loaded.json",
+    "throughput-cpu-cpu-20261123.json": ("conv-lowering-cpu-cpu-20261203.json",
                                          "measured before the convolution lowerings and today's `auto` (its conv "
                                          "models ran lax's convolution one client at a time)"),
 }
@@ -839,14 +839,14 @@ def speed_cpu(results) -> list[str]:
             f"FedAvg at {low:.2f}× to {high:.2f}× the rounds per second of a plain per-client Python loop of jitted "
             f"steps, measured side by side in one run" + (f" ({cpu['note']})" if cpu["note"] else "") + ":", ""] + \
         table(["model", "input", "K", "auto ran", "× the plain loop", "fastest in the same run",
-               "auto on a quiet machine"],
+               "auto in an earlier run"],
               [[m, shape, k, f"`{cell}`", f"{s:.2f}×", f"`{best}` {b:.2f}×",
                 "—" if quiet is None else f"{quiet:.2f}× ({earlier})"]
                for m, shape, k, cell, s, best, b, earlier, quiet in cpu["rows"]]) + \
         ([f"Where `auto` ran slower than the fastest cell ({', '.join(r[0] for r in missed)}): for a dense model "
           "`auto` takes `stepwise:1` without timing anything; for a conv model it times a few steps of each "
-          "candidate once per model and cohort (then keeps the choice in the compile cache), and in this run it "
-          "timed them on the loaded machine.", ""] if missed else []) + \
+          "candidate once per model and cohort (then keeps the choice in the compile cache), so a busy machine can "
+          "mislead it.", ""] if missed else []) + \
         [f"*Source:* `benchmarks/results/{cpu['name']}`."]
 
 

@@ -13,8 +13,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = ROOT / "docs" / "assets" / "benchmarks"
 #: the figures the benchmarks page leads with: (file, what it shows)
 AT_A_GLANCE = (
-    ("conv-lowering-cpu-cpu-20261203-loaded.png",
-     "What the default `auto` runs on a CPU (2 cores, shared and loaded: ratios measured side by side in one run), "
+    ("conv-lowering-cpu-cpu-20261203.png",
+     "What the default `auto` runs on a CPU (2 cores, nothing else running; ratios measured side by side in one run), "
      "against a plain per-client loop, FedAvg; red: the layout auto picked, dashed: the loop"),
     ("strategies-gpu-nvidia-h100-80gb-hbm3.png",
      "Each strategy against a plain per-client loop on an NVIDIA H100 (the fused round is what auto runs there)"),
