@@ -96,7 +96,8 @@ def stacked_twin(model):
     def apply(variables, x, train, example_mask=None):
         return model.apply(split(variables), x, train, example_mask)
 
-    twin = dataclasses.replace(model, init=init, apply=apply, structure=twin_structure, lora=None, run_stages=None)
+    twin = dataclasses.replace(model, init=init, apply=apply, structure=twin_structure, lora=None, run_stages=None,
+                               stage_names=("model",), stage_of_layer=())
     return twin, frozen_paths
 
 
