@@ -81,7 +81,6 @@ def unit_of_layer(model, train_unit: str) -> np.ndarray:
     return np.searchsorted(np.unique(stages), stages)  # the stages that have layers, numbered in order
 
 
-
 def fedpart(layers_per_round: int = 1, rounds_per_layer: int = 1, full_rounds: int = 0,
             train_unit: str = "layer") -> Method:
     """FedPart: the whole cohort trains and uploads the same few layers a round, cycling input to output.
