@@ -47,8 +47,17 @@ def test_auto_times_every_candidate_once_keeps_the_fastest_and_reads_it_back(tmp
     built.clear()
     again = conv_choice.choose(build, batch_size=4, cohort_size=3, cache_dir=str(tmp_path))
     assert again == first._replace(how="cached") and built == ["lax"]  # nothing timed the second time
-    other = conv_choice.choose(lambda impl: mlp, batch_size=4, cohort_size=3, cache_dir=str(tmp_path))
+    other = conv_choice.choose(lambda impl: mlp, batch_size=4, cohort_size=3, cache_dir=str(tmp_path),
+                               time_dense=False)
     assert other == conv_choice.ConvChoice("lax", None, {}, "no convolutions")
+
+
+def test_a_dense_model_has_its_layouts_timed_on_a_cpu(mlp):
+    dense = conv_choice.choose(lambda impl: mlp, batch_size=4, cohort_size=3)
+    assert dense.how == "measured" and dense.impl == "lax"
+    assert set(dense.seconds) == {f"{i}/{lay}" for i, lay in conv_choice.DENSE_CPU_CANDIDATES}
+    assert dense.layout in ("loop", "vmap", "map")
+    assert conv_choice.candidates("gpu", convolutions=False) == ()  # a GPU runs the vmapped cohort unmeasured
 
 
 def test_the_default_candidate_is_kept_unless_another_is_clearly_faster():

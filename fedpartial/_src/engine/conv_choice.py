@@ -10,6 +10,10 @@ candidate is a lowering and a *layout*:
 * ``map`` — a ``lax.map`` of one client's step over the cohort in one jitted call (what ``fused:1`` runs: the
   whole round one program, the clients a loop inside it).
 
+A model without convolutions is timed too on a CPU, in lax's three layouts (:data:`DENSE_CPU_CANDIDATES`): the MLP's
+fused round ran 1.63x the plain loop at K = 10 where one client at a time ran 1.13x
+(``benchmarks/results/conv-lowering-cpu-cpu-20261203.json``), and which wins depends on the cohort.
+
 ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is what the fused round runs by default; on
 XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with ``mapped`` (inside a loop XLA:CPU
 runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids) and ``im2col`` (matrix products
@@ -66,9 +70,18 @@ class ConvChoice(NamedTuple):
 REVERSE_ONLY = ("hybrid", "mapped")
 
 
-def candidates(platform: str, second_order: bool = False) -> tuple[tuple[str, str], ...]:
+#: the layouts ``auto`` times for a model without convolutions on a CPU (one lowering: lax's matrix products)
+DENSE_CPU_CANDIDATES = (("lax", "loop"), ("lax", "vmap"), ("lax", "map"))
+
+
+def candidates(platform: str, second_order: bool = False, convolutions: bool = True
+               ) -> tuple[tuple[str, str], ...]:
     """The (lowering, layout) pairs ``auto`` times on ``platform``, the default first (ties keep it);
-    ``second_order``: for a method that differentiates twice, without :data:`REVERSE_ONLY`."""
+    ``second_order``: for a method that differentiates twice, without :data:`REVERSE_ONLY`;
+    ``convolutions``: False for a model of matrix products only, whose layouts are timed on a CPU alone (a GPU
+    runs the vmapped cohort, see :func:`~fedpartial._src.engine.strategy.default_strategy`)."""
+    if not convolutions:
+        return DENSE_CPU_CANDIDATES if platform == "cpu" else ()
     pairs = [("lax", "loop"), ("hybrid", "vmap"), ("mapped", "map"), ("im2col", "map")]
     if platform != "cpu":
         pairs.insert(1, ("lax", "vmap"))
@@ -106,6 +119,18 @@ def _stand_in_variables(model: Model) -> dict:
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: jnp.asarray((0.05 * rng.standard_normal(s.shape)).astype(s.dtype)),
                         jax.eval_shape(model.init_variables, jax.random.key(0)))
+
+
+def _timeable(model: Model) -> bool:
+    """Whether the stand-in step can time ``model``: real-valued inputs and one label per example (a token
+    model's inputs index its embedding, and a language model is labelled per position)."""
+    variables = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, *model.input_shape), jnp.float32)
+    try:
+        logits = jax.eval_shape(lambda v, x: model.apply(v, x, False)[0], variables, x)
+    except (TypeError, ValueError, IndexError):  # e.g. an embedding that takes integer tokens only
+        return False
+    return logits.ndim == 2 and model.lora is None
 
 
 def _timed_clients(cohort_size: int) -> int:
@@ -172,22 +197,25 @@ def _read(path: str | None) -> dict:
 
 
 def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, dtype: str = "float32",
-           cache_dir: str | None = None, second_order: bool = False) -> ConvChoice:
+           cache_dir: str | None = None, second_order: bool = False, time_dense: bool = True) -> ConvChoice:
     """The fastest (lowering, layout) for the model ``build(impl)`` builds, measured once per setting.
 
     ``cache_dir``: where ``conv-impl.json`` keeps the choices (None: measure every time, keep nothing).
     ``second_order``: the method differentiates twice (:attr:`~fedpartial.Capabilities.second_order`), so
     :data:`REVERSE_ONLY` lowerings are not candidates.
+    ``time_dense``: time the layouts of a model without convolutions too (on a CPU, :data:`DENSE_CPU_CANDIDATES`);
+    False leaves its layout to the strategy's rule (a LoRA model: the cohort shares its frozen base).
     """
     model = build("lax")
-    if "conv" not in model.structure.kinds:
+    convolutions = "conv" in model.structure.kinds
+    pairs = candidates(jax.default_backend(), second_order, convolutions)
+    if not pairs or not (convolutions or (time_dense and _timeable(model))):
         return ConvChoice("lax", None, {}, "no convolutions")
     path = None if cache_dir is None else os.path.join(cache_dir, CACHE_FILE)
     key = _key(model, batch_size, cohort_size, dtype, second_order)
     known = _read(path).get(key)
     if known:
         return ConvChoice(known["impl"], known["layout"], known["seconds"], "cached")
-    pairs = candidates(jax.default_backend(), second_order)
     models = {impl: model if impl == "lax" else build(impl) for impl in dict(pairs)}
     variables = _stand_in_variables(model)
     ready = [prepare(models[impl], layout, batch_size, cohort_size, variables) for impl, layout in pairs]

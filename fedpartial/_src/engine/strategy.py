@@ -145,7 +145,8 @@ def default_strategy(platform: str | None = None, model: Model | None = None, la
     * GPU/TPU: ``fused(None)``, the whole cohort vmapped in one jit, for every model (H100: 9-40x a
       plain per-client loop; chunks of 20 were no faster at K = 200).  Cohorts too large to vmap at
       once are the memory rule's business, not this one's.
-    * CPU: ``stepwise(1)``, one client at a time, for every model.  ``fedpartial bench --preset quick``
+    * CPU, no measured layout: ``stepwise(1)``, one client at a time (``--conv-impl auto`` measures the layout
+      of every model with float inputs and one label per example, dense ones included, see ``layout``).  ``fedpartial bench --preset quick``
       (2 shared cores, S = 5, B = 16): 1.04-1.48x the plain loop for MLP and LeNet5 at K = 20 and 100,
       0.98x for the CNN at K = 20, where ``fused:20`` measured 0.74-0.95x (MLP) and ``stepwise:20``
       0.22-1.04x; vmapped conv steps run 10-20x slower than a loop of jitted steps, and for dense-only

@@ -60,7 +60,8 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: 
         lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype,
                                  size=config.model_size),
         batch_size=config.batch_size, cohort_size=config.cohort_size, dtype=config.compute_dtype,
-        cache_dir=compile_cache.cache_folder(), second_order=second_order)
+        cache_dir=compile_cache.cache_folder(), second_order=second_order,
+        time_dense=getattr(config, "lora", None) is None)  # a LoRA model's base is shared: the strategy fuses it
 
 
 def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None, adapt=None,
