@@ -321,7 +321,7 @@ def test_simulation_is_refused_before_anything_is_built(monkeypatch):
     # the fused estimate is about 303 MiB
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
     built = []
-    monkeypatch.setattr(FederatedRound, "init", lambda self, key: built.append(key))
+    monkeypatch.setattr(FederatedRound, "init", lambda self, key, **given: built.append(key))
     config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
                        out_dir=None, strategy="fused")
     # on CPU the fix named for a dense model is the stepwise-chunked stream (strategies.bounded_strategy)
@@ -332,6 +332,18 @@ def test_simulation_is_refused_before_anything_is_built(monkeypatch):
     assert not built
     Simulation(dataclasses.replace(config, strategy="stream-stepwise:2"))  # the fix it names is accepted
     assert len(built) == 1
+
+
+def test_a_run_decides_its_layout_then_builds_its_round_once(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (288 * 2**20, "RAM"))
+    builds = []
+    build = FederatedRound.__init__
+    monkeypatch.setattr(FederatedRound, "__init__", lambda self, *a, **kw: builds.append(kw["strategy"])
+                        or build(self, *a, **kw))
+    config = RunConfig(dataset="synthetic", num_clients=40, cohort_size=40, local_steps=2, batch_size=8,
+                       out_dir=None, rounds=1)
+    sim = Simulation(config)  # streamed: the decision came from estimates, the round was built after it
+    assert [str(s) for s in builds] == ["stream-stepwise:2"] and sim.round.strategy is builds[0]
 
 
 def test_auto_streams_a_cohort_that_does_not_fit(monkeypatch):

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -68,22 +69,32 @@ def estimate(fr, *, num_steps: int, batch_size: int, example_shape: tuple[int, .
     """
     if in_flight is None:
         in_flight = fr.strategy.chunk_size if fr.strategy.kind == "stream" else fr.ctx.cohort_size
-    in_flight = min(in_flight, fr.ctx.cohort_size)
-    shapes = jax.eval_shape(fr.pure_init, jax.random.key(0))
+    return estimate_shapes(jax.eval_shape(fr.pure_init, jax.random.key(0)), fr.ctx, fr.client_optimizer,
+                           client_state=getattr(fr, "client_state", "device"), num_steps=num_steps,
+                           batch_size=batch_size, example_shape=example_shape, x_itemsize=x_itemsize,
+                           in_flight=in_flight)
+
+
+def estimate_shapes(shapes, ctx, client_optimizer, *, client_state: str, num_steps: int, batch_size: int,
+                    example_shape: tuple[int, ...], x_itemsize: int = 4, in_flight: int) -> MemoryEstimate:
+    """:func:`estimate` before a round is built: from the shapes of its initial server state (``jax.eval_shape``
+    of :func:`~fedpartial._src.engine.round.initial_state`), its ``ctx`` (:class:`~fedpartial.MethodContext`),
+    client optimizer, where its per-client state lives (``client_state``) and the clients trained at once."""
+    in_flight = min(in_flight, ctx.cohort_size)
     model = tree_bytes(shapes.variables)
     # the frozen base is held once (with the server's model), never per client
     client_model = model - tree_bytes(shapes.variables.get(FROZEN, {}))
     params = tree_bytes(shapes.variables["params"])
-    client_opt = tree_bytes(jax.eval_shape(fr.client_optimizer.direction.init, shapes.variables["params"]))
+    client_opt = tree_bytes(jax.eval_shape(client_optimizer.direction.init, shapes.variables["params"]))
     state = tree_bytes(shapes)  # model, optimizer and method state, round counter
     cohort_rows = 0
-    if getattr(fr, "client_state", "device") == "host":  # only the cohort's rows reach the device, for the round
+    if client_state == "host":  # only the cohort's rows reach the device, for the round
         clients = tree_bytes(shapes.method_state.clients)
-        state, cohort_rows = state - clients, clients * fr.ctx.cohort_size // fr.ctx.num_clients
+        state, cohort_rows = state - clients, clients * ctx.cohort_size // ctx.num_clients
     server = model + state + cohort_rows + RUNTIME_BYTES
     # start + trained model, gradient, optimizer state, masked copy (float) and upload mask (bool) for aggregation
     per_client_model = 3 * client_model + params + client_opt + client_model // 4
-    units = sum(fr.ctx.structure.units) + math.prod(example_shape)
+    units = sum(ctx.structure.units) + math.prod(example_shape)
     activations = ACTIVATION_FACTOR * batch_size * units * 4
     example = math.prod(example_shape) * x_itemsize + 4 + 1  # x, label, example mask
     per_client_data = 2 * (num_steps * batch_size * example + num_steps)  # host pack + device copy

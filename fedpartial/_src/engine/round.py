@@ -52,7 +52,8 @@ function and gives bit-identical results.  Traffic and the other metrics: :mod:`
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,41 @@ from fedpartial._src.models.adapter import Model
 BN_POLICIES = ("global", "static")
 
 
+def method_context(model: Model, *, num_clients: int, cohort_size: int,
+                   client_optimizer: ClientOptimizer | optax.GradientTransformation, bn_policy: str = "global",
+                   rounds: int | None = None, padding: int = 0) -> MethodContext:
+    """What a method is told about a round of these settings (:class:`~fedpartial.MethodContext`): the one a
+    :class:`FederatedRound` built with them holds, known before it is built (a layout is decided from it)."""
+    client_optimizer = as_client_optimizer(client_optimizer)
+    settings = None if client_optimizer.lr is None else OptimizerSettings(client_optimizer.momentum,
+                                                                          client_optimizer.weight_decay)
+    return MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size, rounds=rounds,
+                         batch_statistics=bn_policy == "static", padding=padding, client_optimizer=settings)
+
+
+def initial_state(method: Method, ctx: MethodContext, server_optimizer: optax.GradientTransformation,
+                  key: jax.Array, *, server_data: ServerData | None = None, label_counts: Any = None,
+                  execution_times: Any = None) -> ServerState:
+    """The initial server state of a round of ``method`` in ``ctx`` (pure; :meth:`FederatedRound.pure_init`).
+    Under ``jax.eval_shape`` it gives the state's shapes before any round is built."""
+    variables = ctx.model.init_variables(key)
+    return ServerState(
+        round=jnp.zeros((), jnp.int32),
+        variables=variables,
+        opt_state=server_optimizer.init(variables["params"]),
+        method_state=initial_method_state(method, ctx, variables, key, server_data=server_data,
+                                          label_counts=label_counts, execution_times=execution_times),
+    )
+
+
+def initial_method_state(method: Method, ctx: MethodContext, variables: dict, key: jax.Array, *,
+                         server_data: ServerData | None = None, label_counts: Any = None,
+                         execution_times: Any = None) -> MethodState:
+    """The method's initial state for the initial global ``variables`` of :func:`initial_state` (``key``)."""
+    return method.init(ctx, InitView(global_vars=variables, key=jax.random.fold_in(key, 1), server_data=server_data,
+                                     label_counts=label_counts, execution_times=execution_times))
+
+
 class FederatedRound:
     """A method bound to a model, optimizers and a strategy.
 
@@ -105,8 +141,8 @@ class FederatedRound:
       label_counts: ``[N, C]`` every client's training examples per class, handed to the
         method's ``init`` (FedDH's label distributions); None: not known.
       execution_times: ``[N]`` each device's time for a round of full-model local work,
-        handed to the method's ``init`` (FedAD); None: no device model.  An attribute:
-        a simulation sets it once it has counted a step's FLOPs, before ``init``.
+        handed to the method's ``init`` (FedAD); None: no device model.  :meth:`init` takes them too, for a
+        caller that counts a step's FLOPs on the built round first.
       devices: split the client axis over devices (fused strategy only): a number ``D``
         of this process's devices, or a :class:`jax.sharding.Mesh` with one axis
         ``'clients'`` (a client mesh; several processes: the
@@ -163,12 +199,10 @@ class FederatedRound:
         #: the federated method this round runs
         self.method = method
         client_optimizer = as_client_optimizer(client_optimizer)
-        settings = None if client_optimizer.lr is None else OptimizerSettings(client_optimizer.momentum,
-                                                                              client_optimizer.weight_decay)
         #: what the method is told about the run (:class:`~fedpartial.MethodContext`)
-        self.ctx = MethodContext(model=model, num_clients=num_clients, cohort_size=cohort_size,
-                                 rounds=rounds, batch_statistics=bn_policy == "static", padding=padding,
-                                 client_optimizer=settings)
+        self.ctx = method_context(model, num_clients=num_clients, cohort_size=cohort_size,
+                                  client_optimizer=client_optimizer, bn_policy=bn_policy, rounds=rounds,
+                                  padding=padding)
         #: the clients' local optimizer (:class:`~fedpartial.ClientOptimizer`)
         self.client_optimizer = client_optimizer
         #: the optax transformation the server applies to the round's aggregate (plain SGD at 1.0 by default)
@@ -218,17 +252,19 @@ class FederatedRound:
         """``jax.ShapeDtypeStruct`` of every leaf of the method's per-client state ``[N, ...]`` (nothing computed)."""
         return jax.eval_shape(self.pure_init, jax.random.key(0)).method_state.clients
 
-    def init_client_rows(self, key: jax.Array, start: int, size: int, variables: dict) -> Any:
+    def init_client_rows(self, key: jax.Array, start: int, size: int, variables: dict, *,
+                         execution_times: Any = None) -> Any:
         """Rows ``start … start+size-1`` of the initial per-client state of ``init(key)`` (the same values,
         computed in one jitted call per chunk size: XLA keeps only the slice, e.g. ``size`` copies of a
         broadcast model, not ``[N]``).  ``variables``: ``init(key)``'s global variables (so the model's
-        initialisation is not compiled again)."""
+        initialisation is not compiled again); ``execution_times``: as :meth:`init` was given."""
         if size not in self._client_rows_fns:
-            def rows(key, start, variables):
-                clients = self._init_method(variables, key).clients
+            def rows(key, start, variables, times):
+                clients = self._init_method(variables, key, times).clients
                 return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), clients)
             self._client_rows_fns[size] = jax.jit(rows)
-        return self._client_rows_fns[size](key, jnp.asarray(start, jnp.int32), variables)
+        return self._client_rows_fns[size](key, jnp.asarray(start, jnp.int32), variables,
+                                           self._times(execution_times))
 
     def preview(self, state: ServerState, cohort: Cohort, key: jax.Array) -> RoundPreview:
         """The plan and every client's start model that a round with these inputs would use."""
@@ -268,36 +304,36 @@ class FederatedRound:
 
     # ---- state -----------------------------------------------------------------
 
-    def pure_init(self, key: jax.Array) -> ServerState:
-        """The initial server state (pure)."""
-        variables = self.model.init_variables(key)
-        return ServerState(
-            round=jnp.zeros((), jnp.int32),
-            variables=variables,
-            opt_state=self.server_optimizer.init(variables["params"]),
-            method_state=self._init_method(variables, key),
-        )
+    def pure_init(self, key: jax.Array, execution_times: Any = None) -> ServerState:
+        """The initial server state (pure; ``execution_times``: as :meth:`init` takes them)."""
+        return initial_state(self.method, self.ctx, self.server_optimizer, key, server_data=self.server_data,
+                             label_counts=self.label_counts, execution_times=self._times(execution_times))
 
-    def _init_method(self, variables: dict, key: jax.Array) -> MethodState:
+    def _times(self, execution_times: Any) -> Any:
+        return self.execution_times if execution_times is None else np.asarray(execution_times)
+
+    def _init_method(self, variables: dict, key: jax.Array, execution_times: Any = None) -> MethodState:
         """The method's initial state for the initial global ``variables`` of ``pure_init(key)``."""
-        return self.method.init(self.ctx, InitView(global_vars=variables, key=jax.random.fold_in(key, 1),
-                                                   server_data=self.server_data, label_counts=self.label_counts,
-                                                   execution_times=self.execution_times))
+        return initial_method_state(self.method, self.ctx, variables, key, server_data=self.server_data,
+                                    label_counts=self.label_counts, execution_times=self._times(execution_times))
 
-    def init(self, key: jax.Array) -> ServerState:
+    def init(self, key: jax.Array, *, execution_times: Any = None) -> ServerState:
         """The initial server state, computed eagerly (the model's own initialisation, bit for bit)
-        with no two leaves sharing a buffer (the fused round donates them)."""
+        with no two leaves sharing a buffer (the fused round donates them).  ``execution_times``: the
+        constructor's, given now instead (None: the constructor's)."""
         if self.client_state == "host":
             # The model's initialisation eagerly, as below; the method's jitted so XLA computes no [N]
             # per-client rows (same values: tested).  (Jitting the model's too compiled a conv net's random
             # initialisers for seconds.)
             variables = self.model.init_variables(key)
-            method_state = jax.jit(lambda v, k: self._init_method(v, k)._replace(clients=()))(variables, key)
+            times = self._times(execution_times)
+            method_state = jax.jit(lambda v, k, t: self._init_method(v, k, t)._replace(clients=()))(variables, key,
+                                                                                                   times)
             state = ServerState(round=jnp.zeros((), jnp.int32), variables=variables,
                                 opt_state=self.server_optimizer.init(variables["params"]), method_state=method_state)
         else:
             with jax.disable_jit(self.strategy.kind == "debug"):
-                state = self.pure_init(key)
+                state = self.pure_init(key, execution_times)
         seen: set[int] = set()
 
         def distinct(a):

@@ -3,15 +3,16 @@ training data (host or device), the method's per-client state (device, host or d
 peak-memory estimate, a streamed strategy for a cohort that does not fit at once, and the refusal of a run
 that cannot fit at all (:mod:`fedpartial._src.core.memory`).
 
-:class:`~fedpartial._src.experiment.simulation.Simulation` makes these decisions with its settings; ``room``
-arguments are its ``_device_room``: the free memory less the data that is to go on the device (called only
-when a decision needs it).
+:func:`decide` makes these decisions from estimates, before :class:`~fedpartial._src.experiment.simulation.Simulation`
+builds its round (once, in the layout decided); ``room`` arguments give the free memory less the data that is to
+go on the device (called only when a decision needs it).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -20,9 +21,10 @@ from fedpartial._src.core import memory
 from fedpartial._src.core.types import Method
 from fedpartial._src.data import ondevice
 from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import sharding
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
-from fedpartial._src.engine import sharding
+from fedpartial._src.engine.client import as_client_optimizer
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.models.adapter import Model
@@ -70,6 +72,65 @@ def data_placement(config: RunConfig, needed_bytes: int, decided: str | None = N
                                                  jax.devices()[0].platform)
 
 
+class RoundLayout(NamedTuple):
+    """Where a run's round runs, decided before it is built (:func:`decide`)."""
+
+    strategy: engine_strategy.Strategy
+    client_state: str  # the method's per-client state: device, host or disk
+    data_placement: str  # the training data: host or device
+    memory: memory.MemoryEstimate  # the round's peak-memory estimate in this layout
+    note: str | None  # why the layout is not what --strategy and --data-placement give by themselves
+
+
+def decide(config: RunConfig, method: Method, ctx, shapes, client_optimizer, *, strategy: engine_strategy.Strategy,
+           mesh, data_placement: str, data_bytes: int, num_steps: int, x_dtype, check_memory: bool) -> RoundLayout:
+    """The round's layout from estimates alone, before it is built: where the method's per-client state lives
+    (:func:`client_state_place`), then with ``check_memory`` the data kept on the host (:func:`device_data_gives_way`)
+    or the cohort streamed (:func:`bounded_strategy`) where the round would not fit beside them, then the refusal
+    of a run that still does not fit (:func:`refuse_what_does_not_fit`).
+
+    ``ctx``, ``shapes``: the round's :class:`~fedpartial.MethodContext` and the shapes of its initial server state
+    (:func:`~fedpartial._src.engine.round.initial_state`); ``strategy``: what the config resolves to;
+    ``data_placement``/``data_bytes``: where the data is to go and what it takes on the device (not copied yet).
+    """
+    placement = data_placement
+
+    def room() -> tuple[int | None, str]:  # the free memory less the data that is to go on the device
+        available, where = memory.available_bytes()
+        if available is not None and placement == "device":
+            available -= data_bytes
+        return available, where
+
+    client_shapes = shapes.method_state.clients
+    client_state = client_state_place(config, method, client_shapes, mesh=mesh, room=room)
+    client_optimizer = as_client_optimizer(client_optimizer)
+
+    def estimate_for(strategy):
+        in_flight = strategy.chunk_size if strategy.kind == "stream" else ctx.cohort_size
+        est = memory.estimate_shapes(shapes, ctx, client_optimizer, in_flight=in_flight,
+                                     client_state="device" if client_state == "device" else "host",
+                                     num_steps=num_steps, batch_size=config.batch_size,
+                                     example_shape=ctx.model.input_shape, x_itemsize=np.dtype(x_dtype).itemsize)
+        return _with_host_store(est, client_state, client_shapes)
+
+    est = estimate_for(strategy)
+    if not check_memory:
+        return RoundLayout(strategy, client_state, placement, est, None)
+    kept_on_host = device_data_gives_way(config, placement, est, strategy, data_bytes, room=room)
+    if kept_on_host:
+        placement = "host"
+    notes = [kept_on_host]
+    bounded = bounded_strategy(config, method, strategy, est, model=ctx.model, mesh=mesh, room=room)
+    if bounded is not None:  # 'auto' streams a cohort that does not fit at once
+        strategy, streamed = bounded
+        notes.append(streamed)
+        est = estimate_for(strategy)
+        placement = "host"  # a streamed cohort is packed on the host a chunk at a time
+    refuse_what_does_not_fit(est, strategy, method, client_state=client_state, client_shapes=client_shapes,
+                             cohort_size=config.sampled_size, model=ctx.model, room=room)
+    return RoundLayout(strategy, client_state, placement, est, "; ".join(n for n in notes if n) or None)
+
+
 def client_state_place(config: RunConfig, method: Method, shapes, *, mesh, room: Room) -> str:
     """``config.client_state`` resolved to ``device``, ``host`` or ``disk`` for per-client state of ``shapes``
     (refusing a method that cannot keep its per-client state off the device); ``device`` when the method
@@ -89,29 +150,33 @@ def client_state_place(config: RunConfig, method: Method, shapes, *, mesh, room:
                                     platform=jax.devices()[0].platform)
 
 
-def estimate(round: engine.FederatedRound, client_state: str, *, num_steps: int, batch_size: int,
-             example_shape: tuple, x_dtype) -> memory.MemoryEstimate:
-    """The round's peak-memory estimate (:func:`memory.estimate`), the host store of per-client state
-    included where it shares the RAM."""
-    est = memory.estimate(round, num_steps=num_steps, batch_size=batch_size, example_shape=example_shape,
-                          x_itemsize=np.dtype(x_dtype).itemsize)
+def _with_host_store(est: memory.MemoryEstimate, client_state: str, client_shapes) -> memory.MemoryEstimate:
     if client_state == "host" and jax.devices()[0].platform == "cpu":  # the store shares the RAM
-        est = est._replace(server=est.server + client_state_lib.tree_bytes(round.client_state_shapes()))
+        est = est._replace(server=est.server + client_state_lib.tree_bytes(client_shapes))
     return est
 
 
+def estimate(round: engine.FederatedRound, client_state: str, *, num_steps: int, batch_size: int,
+             example_shape: tuple, x_dtype) -> memory.MemoryEstimate:
+    """A built round's peak-memory estimate (:func:`memory.estimate`), the host store of per-client state
+    included where it shares the RAM."""
+    est = memory.estimate(round, num_steps=num_steps, batch_size=batch_size, example_shape=example_shape,
+                          x_itemsize=np.dtype(x_dtype).itemsize)
+    return _with_host_store(est, client_state, round.client_state_shapes() if client_state == "host" else ())
+
+
 def device_data_gives_way(config: RunConfig, placement: str, est: memory.MemoryEstimate,
-                          round: engine.FederatedRound, needed_bytes: int, *, room: Room) -> str | None:
-    """When ``--data-placement auto`` chose the device (``placement``) and the estimate ``est`` of ``round`` does
+                          strategy: engine_strategy.Strategy, needed_bytes: int, *, room: Room) -> str | None:
+    """When ``--data-placement auto`` chose the device (``placement``) and the estimate ``est`` of the round does
     not fit in what the data (``needed_bytes``) would leave, the data stays on the host instead (the round keeps
-    its strategy, where streaming would split the cohort into chunks and a refusal would stop the run):
+    its ``strategy``, where streaming would split the cohort into chunks and a refusal would stop the run):
     returns why, for people, else None."""
     if placement != "device" or config.data_placement != "auto":
         return None
     available, where = room()
     if available is None or memory.fits(est, available):
         return None
-    return memory.data_stays_on_host("its", needed_bytes, str(round.strategy), est.total, available, where)
+    return memory.data_stays_on_host("its", needed_bytes, str(strategy), est.total, available, where)
 
 
 def streamed_strategy(clients_that_fit: int, model: Model) -> engine_strategy.Strategy:
@@ -119,11 +184,13 @@ def streamed_strategy(clients_that_fit: int, model: Model) -> engine_strategy.St
     return engine_strategy.bounded_strategy(clients_that_fit, jax.devices()[0].platform, model)
 
 
-def bounded_strategy(config: RunConfig, method: Method, round: engine.FederatedRound, est: memory.MemoryEstimate,
-                     *, model: Model, mesh, room: Room) -> tuple[engine_strategy.Strategy, str] | None:
-    """For ``--strategy auto`` on one device, when the estimate ``est`` of ``round`` exceeds the available memory
-    and the method streams: the streamed strategy (:func:`engine_strategy.bounded_strategy`) with a chunk that fits,
-    and why, for people; else None (a run that fits, a named strategy, or one :func:`check_memory` refuses)."""
+def bounded_strategy(config: RunConfig, method: Method, strategy: engine_strategy.Strategy,
+                     est: memory.MemoryEstimate, *, model: Model, mesh, room: Room
+                     ) -> tuple[engine_strategy.Strategy, str] | None:
+    """For ``--strategy auto`` on one device, when the estimate ``est`` of a round running ``strategy`` exceeds
+    the available memory and the method streams: the streamed strategy (:func:`engine_strategy.bounded_strategy`)
+    with a chunk that fits, and why, for people; else None (a run that fits, a named strategy, or one
+    :func:`refuse_what_does_not_fit` refuses)."""
     if config.strategy != "auto" or mesh is not None or config.data_placement == "device" \
             or engine_strategy.stream_refusal(method) is not None:
         return None
@@ -133,13 +200,13 @@ def bounded_strategy(config: RunConfig, method: Method, round: engine.FederatedR
     fit = memory.clients_that_fit(est, available)
     if fit < 1:
         return None
-    why = (f"auto streams the cohort: {round.strategy} would need about {memory.gib(est.total)} "
+    why = (f"auto streams the cohort: {strategy} would need about {memory.gib(est.total)} "
            f"but {memory.gib(available)} of {where} is available")
     return streamed_strategy(memory.round_down(min(fit, config.cohort_size)), model), why
 
 
-def check_memory(est: memory.MemoryEstimate, round: engine.FederatedRound, method: Method, *, client_state: str,
-                 cohort_size: int, model: Model, room: Room) -> None:
+def refuse_what_does_not_fit(est: memory.MemoryEstimate, strategy: engine_strategy.Strategy, method: Method, *,
+                             client_state: str, client_shapes, cohort_size: int, model: Model, room: Room) -> None:
     """Refuses the run in one sentence when its estimate exceeds the available memory (see
     :mod:`fedpartial._src.core.memory`); on an accelerator the packed data's host copy is checked against RAM."""
     available, where = room()
@@ -153,11 +220,11 @@ def check_memory(est: memory.MemoryEstimate, round: engine.FederatedRound, metho
                               f"{max(1, int(memory.HEADROOM * host // max(est.data / 2 / est.in_flight, 1)))}.")
     movable = 0
     if client_state == "device" and method.capabilities.host_client_state:
-        movable = client_state_lib.tree_bytes(round.client_state_shapes())
+        movable = client_state_lib.tree_bytes(client_shapes)
     host, _ = memory.available_bytes(jax.devices("cpu")[0])
     move = "--client-state host" if where != "RAM" and host and movable <= memory.HEADROOM * host \
         else "--client-state disk"
-    problem = memory.refusal(est, available, where, strategy=str(round.strategy), cohort_size=cohort_size,
+    problem = memory.refusal(est, available, where, strategy=str(strategy), cohort_size=cohort_size,
                              stream=functools.partial(streamed_strategy, model=model)
                              if engine_strategy.stream_refusal(method) is None else None,
                              movable_bytes=movable, move=move)

@@ -24,21 +24,36 @@ from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice, packing, sources
 from fedpartial._src.data.partition import train_holdout_split
 from fedpartial._src.engine import round as engine
+from fedpartial._src.engine import sharding
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
-from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import (compile_cache, driver, finetune, layout, population, privacy, round_record,
-                                       signals, simulated_time, timing)
 from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment import (
+    compile_cache,
+    driver,
+    finetune,
+    layout,
+    population,
+    pretrained,
+    privacy,
+    round_record,
+    signals,
+    simulated_time,
+    timing,
+)
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
-from fedpartial._src.experiment.preflight import preflight
-from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
-from fedpartial._src.experiment import pretrained
-from fedpartial._src.experiment.parts import (check_outputs_fit_labels, make_client_optimizer, make_server_optimizer,
-                                              model_outputs, run_models)
-from fedpartial._src.experiment.run_directory import RunWriter
 from fedpartial._src.experiment.lora import with_rank_tiers
+from fedpartial._src.experiment.parts import (
+    check_outputs_fit_labels,
+    make_client_optimizer,
+    make_server_optimizer,
+    model_outputs,
+    run_models,
+)
+from fedpartial._src.experiment.preflight import preflight
+from fedpartial._src.experiment.run_directory import RunWriter
+from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
@@ -85,8 +100,7 @@ class Simulation:
         self._place_data(data_placement)
         self._build_model(model)
         self._split_over_devices()
-        self._build_round(client_optimizer, server_optimizer)
-        self._decide_layout(check_memory)
+        self._build_round(client_optimizer, server_optimizer, check_memory)
         if self.data_placement == "device":
             self.place_data_on_device()
         self._model_devices()
@@ -203,79 +217,60 @@ class Simulation:
         self.mesh = layout.client_mesh(config.num_devices)
 
     def _build_round(self, client_optimizer: ClientOptimizer | optax.GradientTransformation | None,
-                     server_optimizer: optax.GradientTransformation | None) -> None:
-        """The round with its optimizers, and where the method's per-client state lives (:attr:`client_state`)."""
-        self._client_optimizer = client_optimizer or make_client_optimizer(self.config)
-        self._server_optimizer = server_optimizer or make_server_optimizer(self.config)
-        self.round = self._new_round("device")
-        self.client_state = layout.client_state_place(self.config, self.method, self.round.client_state_shapes(),
-                                                      mesh=self.mesh, room=self._device_room)
-        if self.client_state != "device":  # the same round, its per-client state handed in a cohort at a time
-            self.round = self._new_round("host")
-
-    def _new_round(self, client_state: str, strategy: engine_strategy.Strategy | None = None,
-                   model: Model | None = None) -> engine.FederatedRound:
-        """This run's round with its per-client state on the ``device`` or handed in from the ``host``, running
-        ``strategy`` (default: the config's for this model and these devices)."""
+                     server_optimizer: optax.GradientTransformation | None, check_memory: bool) -> None:
+        """Decides the round's layout from estimates (:func:`layout.decide`: strategy, where the per-client state
+        and the data live, with ``check_memory`` a refusal of a run that does not fit), then builds the round,
+        once, in that layout."""
         config = self.config
+        client_optimizer = client_optimizer or make_client_optimizer(config)
+        server_optimizer = server_optimizer or make_server_optimizer(config)
         num_devices = 1 if self.mesh is None else self.mesh.size
         # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
         padded_size = sharding.padded_size(config.sampled_size, num_devices)
-        return engine.FederatedRound(
-            model or self.model, self.method,
-            num_clients=config.num_clients, cohort_size=padded_size,
-            padding=padded_size - config.sampled_size,
-            client_optimizer=self._client_optimizer, server_optimizer=self._server_optimizer,
-            bn_policy=config.bn_policy,
-            strategy=strategy or config.run_strategy(num_devices, self.model, self.conv_choice.layout),
-            rounds=config.rounds,
-            record_decisions=config.record_decisions, server_data=self.server_data,
-            label_counts=self.label_counts, devices=self.mesh, client_state=client_state,
-        )
-
-    def _decide_layout(self, check_memory: bool) -> None:
-        """The round's memory estimate; with ``check_memory``, the data kept on the host or the cohort streamed
-        where the round would not fit beside them, then a refusal of a run that still does not fit."""
-        self.memory = self._estimate()
+        sizes = {"num_clients": config.num_clients, "cohort_size": padded_size, "padding": padded_size - config.sampled_size,
+                     "bn_policy": config.bn_policy, "rounds": config.rounds}
+        known = {"server_data": self.server_data, "label_counts": self.label_counts}
+        ctx = engine.method_context(self.model, client_optimizer=client_optimizer, **sizes)
+        shapes = jax.eval_shape(lambda key: engine.initial_state(self.method, ctx, server_optimizer, key, **known),
+                                jax.random.key(0))
+        decided = layout.decide(config, self.method, ctx, shapes, client_optimizer,
+                                strategy=config.run_strategy(num_devices, self.model, self.conv_choice.layout),
+                                mesh=self.mesh, data_placement=self.data_placement, data_bytes=self.data_bytes,
+                                num_steps=self.num_steps, x_dtype=self.dataset.x_train.dtype, check_memory=check_memory)
+        #: where the method's per-client state lives: ``device``, ``host`` or ``disk``
+        self.client_state = decided.client_state
+        #: the round's peak-memory estimate (:mod:`fedpartial._src.core.memory`)
+        self.memory = decided.memory
         #: why the round's layout (strategy, data placement) is not what ``--strategy`` and ``--data-placement``
         #: resolve to by themselves (None: it is)
-        self.strategy_note = None
-        if not check_memory:
-            return
-        kept_on_host = layout.device_data_gives_way(self.config, self.data_placement, self.memory, self.round,
-                                                    self.data_bytes, room=self._device_room)
-        if kept_on_host:
+        self.strategy_note = decided.note
+        if decided.data_placement != self.data_placement:
             self.drop_device_data()
-        notes = [kept_on_host]
-        bounded = layout.bounded_strategy(self.config, self.method, self.round, self.memory, model=self.model,
-                                          mesh=self.mesh, room=self._device_room)
-        if bounded is not None:  # 'auto' streams a cohort that does not fit at once
-            bounded, streamed = bounded
-            notes.append(streamed)
-            self.round = self._new_round(self.client_state, bounded)
-            self.memory = self._estimate()
-            self.drop_device_data()  # a streamed cohort is packed on the host a chunk at a time
-        self.strategy_note = "; ".join(n for n in notes if n) or None
-        layout.check_memory(self.memory, self.round, self.method, client_state=self.client_state,
-                            cohort_size=self.config.sampled_size, model=self.model, room=self._device_room)
+
+        def build(model: Model) -> engine.FederatedRound:
+            return engine.FederatedRound(
+                model, self.method, client_optimizer=client_optimizer, server_optimizer=server_optimizer,
+                strategy=decided.strategy, record_decisions=config.record_decisions, devices=self.mesh,
+                client_state="device" if decided.client_state == "device" else "host", **sizes, **known)
+
+        self.round = build(self.model)
+        # FLOPs of local work, compiled once per shape; counted on the plain model (a device's simulated time does
+        # not depend on how the simulator lowers or rounds its arithmetic): a second round, for counting only
+        self._counted = self.round if self.plain_model is None else build(self.plain_model)
 
     def _model_devices(self) -> None:
         """The simulated devices (compute speeds and bandwidths), the FLOPs of their local work, and the clock that
         decides who is available and who reports in time (:mod:`fedpartial._src.experiment.timing`)."""
         self.devices = self.config.device_model()  # [N] compute speeds and bandwidths (simulated time)
-        # FLOPs of local work, compiled once per shape; counted on the plain model: a device's simulated time does
-        # not depend on how the simulator lowers or rounds its arithmetic
-        counted = self.round if self.plain_model is None else self._new_round(self.client_state, self.round.strategy,
-                                                                              self.plain_model)
-        self.costs = devices.CostModel(counted)
+        self.costs = devices.CostModel(self._counted)
         self.clock = timing.RoundClock(self.config, self.round, self.costs, self.devices)
 
     def _init_method_state(self) -> None:
         """The run's keys and the method's initial state; per-client rows off the device are filled in chunks."""
         init_key, self.rounds_key = jax.random.split(jax.random.key(self.config.seed))
-        if self.method.capabilities.needs_execution_times:  # e.g. FedAD's per-device dropout targets, read by init
-            self.round.execution_times = self.full_model_times()
-        self.state = self.round.init(init_key)
+        # e.g. FedAD's per-device dropout targets, read by init
+        times = self.full_model_times() if self.method.capabilities.needs_execution_times else None
+        self.state = self.round.init(init_key, execution_times=times)
         #: the per-client state kept off the device (``client_state`` host or disk), else None
         self.client_store = None
         if self.client_state != "device":
@@ -283,8 +278,9 @@ class Simulation:
             self.client_store = client_state_lib.HostClientState(shapes, disk=self.client_state == "disk")
             per_client = max(1, client_state_lib.tree_bytes(shapes) // self.config.num_clients)
             variables = self.state.variables
-            self.client_store.fill(lambda start, size: self.round.init_client_rows(init_key, start, size, variables),
-                                   chunk=max(1, CLIENT_STATE_CHUNK_BYTES // per_client))
+            self.client_store.fill(lambda start, size: self.round.init_client_rows(
+                init_key, start, size, variables, execution_times=times),
+                chunk=max(1, CLIENT_STATE_CHUNK_BYTES // per_client))
 
     def method_state(self):
         """The method's whole state, per-client rows included (numpy arrays when they are kept off the device)."""
@@ -339,13 +335,6 @@ class Simulation:
         self.data_placement = "host"
         self._population = self._device_holdout = self._gather_spec = None
 
-    def _device_room(self) -> tuple[int | None, str]:
-        """:func:`memory.available_bytes`, less the data that is to go on the device and is not copied yet."""
-        available, where = memory.available_bytes()
-        if available is not None and self.data_placement == "device" and self._population is None:
-            available -= self.data_bytes
-        return available, where
-
     def _place_data(self, decided: str | None = None) -> None:
         """Resolves ``config.data_placement`` (or takes the caller's ``decided`` placement) into
         :attr:`data_placement` (:func:`layout.data_placement`); for ``device`` :meth:`place_data_on_device`
@@ -355,7 +344,7 @@ class Simulation:
         self.data_bytes = layout.data_bytes(self.dataset.x_train, self.clients, self.holdout)
         #: ``host`` or ``device``: where this run's training data lives (``config.data_placement`` resolved)
         self.data_placement = layout.data_placement(self.config, self.data_bytes, decided)
-        # (copied by __init__ once the round is known to fit beside it: :meth:`_device_room`)
+        # (copied by __init__ once the round is known to fit beside it: :func:`layout.decide`)
         self._population = self._device_holdout = self._gather_spec = None
 
     def place_data_on_device(self) -> None:
