@@ -44,7 +44,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from fedpartial._src.costs import devices
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
@@ -117,28 +117,23 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(runs: list[dict], settings: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
-    for ax, setting in zip(axes[0], settings):
-        ref = next(evaluated(r) for r in runs if r["setting"] == "no deadline")
-        ax.plot([r["simulated_clock_s"] for r in ref], [r["test_accuracy"] for r in ref], color="0.6",
-                linestyle="--", label="fedavg, no deadline")
-        for i, run in enumerate(r for r in runs if r["setting"] == setting):
+    """Test accuracy against the simulated clock, a panel per setting, one legend under them; grey dashed:
+    FedAvg without a deadline, the reference of every panel."""
+    fig, axes = figure_style.figure(len(settings), height=3.8)
+    ref = next(evaluated(r) for r in runs if r["setting"] == "no deadline")
+    for ax, setting in zip(axes, settings):
+        ax.plot([r["simulated_clock_s"] for r in ref], [r["test_accuracy"] for r in ref], color="#888888",
+                linestyle="--", lw=2, label="fedavg, no deadline")
+        for run in (r for r in runs if r["setting"] == setting):
             ev = evaluated(run)
-            ax.plot([r["simulated_clock_s"] for r in ev], [r["test_accuracy"] for r in ev], color=f"C{i}",
-                    marker=".", label=run["method"])
+            ax.plot([r["simulated_clock_s"] for r in ev], [r["test_accuracy"] for r in ev],
+                    color=figure_style.colour(run["method"]), marker=".", label=run["method"])
         ax.set_title(setting)
         ax.set_xlabel("simulated clock (s)")
         ax.set_ylabel("test accuracy")
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes, columns=3)
+    figure_style.save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from benchmarks import families
+from benchmarks import families, figure_style
 from fedpartial._src.data import sources
 from fedpartial._src.experiment.config import RunConfig
 
@@ -113,25 +113,24 @@ def table(rows: list[dict]) -> str:
 
 
 def figure(rows: list[dict], path: str) -> None:
-    """Per (data set, α): test accuracy against rounds (top) and against MB sent (bottom), mean over seeds."""
-    plt = families.pyplot()
+    """Per (data set, α), a row: test accuracy against rounds (left) and against MB sent (right), mean over
+    seeds; one legend under the panels."""
     panels = list(dict.fromkeys((r["dataset"], r["alpha"]) for r in rows))
-    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False)
+    fig, axes = figure_style.figure(2 * len(panels), height=3.4, columns=2)
     for col, (dataset, alpha) in enumerate(panels):
+        rounds, sent = axes[2 * col], axes[2 * col + 1]
         for r in (r for r in rows if r["dataset"] == dataset and r["alpha"] == alpha):
-            color = f"C{METHODS.index(r['method'])}"
-            for ax, curve in zip((axes[0][col], axes[1][col]), (r["curve"], r["bytes_curve"])):
+            for ax, curve in zip((rounds, sent), (r["curve"], r["bytes_curve"])):
                 if curve:
                     x, y = zip(*curve)
-                    ax.plot(x, 100 * np.asarray(y), marker=".", color=color, label=r["label"])
-        axes[0][col].set(xlabel="round", ylabel="test accuracy (%)", title=f"{dataset}, α={alpha}")
-        axes[1][col].set(xlabel="MB sent (up + down)", ylabel="test accuracy (%)")
-        for ax in axes[:, col]:
+                    ax.plot(x, 100 * np.asarray(y), marker=".", color=figure_style.colour(r["method"]),
+                            label=r["label"])
+        rounds.set(xlabel="round", ylabel="test accuracy (%)", title=f"{dataset}, α={alpha}")
+        sent.set(xlabel="MB sent (up + down)", ylabel="test accuracy (%)", title=f"{dataset}: against bytes")
+        for ax in (rounds, sent):
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes)
+    figure_style.save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASES, resolve_mix
 from fedpartial._src.experiment.config import RunConfig
@@ -285,40 +285,46 @@ def tables(runs: list[dict], costs: list[dict], target: float) -> tuple[str, lis
 
 
 def plot(runs: list[dict], path: str) -> None:
-    import matplotlib
+    """A panel per (dataset, experiment) the file holds, one legend under them: best accuracy against the
+    number of weak clients (scaling), per capacity case (cases, bars), and accuracy against rounds for each
+    BatchNorm policy (bn: global solid, static dashed).  A method's all-strong point is the run that stands
+    for it (:func:`stands_for`)."""
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    datasets = sorted({r["dataset"] for r in runs})
-    fig, axes = plt.subplots(2, len(datasets), figsize=(5 * len(datasets), 7), squeeze=False)
-    for col, dataset in enumerate(datasets):
-        ax = axes[0][col]
-        shown = [m for m in METHODS if any(r["method"] == m and r["dataset"] == dataset for r in runs)]
-        for method in shown:
-            pts = sorted((r["weak"], summary(r, None)["best_accuracy"]) for r in runs
-                         if r["dataset"] == dataset and r["experiment"] == "scaling"
-                         and (r["method"] == method if r["weak"] else r["method"] == stands_for(method)))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=LABELS[method])
-        ax.set(title=f"{dataset}: strong + weak clients", xlabel="weak clients", ylabel="best test accuracy")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-        ax = axes[1][col]
-        width = 0.8 / max(len(shown), 1)
-        for i, method in enumerate(shown):
-            pts = sorted((r["case"], summary(r, None)["best_accuracy"]) for r in runs
-                         if r["dataset"] == dataset and r["experiment"] == "cases"
-                         and (r["method"] == method if r["case"] != 1 else r["method"] == stands_for(method)))
-            if pts:
+    panels = [(d, e) for d in sorted({r["dataset"] for r in runs}) for e in EXPERIMENTS
+              if any(r["dataset"] == d and r["experiment"] == e for r in runs)]
+    fig, axes = figure_style.figure(max(len(panels), 1))
+    policies = {}
+    for ax, (dataset, experiment) in zip(axes, panels):
+        mine = [r for r in runs if r["dataset"] == dataset and r["experiment"] == experiment]
+        shown = [m for m in METHODS if any(r["method"] == m for r in mine)]
+        if experiment == "scaling":
+            for method in shown:
+                pts = sorted((r["weak"], summary(r, None)["best_accuracy"]) for r in mine
+                             if (r["method"] == method if r["weak"] else r["method"] == stands_for(method)))
+                ax.plot(*zip(*pts), marker="o", label=LABELS[method], color=figure_style.colour(method))
+            ax.set(title=f"{dataset}: strong + weak clients", xlabel="weak clients", ylabel="best test accuracy")
+        elif experiment == "cases":
+            width = 0.8 / len(shown)
+            for i, method in enumerate(shown):
+                pts = sorted((r["case"], summary(r, None)["best_accuracy"]) for r in mine
+                             if (r["method"] == method if r["case"] != 1 else r["method"] == stands_for(method)))
                 xs, ys = zip(*pts)
-                ax.bar(np.array(xs) + (i - (len(shown) - 1) / 2) * width, ys, width=width, label=LABELS[method])
-        ax.set(title=f"{dataset}: capacity cases", xlabel="case", ylabel="best test accuracy")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                ax.bar(np.array(xs) + (i - (len(shown) - 1) / 2) * width, ys, width=width, label=LABELS[method],
+                       color=figure_style.colour(method))
+            ax.set(title=f"{dataset}: capacity cases", xlabel="case", ylabel="best test accuracy")
+        else:
+            for r in mine:
+                rounds, acc = accuracy_curve(r)
+                style = policies.setdefault(r["bn_policy"], ("-", "--", ":", "-.")[len(policies) % 4])
+                ax.plot(rounds, acc, ls=style, marker=".", label=LABELS[r["method"]],
+                        color=figure_style.colour(r["method"]))
+            ax.set(title=f"{dataset}: BatchNorm statistics (case {mine[0]['case']})", xlabel="round",
+                   ylabel="test accuracy")
+        ax.grid(True, alpha=0.3)
+    figure_style.shared_legend(fig, axes, extra=[(Line2D([], [], color="#444444", ls=style), f"BN {policy}")
+                                                 for policy, style in policies.items()])
+    figure_style.save(fig, path)
 
 
 EXPERIMENTS = {"scaling": scaling, "cases": cases, "bn": bn}

@@ -179,15 +179,6 @@ def mean_curve(records: list[list[dict]], field: str, x: str = "round") -> list[
     return [(float(t), float(np.mean([s[t] for s in by_seed]))) for t in common]
 
 
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(",") if v.strip())
 

@@ -73,7 +73,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
@@ -286,30 +286,31 @@ def feddh_claim_lines(claim_rows: list[dict]) -> list[str]:
 
 
 def plot(runs: list[dict], rows: list[dict], path: str, methods=METHODS, labels=None, highlight="feddh") -> None:
+    """Test accuracy against simulated time, a panel per (dataset, model) at its first seed, one legend under
+    them; a method's variant (``fedad@target=literal``) takes the method's colour, dashed; dotted grey: the
+    target accuracy."""
+    from matplotlib.lines import Line2D
+
     labels = labels or LABELS
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    methods = tuple(methods) + tuple(dict.fromkeys(r["method"] for r in runs if r["method"] not in methods))
     groups = sorted({(r["dataset"], r["model"]) for r in runs})
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, (dataset, model) in zip(axes[0], groups):
+    fig, axes = figure_style.figure(len(groups))
+    for ax, (dataset, model) in zip(axes, groups):
         seed = min(r["seed"] for r in runs if (r["dataset"], r["model"]) == (dataset, model))
         for m in methods:
             mine = [r for r in runs if (r["dataset"], r["model"], r["method"], r["seed"]) == (dataset, model, m, seed)]
             if mine:
                 seconds, acc = accuracy_curve(mine[0])
-                ax.plot(seconds, acc, label=labels[m], lw=2 if m == highlight else 1)
+                ax.plot(seconds, acc, label=labels.get(m) or variant_label(m, labels),
+                        color=figure_style.colour(m), ls="--" if "@" in m else "-",
+                        lw=2.6 if m == highlight else 1.5, zorder=3 if m == highlight else 2)
         target = next((r["target_accuracy"] for r in rows if (r["dataset"], r["model"]) == (dataset, model)), None)
         if target is not None:
-            ax.axhline(target, color="grey", ls=":", lw=1)
+            ax.axhline(target, color="grey", ls=":", lw=1.2)
         ax.set(title=f"{dataset} / {model} (seed {seed})", xlabel="simulated time (s)", ylabel="test accuracy")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes, extra=[(Line2D([], [], color="grey", ls=":"), "target accuracy")])
+    figure_style.save(fig, path)
 
 
 def parse_targets(text: str, error) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
@@ -125,29 +125,24 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Test error against cumulative upload (log scale), a panel per (dataset, setting), one legend under them."""
     groups = sorted({(r["dataset"], r["setting"]) for r in runs})
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, (dataset, setting) in zip(axes[0], groups):
+    fig, axes = figure_style.figure(len(groups))
+    for ax, (dataset, setting) in zip(axes, groups):
         for m in METHODS:
             mine = [r for r in runs if (r["dataset"], r["setting"], r["method"]) == (dataset, setting, m)]
             if not mine:
                 continue
             traffic, error = curve(mine[0])
-            ax.plot(traffic / 1e6, error, label=LABELS[m])
+            ax.plot(traffic / 1e6, error, label=LABELS[m], color=figure_style.colour(m),
+                    lw=2.2 if m == "fedldf" else 1.6)
         ax.set_xscale("log")
-        ax.set_xlabel("cumulative upload (MB, log scale)")
+        ax.set_xlabel("cumulative upload (MB)")
         ax.set_ylabel("test error")
-        ax.set_title(f"{dataset} — {setting}")
+        ax.set_title(f"{dataset}, {setting}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes)
+    figure_style.save(fig, path)
 
 
 def main(argv=None) -> int:

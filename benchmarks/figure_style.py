@@ -25,16 +25,16 @@ FONT_PT = 13
 #: the colour of each method (and of the reference lines every comparison has), on every page
 METHOD_COLOURS = {
     "plain loop": "#555555", "sync": "#222222", "fedavg": "#222222",
-    "fedprox": "#8c564b", "fednova": "#bcbd22", "feddyn": "#7f7f7f", "moon": "#17becf", "scaffold": "#9467bd",
-    "fedldf": "#d62728", "random": "#ff9896", "random_layers": "#ff9896", "hdfl": "#e377c2", "fedadp": "#c49c94",
+    "fedprox": "#8c564b", "fednova": "#1f77b4", "feddyn": "#7f7f7f", "moon": "#17becf", "scaffold": "#9467bd",
+    "fedldf": "#d62728", "random": "#7f7f7f", "random_layers": "#7f7f7f", "hdfl": "#1f77b4", "fedadp": "#2ca02c",
     "fedpart": "#dbdb8d",
     "fedspu": "#1f77b4", "feddrop": "#ff7f0e", "fjord": "#2ca02c", "hermes": "#9467bd", "fedmp": "#8c564b",
     "prunefl": "#e377c2", "afd": "#bcbd22", "fedselect": "#17becf", "feddst": "#393b79", "fiarse": "#637939",
     "embracingfl": "#1f77b4", "heterofl": "#2ca02c", "fedrolex": "#ff7f0e", "depthfl": "#9467bd",
     "inclusivefl": "#8c564b",
-    "fedper": "#1f77b4", "lgfedavg": "#ff7f0e", "fedrep": "#2ca02c", "fedbn": "#d62728", "fedbabu": "#9467bd",
-    "ditto": "#8c564b",
-    "feddh": "#d62728", "fedjs": "#2ca02c", "feddhe": "#ff7f0e", "fedad": "#9467bd", "feddhad": "#1f77b4",
+    "fedper": "#393b79", "lgfedavg": "#ff9896", "fedrep": "#637939", "fedbn": "#843c39", "fedbabu": "#7b4173",
+    "ditto": "#bcbd22", "fedavg_ft": "#222222",
+    "feddh": "#d62728", "fedjs": "#2ca02c", "feddhe": "#ff7f0e", "fedad": "#9467bd", "feddhad": "#843c39",
     "fedasync": "#e377c2", "fedbuff": "#1f77b4", "async": "#17becf",
     "fedit": "#1f77b4", "ffa_lora": "#ff7f0e", "fedsa_lora": "#2ca02c", "hetlora": "#d62728", "flexlora": "#9467bd",
     "flora": "#17becf",
@@ -46,10 +46,11 @@ _FALLBACK = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "
 
 def method_key(label: str) -> str:
     """The method a label names: its last ``+``-part that is a known method, else its first word, lower case
-    (``FedSPU+ES`` -> ``fedspu``, ``fedbuff+fedldf`` -> ``fedldf``, ``DP-FedAvg`` -> ``fedavg``)."""
+    (``FedSPU+ES`` -> ``fedspu``, ``fedbuff+fedldf`` -> ``fedldf``, ``DP-FedAvg`` -> ``fedavg``,
+    ``fedad@target=literal`` -> ``fedad``)."""
     parts = [re.sub(r"^dp-", "", p.strip().lower()) for p in re.split(r"\+", label)]
     known = [p for p in parts if p in METHOD_COLOURS]
-    return known[-1] if known else re.split(r"[\s:(=]", parts[0])[0]
+    return known[-1] if known else re.split(r"[\s:(=@]", parts[0])[0]
 
 
 def colour(label: str) -> str:
@@ -71,11 +72,12 @@ def pyplot():
     return plt
 
 
-def figure(panels: int, height: float = PANEL_HEIGHT_IN, columns: int = MAX_COLUMNS):
-    """``(fig, axes)``: ``panels`` axes, at most ``columns`` (at most :data:`MAX_COLUMNS`) a row, the figure at
-    most :data:`MAX_WIDTH_IN` wide; ``axes`` is a flat list (extra cells of the last row are hidden)."""
+def figure(panels: int, height: float = PANEL_HEIGHT_IN, columns: int | None = None):
+    """``(fig, axes)``: ``panels`` axes, at most ``columns`` (at most :data:`MAX_COLUMNS`; by default that, or
+    two for four panels so that the rows are even) a row, the figure at most :data:`MAX_WIDTH_IN` wide; ``axes``
+    is a flat list, row by row (extra cells of the last row are hidden)."""
     plt = pyplot()
-    columns = min(panels, columns, MAX_COLUMNS)
+    columns = min(panels, columns or (2 if panels == 4 else MAX_COLUMNS), MAX_COLUMNS)
     rows = math.ceil(panels / columns)
     width = min(MAX_WIDTH_IN, (3.6 if columns > 2 else 4.9) * columns + 0.6)
     fig, grid = plt.subplots(rows, columns, figsize=(width, height * rows + 0.9), squeeze=False)

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from benchmarks import families, fedspu
+from benchmarks import families, fedspu, figure_style
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.methods.submodel.common import DEFAULT_TIERS
 
@@ -113,26 +113,24 @@ def table(rows: list[dict]) -> str:
 
 
 def figure(rows: list[dict], path: str) -> None:
-    """One panel per (dataset, α): every method's personal accuracy, mean ± std over clients and seeds."""
-    plt = families.pyplot()
+    """One panel per (dataset, α), two a row: every method's personal accuracy, mean ± std over clients and
+    seeds, each bar in its method's colour and named on its axis (no legend needed)."""
     panels = list(dict.fromkeys((r["dataset"], r["alpha"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.6), squeeze=False)
-    for ax, (dataset, alpha) in zip(axes[0], panels):
+    fig, axes = figure_style.figure(len(panels), height=4.6, columns=2)
+    for ax, (dataset, alpha) in zip(axes, panels):
         mine = sorted((r for r in rows if r["dataset"] == dataset and r["alpha"] == alpha),
                       key=lambda r: METHODS.index(r["method"]))
         y = np.arange(len(mine))
         ax.barh(y, [100 * r["personal_accuracy"] for r in mine], xerr=[100 * r["personal_accuracy_std"] for r in mine],
-                color=["0.3" if r["method"] == "fedavg_ft" else plt.cm.tab20(METHODS.index(r["method"]) % 20)
-                       for r in mine], capsize=2)
-        ax.set_yticks(y, [r["label"] for r in mine], fontsize=8)
+                color=[figure_style.colour(r["method"]) for r in mine], capsize=2)
+        ax.set_yticks(y, [r["label"] for r in mine])
         ax.invert_yaxis()
         ax.set_xlim(0, 100)
         ax.set_xlabel("personal accuracy (%)")
-        ax.set_title(f"{dataset}, α={alpha}", fontsize=10)
+        ax.set_title(f"{dataset}, α={alpha}")
         ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figure_style.shared_legend(fig, axes)
+    figure_style.save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import device_slug
+from benchmarks import device_slug, figure_style
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.privacy.accountant import noise_multiplier_for
@@ -101,27 +101,24 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name, color in (("FedAvg", "C0"), ("FedLDF", "C1")):
+    """Final test accuracy (mean ± std over seeds) against ε for DP-FedAvg and DP-FedLDF, each over a dashed
+    line at its method's accuracy without privacy."""
+    fig, (ax,) = figure_style.figure(1, height=4.0)
+    for name in ("FedAvg", "FedLDF"):
+        color = figure_style.colour(name)
         base = [r for r in rows if r["variant"] == name]
         if base:
             ax.axhline(base[0]["final_accuracy"], color=color, linestyle="--", label=f"{name} (no privacy)")
         dp = [r for r in rows if r["variant"] == f"DP-{name}"]
         if dp:
             ax.errorbar([r["target_epsilon"] for r in dp], [r["final_accuracy"] for r in dp],
-                        yerr=[r["final_accuracy_std"] for r in dp], color=color, marker="o", label=f"DP-{name}")
+                        yerr=[r["final_accuracy_std"] for r in dp], color=color, marker="o", capsize=3,
+                        label=f"DP-{name}")
     ax.set_xlabel("ε (δ = 1/N)")
-    ax.set_ylabel("test accuracy (mean of the last 3 evaluations)")
+    ax.set_ylabel("test accuracy\n(mean of the last 3 evaluations)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figure_style.shared_legend(fig, [ax], columns=2)
+    figure_style.save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,12 @@
 ``python -m benchmarks.redraw`` (then ``python -m benchmarks.render_docs`` copies them to the pages).
 
 Each benchmark draws its figure when it runs; this draws the same figure from its JSON with the current
-:mod:`benchmarks.figure_style` (after a change of style, every page gets it at once).  It covers the figures
-whose drawing reads only the result file: FedSPU's curves and memory, the asynchronous runs, the speed-ups of
-``conv_lowering`` (the lowerings against the plain loop, ``auto``'s pick in red) and of ``strategies``.
+:mod:`benchmarks.figure_style` (after a change of style, every page gets it at once).  It covers every figure a
+page shows (:data:`DRAWERS`, by the file's ``benchmark``): FedLDF's error against upload, FedDH's and FedDHAD's
+accuracy against simulated time, EmbracingFL's experiments, the deadlines, privacy, personalised, tiers and
+drift benchmarks, the LoRA methods, FedSPU's curves and memory, the asynchronous runs, the speed-ups of ``conv_lowering`` (the
+lowerings against the plain loop, ``auto``'s pick in red) and of ``strategies``.  A figure is drawn beside its
+JSON, under the same name (``fedspu``: ``-curves-`` and ``-memory-`` inserted).
 """
 
 from __future__ import annotations
@@ -29,6 +32,63 @@ def fedspu(path: pathlib.Path) -> list[pathlib.Path]:
         out.append(RESULTS / f"fedspu-curves-{tag}.png")
         module.plot_curves(d["runs"], str(out[1]))
     return out
+
+
+def _runs_plot(benchmark: str):
+    """A drawer for a benchmark whose ``plot(runs, path)`` reads only the runs of its file."""
+    def draw(path: pathlib.Path) -> list[pathlib.Path]:
+        out = path.with_suffix(".png")
+        importlib.import_module(f"benchmarks.{benchmark}").plot(json.loads(path.read_text())["runs"], str(out))
+        return [out]
+    draw.__doc__ = f"``benchmarks/{benchmark}.py``'s figure from its runs."
+    return draw
+
+
+def _rows_figure(benchmark: str):
+    """A drawer for a method-family benchmark, whose ``figure(rows, path)`` reads the rows of its file."""
+    def draw(path: pathlib.Path) -> list[pathlib.Path]:
+        out = path.with_suffix(".png")
+        importlib.import_module(f"benchmarks.{benchmark}").figure(json.loads(path.read_text())["rows"], str(out))
+        return [out]
+    draw.__doc__ = f"``benchmarks/{benchmark}.py``'s figure from its rows."
+    return draw
+
+
+def comparison(path: pathlib.Path) -> list[pathlib.Path]:
+    """FedDH's or FedDHAD's accuracy curves: the benchmark's methods (and the variants the file ran), its method
+    highlighted, the target of each panel from the summary."""
+    d = json.loads(path.read_text())
+    bench = importlib.import_module(f"benchmarks.{d['benchmark']}")
+    out = path.with_suffix(".png")
+    importlib.import_module("benchmarks.feddh").plot(d["runs"], d["summary"], str(out), bench.METHODS, bench.LABELS,
+                                                     d["benchmark"])
+    return [out]
+
+
+def deadlines(path: pathlib.Path) -> list[pathlib.Path]:
+    """The deadline settings' curves (each panel with FedAvg without a deadline as its reference)."""
+    runs = json.loads(path.read_text())["runs"]
+    settings = [s for s in dict.fromkeys(r["setting"] for r in runs) if s != "no deadline"]
+    out = path.with_suffix(".png")
+    importlib.import_module("benchmarks.deadlines").plot(runs, settings, str(out))
+    return [out]
+
+
+def privacy(path: pathlib.Path) -> list[pathlib.Path]:
+    """Accuracy against ε from the file's summary."""
+    out = path.with_suffix(".png")
+    importlib.import_module("benchmarks.privacy").plot(json.loads(path.read_text())["summary"], str(out))
+    return [out]
+
+
+def lora(path: pathlib.Path) -> list[pathlib.Path]:
+    """The LoRA methods' accuracy (perplexity) against upload, the pre-trained base's as its reference."""
+    d = json.loads(path.read_text())
+    language = bool(d["language_model"])
+    out = path.with_suffix(".png")
+    importlib.import_module("benchmarks.lora").figure(
+        d["rows"], out, d["pretrained_perplexity"] if language else d["pretrained_accuracy"], language)
+    return [out]
 
 
 def asynchronous(path: pathlib.Path) -> list[pathlib.Path]:
@@ -99,14 +159,26 @@ def strategies(path: pathlib.Path) -> list[pathlib.Path]:
     return [out]
 
 
-DRAWERS = {"fedspu": fedspu, "async": asynchronous, "conv_lowering": speedups, "strategies": strategies}
+DRAWERS = {"fedspu": fedspu, "async": asynchronous, "conv_lowering": speedups, "strategies": strategies,
+           "fedldf": _runs_plot("fedldf"), "embracingfl": _runs_plot("embracingfl"), "feddh": comparison,
+           "feddhad": comparison, "deadlines": deadlines, "privacy": privacy, "lora": lora,
+           **{name: _rows_figure(name) for name in ("personalised", "tiers", "drift")}}
+
+
+def shown() -> list[pathlib.Path]:
+    """The result files of the figures the pages (``README.md``, ``docs/``) show, in name order."""
+    from benchmarks import render_figures
+
+    root = RESULTS.parents[1]
+    texts = [p.read_text(encoding="utf-8") for p in [root / "README.md", *(root / "docs").rglob("*.md")]]
+    return sorted({RESULTS / render_figures.result_of(png) for png in render_figures.used(texts)})
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.redraw", description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", help="result files (default: every file of a benchmark listed above)")
+    p.add_argument("files", nargs="*", help="result files (default: those of the figures the pages show)")
     args = p.parse_args(argv)
-    paths = [pathlib.Path(f).resolve() for f in args.files] or sorted(RESULTS.glob("*.json"))
+    paths = [pathlib.Path(f).resolve() for f in args.files] or shown()
     for path in paths:
         benchmark = json.loads(path.read_text()).get("benchmark")
         if benchmark in DRAWERS:

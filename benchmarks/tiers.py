@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from benchmarks import families
+from benchmarks import families, figure_style
 from fedpartial._src.core.types import PersonalModels
 from fedpartial._src.data import sources
 from fedpartial._src.experiment.config import RunConfig
@@ -128,37 +128,40 @@ def table(rows: list[dict]) -> str:
 
 
 def figure(rows: list[dict], path: str) -> None:
-    """Per (data set, α): global and weak clients' accuracy per method and case (bars), and accuracy against
-    upload per round (points)."""
-    plt = families.pyplot()
+    """Per (data set, α), a row: global accuracy per method and case (bars; the weak clients' accuracy a black
+    tick on each), and beside it accuracy against upload per round (a point per method and case, the case its
+    marker); one legend under the panels."""
+    from matplotlib.lines import Line2D
+
     panels = list(dict.fromkeys((r["dataset"], r["alpha"]) for r in rows))
-    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5), squeeze=False)
+    fig, axes = figure_style.figure(2 * len(panels), height=3.8, columns=2)
+    cases = sorted({r["case"] for r in rows})
+    markers = dict(zip(cases, "o^sDv"))
     for col, (dataset, alpha) in enumerate(panels):
         mine = [r for r in rows if r["dataset"] == dataset and r["alpha"] == alpha]
-        cases = sorted({r["case"] for r in mine})
         shown = [m for m in METHODS if any(r["method"] == m for r in mine)]
-        ax, width = axes[0][col], 0.8 / max(len(shown), 1)
+        ax, width = axes[2 * col], 0.8 / max(len(shown), 1)
         for i, m in enumerate(shown):
             for j, case in enumerate(cases):
                 r = next((r for r in mine if r["method"] == m and r["case"] == case), None)
                 if r is None:
                     continue
                 x = j + (i - (len(shown) - 1) / 2) * width
-                ax.bar(x, 100 * r["test_accuracy"], width, color=f"C{i}", label=LABELS[m] if j == 0 else None)
+                ax.bar(x, 100 * r["test_accuracy"], width, color=figure_style.colour(m), label=LABELS[m])
                 ax.plot(x, 100 * r["weak_accuracy"], "k_", markersize=9)
         ax.set_xticks(range(len(cases)), [f"case {c}" for c in cases])
-        ax.set(ylabel="accuracy (%)", title=f"{dataset}, α={alpha}: global (bars), weak clients' (—)")
-        ax.legend(fontsize=7)
-        ax = axes[1][col]
-        for i, m in enumerate(shown):
+        ax.set(ylabel="accuracy (%)", title=f"{dataset}, α={alpha}")
+        ax = axes[2 * col + 1]
+        for m in shown:
             for r in (r for r in mine if r["method"] == m):
-                ax.scatter(r["upload_mb_per_round"], 100 * r["test_accuracy"], color=f"C{i}",
-                           marker="o" if r["case"] == cases[0] else "^", label=f"{LABELS[m]}, case {r['case']}")
-        ax.set(xlabel="upload per round (MB)", ylabel="global accuracy (%)", title="accuracy against upload")
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+                ax.scatter(r["upload_mb_per_round"], 100 * r["test_accuracy"], color=figure_style.colour(m), s=50,
+                           marker=markers[r["case"]])
+        ax.set(xlabel="upload per round (MB)", ylabel="global accuracy (%)", title=f"{dataset}: against upload")
+        ax.grid(True, alpha=0.3)
+    extra = [(Line2D([], [], color="k", marker="_", ls="", markersize=9), "weak clients' accuracy")]
+    extra += [(Line2D([], [], color="#444444", marker=mk, ls=""), f"case {c}") for c, mk in markers.items()]
+    figure_style.shared_legend(fig, axes, extra=extra)
+    figure_style.save(fig, path)
 
 
 def main(argv=None) -> int:
