@@ -34,24 +34,25 @@ def fedspu(path: pathlib.Path) -> list[pathlib.Path]:
     return out
 
 
-def _runs_plot(benchmark: str):
-    """A drawer for a benchmark whose ``plot(runs, path)`` reads only the runs of its file."""
+def _drawer(benchmark: str, function: str, key: str):
+    """A drawer for a benchmark whose ``function(data[key], path)`` draws its figure from its file's ``key``."""
     def draw(path: pathlib.Path) -> list[pathlib.Path]:
         out = path.with_suffix(".png")
-        importlib.import_module(f"benchmarks.{benchmark}").plot(json.loads(path.read_text())["runs"], str(out))
+        getattr(importlib.import_module(f"benchmarks.{benchmark}"), function)(json.loads(path.read_text())[key],
+                                                                              str(out))
         return [out]
-    draw.__doc__ = f"``benchmarks/{benchmark}.py``'s figure from its runs."
+    draw.__doc__ = f"``benchmarks/{benchmark}.py``'s figure from its {key}."
     return draw
+
+
+def _runs_plot(benchmark: str):
+    """A drawer for a benchmark whose ``plot(runs, path)`` reads only the runs of its file."""
+    return _drawer(benchmark, "plot", "runs")
 
 
 def _rows_figure(benchmark: str):
     """A drawer for a method-family benchmark, whose ``figure(rows, path)`` reads the rows of its file."""
-    def draw(path: pathlib.Path) -> list[pathlib.Path]:
-        out = path.with_suffix(".png")
-        importlib.import_module(f"benchmarks.{benchmark}").figure(json.loads(path.read_text())["rows"], str(out))
-        return [out]
-    draw.__doc__ = f"``benchmarks/{benchmark}.py``'s figure from its rows."
-    return draw
+    return _drawer(benchmark, "figure", "rows")
 
 
 def comparison(path: pathlib.Path) -> list[pathlib.Path]:
