@@ -113,7 +113,7 @@ def test_method_flags_come_from_the_methods(capsys, tmp_path):
     from fedpartial._src.cli.main import build_parser
 
     def run_help(*argv):
-        return build_parser(["run", *argv, "--help"])._subparsers._group_actions[0].choices["run"].format_help()
+        return build_parser(["run", *argv, "--help"]).command("run").format_help()
 
     for method, flags in {"fedprox": ("--mu",), "fedldf": ("--n",), "fedadp": ("--adp-fraction",),
                           "fedspu": ("--tiers",), "fedselect": ("--select-start", "--select-end")}.items():
@@ -127,7 +127,7 @@ def test_method_flags_come_from_the_methods(capsys, tmp_path):
     # The rarer groups name their flags; --help-all gives each its help too.
     assert "Flags: --dp-clip, --dp-noise-multiplier" in " ".join(plain.split())
     assert "noise std" not in plain and "C: clip each client's update" not in plain
-    full = build_parser(["run", "--help-all"])._subparsers._group_actions[0].choices["run"].format_help()
+    full = build_parser(["run", "--help-all"]).command("run").format_help()
     assert "C: clip each client's update" in " ".join(full.split()) and "Flags: --dp-clip" not in full
     # A flag of another method is refused in one sentence.
     assert main(["run", "--method", "fedavg", "--mu", "0.1", "--out", str(tmp_path)]) == 2
@@ -186,9 +186,9 @@ def test_version_list_and_bare_command(capsys):
 
 def test_every_flag_shows_its_default():
     from fedpartial._src.cli.main import build_parser
-    commands = build_parser()._subparsers._group_actions[0].choices
+    commands = build_parser().subcommands.choices
     for name, sub in commands.items():
-        for action in sub._actions:
+        for action in sub.flags:
             if action.option_strings and not action.dest.startswith("help") and action.help != argparse.SUPPRESS:
                 assert "default" in sub._get_formatter()._get_help_string(action), (name, action.option_strings)
     text = commands["run"].format_help()
@@ -197,7 +197,7 @@ def test_every_flag_shows_its_default():
                    "(default: 0)", "(default: 2 when --local-steps"):
         assert phrase in " ".join(text.split()), phrase
     # --local-epochs has one default, said once.
-    local_epochs = next(a for a in commands["run"]._actions if "--local-epochs" in a.option_strings)
+    local_epochs = next(a for a in commands["run"].flags if "--local-epochs" in a.option_strings)
     assert commands["run"]._get_formatter()._get_help_string(local_epochs).count("default") == 1
 
 

@@ -27,7 +27,7 @@ def test_flags_and_toml_keys_set_the_run_config(tmp_path):
     tokens = ["--config", str(path)]
     parser = build_parser()
     args = parser.parse_args(["run", *tokens])
-    config_file.merge(args, parser._subparsers._group_actions[0].choices["run"], tokens, str(path))
+    config_file.merge(args, parser.command("run"), tokens, str(path))
     config = config_from_args(args)
     assert (config.deadline_quantile, config.over_select, config.availability) == (0.8, 2.0, "0.7")
 

@@ -14,7 +14,7 @@ from tests.test_docs import DOCS_PATH, INTERNAL_WORDS, ROOT
 def helps(*argv) -> dict[str, str]:
     """The help of every subcommand, as ``fedpartial SUBCOMMAND *argv --help`` prints it."""
     parser = build_parser(["run", *argv, "--help"])
-    subcommands = parser._subparsers._group_actions[0].choices
+    subcommands = parser.subcommands.choices
     return {"fedpartial": parser.format_help(), **{name: p.format_help() for name, p in subcommands.items()}}
 
 
@@ -47,7 +47,7 @@ def test_resume_is_described_the_same_everywhere():
     said = flags.RESUME_HELP.split("; ", 1)[1]
     page = " ".join((ROOT / "docs" / "running.md").read_text().replace("`", "").split())
     assert said in page
-    run = build_parser(["run"])._subparsers._group_actions[0].choices["run"]
-    processes = {a.dest for g in run._action_groups if g.title == "several processes" for a in g._group_actions}
+    run = build_parser(["run"]).command("run")
+    processes = {a.dest for g in run.groups if g.title == "several processes" for a in g.actions}
     assert set(RESUME_FLAGS) == {"resume", "checkpoint_every", "quiet", "rounds"} | processes
     assert all(f"--{dest.replace('_', '-')}" in said for dest in ("checkpoint_every", "quiet", "rounds"))

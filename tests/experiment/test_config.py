@@ -18,7 +18,7 @@ SMALL = ["--rounds", "2", "--clients", "6", "--cohort", "3", "--local-steps", "2
 
 
 def _run_parser():
-    return build_parser()._subparsers._group_actions[0].choices["run"]
+    return build_parser().command("run")
 
 
 def _config(tmp_path, text, argv=()):

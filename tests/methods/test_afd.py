@@ -334,5 +334,5 @@ def test_command_line_flags():
     args = parser.parse_args(["run", "--method", "afd", "--afd-rate", "0.4", "--afd-variant", "multi"])
     assert config_from_args(args).options == {"dropout_rate": 0.4, "variant": "multi"}
     helped = build_parser(["run", "--method", "afd", "--help"])  # --help shows the named method's options
-    text = helped._subparsers._group_actions[0].choices["run"].format_help()
+    text = helped.command("run").format_help()
     assert "--afd-rate" in text and "--afd-variant" in text

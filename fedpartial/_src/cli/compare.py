@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 
 from fedpartial._src.cli.display import duration, mb
-from fedpartial._src.cli.flags import Formatter, config_from_args, refuse_flag_clashes
+from fedpartial._src.cli.flags import OPTIONS, Formatter, Parser, config_from_args, refuse_flag_clashes
 from fedpartial._src.core.errors import UserError
 
 #: ``run`` flags that ``compare`` does not take: it sets them per run, or they concern one run only
@@ -17,10 +17,10 @@ NOT_COMPARED = ("help", "method", "seed", "seeds", "lrs", "server_lrs", "out", "
                 "checkpoint_every")
 
 
-def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``compare`` takes every ``run`` flag common to all methods (the same argparse actions, so they stay in
-    step with ``run``) except :data:`NOT_COMPARED` and the per-method option flags, which become
-    ``--option METHOD:NAME=VALUE``."""
+def add_parser(subparsers, run: Parser) -> Parser:
+    """``compare`` takes every ``run`` flag common to all methods, declared again as ``run`` declared them and
+    with the help ``run``'s ``--help`` gives them (so they stay in step with ``run``), except
+    :data:`NOT_COMPARED` and the per-method option flags, which become ``--option METHOD:NAME=VALUE``."""
     compare = subparsers.add_parser(
         "compare", help="several methods on the same partitions and seeds: table and figures",
         # a usage of its own: argparse's generated one, over this many flags, fails an assertion of its own
@@ -40,25 +40,24 @@ def add_parser(subparsers, run: argparse.ArgumentParser) -> argparse.ArgumentPar
     compare.add_argument("--resume", default=None, metavar="DIR",
                          help="continue an interrupted comparison in DIR: finished runs are kept, interrupted ones "
                               "resumed, missing ones run; then the table and figures are written again")
-    # The same action objects in matching groups, as argparse's ``parents`` does (which cannot leave some out).
+    # Mutually exclusive flags stay so, in groups of compare itself (argparse shows their flags under options).
     exclusive = {}
-    for group in run._mutually_exclusive_groups:
+    for group in run.exclusive:
         twin = compare.add_mutually_exclusive_group(required=group.required)
-        exclusive.update({id(action): twin for action in group._group_actions})
-    groups = {id(run._positionals): compare._positionals, id(run._optionals): compare._optionals}
-    for group in run._action_groups:
-        kept = [a for a in group._group_actions if a.dest not in NOT_COMPARED and not a.dest.startswith("option:")]
-        target = groups.get(id(group)) or (compare.add_argument_group(group.title, group.description) if kept
-                                           else None)
+        exclusive.update({action: twin for action in group.actions})
+    for group in run.groups:
+        kept = [a for a in group.actions if a.dest not in NOT_COMPARED and not a.dest.startswith("option:")]
+        target = compare if group.title == OPTIONS else (compare.add_argument_group(group.title, group.description)
+                                                         if kept else None)
         for action in kept:
-            exclusive.get(id(action), target)._add_action(action)
+            args, kwargs = run.declared[action]
+            exclusive.get(action, target).add_argument(*args, **{**kwargs, "help": action.help})
     return compare
 
 
-def _compare_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[str]]:
+def _compare_flags(argv: list[str] | None) -> tuple[Parser, list[str]]:
     """A fresh ``compare`` parser (as ``fedpartial``'s own) and the tokens given after ``compare``."""
     from fedpartial._src.cli import run as run_cli
-    from fedpartial._src.cli.flags import Parser
 
     tokens = list(sys.argv[1:] if argv is None else argv)
     subparsers = Parser(prog="fedpartial").add_subparsers(parser_class=Parser)
@@ -115,7 +114,7 @@ def _resume(args, console: Console, argv: list[str] | None) -> int:
     parser, tokens = _compare_flags(argv)
     given = config_file.given_on_command_line(parser, tokens) - {"resume", "quiet"}
     if given:
-        flag = next(a.option_strings[0] for a in parser._actions if a.dest == sorted(given)[0])
+        flag = parser.flag(min(given)).option_strings[0]
         raise UserError(f"{flag} cannot be combined with compare --resume: a resumed comparison keeps the methods, "
                         f"seeds and settings it started with (its job.json).")
 

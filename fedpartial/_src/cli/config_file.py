@@ -25,9 +25,9 @@ Decisions taken (issue 13):
   e.g. ``exp.toml: lr = nan is not allowed: it must be a finite number > 0.`` (:func:`attribute` rewrites
   :meth:`RunConfig.validate`'s messages, which name flags, for values that came from the file).
 
-The flags are the ``run`` parser's own argparse actions (:mod:`fedpartial._src.cli.flags`), so a file takes
-exactly what the command line takes.  A run directory's ``config.toml`` is such a file
-(:func:`fedpartial._src.experiment.records.to_toml`).
+The flags are the ``run`` parser's own argparse actions, as its record lists them
+(:class:`fedpartial._src.cli.flags.Parser`), so a file takes exactly what the command line takes.  A run
+directory's ``config.toml`` is such a file (:func:`fedpartial._src.experiment.records.to_toml`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ import argparse
 import difflib
 import re
 import tomllib
+from typing import TYPE_CHECKING
 
 from fedpartial._src.core.errors import UserError
+
+if TYPE_CHECKING:
+    from fedpartial._src.cli.flags import Parser
 
 #: flags a config file cannot set
 _NOT_IN_FILES = ("config", "resume")
@@ -93,13 +97,13 @@ def read_toml(path: str) -> dict:
         raise UserError(f"--config {path!r} is not valid TOML: it is not UTF-8 text.") from None
 
 
-def file_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[str, object]]:
+def file_values(path: str, parser: Parser) -> dict[str, tuple[str, object]]:
     """The file's values as ``{dest: (key, value)}`` of ``parser``'s flags, each parsed as on the command line.
 
     Raises :class:`UserError` (one sentence naming the file and key) for an unknown key, a table, a value
     of the wrong type, or a value the flag's own parser refuses.
     """
-    actions = {_key(s): a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    actions = {_key(s): a for a in parser.flags for s in a.option_strings if s.startswith("--")}
     allowed = sorted(k for k in actions if k not in _NOT_IN_FILES and k not in ("help",))
     values: dict[str, tuple[str, object]] = {}
     for key, value in read_toml(path).items():
@@ -154,7 +158,10 @@ def file_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[s
     return values
 
 
-class _Unset:
+class _Unset(list):
+    """The value of a flag not given: a list, so that a flag that appends (compare's ``--option``) adds to a
+    copy of it, which is then not :data:`_UNSET`."""
+
     def __repr__(self):
         return "<unset>"
 
@@ -162,30 +169,21 @@ class _Unset:
 _UNSET = _Unset()
 
 
-def given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+def given_on_command_line(parser: Parser, argv: list[str]) -> set[str]:
     """The dests of ``parser``'s flags that ``argv`` gives (``parser`` is left as it was)."""
-    saved = {a: a.default for a in parser._actions}
-    saved_defaults = dict(parser._defaults)
-    try:
-        for action in parser._actions:
-            if action.option_strings:
-                action.default = _UNSET
-        args = parser.parse_args(argv)
-    finally:
-        for action, default in saved.items():
-            action.default = default
-        parser._defaults.clear()
-        parser._defaults.update(saved_defaults)
+    # argparse fills in a default only where the namespace has no value yet
+    unset = argparse.Namespace(**{a.dest: _UNSET for a in parser.flags if a.option_strings})
+    args = parser.parse_args(argv, namespace=unset)
     return {dest for dest, value in vars(args).items() if value is not _UNSET}
 
 
-def merge(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str], path: str) -> dict[str, str]:
+def merge(args: argparse.Namespace, parser: Parser, argv: list[str], path: str) -> dict[str, str]:
     """Fills ``args`` (parsed from ``argv`` by ``parser``) with the config file's values where the command
     line gave none; returns ``{flag: key}`` of the values taken from the file (see :func:`attribute`)."""
     values = file_values(path, parser)
     given = given_on_command_line(parser, argv)
-    for group in parser._mutually_exclusive_groups:  # the command line's choice wins the whole group
-        dests = {a.dest for a in group._group_actions}
+    for group in parser.exclusive:  # the command line's choice wins the whole group
+        dests = {a.dest for a in group.actions}
         if dests & given:
             given |= dests
     taken = {}
@@ -193,8 +191,7 @@ def merge(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[
         if dest in given:
             continue
         setattr(args, dest, value)
-        action = next(a for a in parser._actions if a.dest == dest)
-        taken[action.option_strings[0]] = key
+        taken[parser.flag(dest).option_strings[0]] = key
     return taken
 
 

@@ -1,7 +1,8 @@
 """The flags several subcommands share: the value parsers, the help formatter and the parser class of every
-subcommand, the ``run`` flags (which ``compare`` takes too, as the same argparse actions), the per-method
-option flags built from the methods' :class:`~fedpartial._src.methods.registry.MethodSpec` options, and
-:func:`config_from_args`, which turns the parsed flags into a :class:`RunConfig`.
+subcommand (which keeps a public record of the flags it holds), the ``run`` flags (which ``compare`` declares
+again, but for those it sets itself), the per-method option flags built from the methods'
+:class:`~fedpartial._src.methods.registry.MethodSpec` options, and :func:`config_from_args`, which turns the
+parsed flags into a :class:`RunConfig`.
 
 A flag's ``type`` function says in its ``toml_kind`` attribute what the flag takes in a ``--config`` file
 (:mod:`fedpartial._src.cli.config_file`).
@@ -10,6 +11,7 @@ A flag's ``type`` function says in its ``toml_kind`` attribute what the flag tak
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import re
 import sys
@@ -17,11 +19,8 @@ import textwrap
 from collections.abc import Iterable
 
 from fedpartial._src.core.errors import UserError
-import dataclasses
-
 from fedpartial._src.experiment import settings
 from fedpartial._src.experiment.config import RunConfig
-
 from fedpartial._src.methods.catalog import METHODS, all_methods, find_method
 from fedpartial._src.methods.registry import MethodSpec, boolean, ratios
 
@@ -59,9 +58,8 @@ class Formatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings \
-                or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
-            return text
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text  # --help and --version have no default (argparse.SUPPRESS)
         shown = "none" if action.default is None else action.default
         return f"{text} (default: {shown})".strip()
 
@@ -72,19 +70,119 @@ RESUME_HELP = ("continue a stopped run from its newest checkpoint, with the conf
                "the several-processes flags")
 
 
+#: the title of the group of a parser's general flags (--help, --config, ...): argparse's own for it
+OPTIONS = "options"
+
+
+class Group:
+    """An argument group, or mutually exclusive group, of a :class:`Parser`: adds through argparse's own
+    group and records each flag in :attr:`actions`, in its enclosing group's and in the parser's
+    :attr:`Parser.flags`.
+
+    Attributes:
+      parser: the parser it belongs to.
+      actions: its flags, in the order they were added (a mutually exclusive group's inside it included).
+      group: argparse's group it adds to.
+    """
+
+    def __init__(self, parser: Parser, group, enclosing: Group | None = None):
+        self.parser, self.group, self.enclosing = parser, group, enclosing
+        self.actions: list[argparse.Action] = []
+
+    @property
+    def title(self) -> str | None:
+        """The group's heading in ``--help`` (None for a mutually exclusive group)."""
+        return self.group.title
+
+    @property
+    def description(self) -> str | None:
+        """The text ``--help`` shows under the heading."""
+        return self.group.description
+
+    @description.setter
+    def description(self, text: str | None) -> None:
+        self.group.description = text
+
+    @property
+    def required(self) -> bool:
+        """Whether one flag of a mutually exclusive group must be given (False for an argument group)."""
+        return getattr(self.group, "required", False)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        """As :meth:`argparse.ArgumentParser.add_argument`, recording the flag (and how it was declared)."""
+        action = self.group.add_argument(*args, **kwargs)
+        group = self
+        while group is not None:
+            group.actions.append(action)
+            group = group.enclosing
+        self.parser.record(action, args, kwargs)
+        return action
+
+    def add_mutually_exclusive_group(self, **kwargs) -> Group:
+        """A mutually exclusive group inside this one; its flags are shown in this group."""
+        group = Group(self.parser, self.group.add_mutually_exclusive_group(**kwargs), enclosing=self)
+        self.parser.exclusive.append(group)
+        return group
+
+
 class Parser(argparse.ArgumentParser):
-    def format_help(self):
-        """The help, with the options of the methods asked about (``--method NAME --help``) first: the answer
-        to the question asked comes before the rest."""
-        mine = [g for g in self._action_groups if g.title.startswith("options of ")]
-        if not mine:
-            return super().format_help()
-        saved = self._action_groups
-        self._action_groups = mine + [g for g in saved if g not in mine]
-        try:
-            return super().format_help()
-        finally:
-            self._action_groups = saved
+    """The parser of ``fedpartial`` and of each subcommand: one-sentence errors, and a public record of what
+    was added to it, for the code that reads flags back (``--config`` files, ``--resume``, ``compare``).
+
+    Attributes:
+      flags: every flag, in the order added (argparse's own ``--help`` included).
+      declared: each flag -> the ``(args, kwargs)`` it was declared with (to declare it again elsewhere).
+      groups: each argument group (a :class:`Group`), in the order added.
+      exclusive: each mutually exclusive group (a :class:`Group`).
+      subcommands: the action of :meth:`add_subparsers` (its ``choices``: name -> parser), or None.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.flags: list[argparse.Action] = []
+        self.declared: dict[argparse.Action, tuple[tuple, dict]] = {}
+        self.groups: list[Group] | None = None  # argparse's own groups, made while it sets up, stay its own
+        self.exclusive: list[Group] = []
+        self.subcommands = None
+        super().__init__(*args, **kwargs)  # adds --help through add_argument: recorded
+        self.groups = []
+
+    def record(self, action: argparse.Action, args: tuple, kwargs: dict) -> None:
+        """Records ``action``, declared with ``args`` and ``kwargs``."""
+        self.flags.append(action)
+        self.declared[action] = (args, dict(kwargs))
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        """As argparse's, recording the flag (and how it was declared)."""
+        action = super().add_argument(*args, **kwargs)
+        self.record(action, args, kwargs)
+        return action
+
+    def add_argument_group(self, *args, **kwargs) -> Group:
+        """As argparse's, as a :class:`Group` that records its flags."""
+        if self.groups is None:
+            return super().add_argument_group(*args, **kwargs)
+        group = Group(self, super().add_argument_group(*args, **kwargs))
+        self.groups.append(group)
+        return group
+
+    def add_mutually_exclusive_group(self, **kwargs) -> Group:
+        """As argparse's, as a :class:`Group` that records its flags; they are shown under ``options``."""
+        group = Group(self, super().add_mutually_exclusive_group(**kwargs))
+        self.exclusive.append(group)
+        return group
+
+    def add_subparsers(self, **kwargs):
+        """As argparse's, keeping the action in :attr:`subcommands`."""
+        self.subcommands = super().add_subparsers(**kwargs)
+        return self.subcommands
+
+    def command(self, name: str) -> Parser:
+        """The parser of the subcommand ``name``."""
+        return self.subcommands.choices[name]
+
+    def flag(self, dest: str) -> argparse.Action:
+        """The flag that stores into ``dest``."""
+        return next(action for action in self.flags if action.dest == dest)
 
     def error(self, message):  # one sentence, exit status 2, no usage dump
         # argparse says "argument --lr: 'x' is not ..."; people typed "--lr x"
@@ -148,20 +246,30 @@ BRIEF_GROUPS = ("differential privacy", "simulated time: devices, deadlines and 
                 "asynchronous aggregation", "execution", "several processes")
 
 
-def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | None = None,
+def add_run_flags(run: Parser, specs: Iterable[MethodSpec] | None = None,
                   shown: Iterable[str] | None = None, brief: bool = False) -> None:
-    """Every flag of ``fedpartial run``, in the order ``--help`` shows them (``compare`` copies most of them):
-    a group per section of :class:`RunConfig`, each flag generated from its field's description, then the
-    method options and the flags of the command itself.  ``specs``: the methods whose options become flags
-    (default :func:`method_specs`); ``shown``: the methods whose options ``--help`` shows (default none: it
-    says how to see a method's); ``brief``: the groups of :data:`BRIEF_GROUPS` list their flags only."""
+    """Every flag of ``fedpartial run``, in the order ``--help`` shows them (``compare`` declares most of them
+    again): the options of the methods ``shown`` if any (the answer to the question asked comes first), the
+    flags of the command itself, then a group per section of :class:`RunConfig`, each flag generated from its
+    field's description, with the method options after the method's section.  ``run``: made without
+    argparse's ``--help`` (``add_help=False``), which is added here, after the methods' options; with it, the
+    command's own flags go in its group.  ``specs``: the methods whose options become flags (default
+    :func:`method_specs`); ``shown``: the methods whose options ``--help`` shows (default none: it says how to
+    see a method's); ``brief``: the groups of :data:`BRIEF_GROUPS` list their flags only."""
     specs = method_specs() if specs is None else list(specs)
-    run.add_argument("--help-all", action="help", help="show every flag with its help (--help lists the rarer "
+    shown = list(shown or ())
+    if shown:
+        method_option_flags(run, specs, shown)
+    own = run
+    if not run.add_help:
+        own = run.add_argument_group(OPTIONS)
+        own.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    own.add_argument("--help-all", action="help", help="show every flag with its help (--help lists the rarer "
                                                       "groups' flags only)")
-    run.add_argument("--config", default=None, metavar="TOML",
+    own.add_argument("--config", default=None, metavar="TOML",
                      help="read run flags from a TOML file (keys are these flags without --; the command line "
                           "overrides them)")
-    run.add_argument("--quiet", action="store_true",
+    own.add_argument("--quiet", action="store_true",
                      help="no progress and no summary table: print only the run directory")
     for name, (title, summary) in settings.SECTIONS.items():
         group = run.add_argument_group(title.lower(), summary[0].upper() + summary[1:])
@@ -174,8 +282,8 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
                 exclusive[key] = group.add_mutually_exclusive_group()
             target = group if key is None else exclusive[key]
             _setting_flag(target, field)
-        if name == "method":
-            method_option_flags(run, specs, shown)
+        if name == "method" and not shown:
+            method_option_flags(run, specs)
         if name == "data":
             _replica_flags(group)
         if name == "execution":
@@ -190,12 +298,12 @@ def add_run_flags(run: argparse.ArgumentParser, specs: Iterable[MethodSpec] | No
         _shorten(run)
 
 
-def _shorten(run: argparse.ArgumentParser) -> None:
+def _shorten(run: Parser) -> None:
     """The groups of :data:`BRIEF_GROUPS` name their flags in their description instead of a line each."""
-    for group in run._action_groups:
-        if group.title in BRIEF_GROUPS and group._group_actions:
-            flags = [action.option_strings[0] for action in group._group_actions]
-            for action in group._group_actions:
+    for group in run.groups:
+        if group.title in BRIEF_GROUPS and group.actions:
+            flags = [action.option_strings[0] for action in group.actions]
+            for action in group.actions:
                 action.help = argparse.SUPPRESS
             group.description = (f"{group.description.rstrip('.')}. Flags: {', '.join(flags)} "
                                  "(fedpartial run --help-all, or the Configuration reference page, says what "
@@ -242,9 +350,9 @@ def method_flag_users(specs: Iterable[MethodSpec]) -> dict[str, list]:
 @functools.cache
 def _run_flag_strings() -> frozenset[str]:
     """The flags of ``fedpartial run`` that are not method options (``--seed``, ``--rounds``, ...)."""
-    parser = argparse.ArgumentParser(add_help=True)
+    parser = Parser(add_help=False)
     add_run_flags(parser, specs=())
-    return frozenset(s for action in parser._actions for s in action.option_strings)
+    return frozenset(s for action in parser.flags for s in action.option_strings)
 
 
 def _kind(opt) -> str:
@@ -289,7 +397,7 @@ def _option_type(opt):
     return parse
 
 
-def method_option_flags(parser: argparse.ArgumentParser, specs: Iterable[MethodSpec],
+def method_option_flags(parser: Parser, specs: Iterable[MethodSpec],
                         shown: Iterable[str] | None = None) -> None:
     """One flag per method option of ``specs`` (the methods' own descriptions), stored as ``option:FLAG``;
     ``--help`` shows those of the methods ``shown`` (none by default: it says how to see them).

@@ -3,7 +3,6 @@ run as one; ``--config FILE.toml`` reads the flags from a file (:mod:`fedpartial
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import math
@@ -21,11 +20,12 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment.config import REPLICA_FLAGS
 
 
-def add_parser(subparsers, specs=None, shown=(), brief=False) -> argparse.ArgumentParser:
+def add_parser(subparsers, specs=None, shown=(), brief=False) -> Parser:
     """The ``run`` subcommand and its flags; returns its parser (``compare`` takes most of its flags).
     ``specs``: the methods whose options become flags (default: the built-in and installed ones); ``shown``:
     the methods whose options ``--help`` shows; ``brief``: the rarer groups list their flags only."""
     run = subparsers.add_parser("run", help="run a federated simulation", formatter_class=Formatter,
+                                add_help=False,  # add_run_flags adds --help, after the options asked about
                                 usage="fedpartial run [--method NAME] [--dataset NAME] [FLAG VALUE ...] "
                                       "(fedpartial run --method NAME --help: that method's options too)",
                          epilog="A --config file holds run flags as TOML keys without the leading -- (- or _ "
@@ -36,7 +36,7 @@ def add_parser(subparsers, specs=None, shown=(), brief=False) -> argparse.Argume
     return run
 
 
-def _run_flags(argv: list[str] | None) -> tuple[argparse.ArgumentParser, list[str]]:
+def _run_flags(argv: list[str] | None) -> tuple[Parser, list[str]]:
     """A fresh ``run`` parser (as ``fedpartial``'s own) and the tokens given after ``run`` on the command line."""
     tokens = list(sys.argv[1:] if argv is None else argv)
     subparsers = Parser(prog="fedpartial").add_subparsers(parser_class=Parser)
@@ -103,7 +103,7 @@ def _join_processes(args) -> None:
 RESUME_FLAGS = ("resume", "checkpoint_every", "quiet", "coordinator", "num_processes", "process_id", "rounds")
 
 
-def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str]) -> None:
+def _check_resume(args, parser: Parser, tokens: list[str]) -> None:
     """A run flag given with --resume would be dropped without a word: refused, naming it.  A completed run
     is left as it is (:class:`RunComplete`)."""
     from fedpartial._src.cli import config_file
@@ -112,7 +112,7 @@ def _check_resume(args, parser: argparse.ArgumentParser, tokens: list[str]) -> N
     given = config_file.given_on_command_line(parser, tokens)
     if given & set(REPLICA_FLAGS):
         return  # replicas cannot be resumed at all: their own sentence, below
-    extra = sorted((a for a in parser._actions if a.dest in given and a.dest not in RESUME_FLAGS),
+    extra = sorted((a for a in parser.flags if a.dest in given and a.dest not in RESUME_FLAGS),
                    key=lambda a: a.dest == "out")  # a flag that changes the run is named before --out
     if extra:
         raise UserError(f"{extra[0].option_strings[0]} cannot be combined with --resume: a resumed run keeps its own "
