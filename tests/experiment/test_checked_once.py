@@ -14,8 +14,9 @@ from fedpartial._src.analysis import compare
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment import config_checks, plan, population, replicas
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once, validated, with_validation
 from fedpartial.methods import METHODS
-from fedpartial._src.experiment.config import ConfigError, RunConfig, validate_once, validated, with_validation
 
 TINY = dict(dataset="synthetic", max_samples=40, model="mlp", num_clients=6, cohort_size=3, rounds=1, local_steps=1,
             batch_size=8, out_dir=None)

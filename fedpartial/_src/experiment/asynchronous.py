@@ -44,7 +44,8 @@ import numpy as np
 from fedpartial._src.core import memory
 from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.experiment import population, round_record, simulated_time
-from fedpartial._src.experiment.config import ConfigError, RunConfig, validate_once, with_validation
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once, with_validation
 from fedpartial._src.experiment.disk import human_bytes
 from fedpartial._src.experiment.simulation import Simulation
 

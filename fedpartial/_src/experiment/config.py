@@ -2,10 +2,9 @@
 
 Only settings live here: no data is loaded, nothing is built, the machine is not asked and JAX is not imported
 (a test keeps it so), so the command line, config files, ``fedpartial compare`` and many-seed runs can read and
-check a run before anything costly starts.  The checks are
-:func:`fedpartial._src.experiment.config_checks.validate`'s (:meth:`RunConfig.validate`, run once per entry path:
-:func:`validate_once`); what the settings become on this machine (its devices, the round's strategy, the method)
-is :func:`fedpartial._src.experiment.plan.resolve`'s.
+check a run before anything costly starts.  The checks are :mod:`~fedpartial._src.experiment.config_checks`'
+(:meth:`RunConfig.validate`, run once per entry path: its ``validate_once``); what the settings become on this
+machine (its devices, the round's strategy, the method) is :func:`fedpartial._src.experiment.plan.resolve`'s.
 """
 
 from __future__ import annotations
@@ -25,21 +24,15 @@ if TYPE_CHECKING:
     from fedpartial._src.costs.devices import DeviceProfiles
     from fedpartial._src.engine.strategy import Strategy
 
-__all__ = ["ConfigError", "RunConfig", "validate_once", "with_validation"]
-
-PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 #: the population of a dataset that does not bring its own
 DEFAULT_CLIENTS = 20
 DEFAULT_LOCAL_EPOCHS = 2.0
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
-SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
 #: the flags (by destination) that make a run a set of replicas, run as one simulation (not RunConfig fields)
 REPLICA_FLAGS = ("seeds", "lrs", "server_lrs")
 #: per-client state kept off the device is initialised about this many bytes at a time
 CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
-#: the largest seed (numpy's seeds are 32-bit)
-MAX_SEED = 2**32 - 1
 
 
 def flag_name(field: str) -> str:
@@ -276,7 +269,8 @@ class RunConfig:
         paths and combinations.  Nothing is created or loaded, and the machine is not asked: whether the run
         fits its memory, devices and disk is :func:`fedpartial._src.experiment.preflight.preflight`'s question.
         The configuration remembers that it passed (and with which of the switches below), so that the run it
-        starts does not check it again (:func:`validate_once`) unless a setting has changed since.
+        starts does not check it again unless a setting has changed since
+        (:func:`~fedpartial._src.experiment.config_checks.validate_once`).
 
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
@@ -288,8 +282,6 @@ class RunConfig:
         from fedpartial._src.experiment import config_checks
 
         config_checks.validate(self, custom_method=custom_method, check_model=check_model)
-        self.__dict__[_VALIDATED] = (custom_method, check_model, dataclasses.astuple(self))
-
 
     @property
     def async_buffer(self) -> int:
@@ -377,45 +369,6 @@ class RunConfig:
         from fedpartial._src.experiment import plan
 
         return plan.build_method(self)
-
-
-#: the instance attribute (not a field: never compared, shown or saved) recording a passed :meth:`RunConfig.validate`:
-#: its ``custom_method`` and ``check_model``, and the settings it judged
-_VALIDATED = "_validated"
-
-
-def validated(config: RunConfig, *, custom_method: bool = False, check_model: bool = False) -> bool:
-    """Whether ``config`` passed :meth:`~RunConfig.validate` with checks at least these (the registry's method
-    checks cover a custom method's, ``check_model`` covers none) and no setting has changed since."""
-    record = config.__dict__.get(_VALIDATED)
-    if record is None:
-        return False
-    was_custom, was_model, settings = record
-    if not (custom_method or not was_custom) or not (was_model or not check_model):
-        return False
-    try:
-        return bool(settings == dataclasses.astuple(config))
-    except (TypeError, ValueError):  # values without a plain equality (an array among the options): judge again
-        return False
-
-
-def validate_once(config: RunConfig, *, custom_method: bool = False, check_model: bool = False) -> None:
-    """:meth:`RunConfig.validate`, unless ``config`` already passed it as it is (:func:`validated`): each entry
-    path (the command line, :func:`fedpartial.run`, a :class:`~fedpartial.Simulation`, replicas, a comparison)
-    checks a configuration once, however many layers it passes through."""
-    if not validated(config, custom_method=custom_method, check_model=check_model):
-        config.validate(custom_method=custom_method, check_model=check_model)
-
-
-def with_validation(config: RunConfig, like: RunConfig) -> RunConfig:
-    """``config``, a copy of the validated ``like`` with some settings changed, marked as validated as ``like``
-    was: for the caller whose own checks covered every change (the population's size once the files are read:
-    :func:`~fedpartial._src.experiment.config_checks.check_population`; a replica's seed and rates; an asynchronous
-    run's buffer as its cohort).  Unchanged when ``like`` is not validated."""
-    record = like.__dict__.get(_VALIDATED)
-    if record is not None and validated(like, custom_method=record[0], check_model=record[1]):
-        config.__dict__[_VALIDATED] = (*record[:2], dataclasses.astuple(config))
-    return config
 
 
 RunConfig.__doc__ += "\n" + "\n".join("    " + line if line else line

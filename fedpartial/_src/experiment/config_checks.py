@@ -7,10 +7,12 @@ are loaded here, when a run is checked.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.data import ondevice
 from fedpartial._src.data.names import DATASETS, NATURAL_DATASETS
@@ -19,9 +21,7 @@ from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine.round import BN_POLICIES
 from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.experiment.config import MAX_SEED, PARTITIONS, SERVER_OPTIMIZERS
 from fedpartial._src.experiment.deadlines import POLICIES as STRAGGLER_POLICIES
-from fedpartial._src.experiment.plan import build_method
 from fedpartial._src.experiment.settings import ConfigError, flag_of, is_finite, is_int
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.methods.codecs import parse_codec
@@ -30,6 +30,10 @@ from fedpartial._src.models import registry
 from fedpartial._src.models.conv import CONV_IMPLS
 from fedpartial._src.models.precision import COMPUTE_DTYPES
 
+PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
+#: the largest seed (numpy's seeds are 32-bit)
+MAX_SEED = 2**32 - 1
 #: Model used when ``model='auto'``.
 DEFAULT_MODELS = {
     "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
@@ -119,7 +123,8 @@ def validate(config, *, custom_method: bool = False, check_model: bool = False) 
         except UserError as e:
             bad(str(e))
         tiers = dict(config.options).get("tiers")
-        if isinstance(tiers, (tuple, list)) and config.num_clients is not None and len(tiers) > config.num_clients:  # equal clusters by client id
+        # equal clusters by client id
+        if isinstance(tiers, (tuple, list)) and config.num_clients is not None and len(tiers) > config.num_clients:
             bad(f"--tiers gives {len(tiers)} keep ratios but the population has {config.num_clients} clients "
                 f"(--clients), so some tiers would have nobody; give at most {config.num_clients}.")
     if config.dataset not in DATASETS:
@@ -177,7 +182,7 @@ def validate(config, *, custom_method: bool = False, check_model: bool = False) 
     if config.client_state not in client_state_lib.PLACES:
         bad(f"--client-state {config.client_state!r} is unknown; choose one of "
             f"{', '.join(client_state_lib.PLACES)}.")
-    if config.client_state in ("host", "disk") and config.devices is not None and config.devices > 1:
+    if config.client_state in client_state_lib.OFF_DEVICE and config.devices is not None and config.devices > 1:
         bad(f"--client-state {config.client_state} is not allowed with --devices {config.devices}: per-client "
             "state kept off the device runs on one device; use --devices 1.")
     if strategy.kind == "stream" and config.data_placement == "device":
@@ -196,6 +201,65 @@ def validate(config, *, custom_method: bool = False, check_model: bool = False) 
     check_output(config)
     if check_model:
         check_usable_model(config, custom_method)
+    config.__dict__[_VALIDATED] = (custom_method, check_model, _settings(config))
+
+
+#: the instance attribute (not a field: never compared, shown or saved) recording a passed :func:`validate`: its
+#: ``custom_method`` and ``check_model``, and the settings it judged
+_VALIDATED = "_validated"
+
+
+def _settings(config) -> tuple | None:
+    """A copy of every setting of ``config``, to tell later whether one changed (None: a value that cannot be
+    copied, so nothing is remembered)."""
+    try:
+        return dataclasses.astuple(config)
+    except Exception:  # noqa: BLE001 -- any value a deep copy refuses (a lock among the options): judge again
+        return None
+
+
+def validated(config, *, custom_method: bool = False, check_model: bool = False) -> bool:
+    """Whether ``config`` passed :func:`validate` with checks at least these (the registry's method checks cover a
+    custom method's, ``check_model`` covers none) and no setting has changed since."""
+    record = config.__dict__.get(_VALIDATED)
+    if record is None or record[2] is None:
+        return False
+    was_custom, was_model, settings = record
+    if (was_custom and not custom_method) or (check_model and not was_model):
+        return False
+    try:
+        return bool(settings == _settings(config))
+    except (TypeError, ValueError):  # values without a plain equality (an array among the options): judge again
+        return False
+
+
+def validate_once(config, *, custom_method: bool = False, check_model: bool = False) -> None:
+    """``config.validate``, unless ``config`` already passed it as it is (:func:`validated`): each entry path (the
+    command line, :func:`fedpartial.run`, a :class:`~fedpartial.Simulation`, replicas, a comparison) checks a
+    configuration once, however many layers it passes through."""
+    if not validated(config, custom_method=custom_method, check_model=check_model):
+        config.validate(custom_method=custom_method, check_model=check_model)
+
+
+def with_validation(config, like):
+    """``config``, a copy of the validated ``like`` with some settings changed, marked as validated as ``like``
+    was: for the caller whose own checks covered every change (the population's size once the files are read:
+    :func:`check_population`; a replica's seed and rates: :func:`check_replica`; an asynchronous run's buffer as
+    its cohort).  Unchanged when ``like`` is not validated."""
+    record = like.__dict__.get(_VALIDATED)
+    if record is not None and validated(like, custom_method=record[0], check_model=record[1]):
+        config.__dict__[_VALIDATED] = (*record[:2], _settings(config))
+    return config
+
+
+def build_method(config) -> Method:
+    """The registered method with ``config``'s options (before early stopping), and this run's values of the
+    settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``): what the checks judge,
+    and the run's method (:func:`fedpartial._src.experiment.plan.resolve`)."""
+    spec = find_method(config.method)  # an unknown name: one sentence naming the known methods
+    settings = {name: getattr(config, name) for name in spec.run_settings}
+    return spec.factory(**spec.check(dict(config.options)), **settings)
+
 
 #: the range of each number setting that may be None (unchecked then) or a finite number, in the order they are
 #: checked: what it must satisfy, and how the refusal says it
@@ -206,8 +270,8 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "weight_decay": (lambda v: v >= 0, "≥ 0"),
     "server_lr": (lambda v: v > 0, "> 0"),
-    "train_fraction": (lambda v: 0 < v <= 1, "in (0, 1] (each client's train fraction; the rest of its data is "
-                                             "held out)"),
+    "train_fraction": (lambda v: 0 < v <= 1, ("in (0, 1] (each client's train fraction; the rest of its data is "
+                                              "held out)")),
     "target_accuracy": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "dp_clip": (lambda v: v > 0, "> 0"),
     "dp_noise_multiplier": (lambda v: v >= 0, "≥ 0"),
@@ -232,9 +296,9 @@ def check_seed(config) -> None:
 def check_replica(config) -> None:
     """What one replica of a set (``--seeds``, ``--lrs``, ``--server-lrs``) sets on its own: its seed, learning
     rates and run folder; the settings the replicas share are judged once, on the configuration they come from."""
-    check_seed(config)
-    check_range(config, "client_lr")
+    check_range(config, "client_lr")  # in validate's order
     check_range(config, "server_lr")
+    check_seed(config)
     check_output(config)
 
 
@@ -325,7 +389,7 @@ def check_async(config, custom_method: bool) -> None:
              "early stopping (--es)" if config.early_stopping else "--upload-codec" if config.upload_codec else
              "the streamed strategy" if config.strategy.startswith("stream") else
              "--devices above 1" if config.devices is not None and config.devices > 1 else
-             f"--client-state {config.client_state}" if config.client_state in ("host", "disk") else None)
+             f"--client-state {config.client_state}" if config.client_state in client_state_lib.OFF_DEVICE else None)
     if clash:
         raise ConfigError(f"--mode async cannot run with {clash}; leave it out.")
     if not custom_method:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import run_files, signals, summaries
-from fedpartial._src.experiment.config import RunConfig, with_validation
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.config_checks import with_validation
 
 #: the job's description, written in its folder when it starts
 JOB_FILE = "job.json"

@@ -3,10 +3,11 @@
 over, the method built from the registry, the strategy the round runs).
 
 The configuration is pure data that JAX never sees; this module is where it meets the hardware (JAX is asked
-how many devices there are and of which platform) and the engine (the strategy, the method's factory, the
-device model's distributions).  :meth:`RunConfig.run_strategy`, :meth:`~RunConfig.device_model`,
-:meth:`~RunConfig.build_method` and :attr:`~RunConfig.num_devices` are these functions, for callers that hold
-only a configuration.
+how many devices there are and of which platform) and the engine (the strategy, the device model's
+distributions).  The configuration's own ``run_strategy``, ``device_model``, ``build_method`` and
+``num_devices`` are these functions, for callers that hold only a configuration; so this module takes the
+configuration as it comes and does not import its module.  The method a configuration names is built as its
+checks build it (:func:`~fedpartial._src.experiment.config_checks.build_method`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import jax
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.engine import strategy as engine_strategy
-from fedpartial._src.experiment.config import RunConfig, validate_once
-from fedpartial._src.methods.catalog import find_method
+from fedpartial._src.experiment.config_checks import build_method, validate_once
+
+__all__ = ["RunPlan", "build_method", "device_model", "num_devices", "resolve", "run_strategy"]
 
 
-def num_devices(config: RunConfig) -> int:
+def num_devices(config) -> int:
     """Devices the client axis is split over: ``--devices``, else every local device when the strategy is fused
     on an accelerator, else 1 (fake CPU devices share the same cores: splitting gains nothing)."""
     if config.devices is not None:
@@ -31,7 +33,7 @@ def num_devices(config: RunConfig) -> int:
     return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
 
 
-def run_strategy(config: RunConfig, split_over: int | None = None, model=None,
+def run_strategy(config, split_over: int | None = None, model=None,
                  layout: str | None = None) -> engine_strategy.Strategy:
     """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
     ``split_over`` of them, default :func:`num_devices`; otherwise the platform's rule for ``model`` and its
@@ -45,21 +47,13 @@ def _strategy(setting: str, split_over: int, model, layout: str | None) -> engin
     return engine_strategy.parse_strategy(setting, model, layout)
 
 
-def device_model(config: RunConfig) -> devices.DeviceProfiles:
+def device_model(config) -> devices.DeviceProfiles:
     """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed (the population must
     be known: ``config.num_clients`` set)."""
     if config.device_profiles is not None:
         return devices.load_profiles(config.device_profiles, config.num_clients)
     return devices.sample_profiles(config.num_clients, config.seed, compute=config.compute_speed,
                                    download=config.download_bandwidth, upload=config.upload_bandwidth)
-
-
-def build_method(config: RunConfig) -> Method:
-    """The registered method with ``config``'s options (before early stopping), and this run's values of the
-    settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
-    spec = find_method(config.method)  # an unknown name: one sentence naming the known methods
-    settings = {name: getattr(config, name) for name in spec.run_settings}
-    return spec.factory(**spec.check(dict(config.options)), **settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +78,8 @@ class RunPlan:
         return _strategy(self.strategy_setting, split_over or self.num_devices, model, layout)
 
 
-def resolve(config: RunConfig, method: Method | None = None) -> RunPlan:
-    """The run's plan: ``config``, validated once (:func:`~fedpartial._src.experiment.config.validate_once`:
+def resolve(config, method: Method | None = None) -> RunPlan:
+    """The run's plan: ``config``, validated once (:func:`~fedpartial._src.experiment.config_checks.validate_once`:
     nothing is checked again when it already passed), resolved against this machine and the registries.
     ``method``: the caller's own :class:`~fedpartial.Method` (``config`` then names it, with no options).
     The device model is :func:`device_model`'s, once the population is known (leaf and hf: from the files)."""

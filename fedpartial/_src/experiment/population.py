@@ -20,9 +20,8 @@ from fedpartial._src.core import types as core_types
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
 from fedpartial._src.experiment import config_checks
-from fedpartial._src.experiment.config import ConfigError, RunConfig, with_validation
-from fedpartial._src.experiment.config_checks import DEFAULT_MODELS
-from fedpartial._src.experiment.parts import labels_per_example
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.parts import labels_per_example, usual_model
 from fedpartial._src.models import registry
 from fedpartial._src.models.adapter import Model
 
@@ -55,7 +54,7 @@ def for_model(config: RunConfig, dataset: sources.ArrayDataset, model: Model | N
                 not labels_per_example(model, dataset.x_train.dtype):
             return dataset
         return language.next_token_view(dataset)
-    usual = dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+    usual = usual_model(dataset)
     name = usual if config.model == "auto" else config.model
     if not registry.find_model(name).language_model or np.ndim(dataset.y_train) > 1:
         return dataset
@@ -75,7 +74,7 @@ def with_population(config: RunConfig, dataset: sources.ArrayDataset) -> RunConf
         return config
     populated = dataclasses.replace(config, num_clients=len(dataset.natural_partition))
     config_checks.check_population(populated)
-    return with_validation(populated, config)
+    return config_checks.with_validation(populated, config)
 
 
 def check_labels(dataset: sources.ArrayDataset) -> None:

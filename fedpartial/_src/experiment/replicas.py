@@ -81,8 +81,10 @@ from fedpartial._src.experiment import summaries
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
+from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment import config_checks
-from fedpartial._src.experiment.config import ConfigError, RunConfig, validate_once, with_validation
+from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once, with_validation
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment import population
 from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer
@@ -157,7 +159,7 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     if config.devices is not None and config.devices > 1:
         raise ConfigError(f"--devices {config.devices} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas run on one "
                           "device; use --devices 1.")
-    if config.client_state in ("host", "disk"):
+    if config.client_state in client_state_lib.OFF_DEVICE:
         raise ConfigError(f"--client-state {config.client_state} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas "
                           "stack every seed's state on the device; use --client-state device.")
     configs = [dataclasses.replace(

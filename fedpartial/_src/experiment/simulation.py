@@ -31,8 +31,8 @@ from fedpartial._src.experiment import (compile_cache, driver, finetune, layout,
                                        signals, simulated_time, timing)
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment import plan as plan_lib
-from fedpartial._src.experiment.config import (CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig,
-                                               validate_once)
+from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
