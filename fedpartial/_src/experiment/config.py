@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.costs.profile_defaults import DEFAULT_COMPUTE, DEFAULT_DOWNLOAD, DEFAULT_UPLOAD
 from fedpartial._src.data.names import NATURAL_DATASETS
-from fedpartial._src.experiment.settings import (ConfigError, attributes_doc, flag_of, is_finite, reference_markdown,
-                                                 setting)
+from fedpartial._src.experiment.settings import ConfigError  # noqa: F401 -- where callers take it, with RunConfig
+from fedpartial._src.experiment.settings import attributes_doc, flag_of, is_finite, reference_markdown, setting
 
 if TYPE_CHECKING:
     from fedpartial._src.core.types import Method
