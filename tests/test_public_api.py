@@ -75,7 +75,9 @@ def test_import_fedpartial_loads_no_jax_until_a_name_is_used():
     import subprocess
     import sys
 
+    # RunConfig is settings alone: reading it loads no JAX either (tests/experiment/test_checked_once.py)
     code = ("import sys, fedpartial; assert 'jax' not in sys.modules; fedpartial.RunConfig; "
-            "assert 'jax' in sys.modules; print(fedpartial.methods.fedavg.__name__)")
+            "assert 'jax' not in sys.modules; fedpartial.Simulation; assert 'jax' in sys.modules; "
+            "print(fedpartial.methods.fedavg.__name__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "fedavg", done.stderr

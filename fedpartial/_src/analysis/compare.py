@@ -35,10 +35,9 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import jobs, run_files
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.config_checks import MAX_SEED
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.summaries import load_run, method_curves, parse_distinct, table, write_table
-
-_MAX_SEED = 2**32 - 1
 
 
 def parse_methods(text: str) -> list[str]:
@@ -62,13 +61,13 @@ def _seed(part: str) -> int | None:
         seed = int(part)
     except ValueError:
         return None
-    return seed if 0 <= seed <= _MAX_SEED else None
+    return seed if 0 <= seed <= MAX_SEED else None
 
 
 def parse_seeds(text: str) -> list[int]:
     """``"0,1,2"`` → ``[0, 1, 2]``: distinct whole numbers from 0 to 2³² − 1, at least one."""
     return parse_distinct(text, "--seeds", _seed,
-                          f"whole numbers from 0 to {_MAX_SEED} separated by commas, e.g. 0,1,2", "a seed")
+                          f"whole numbers from 0 to {MAX_SEED} separated by commas, e.g. 0,1,2", "a seed")
 
 
 def parse_options(pairs: Sequence[str], methods: Sequence[str]) -> dict[str, dict]:
@@ -140,12 +139,16 @@ def run_all(configs: Sequence[RunConfig], *, on_run: Callable[[int, RunConfig, d
 
 
 def compare(base: RunConfig, methods: Sequence[str], seeds: Sequence[int], options: dict[str, dict],
-            out_dir: str, *, on_run: Callable[[int, RunConfig, dict], None] | None = None) -> dict:
+            out_dir: str, *, on_run: Callable[[int, RunConfig, dict], None] | None = None,
+            configs: Sequence[RunConfig] | None = None) -> dict:
     """Validates every run, runs them, then writes the table and figures to ``out_dir``.
 
-    Returns ``{"out_dir", "run_dirs", "rows", "table_files", "figures"}``.
+    ``configs``: :func:`plan`'s configurations of these arguments when the caller has them already (each is
+    then not checked again); None: planned here.  Returns ``{"out_dir", "run_dirs", "rows", "table_files",
+    "figures"}``.
     """
-    configs = plan(base, methods, seeds, options, out_dir)
+    if configs is None:
+        configs = plan(base, methods, seeds, options, out_dir)
     os.makedirs(out_dir, exist_ok=True)  # what the job runs, so that an interrupted one can be continued
     jobs.write_job(out_dir, "compare", methods=list(methods), seeds=list(seeds),
                    options={m: dict(options.get(m, {})) for m in methods}, base=dataclasses.asdict(base))

@@ -87,7 +87,7 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**{**vars(args), "method": methods[0], "seed": seeds[0], "out": out_dir,
                                  "name": None, "record_decisions": getattr(args, "record_decisions", False)})
     base = config_from_args(args)
-    compare.plan(base, methods, seeds, options, out_dir)  # every bad value before any run
+    configs = compare.plan(base, methods, seeds, options, out_dir)  # every bad value before any run
     total = len(methods) * len(seeds)
     console.print(f"comparing {', '.join(methods)} on seeds {', '.join(map(str, seeds))}: {total} runs "
                   f"in {out_dir}")
@@ -97,7 +97,7 @@ def handle(args, console: Console, argv: list[str] | None = None) -> int:
                       f"{result['final_test_accuracy']:.4f}, upload {mb(result['total_upload_bytes'])}, "
                       f"simulated {duration(result['total_simulated_time_s'])}")
 
-    done = compare.compare(base, methods, seeds, options, out_dir, on_run=on_run)
+    done = compare.compare(base, methods, seeds, options, out_dir, on_run=on_run, configs=configs)
     print(summaries.table_markdown(done["rows"]), end="")
     console.print(f"table: {', '.join(done['table_files'])}; figures: {out_dir}")
     return 0

@@ -121,12 +121,10 @@ def _check_resume(args, parser: Parser, tokens: list[str]) -> None:
     status = run_files.read_status(args.resume) if os.path.isdir(args.resume) else None
     planned = None
     if args.extend_to is not None and status is not None:
-        from fedpartial._src.experiment.run_directory import load_config
+        from fedpartial._src.experiment.run_directory import load_config, refuse_shortening
 
         planned = load_config(args.resume).rounds
-        if args.extend_to < planned:  # said before anything is built (RunWriter says the same to Python callers)
-            raise UserError(f"--rounds {args.extend_to} cannot shorten {args.resume}, which plans {planned} rounds; "
-                            f"give more rounds to extend it, or none to resume it as planned.")
+        refuse_shortening(args.resume, args.extend_to, planned)  # before anything is built (RunWriter: Python's)
     if status is not None and status.get("status") == "complete" and args.extend_to in (None, planned):
         raise RunComplete(f"{args.resume} is complete ({status.get('round')} rounds): nothing to resume, its "
                           f"results are left as they are.")

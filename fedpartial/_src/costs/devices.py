@@ -52,18 +52,17 @@ import numpy as np
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.masks import Mask
+from fedpartial._src.costs.profile_defaults import DEFAULT_COMPUTE, DEFAULT_DOWNLOAD, DEFAULT_UPLOAD
 from fedpartial._src.costs.flops import GroupCost, kept_shares, layer_costs, step_costs, submodel_flops
 
 # ---- device profiles -------------------------------------------------------------------
 
+# The default distributions (DEFAULT_COMPUTE, DEFAULT_DOWNLOAD, DEFAULT_UPLOAD) are plain text in profile_defaults,
+# so that a run's settings hold them without JAX; the module docstring says where they come from.
+
 #: CSV columns of a device-profiles file (other columns, e.g. a device name, are ignored)
 PROFILE_COLUMNS = ("compute_flops_per_s", "download_bytes_per_s", "upload_bytes_per_s")
 DISTRIBUTION_KINDS = ("lognormal", "uniform")
-
-#: default distributions (see the module docstring for where they come from)
-DEFAULT_COMPUTE = "lognormal:5e9:0.7"
-DEFAULT_DOWNLOAD = "lognormal:2.5e6:0.8"
-DEFAULT_UPLOAD = "lognormal:6.25e5:0.8"
 
 
 class Distribution(NamedTuple):

@@ -70,24 +70,9 @@ import numpy as np
 from fedpartial._src.data.arrays import ArrayDataset, DataError, stratified_split
 from fedpartial._src.data.synthetic import make_synthetic
 from fedpartial._src.data import language, text
+from fedpartial._src.data.names import DATASETS, NATURAL_DATASETS, TEXT_DATASETS, TFDS_DATASETS
 
 __all__ = ["DATASETS", "NATURAL_DATASETS", "TFDS_DATASETS", "TEXT_DATASETS", "load_dataset"]
-
-
-#: the datasets loaded through tensorflow-datasets (downloaded on first use)
-TFDS_DATASETS: tuple[str, ...] = (
-    "mnist",
-    "fashion_mnist",
-    "emnist",
-    "cifar10",
-    "cifar100",
-    "svhn_cropped",
-)
-TEXT_DATASETS: tuple[str, ...] = ("synthetic_text", "imdb_reviews", "synthetic_lm")
-#: datasets read from files the user has, one of their users a client (LEAF's JSON, Hugging Face folders)
-NATURAL_DATASETS: tuple[str, ...] = ("leaf", "hf")
-#: every dataset name ``--dataset`` takes; digits, mnist5k, synthetic and synthetic_text need no download
-DATASETS: tuple[str, ...] = ("digits", "mnist5k", "synthetic") + TFDS_DATASETS + TEXT_DATASETS + NATURAL_DATASETS
 
 # Config used when a tfds dataset has several and none is asked for.
 _DEFAULT_CONFIG = {"emnist": "byclass"}

@@ -45,6 +45,7 @@ from fedpartial._src.core import memory
 from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.experiment import population, round_record, simulated_time
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once, with_validation
 from fedpartial._src.experiment.disk import human_bytes
 from fedpartial._src.experiment.simulation import Simulation
 
@@ -99,11 +100,16 @@ class AsyncSimulation:
     def __init__(self, config: RunConfig, dataset=None, **parts):
         if config.mode != "async":
             raise ConfigError(f"an asynchronous simulation needs --mode async, not {config.mode!r}.")
-        config.validate(custom_method=parts.get("method") is not None)  # before the buffer replaces the cohort
+        method = parts.get("method")
+        if method is not None:  # named after the caller's method, as the Simulation names it
+            config = dataclasses.replace(config, method=method.name, options={})
+        validate_once(config, custom_method=method is not None)  # before the buffer replaces the cohort
+        # M ≤ C ≤ N was judged just now, and a cohort of M with per-client state on the device is what async allows:
+        # the buffer's configuration is valid as it is
+        buffered = with_validation(dataclasses.replace(config, cohort_size=config.async_buffer,
+                                                       buffer=config.async_buffer, client_state="device"), config)
         #: the simulation of the buffer: its round is built for M clients; per-client state stays on the device
-        self.simulation = Simulation(dataclasses.replace(config, cohort_size=config.async_buffer,
-                                                         buffer=config.async_buffer, client_state="device"),
-                                     dataset, **parts)
+        self.simulation = Simulation(buffered, dataset, **parts)
         self._check_pool_fits(parts.get("check_memory", True))
         sim, cfg = self.simulation, self.simulation.config
         #: the asynchronous round: dispatch, arrival and the server step on every M arrivals

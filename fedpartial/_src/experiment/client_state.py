@@ -28,6 +28,8 @@ import numpy as np
 
 #: where a run keeps its per-client state (``--client-state``)
 PLACES = ("auto", "device", "host", "disk")
+#: the places off the device: only the cohort's rows travel to it each round
+OFF_DEVICE = ("host", "disk")
 #: the per-client state may take at most this share of the memory it is placed in under ``auto``
 AUTO_FRACTION = 0.5
 

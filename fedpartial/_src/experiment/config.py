@@ -1,56 +1,43 @@
-"""A run's settings: :class:`RunConfig`, checked field by field with one sentence per bad value.
+"""A run's settings: :class:`RunConfig`, pure data, checked field by field with one sentence per bad value.
 
-Only settings live here — no data is loaded and nothing is built — so the command line, config
-files, ``fedpartial compare`` and many-seed runs can check a run before anything costly starts.
+Only settings live here: no data is loaded, nothing is built, the machine is not asked and JAX is not imported
+(a test keeps it so), so the command line, config files, ``fedpartial compare`` and many-seed runs can read and
+check a run before anything costly starts.  The checks are :mod:`~fedpartial._src.experiment.config_checks`'
+(:meth:`RunConfig.validate`, run once per entry path: its ``validate_once``); what the settings become on this
+machine (its devices, the round's strategy, the method) is :func:`fedpartial._src.experiment.plan.resolve`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 import math
-
-import jax
+from typing import TYPE_CHECKING
 
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.core.types import Method
-from fedpartial._src.costs import devices
-from fedpartial._src.data import ondevice, sources
-from fedpartial._src.engine import round as engine
-from fedpartial._src.engine import strategy as engine_strategy
-from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.experiment import config_checks
-from fedpartial._src.experiment.config_checks import check_finite, check_int, is_finite, is_int, refuse
-from fedpartial._src.experiment.settings import ConfigError, attributes_doc, flag_of, reference_markdown, setting
-from fedpartial._src.methods.catalog import METHODS, find_method
-from fedpartial._src.methods.codecs import parse_codec
-from fedpartial._src.methods.registry import shown
-from fedpartial._src.models import registry
-from fedpartial._src.models.conv import CONV_IMPLS
-from fedpartial._src.models.precision import COMPUTE_DTYPES
+from fedpartial._src.costs.profile_defaults import DEFAULT_COMPUTE, DEFAULT_DOWNLOAD, DEFAULT_UPLOAD
+from fedpartial._src.data.names import NATURAL_DATASETS
+from fedpartial._src.experiment.settings import ConfigError  # noqa: F401 -- where callers take it, with RunConfig
+from fedpartial._src.experiment.settings import attributes_doc, flag_of, is_finite, reference_markdown, setting
 
-PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+if TYPE_CHECKING:
+    from fedpartial._src.core.types import Method
+    from fedpartial._src.costs.devices import DeviceProfiles
+    from fedpartial._src.engine.strategy import Strategy
+
 #: the population of a dataset that does not bring its own
 DEFAULT_CLIENTS = 20
 DEFAULT_LOCAL_EPOCHS = 2.0
 #: each client's training share when the method needs held-out data and none is given
 DEFAULT_TRAIN_FRACTION = 0.7
-SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
 #: the flags (by destination) that make a run a set of replicas, run as one simulation (not RunConfig fields)
 REPLICA_FLAGS = ("seeds", "lrs", "server_lrs")
 #: per-client state kept off the device is initialised about this many bytes at a time
 CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
 
 
-_MAX_SEED = 2**32 - 1
-
-
 def flag_name(field: str) -> str:
     """The flag of the RunConfig field named ``field``: what messages name."""
     return flag_of(field, RunConfig)
-
-
-_shown = shown  # a value as people type it
 
 
 @dataclasses.dataclass
@@ -192,12 +179,12 @@ class RunConfig:
                                           help="device profiles with columns compute_flops_per_s, "
                                                "download_bytes_per_s, upload_bytes_per_s; client i gets row i mod "
                                                "rows (replaces the three distributions)")
-    compute_speed: str = setting(devices.DEFAULT_COMPUTE, section="time", metavar="DIST", unit="FLOP/s",
+    compute_speed: str = setting(DEFAULT_COMPUTE, section="time", metavar="DIST", unit="FLOP/s",
                                  help="each client's compute speed: a number, lognormal:MEDIAN:SIGMA or "
                                       "uniform:LOW:HIGH, drawn with the seed")
-    download_bandwidth: str = setting(devices.DEFAULT_DOWNLOAD, section="time", metavar="DIST", unit="bytes/s",
+    download_bandwidth: str = setting(DEFAULT_DOWNLOAD, section="time", metavar="DIST", unit="bytes/s",
                                       help="each client's download bandwidth (a distribution, as --compute-speed)")
-    upload_bandwidth: str = setting(devices.DEFAULT_UPLOAD, section="time", metavar="DIST", unit="bytes/s",
+    upload_bandwidth: str = setting(DEFAULT_UPLOAD, section="time", metavar="DIST", unit="bytes/s",
                                     help="each client's upload bandwidth (a distribution, as --compute-speed)")
     sparse_flops: bool = setting(False, section="time",
                                  help="count the FLOPs of a client that trains an element mask (feddst, fiarse) as "
@@ -240,7 +227,6 @@ class RunConfig:
                                   help="keep compiled programs in the cache folder ($XDG_CACHE_HOME/fedpartial/jax, "
                                        "else ~/.cache/fedpartial/jax), so a second identical run does not compile "
                                        "again; --no-compile-cache: do not")
-    # Last: the name hides the devices module from the class body.
     devices: int | None = setting(None, section="execution", metavar="N", unit="devices",
                                   help="split each round's cohort over N local devices (fused strategy; the cohort "
                                        "is padded to a multiple of N with clients that weigh nothing)",
@@ -270,7 +256,7 @@ class RunConfig:
                                      "to RUN_DIR/decisions/round-NNNNN.npz")
 
     def __post_init__(self):
-        natural = self.dataset in sources.NATURAL_DATASETS
+        natural = self.dataset in NATURAL_DATASETS
         if self.num_clients is None and not natural:  # leaf and hf: every user, known once the files are read
             self.num_clients = DEFAULT_CLIENTS
         if self.partition is None:
@@ -282,6 +268,9 @@ class RunConfig:
         Numbers are checked finite first (NaN and ±inf never pass), then their ranges, then names, output
         paths and combinations.  Nothing is created or loaded, and the machine is not asked: whether the run
         fits its memory, devices and disk is :func:`fedpartial._src.experiment.preflight.preflight`'s question.
+        The configuration remembers that it passed (and with which of the switches below), so that the run it
+        starts does not check it again unless a setting has changed since
+        (:func:`~fedpartial._src.experiment.config_checks.validate_once`).
 
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
@@ -289,136 +278,10 @@ class RunConfig:
         that cannot take the dataset's known example shape (:data:`~fedpartial._src.experiment.config_checks.DATASET_SHAPES`).  Leave it off when
         the caller brings its own dataset or model, whose shape the names do not tell.
         """
-        def bad(msg):
-            raise ConfigError(msg)
+        # the checks read the method and model registries and the engine's names: loaded when a run is checked
+        from fedpartial._src.experiment import config_checks
 
-        # Types first: a string where a mapping belongs (options='n=4') must not reach the checks below.
-        for field in ("method", "dataset", "model", "partition"):
-            if not isinstance(getattr(self, field), str):
-                bad(f"{flag_name(field)} {getattr(self, field)!r} is not allowed: it must be a name (a string).")
-        if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
-            bad(f"options {self.options!r} is not allowed: it must be a mapping of option names to values, e.g. "
-                f"{{'n': 4}} (the method's own flags on the command line).")
-
-        check_finite(self, "alpha", lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)")
-        check_finite(self, "local_epochs", lambda v: v > 0, "> 0")
-        check_finite(self, "client_lr", lambda v: v > 0, "> 0")
-        check_finite(self, "momentum", lambda v: 0 <= v < 1, "in [0, 1)")
-        check_finite(self, "weight_decay", lambda v: v >= 0, "≥ 0")
-        check_finite(self, "server_lr", lambda v: v > 0, "> 0")
-        check_finite(self, "train_fraction", lambda v: 0 < v <= 1,
-                      "in (0, 1] (each client's train fraction; the rest of its data is held out)")
-        check_finite(self, "target_accuracy", lambda v: 0 < v <= 1, "in (0, 1]")
-        check_finite(self, "dp_clip", lambda v: v > 0, "> 0")
-        check_finite(self, "dp_noise_multiplier", lambda v: v >= 0, "≥ 0")
-        check_finite(self, "dp_delta", lambda v: 0 < v < 1, "in (0, 1)")
-        check_finite(self, "dp_target_quantile", lambda v: 0 < v < 1, "in (0, 1)")
-        if self.upload_codec is not None:
-            parse_codec(self.upload_codec)  # a bad codec is one sentence
-        if not isinstance(self.sparse_flops, bool):
-            refuse(self, "sparse_flops", self.sparse_flops, "true or false")
-        for field in ("rounds", "batch_size", "eval_every"):
-            check_int(self, field, 1)
-        if self.num_clients is not None or self.dataset not in sources.NATURAL_DATASETS:
-            check_int(self, "num_clients", 1)
-        if self.local_steps is not None:
-            check_int(self, "local_steps", 1)
-        if self.max_samples is not None:
-            check_int(self, "max_samples", 1)
-        if self.local_steps is not None and self.local_epochs is not None:
-            bad("give only one of --local-steps or --local-epochs.")
-        if not is_int(self.cohort_size) or not 1 <= self.cohort_size <= (self.num_clients or self.cohort_size):
-            refuse(self, "cohort_size", self.cohort_size, f"between 1 and --clients ({self.num_clients})")
-        check_int(self, "seed", 0, f"a whole number from 0 to {_MAX_SEED}")
-        if self.seed > _MAX_SEED:
-            refuse(self, "seed", self.seed, f"a whole number from 0 to {_MAX_SEED}")
-        if not custom_method:
-            try:
-                spec = find_method(self.method)  # built in, installed (entry point) or package.module:factory
-            except UserError as e:
-                bad(f"--{e}")
-            try:  # the options' own checks (Option.problem), said as the command line says them
-                spec.check(dict(self.options), typed=True)
-            except UserError as e:
-                bad(str(e))
-            tiers = dict(self.options).get("tiers")
-            if isinstance(tiers, (tuple, list)) and self.num_clients is not None and len(tiers) > self.num_clients:  # equal clusters by client id
-                bad(f"--tiers gives {len(tiers)} keep ratios but the population has {self.num_clients} clients "
-                    f"(--clients), so some tiers would have nobody; give at most {self.num_clients}.")
-        if self.dataset not in sources.DATASETS:
-            bad(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(sources.DATASETS)}.")
-        if self.model != "auto" and self.model not in registry.MODELS:
-            if not isinstance(self.model, str) or ":" not in self.model:
-                bad(f"--model {self.model!r} is unknown; choose 'auto', one of {', '.join(sorted(registry.MODELS))} "
-                    "or package.module:factory for your own.")
-            try:
-                registry.find_model(self.model)  # your own: importable, naming a module class or factory
-            except UserError as e:
-                bad(f"--{e}")
-        if self.model_size != "tiny":
-            config_checks.check_model_size(self)
-        if self.max_samples is not None and self.dataset != "synthetic":
-            bad(f"--max-samples applies to --dataset synthetic only, not {self.dataset!r}.")
-        if self.partition not in PARTITIONS:
-            bad(f"--partition {self.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
-        config_checks.check_natural_data(self)
-        if self.partition == "dirichlet" and not self.alpha > 0:
-            refuse(self, "alpha", self.alpha, "> 0 for the dirichlet partition (the Dirichlet α)")
-        if self.partition == "shards":
-            check_int(self, "classes_per_client", 1)
-        if self.server_optimizer not in SERVER_OPTIMIZERS:
-            bad(f"--server-opt {self.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
-        if self.early_stopping and self.train_fraction is not None and self.train_fraction >= 1:
-            bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
-        config_checks.check_privacy(self, custom_method)
-        config_checks.check_rounds_in_time(self)
-        config_checks.check_async(self, custom_method)
-        if self.bn_policy not in engine.BN_POLICIES:
-            bad(f"--bn-policy {self.bn_policy!r} is unknown; choose one of {', '.join(engine.BN_POLICIES)} "
-                "(the BatchNorm policy).")
-        if self.data_placement not in ondevice.PLACEMENTS:
-            bad(f"--data-placement {self.data_placement!r} is unknown; choose one of "
-                f"{', '.join(ondevice.PLACEMENTS)}.")
-        if self.conv_impl not in ("auto", *CONV_IMPLS):
-            bad(f"--conv-impl {self.conv_impl!r} is unknown; choose one of auto, {', '.join(CONV_IMPLS)}.")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            bad(f"--compute-dtype {self.compute_dtype!r} is unknown; choose one of {', '.join(COMPUTE_DTYPES)}.")
-        try:
-            strategy = engine_strategy.parse_strategy(self.strategy)
-        except ValueError as e:
-            bad(f"--{e}")
-        if strategy.kind == "stream" and not custom_method:
-            problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
-                       if self.early_stopping else
-                       "a deadline or over-selection predicts every client's time from the whole cohort's data "
-                       "before the round, so the run cannot be streamed" if self.deadlines else
-                       "differential privacy (--dp-clip) adds its noise to the whole cohort's sum, so the run cannot "
-                       "be streamed" if self.private else engine_strategy.stream_refusal(self.build_method()))
-            if problem:
-                bad(f"--strategy {self.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
-                    "or stepwise:N.")
-        if self.client_state not in client_state_lib.PLACES:
-            bad(f"--client-state {self.client_state!r} is unknown; choose one of "
-                f"{', '.join(client_state_lib.PLACES)}.")
-        if self.client_state in ("host", "disk") and self.devices is not None and self.devices > 1:
-            bad(f"--client-state {self.client_state} is not allowed with --devices {self.devices}: per-client "
-                "state kept off the device runs on one device; use --devices 1.")
-        if strategy.kind == "stream" and self.data_placement == "device":
-            bad(f"--data-placement device is not allowed with --strategy {self.strategy}: a streamed cohort is "
-                "packed on the host a chunk at a time; use --data-placement host or auto.")
-        if self.devices is not None:
-            config_checks.check_devices(self)
-        try:  # nothing the population's size is drawn: a huge --clients is the preflight's to refuse
-            if self.device_profiles is None:
-                for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
-                    devices.parse_distribution(getattr(self, field), flag_name(field))
-            else:
-                devices.load_profiles(self.device_profiles, 1)
-        except UserError as e:
-            bad(str(e))
-        config_checks.check_output(self)
-        if check_model:
-            config_checks.check_model(self, custom_method)
+        config_checks.validate(self, custom_method=custom_method, check_model=check_model)
 
     @property
     def async_buffer(self) -> int:
@@ -454,26 +317,25 @@ class RunConfig:
     @property
     def num_devices(self) -> int:
         """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
-        fused on an accelerator, else 1 (fake CPU devices share the same cores: splitting gains nothing)."""
-        if self.devices is not None:
-            return self.devices
-        fused = engine_strategy.parse_strategy(self.strategy).kind == "fused"
-        return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
+        fused on an accelerator, else 1 (:func:`fedpartial._src.experiment.plan.num_devices`: it asks JAX)."""
+        from fedpartial._src.experiment import plan
 
-    def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None
-                     ) -> engine_strategy.Strategy:
+        return plan.num_devices(self)
+
+    def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None) -> Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
-        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
-        if self.strategy == "auto" and (num_devices or self.num_devices) > 1:
-            return engine_strategy.fused()
-        return engine_strategy.parse_strategy(self.strategy, model, layout)
+        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)
+        (:func:`fedpartial._src.experiment.plan.run_strategy`)."""
+        from fedpartial._src.experiment import plan
 
-    def device_model(self) -> devices.DeviceProfiles:
-        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed."""
-        if self.device_profiles is not None:
-            return devices.load_profiles(self.device_profiles, self.num_clients)
-        return devices.sample_profiles(self.num_clients, self.seed, compute=self.compute_speed,
-                                       download=self.download_bandwidth, upload=self.upload_bandwidth)
+        return plan.run_strategy(self, num_devices, model, layout)
+
+    def device_model(self) -> DeviceProfiles:
+        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed
+        (:func:`fedpartial._src.experiment.plan.device_model`)."""
+        from fedpartial._src.experiment import plan
+
+        return plan.device_model(self)
 
     @property
     def epochs(self) -> float | None:
@@ -489,6 +351,8 @@ class RunConfig:
         has no place in a folder name)."""
         if ":" not in self.method:
             return self.method
+        from fedpartial._src.methods.catalog import find_method  # an import string names a module to import
+
         try:
             name = find_method(self.method).name
             if ":" in name:  # a plain factory is named by its import string until it is built
@@ -500,10 +364,11 @@ class RunConfig:
 
     def build_method(self) -> Method:
         """The registered method with this configuration's options (before early stopping), and this run's
-        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
-        spec = find_method(self.method)  # an unknown name: one sentence naming the known methods
-        settings = {name: getattr(self, name) for name in spec.run_settings}
-        return spec.factory(**spec.check(dict(self.options)), **settings)
+        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)
+        (:func:`fedpartial._src.experiment.plan.build_method`)."""
+        from fedpartial._src.experiment import plan
+
+        return plan.build_method(self)
 
 
 RunConfig.__doc__ += "\n" + "\n".join("    " + line if line else line
@@ -512,6 +377,8 @@ RunConfig.__doc__ += "\n" + "\n".join("    " + line if line else line
 
 def reference_page() -> str:
     """``docs/configuration.md``: every RunConfig setting by section, and the built-in methods' options."""
+    from fedpartial._src.methods.catalog import METHODS
+
     return reference_markdown(RunConfig, METHODS.values())
 
 

@@ -1,22 +1,39 @@
-"""The checks :meth:`RunConfig.validate <fedpartial._src.experiment.config.RunConfig.validate>` makes, each a
-function of the configuration: one sentence per bad value, naming it by its flag."""
+"""The checks :meth:`RunConfig.validate <fedpartial._src.experiment.config.RunConfig.validate>` makes
+(:func:`validate`), each a function of the configuration: one sentence per bad value, naming it by its flag.
+
+The configuration is pure data; the registries of methods and models and the engine's names it is checked against
+are loaded here, when a run is checked.
+"""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
-from collections.abc import Callable
-
-import numpy as np
+from collections.abc import Callable, Mapping
 
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Method
+from fedpartial._src.costs import devices
+from fedpartial._src.data import ondevice
+from fedpartial._src.data.names import DATASETS, NATURAL_DATASETS
 from fedpartial._src.engine import asynchronous as engine_async
 from fedpartial._src.engine import strategy as engine_strategy
+from fedpartial._src.engine.round import BN_POLICIES
 from fedpartial._src.experiment import availability
-from fedpartial._src.experiment.settings import ConfigError, flag_of
+from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment.deadlines import POLICIES as STRAGGLER_POLICIES
+from fedpartial._src.experiment.settings import ConfigError, flag_of, is_finite, is_int
+from fedpartial._src.methods.catalog import find_method
+from fedpartial._src.methods.codecs import parse_codec
 from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
+from fedpartial._src.models.conv import CONV_IMPLS
+from fedpartial._src.models.precision import COMPUTE_DTYPES
 
+PARTITIONS = ("iid", "dirichlet", "shards", "natural")
+SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
+#: the largest seed (numpy's seeds are 32-bit)
+MAX_SEED = 2**32 - 1
 #: Model used when ``model='auto'``.
 DEFAULT_MODELS = {
     "digits": "cnn2c1f", "synthetic": "mlp", "mnist": "cnn2c1f", "fashion_mnist": "cnn2c1f",
@@ -34,6 +51,11 @@ DATASET_SHAPES = {
 MAX_RUN_NAME_BYTES = 240
 
 
+def model_name(config) -> str:
+    """The zoo model (or import string) the run names: ``--model``, or for ``auto`` the dataset's usual one."""
+    return DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+
+
 def flag(config, field: str) -> str:
     """The flag of ``config``'s field named ``field``: what messages name."""
     return flag_of(field, type(config))
@@ -42,15 +64,6 @@ def flag(config, field: str) -> str:
 def refuse(config, field: str, value, allowed: str):
     """Raises the one sentence refusing ``value`` of ``config``'s ``field``, naming its flag."""
     raise ConfigError(f"{flag(config, field)} {shown(value)} is not allowed: it must be {allowed}.")
-
-
-def is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def is_finite(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
-        and math.isfinite(value)
 
 
 def check_int(config, field: str, low: int, allowed: str | None = None) -> None:
@@ -64,6 +77,229 @@ def check_finite(config, field: str, ok: Callable[[float], bool], allowed: str) 
     value = getattr(config, field)
     if value is not None and not (is_finite(value) and ok(value)):
         refuse(config, field, value, f"a finite number {allowed}")
+
+
+def validate(config, *, custom_method: bool = False, check_model: bool = False) -> None:
+    """Raises :class:`ConfigError` naming the first bad value of ``config`` by its command-line flag and what is
+    allowed: :meth:`RunConfig.validate <fedpartial._src.experiment.config.RunConfig.validate>` (which documents
+    ``custom_method`` and ``check_model``)."""
+
+    def bad(msg):
+        raise ConfigError(msg)
+
+    # Types first: a string where a mapping belongs (options='n=4') must not reach the checks below.
+    for field in ("method", "dataset", "model", "partition"):
+        if not isinstance(getattr(config, field), str):
+            bad(f"{flag(config, field)} {getattr(config, field)!r} is not allowed: it must be a name (a string).")
+    if not isinstance(config.options, Mapping) or not all(isinstance(k, str) for k in config.options):
+        bad(f"options {config.options!r} is not allowed: it must be a mapping of option names to values, e.g. "
+            f"{{'n': 4}} (the method's own flags on the command line).")
+
+    for field in RANGES:
+        check_range(config, field)
+    if config.upload_codec is not None:
+        parse_codec(config.upload_codec)  # a bad codec is one sentence
+    if not isinstance(config.sparse_flops, bool):
+        refuse(config, "sparse_flops", config.sparse_flops, "true or false")
+    for field in ("rounds", "batch_size", "eval_every"):
+        check_int(config, field, 1)
+    if config.num_clients is not None or config.dataset not in NATURAL_DATASETS:
+        check_int(config, "num_clients", 1)
+    if config.local_steps is not None:
+        check_int(config, "local_steps", 1)
+    if config.max_samples is not None:
+        check_int(config, "max_samples", 1)
+    if config.local_steps is not None and config.local_epochs is not None:
+        bad("give only one of --local-steps or --local-epochs.")
+    check_cohort(config)
+    check_seed(config)
+    if not custom_method:
+        try:
+            spec = find_method(config.method)  # built in, installed (entry point) or package.module:factory
+        except UserError as e:
+            bad(f"--{e}")
+        try:  # the options' own checks (Option.problem), said as the command line says them
+            spec.check(dict(config.options), typed=True)
+        except UserError as e:
+            bad(str(e))
+        tiers = dict(config.options).get("tiers")
+        # equal clusters by client id
+        if isinstance(tiers, (tuple, list)) and config.num_clients is not None and len(tiers) > config.num_clients:
+            bad(f"--tiers gives {len(tiers)} keep ratios but the population has {config.num_clients} clients "
+                f"(--clients), so some tiers would have nobody; give at most {config.num_clients}.")
+    if config.dataset not in DATASETS:
+        bad(f"--dataset {config.dataset!r} is unknown; choose one of {', '.join(DATASETS)}.")
+    if config.model != "auto" and config.model not in registry.MODELS:
+        if not isinstance(config.model, str) or ":" not in config.model:
+            bad(f"--model {config.model!r} is unknown; choose 'auto', one of {', '.join(sorted(registry.MODELS))} "
+                "or package.module:factory for your own.")
+        try:
+            registry.find_model(config.model)  # your own: importable, naming a module class or factory
+        except UserError as e:
+            bad(f"--{e}")
+    if config.model_size != "tiny":
+        check_model_size(config)
+    if config.max_samples is not None and config.dataset != "synthetic":
+        bad(f"--max-samples applies to --dataset synthetic only, not {config.dataset!r}.")
+    if config.partition not in PARTITIONS:
+        bad(f"--partition {config.partition!r} is unknown; choose one of {', '.join(PARTITIONS)}.")
+    check_natural_data(config)
+    if config.partition == "dirichlet" and not config.alpha > 0:
+        refuse(config, "alpha", config.alpha, "> 0 for the dirichlet partition (the Dirichlet α)")
+    if config.partition == "shards":
+        check_int(config, "classes_per_client", 1)
+    if config.server_optimizer not in SERVER_OPTIMIZERS:
+        bad(f"--server-opt {config.server_optimizer!r} is unknown; choose one of {', '.join(SERVER_OPTIMIZERS)}.")
+    if config.early_stopping and config.train_fraction is not None and config.train_fraction >= 1:
+        bad("--es needs each client's held-out split; use a --train-fraction below 1 (e.g. 0.7).")
+    check_privacy(config, custom_method)
+    check_rounds_in_time(config)
+    check_async(config, custom_method)
+    if config.bn_policy not in BN_POLICIES:
+        bad(f"--bn-policy {config.bn_policy!r} is unknown; choose one of {', '.join(BN_POLICIES)} "
+            "(the BatchNorm policy).")
+    if config.data_placement not in ondevice.PLACEMENTS:
+        bad(f"--data-placement {config.data_placement!r} is unknown; choose one of "
+            f"{', '.join(ondevice.PLACEMENTS)}.")
+    if config.conv_impl not in ("auto", *CONV_IMPLS):
+        bad(f"--conv-impl {config.conv_impl!r} is unknown; choose one of auto, {', '.join(CONV_IMPLS)}.")
+    if config.compute_dtype not in COMPUTE_DTYPES:
+        bad(f"--compute-dtype {config.compute_dtype!r} is unknown; choose one of {', '.join(COMPUTE_DTYPES)}.")
+    try:
+        strategy = engine_strategy.parse_strategy(config.strategy)
+    except ValueError as e:
+        bad(f"--{e}")
+    if strategy.kind == "stream" and not custom_method:
+        problem = ("early stopping (--es) keeps per-client state, so the run cannot be streamed"
+                   if config.early_stopping else
+                   "a deadline or over-selection predicts every client's time from the whole cohort's data "
+                   "before the round, so the run cannot be streamed" if config.deadlines else
+                   "differential privacy (--dp-clip) adds its noise to the whole cohort's sum, so the run cannot "
+                   "be streamed" if config.private else engine_strategy.stream_refusal(build_method(config)))
+        if problem:
+            bad(f"--strategy {config.strategy} is not allowed: {problem}; use --strategy auto, fused, fused:N "
+                "or stepwise:N.")
+    if config.client_state not in client_state_lib.PLACES:
+        bad(f"--client-state {config.client_state!r} is unknown; choose one of "
+            f"{', '.join(client_state_lib.PLACES)}.")
+    if config.client_state in client_state_lib.OFF_DEVICE and config.devices is not None and config.devices > 1:
+        bad(f"--client-state {config.client_state} is not allowed with --devices {config.devices}: per-client "
+            "state kept off the device runs on one device; use --devices 1.")
+    if strategy.kind == "stream" and config.data_placement == "device":
+        bad(f"--data-placement device is not allowed with --strategy {config.strategy}: a streamed cohort is "
+            "packed on the host a chunk at a time; use --data-placement host or auto.")
+    if config.devices is not None:
+        check_devices(config)
+    try:  # nothing the population's size is drawn: a huge --clients is the preflight's to refuse
+        if config.device_profiles is None:
+            for field in ("compute_speed", "download_bandwidth", "upload_bandwidth"):
+                devices.parse_distribution(getattr(config, field), flag(config, field))
+        else:
+            devices.load_profiles(config.device_profiles, 1)
+    except UserError as e:
+        bad(str(e))
+    check_output(config)
+    if check_model:
+        check_usable_model(config, custom_method)
+    config.__dict__[_VALIDATED] = (custom_method, check_model, _settings(config))
+
+
+#: the instance attribute (not a field: never compared, shown or saved) recording a passed :func:`validate`: its
+#: ``custom_method`` and ``check_model``, and the settings it judged
+_VALIDATED = "_validated"
+
+
+def _settings(config) -> tuple | None:
+    """A copy of every setting of ``config``, to tell later whether one changed (None: a value that cannot be
+    copied, so nothing is remembered)."""
+    try:
+        return dataclasses.astuple(config)
+    except Exception:  # noqa: BLE001 -- any value a deep copy refuses (a lock among the options): judge again
+        return None
+
+
+def validated(config, *, custom_method: bool = False, check_model: bool = False) -> bool:
+    """Whether ``config`` passed :func:`validate` with checks at least these (the registry's method checks cover a
+    custom method's, ``check_model`` covers none) and no setting has changed since."""
+    record = config.__dict__.get(_VALIDATED)
+    if record is None or record[2] is None:
+        return False
+    was_custom, was_model, settings = record
+    if (was_custom and not custom_method) or (check_model and not was_model):
+        return False
+    try:
+        return bool(settings == _settings(config))
+    except (TypeError, ValueError):  # values without a plain equality (an array among the options): judge again
+        return False
+
+
+def validate_once(config, *, custom_method: bool = False, check_model: bool = False) -> None:
+    """``config.validate``, unless ``config`` already passed it as it is (:func:`validated`): each entry path (the
+    command line, :func:`fedpartial.run`, a :class:`~fedpartial.Simulation`, replicas, a comparison) checks a
+    configuration once, however many layers it passes through."""
+    if not validated(config, custom_method=custom_method, check_model=check_model):
+        config.validate(custom_method=custom_method, check_model=check_model)
+
+
+def with_validation(config, like):
+    """``config``, a copy of the validated ``like`` with some settings changed, marked as validated as ``like``
+    was: for the caller whose own checks covered every change (the population's size once the files are read:
+    :func:`check_population`; a replica's seed and rates: :func:`check_replica`; an asynchronous run's buffer as
+    its cohort).  Unchanged when ``like`` is not validated."""
+    record = like.__dict__.get(_VALIDATED)
+    if record is not None and validated(like, custom_method=record[0], check_model=record[1]):
+        config.__dict__[_VALIDATED] = (*record[:2], _settings(config))
+    return config
+
+
+def build_method(config) -> Method:
+    """The registered method with ``config``'s options (before early stopping), and this run's values of the
+    settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``): what the checks judge,
+    and the run's method (:func:`fedpartial._src.experiment.plan.resolve`)."""
+    spec = find_method(config.method)  # an unknown name: one sentence naming the known methods
+    settings = {name: getattr(config, name) for name in spec.run_settings}
+    return spec.factory(**spec.check(dict(config.options)), **settings)
+
+
+#: the range of each number setting that may be None (unchecked then) or a finite number, in the order they are
+#: checked: what it must satisfy, and how the refusal says it
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "alpha": (lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)"),
+    "local_epochs": (lambda v: v > 0, "> 0"),
+    "client_lr": (lambda v: v > 0, "> 0"),
+    "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, "≥ 0"),
+    "server_lr": (lambda v: v > 0, "> 0"),
+    "train_fraction": (lambda v: 0 < v <= 1, ("in (0, 1] (each client's train fraction; the rest of its data is "
+                                              "held out)")),
+    "target_accuracy": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "dp_clip": (lambda v: v > 0, "> 0"),
+    "dp_noise_multiplier": (lambda v: v >= 0, "≥ 0"),
+    "dp_delta": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "dp_target_quantile": (lambda v: 0 < v < 1, "in (0, 1)"),
+}
+
+
+def check_range(config, field: str) -> None:
+    """The number setting ``field`` of :data:`RANGES`: None, or finite and in its range."""
+    ok, allowed = RANGES[field]
+    check_finite(config, field, ok, allowed)
+
+
+def check_seed(config) -> None:
+    """``--seed``: a whole number numpy takes."""
+    check_int(config, "seed", 0, f"a whole number from 0 to {MAX_SEED}")
+    if config.seed > MAX_SEED:
+        refuse(config, "seed", config.seed, f"a whole number from 0 to {MAX_SEED}")
+
+
+def check_replica(config) -> None:
+    """What one replica of a set (``--seeds``, ``--lrs``, ``--server-lrs``) sets on its own: its seed, learning
+    rates and run folder; the settings the replicas share are judged once, on the configuration they come from."""
+    check_range(config, "client_lr")  # in validate's order
+    check_range(config, "server_lr")
+    check_seed(config)
+    check_output(config)
 
 
 def check_output(config) -> None:
@@ -99,7 +335,7 @@ def check_privacy(config, custom_method: bool) -> None:
                               "is off without them).")
     if config.private and not custom_method:
         try:
-            method = config.build_method()
+            method = build_method(config)
         except UserError:
             return  # the method's own sentence comes from the method checks
         if method.server_correct is not None or method.rewrite_global is not None:
@@ -113,14 +349,12 @@ def check_rounds_in_time(config) -> None:
     check_finite(config, "deadline_quantile", lambda v: 0 < v <= 1, "in (0, 1]")
     if config.round_deadline is not None and config.deadline_quantile is not None:
         raise ConfigError("give only one of --round-deadline or --deadline-quantile.")
-    if config.straggler_policy not in ("drop", "partial"):
-        refuse(config, "straggler_policy", config.straggler_policy, "drop or partial")
+    if config.straggler_policy not in STRAGGLER_POLICIES:
+        refuse(config, "straggler_policy", config.straggler_policy, " or ".join(STRAGGLER_POLICIES))
     if config.straggler_policy == "partial" and config.round_deadline is None and config.deadline_quantile is None:
         raise ConfigError("--straggler-policy partial needs a deadline (--round-deadline or --deadline-quantile).")
     check_finite(config, "over_select", lambda v: v >= 1, "≥ 1 (⌈F·K⌉ clients are sampled for a cohort of K)")
-    if config.num_clients is not None and config.sampled_size > config.num_clients:
-        refuse(config, "over_select", config.over_select, f"at most {config.num_clients / config.cohort_size:g}: "
-                                                 f"⌈F·K⌉ clients are sampled from --clients {config.num_clients}")
+    check_sampled_fits(config)
     try:
         kind, params = availability.parse(config.availability)
         if kind == "trace":  # bad rows are refused before any data is loaded
@@ -147,9 +381,7 @@ def check_async(config, custom_method: bool) -> None:
     for field in ("concurrency", "buffer"):
         if getattr(config, field) is not None:
             check_int(config, field, 1)
-    if config.num_clients is not None and config.async_concurrency > config.num_clients:
-        refuse(config, "concurrency", config.async_concurrency,
-               f"at most --clients ({config.num_clients}): each client in flight is a different one")
+    check_concurrency_fits(config)
     if config.async_buffer > config.async_concurrency:
         raise ConfigError(f"--buffer {config.async_buffer} is larger than --concurrency {config.async_concurrency}: "
                           "the server would wait for more updates than are ever in flight.")
@@ -157,11 +389,11 @@ def check_async(config, custom_method: bool) -> None:
              "early stopping (--es)" if config.early_stopping else "--upload-codec" if config.upload_codec else
              "the streamed strategy" if config.strategy.startswith("stream") else
              "--devices above 1" if config.devices is not None and config.devices > 1 else
-             f"--client-state {config.client_state}" if config.client_state in ("host", "disk") else None)
+             f"--client-state {config.client_state}" if config.client_state in client_state_lib.OFF_DEVICE else None)
     if clash:
         raise ConfigError(f"--mode async cannot run with {clash}; leave it out.")
     if not custom_method:
-        problem = engine_async.async_refusal(config.build_method())
+        problem = engine_async.async_refusal(build_method(config))
         if problem:
             raise ConfigError(f"--mode async is not allowed: {problem}.")
 
@@ -179,19 +411,19 @@ def check_devices(config) -> None:
 def check_natural_data(config) -> None:
     """The settings of naturally federated files (``--dataset leaf`` and ``hf``: docs/data.md) go with those
     datasets only, and those datasets' clients are their users (``--partition natural``)."""
-    from fedpartial._src.data import leaf, sources
+    from fedpartial._src.data import leaf
 
     dataset = config.dataset
     for field, datasets in (("leaf_task", ("leaf",)), ("client_column", ("hf",)), ("feature", ("hf",)),
-                            ("label", ("hf",)), ("max_clients", sources.NATURAL_DATASETS),
-                            ("min_examples", sources.NATURAL_DATASETS)):
+                            ("label", ("hf",)), ("max_clients", NATURAL_DATASETS),
+                            ("min_examples", NATURAL_DATASETS)):
         if getattr(config, field) is not None and dataset not in datasets:
             raise ConfigError(f"{flag(config, field)} applies to --dataset {' and '.join(datasets)} only, not "
                               f"{dataset!r}.")
     for field in ("max_clients", "min_examples"):
         if getattr(config, field) is not None:
             check_int(config, field, 1)
-    if dataset not in sources.NATURAL_DATASETS:
+    if dataset not in NATURAL_DATASETS:
         return
     if config.partition != "natural":
         raise ConfigError(f"--partition {config.partition} is not allowed with --dataset {dataset}: its clients are "
@@ -205,16 +437,14 @@ def check_natural_data(config) -> None:
     if dataset == "hf" and not config.client_column:
         raise ConfigError("--dataset hf needs --client-column, the column whose values are the clients (e.g. "
                           "writer_id).")
-    if config.num_clients is not None and config.max_clients is not None and config.num_clients > config.max_clients:
-        raise ConfigError(f"--clients {config.num_clients} asks for more clients than --max-clients "
-                          f"{config.max_clients}; leave --clients out or raise --max-clients.")
+    check_within_max_clients(config)
 
 
 def check_model_size(config) -> None:
     """``--model-size``: a named size, for a model that comes in sizes."""
     from fedpartial._src.models import transformer
 
-    name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+    name = model_name(config)
     if config.model_size not in transformer.SIZES:
         refuse(config, "model_size", config.model_size, f"one of {', '.join(transformer.SIZES)}")
     if name in registry.MODELS and not registry.MODELS[name].sized:
@@ -222,11 +452,11 @@ def check_model_size(config) -> None:
                           f"to --model {name}; leave it at tiny or choose one of those models.")
 
 
-def check_model(config, custom_method: bool) -> None:
+def check_usable_model(config, custom_method: bool) -> None:
     """Refuses a model the run cannot use, from the registry alone (building a model takes seconds)."""
-    name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+    name = model_name(config)
     spec = registry.find_model(name)
-    if not custom_method and not spec.sequential and config.build_method().capabilities.neuron_masks:
+    if not custom_method and not spec.sequential and build_method(config).capabilities.neuron_masks:
         chains = ", ".join(n for n, s in registry.MODELS.items() if s.sequential)
         raise ConfigError(f"--method {config.method} drops single neurons, which needs a sequential model "
                           f"(a chain of layers), but --model {name} has residual connections; choose one "
@@ -243,3 +473,42 @@ def check_model(config, custom_method: bool) -> None:
             raise ConfigError(f"--model {name} cannot take --dataset {config.dataset} "
                               f"({'x'.join(map(str, shape))} examples): {str(e).rstrip('.')}.") from None
 
+
+def check_cohort(config) -> None:
+    """``--cohort``: a whole number from 1 to the population (any, while the population is not known)."""
+    if not is_int(config.cohort_size) or not 1 <= config.cohort_size <= (config.num_clients or config.cohort_size):
+        refuse(config, "cohort_size", config.cohort_size, f"between 1 and --clients ({config.num_clients})")
+
+
+def check_within_max_clients(config) -> None:
+    """``--clients`` of naturally federated files: at most ``--max-clients``."""
+    if config.num_clients is not None and config.max_clients is not None and config.num_clients > config.max_clients:
+        raise ConfigError(f"--clients {config.num_clients} asks for more clients than --max-clients "
+                          f"{config.max_clients}; leave --clients out or raise --max-clients.")
+
+
+def check_sampled_fits(config) -> None:
+    """``--over-select``: its ⌈F·K⌉ clients within the population."""
+    if config.num_clients is not None and config.sampled_size > config.num_clients:
+        refuse(config, "over_select", config.over_select, f"at most {config.num_clients / config.cohort_size:g}: "
+                                                 f"⌈F·K⌉ clients are sampled from --clients {config.num_clients}")
+
+
+def check_concurrency_fits(config) -> None:
+    """``--concurrency``: at most the population (each client in flight is a different one)."""
+    if config.num_clients is not None and config.async_concurrency > config.num_clients:
+        refuse(config, "concurrency", config.async_concurrency,
+               f"at most --clients ({config.num_clients}): each client in flight is a different one")
+
+
+def check_population(config) -> None:
+    """What depends on the population's size, for a configuration :func:`validate` judged while the size was open
+    (``--dataset leaf`` and ``hf``: every user of the files, counted once they are read): ``--clients`` itself,
+    ``--cohort``, ``--max-clients``, ``--over-select`` and, asynchronously, ``--concurrency``, in
+    :func:`validate`'s order."""
+    check_int(config, "num_clients", 1)
+    check_cohort(config)
+    check_within_max_clients(config)
+    check_sampled_fits(config)
+    if config.mode == "async":
+        check_concurrency_fits(config)

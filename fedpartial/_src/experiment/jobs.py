@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import run_files, signals, summaries
 from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.config_checks import with_validation
 
 #: the job's description, written in its folder when it starts
 JOB_FILE = "job.json"
@@ -71,7 +72,10 @@ def _continue(run_dir: str, config: RunConfig | None, stop) -> dict:
         return {"run_dir": run_dir, "status": "complete", "resumed": False}
     try:
         if os.path.isdir(run_dir):
-            result = runs.run(run_directory.load_config(run_dir), resume=run_dir, stop=stop)
+            saved = run_directory.load_config(run_dir)
+            if config is not None and saved == config:  # the planned run, judged when it was planned
+                saved = with_validation(saved, config)
+            result = runs.run(saved, resume=run_dir, stop=stop)
         else:
             result = runs.run(config, stop=stop)
     except signals.RunInterrupted:

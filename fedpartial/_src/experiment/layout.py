@@ -136,7 +136,7 @@ def client_state_place(config: RunConfig, method: Method, shapes, *, mesh, room:
     (refusing a method that cannot keep its per-client state off the device); ``device`` when the method
     keeps none."""
     state_bytes = client_state_lib.tree_bytes(shapes)
-    if config.client_state in ("host", "disk") and state_bytes and not method.capabilities.host_client_state:
+    if config.client_state in client_state_lib.OFF_DEVICE and state_bytes and not method.capabilities.host_client_state:
         raise ConfigError(f"--client-state {config.client_state} is not allowed for --method {method.name}: "
                           "it reads every client's state in its hooks; use --client-state device or auto.")
     if state_bytes == 0:

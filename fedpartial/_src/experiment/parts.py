@@ -25,12 +25,17 @@ from fedpartial._src.models.conv import check_conv_impl
 from fedpartial._src.models.precision import with_compute_dtype
 
 
+def usual_model(dataset: sources.ArrayDataset) -> str:
+    """The model ``--model auto`` takes for ``dataset``: its own usual one, else the one for datasets of its name."""
+    return dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+
+
 def build_model(name: str, dataset: sources.ArrayDataset, *, conv_impl: str = "lax",
                 compute_dtype: str = "float32", size: str = "tiny") -> Model:
     """A zoo model adapted for the engine, shaped for ``dataset``, its convolutions lowered by ``conv_impl``
     and trained in ``compute_dtype`` (the defaults: the plain model)."""
     if name == "auto":
-        name = dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+        name = usual_model(dataset)
     input_shape = tuple(dataset.x_train.shape[1:])
     spec = registry.find_model(name)
     module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl, size=size)

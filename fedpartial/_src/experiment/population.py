@@ -19,9 +19,9 @@ from fedpartial._src.data.partition import partition as split_population
 from fedpartial._src.core import types as core_types
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
+from fedpartial._src.experiment import config_checks
 from fedpartial._src.experiment.config import ConfigError, RunConfig
-from fedpartial._src.experiment.config_checks import DEFAULT_MODELS
-from fedpartial._src.experiment.parts import labels_per_example
+from fedpartial._src.experiment.parts import labels_per_example, usual_model
 from fedpartial._src.models import registry
 from fedpartial._src.models.adapter import Model
 
@@ -54,7 +54,7 @@ def for_model(config: RunConfig, dataset: sources.ArrayDataset, model: Model | N
                 not labels_per_example(model, dataset.x_train.dtype):
             return dataset
         return language.next_token_view(dataset)
-    usual = dataset.usual_model or DEFAULT_MODELS.get(dataset.name.split("/")[0], "mlp")
+    usual = usual_model(dataset)
     name = usual if config.model == "auto" else config.model
     if not registry.find_model(name).language_model or np.ndim(dataset.y_train) > 1:
         return dataset
@@ -67,12 +67,14 @@ def for_model(config: RunConfig, dataset: sources.ArrayDataset, model: Model | N
 
 
 def with_population(config: RunConfig, dataset: sources.ArrayDataset) -> RunConfig:
-    """``config`` with ``--clients`` left open (leaf, hf) set to the clients ``dataset`` brings, checked again."""
+    """``config`` with ``--clients`` left open (leaf, hf) set to the clients ``dataset`` brings; what depends on
+    the population's size is checked (:func:`~fedpartial._src.experiment.config_checks.check_population`), the
+    rest was when ``config`` was validated."""
     if config.num_clients is not None or dataset.natural_partition is None:
         return config
-    config = dataclasses.replace(config, num_clients=len(dataset.natural_partition))
-    config.validate(custom_method=True)  # --cohort and the rest that depend on the population
-    return config
+    populated = dataclasses.replace(config, num_clients=len(dataset.natural_partition))
+    config_checks.check_population(populated)
+    return config_checks.with_validation(populated, config)
 
 
 def check_labels(dataset: sources.ArrayDataset) -> None:

@@ -52,14 +52,14 @@ def check_pool_fits(config: RunConfig) -> None:
     fixed shape is left to the full estimate, which :class:`~fedpartial.AsyncSimulation` checks with the round
     beside the pool once the data is loaded)."""
     from fedpartial._src.engine.asynchronous import pool_bytes
-    from fedpartial._src.experiment.config_checks import DATASET_SHAPES, DEFAULT_MODELS
+    from fedpartial._src.experiment.config_checks import DATASET_SHAPES, model_name
     from fedpartial._src.models import registry
     from fedpartial._src.models.adapter import from_linen
 
     shape = DATASET_SHAPES.get(config.dataset)
     if shape is None:
         return
-    name = DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
+    name = model_name(config)
     spec = registry.find_model(name)
     model = from_linen(spec.factory(2, shape), input_shape=shape, num_classes=2, sequential=spec.sequential,
                        name=name)

@@ -81,7 +81,10 @@ from fedpartial._src.experiment import summaries
 from fedpartial._src.engine import types as engine_types
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
+from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment import config_checks
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once, with_validation
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment import population
 from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer
@@ -156,7 +159,7 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     if config.devices is not None and config.devices > 1:
         raise ConfigError(f"--devices {config.devices} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas run on one "
                           "device; use --devices 1.")
-    if config.client_state in ("host", "disk"):
+    if config.client_state in client_state_lib.OFF_DEVICE:
         raise ConfigError(f"--client-state {config.client_state} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas "
                           "stack every seed's state on the device; use --client-state device.")
     configs = [dataclasses.replace(
@@ -165,8 +168,13 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
         server_lr=config.server_lr if r.server_lr is None else r.server_lr,
         run_name=replica_run_name(config, r))
         for r in replica_settings(seeds, lrs, server_lrs)]
+    # The settings the replicas share are the given configuration's, judged once (the command line has already);
+    # each replica's own (seed, rates, folder) are judged with it.  The fused strategy on one device with per-client
+    # state there is what every valid configuration may run.
+    validate_once(config)
     for c in configs:
-        c.validate()
+        config_checks.check_replica(c)
+    configs = [with_validation(c, config) for c in configs]
     preflight(configs[0])  # the replicas share the population, devices and --out
     return configs
 
@@ -205,8 +213,9 @@ class Replicas:
         # decided before anything is built: the layout a single run of the first replica would take
         first = dataset_for(configs[0]) if dataset_for else population.load_dataset(configs[0])
         decided = replica_axis_lib.decided_layout(config, first)  # the options as given: --strategy auto
-        if decided is not None:
-            configs = [dataclasses.replace(c, strategy=decided[0], conv_impl=decided[1]) for c in configs]
+        if decided is not None:  # a fused strategy and a measured lowering: valid for every valid configuration
+            configs = [with_validation(dataclasses.replace(c, strategy=decided[0], conv_impl=decided[1]), c)
+                       for c in configs]
         datasets = [first] + [dataset_for(c) if dataset_for else None for c in configs[1:]]
         self.seeds = [c.seed for c in configs]
         # rate 1 in the optimizers, each replica's rates in its cohorts (with_lr) and server state: one round

@@ -265,6 +265,14 @@ def load_config(run_dir: str) -> RunConfig:
     return RunConfig(**{k: v for k, v in fields.items() if k in known})
 
 
+def refuse_shortening(run_dir: str, rounds: int, planned: int) -> None:
+    """``--rounds`` given with ``--resume`` extends a run: fewer than the ``planned`` rounds is refused, since the
+    run's results would not say so."""
+    if rounds < planned:
+        raise UserError(f"--rounds {rounds} cannot shorten {run_dir}, which plans {planned} rounds; give more "
+                        f"rounds to extend it, or none to resume it as planned.")
+
+
 def _extend(run_dir: str, rounds: int) -> int | None:
     """A resumed run given more rounds than it planned (``fedpartial run --resume RUN --rounds N``): its
     ``config.json`` and ``config.toml`` say the new count; returns the planned count it was extended from
@@ -274,9 +282,7 @@ def _extend(run_dir: str, rounds: int) -> int | None:
     planned = load_config(run_dir)
     if rounds == planned.rounds:
         return None
-    if rounds < planned.rounds:
-        raise UserError(f"--rounds {rounds} cannot shorten {run_dir}, which plans {planned.rounds} rounds; give more "
-                        f"rounds to extend it, or none to resume it as planned.")
+    refuse_shortening(run_dir, rounds, planned.rounds)
     extended = dataclasses.replace(planned, rounds=rounds)
     run_files.write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(extended))
     with open(os.path.join(run_dir, "config.toml"), "w") as f:

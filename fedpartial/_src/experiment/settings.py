@@ -11,7 +11,10 @@ TOML file (the flags without ``--``), the sentences that refuse a bad value (the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
+
+import numpy as np
 
 from fedpartial._src.core.errors import UserError
 
@@ -38,6 +41,17 @@ SECTIONS = {
 
 class ConfigError(UserError):
     """An invalid run configuration; the message is one sentence for a person."""
+
+
+def is_int(value) -> bool:
+    """Whether a setting's value is a whole number (numpy's too; never a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_finite(value) -> bool:
+    """Whether a setting's value is a finite number (numpy's too; never a bool, NaN or ±inf)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+        and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,9 @@ from fedpartial._src.experiment import (
     simulated_time,
     timing,
 )
+from fedpartial._src.experiment import plan as plan_lib
 from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
+from fedpartial._src.experiment.config_checks import validate_once
 from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
 from fedpartial._src.experiment.lora import with_rank_tiers
 from fedpartial._src.experiment.parts import (
@@ -92,6 +94,8 @@ class Simulation:
                  data_placement: str | None = None):
         # Cheap checks first: a bad setting is refused before data is loaded or anything is built.
         self.config = self._checked_config(config, method, data_placement)
+        #: what the settings resolve to on this machine: its devices and the method (:func:`.plan.resolve`)
+        self.plan = plan_lib.resolve(self.config, method)
         #: the persistent compilation cache's folder (None: off)
         self.compile_cache_dir = compile_cache.enable(self.config.compile_cache)
         self._load_dataset(dataset, model)
@@ -118,10 +122,11 @@ class Simulation:
 
     @staticmethod
     def _checked_config(config: RunConfig, method: Method | None, data_placement: str | None) -> RunConfig:
-        """``config`` validated (named after a custom ``method``), and the caller's ``data_placement`` checked."""
-        if method is not None:
+        """``config`` validated unless its caller did (named after a custom ``method``), and the caller's
+        ``data_placement`` checked."""
+        if method is not None and (config.method, config.options) != (method.name, {}):
             config = dataclasses.replace(config, method=method.name, options={})
-        config.validate(custom_method=method is not None)
+        validate_once(config, custom_method=method is not None)
         preflight(config)  # then whether this machine can hold it
         if data_placement not in (None, "host", "device"):
             raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
