@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core import memory
-from fedpartial._src.experiment import replica_axis, replicas
+from fedpartial._src.experiment import replica_axis, replicas, run_directory
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
@@ -549,3 +549,41 @@ def test_replicas_follow_the_layout_a_single_run_measures(layout, strategy, monk
     config = RunConfig(dataset="digits", model="cnn2c1f", conv_impl="auto")
     assert replica_axis.decided_layout(config, None) == (None if strategy is None else (strategy, "mapped"))
     assert replica_axis.decided_layout(dataclasses.replace(config, strategy="fused:2"), None) is None
+
+
+@pytest.mark.parametrize("layout, strategy", [("loop", "stepwise:1"), ("map", "fused:1")])
+def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a_host_loop(layout, strategy,
+                                                                                         monkeypatch, tmp_path):
+    """A measured ``loop`` (a single run's ``stepwise:1``) or ``map`` (``fused:1``): the replicas run that strategy
+    one after another from the host, every replica in the first one's compiled round (nothing traced for the
+    others), each at its own client and server rate, and each equals its separate run of that strategy bit for
+    bit."""
+    from fedpartial._src.engine.conv_choice import ConvChoice
+
+    monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("lax", layout, {}, "test"))
+    config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
+                       local_epochs=0.5, momentum=0.9, server_optimizer="adam", conv_impl="auto", seed=0,
+                       out_dir=str(tmp_path))
+    lrs, server_lrs = [0.02, 0.3], [0.1, 0.5]
+    done = replicas.run_seeds(config, [0, 1], lrs=lrs, server_lrs=server_lrs)
+    assert done["replica_axis"] == "loop" and done["summary"]["replica_axis"] == "loop"
+    assert done["summary"]["vmapped"] is False
+    sims = done["simulations"]
+    assert [s.round.trace_count for s in sims[1:]] == [0] * 7 and sims[0].round.trace_count > 0
+    assert {str(s.round.strategy) for s in sims} == {strategy}
+    settings = replicas.replica_settings([0, 1], lrs, server_lrs)
+    steps = set()
+    for i in (0, 7) if layout == "loop" else (3,):  # the first and last differ in every rate and the seed
+        (seed, lr, server_lr), result, vsim = settings[i], done["results"][i], sims[i]
+        saved = run_directory.load_config(done["run_dirs"][i])
+        assert (saved.strategy, saved.conv_impl, saved.client_lr, saved.server_lr) == (strategy, "lax", lr, server_lr)
+        sim = Simulation(dataclasses.replace(saved, out_dir=None))
+        alone = run(sim.config, sim=sim)
+        steps.add(sim.num_steps)
+        assert result["status"] == "complete"
+        for mine, theirs in zip(result["records"], alone["records"], strict=True):
+            assert {k: v for k, v in mine.items() if k not in TIMES} == {k: v for k, v in theirs.items()
+                                                                          if k not in TIMES}
+        for a, b in zip(jax.tree.leaves(vsim.state), jax.tree.leaves(sim.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert layout == "map" or len(steps) > 1, "the seeds should need different numbers of local steps"
