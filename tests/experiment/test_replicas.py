@@ -574,7 +574,7 @@ def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a
     settings = replicas.replica_settings([0, 1], lrs, server_lrs)
     steps = set()
     for i in (0, 7) if layout == "loop" else (3,):  # the first and last differ in every rate and the seed
-        (seed, lr, server_lr), result, vsim = settings[i], done["results"][i], sims[i]
+        (_, lr, server_lr), result, vsim = settings[i], done["results"][i], sims[i]
         saved = run_directory.load_config(done["run_dirs"][i])
         assert (saved.strategy, saved.conv_impl, saved.client_lr, saved.server_lr) == (strategy, "lax", lr, server_lr)
         sim = Simulation(dataclasses.replace(saved, out_dir=None))
