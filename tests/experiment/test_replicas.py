@@ -557,15 +557,16 @@ def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a
     """A measured ``loop`` (a single run's ``stepwise:1``) or ``map`` (``fused:1``): the replicas run that strategy
     one after another from the host, every replica in the first one's compiled round (nothing traced for the
     others), each at its own client and server rate, and each equals its separate run of that strategy bit for
-    bit."""
+    bit; its folder's checkpoint holds its final state."""
     from fedpartial._src.engine.conv_choice import ConvChoice
+    from fedpartial._src.experiment import checkpoint
 
     monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("lax", layout, {}, "test"))
     config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
                        local_epochs=0.5, momentum=0.9, server_optimizer="adam", conv_impl="auto", seed=0,
                        out_dir=str(tmp_path))
     lrs, server_lrs = [0.02, 0.3], [0.1, 0.5]
-    done = replicas.run_seeds(config, [0, 1], lrs=lrs, server_lrs=server_lrs)
+    done = replicas.run_seeds(config, [0, 1], lrs=lrs, server_lrs=server_lrs, checkpoint_every=1)
     assert done["replica_axis"] == "loop" and done["summary"]["replica_axis"] == "loop"
     assert done["summary"]["vmapped"] is False
     sims = done["simulations"]
@@ -584,6 +585,11 @@ def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a
         for mine, theirs in zip(result["records"], alone["records"], strict=True):
             assert {k: v for k, v in mine.items() if k not in TIMES} == {k: v for k, v in theirs.items()
                                                                           if k not in TIMES}
+        for a, b in zip(jax.tree.leaves(vsim.state), jax.tree.leaves(sim.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert checkpoint.latest_round(done["run_dirs"][i]) == 2
+        checkpoint.restore(done["run_dirs"][i], sim, step=1)  # round 1's state, then the replica's last round alone
+        assert sim.progress["round"] == 1 and len(list(sim.rounds())) == 1
         for a, b in zip(jax.tree.leaves(vsim.state), jax.tree.leaves(sim.state), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert layout == "map" or len(steps) > 1, "the seeds should need different numbers of local steps"
