@@ -593,3 +593,28 @@ def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a
         for a, b in zip(jax.tree.leaves(vsim.state), jax.tree.leaves(sim.state), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert layout == "map" or len(steps) > 1, "the seeds should need different numbers of local steps"
+
+
+@pytest.mark.parametrize("layout, strategy, looped", [("vmap", "fused", False), ("map", "fused:1", True),
+                                                      ("loop", "stepwise:1", True), (None, None, False)])
+def test_with_the_replica_axis_left_to_auto_replicas_take_the_single_runs_strategy(layout, strategy, looped,
+                                                                                  monkeypatch):
+    """The replica axis left to ``auto``: the single run's own strategy for the measured layout, stacked only where
+    it is the vmapped fused round (``vmap``) or nothing was measured; otherwise a host loop with no stacked state."""
+    from fedpartial._src.engine.conv_choice import ConvChoice
+
+    monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("lax", layout, {}, "test"))
+    config = RunConfig(dataset="synthetic", model="mlp", num_clients=6, cohort_size=2, rounds=1, local_steps=1,
+                       batch_size=8, conv_impl="auto", out_dir=None)
+    decided = replica_axis.decided_layout(config, None, stacked=False)
+    assert decided == (None if strategy is None else (strategy, "lax"))
+    assert replica_axis.runs_looped(decided) is looped
+    reps = replicas.Replicas(config, [0, 1])
+    assert {str(sim.round.strategy) for sim in reps.sims} == {strategy or "fused"}
+    if looped:
+        assert reps.replica_axis == replica_axis.LOOP and reps.loop is not None and reps.state is None
+    else:
+        assert reps.replica_axis == ("map", None) and reps.loop is None and reps.state is not None
+    named = replicas.Replicas(config, [0, 1], replica_axis="map")  # a named axis: stacked, in the fused family
+    assert named.loop is None and named.replica_axis == ("map", None)
+    assert {str(sim.round.strategy) for sim in named.sims} == {replica_axis.LAYOUT_STRATEGIES.get(layout, "fused")}

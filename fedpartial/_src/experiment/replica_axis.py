@@ -60,8 +60,9 @@ def decided_layout(config: RunConfig, dataset, stacked: bool = True) -> tuple[st
 
 
 def runs_looped(decided: tuple[str, str] | None) -> bool:
-    """Whether replicas of the single run's ``decided`` layout (:func:`decided_layout` with ``stacked`` False)
-    run in a host loop over the replicas (:data:`LOOP`): every layout but the vmapped fused round.  Stacked
+    """Whether replicas of the single run's ``decided`` layout (:func:`decided_layout` with ``stacked`` False, the
+    replica axis left to ``auto``) run in a host loop over the replicas (:data:`LOOP`): every layout but the
+    vmapped fused round.  Stacked
     onto a loop inside the program, XLA:CPU runs convolution gradients several times slower than as the
     top-level jitted calls a single run makes (``benchmarks/results/replica-layout-cpu-2026-12-03.json``:
     ``fused:1`` replicas of the 28x28 CNN took 19x the steady time of two separate ``stepwise:1`` runs)."""

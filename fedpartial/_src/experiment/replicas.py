@@ -136,7 +136,7 @@ class Replicas:
         # the options as given: --strategy auto.  With the replica axis left to auto, the replicas take the single
         # run's own strategy, and run in a host loop unless it is the vmapped fused round (replica_axis.runs_looped)
         decided = replica_axis_lib.decided_layout(config, first, stacked=replica_axis != "auto")
-        looped = replica_axis_lib.runs_looped(decided)
+        looped = replica_axis == "auto" and replica_axis_lib.runs_looped(decided)
         if decided is not None:
             configs = [dataclasses.replace(c, strategy=decided[0], conv_impl=decided[1]) for c in configs]
         datasets = [first] + [dataset_for(c) if dataset_for else None for c in configs[1:]]
