@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedpartial._src.core import memory
-from fedpartial._src.experiment import replica_axis, replicas
+from fedpartial._src.experiment import replica_axis, replicas, run_directory
 from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
@@ -549,3 +549,72 @@ def test_replicas_follow_the_layout_a_single_run_measures(layout, strategy, monk
     config = RunConfig(dataset="digits", model="cnn2c1f", conv_impl="auto")
     assert replica_axis.decided_layout(config, None) == (None if strategy is None else (strategy, "mapped"))
     assert replica_axis.decided_layout(dataclasses.replace(config, strategy="fused:2"), None) is None
+
+
+@pytest.mark.parametrize("layout, strategy", [("loop", "stepwise:1"), ("map", "fused:1")])
+def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a_host_loop(layout, strategy,
+                                                                                         monkeypatch, tmp_path):
+    """A measured ``loop`` (a single run's ``stepwise:1``) or ``map`` (``fused:1``): the replicas run that strategy
+    one after another from the host, every replica in the first one's compiled round (nothing traced for the
+    others), each at its own client and server rate, and each equals its separate run of that strategy bit for
+    bit; its folder's checkpoint holds its final state."""
+    from fedpartial._src.engine.conv_choice import ConvChoice
+    from fedpartial._src.experiment import checkpoint
+
+    monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("lax", layout, {}, "test"))
+    config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
+                       local_epochs=0.5, momentum=0.9, server_optimizer="adam", conv_impl="auto", seed=0,
+                       out_dir=str(tmp_path))
+    lrs, server_lrs = [0.02, 0.3], [0.1, 0.5]
+    done = replicas.run_seeds(config, [0, 1], lrs=lrs, server_lrs=server_lrs, checkpoint_every=1)
+    assert done["replica_axis"] == "loop" and done["summary"]["replica_axis"] == "loop"
+    assert done["summary"]["vmapped"] is False
+    sims = done["simulations"]
+    assert [s.round.trace_count for s in sims[1:]] == [0] * 7 and sims[0].round.trace_count > 0
+    assert {str(s.round.strategy) for s in sims} == {strategy}
+    settings = replicas.replica_settings([0, 1], lrs, server_lrs)
+    steps = set()
+    for i in (0, 7) if layout == "loop" else (3,):  # the first and last differ in every rate and the seed
+        (_, lr, server_lr), result, vsim = settings[i], done["results"][i], sims[i]
+        saved = run_directory.load_config(done["run_dirs"][i])
+        assert (saved.strategy, saved.conv_impl, saved.client_lr, saved.server_lr) == (strategy, "lax", lr, server_lr)
+        sim = Simulation(dataclasses.replace(saved, out_dir=None))
+        alone = run(sim.config, sim=sim)
+        steps.add(sim.num_steps)
+        assert result["status"] == "complete"
+        for mine, theirs in zip(result["records"], alone["records"], strict=True):
+            assert {k: v for k, v in mine.items() if k not in TIMES} == {k: v for k, v in theirs.items()
+                                                                          if k not in TIMES}
+        for a, b in zip(jax.tree.leaves(vsim.state), jax.tree.leaves(sim.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert checkpoint.latest_round(done["run_dirs"][i]) == 2
+        checkpoint.restore(done["run_dirs"][i], sim, step=1)  # round 1's state, then the replica's last round alone
+        assert sim.progress["round"] == 1 and len(list(sim.rounds())) == 1
+        for a, b in zip(jax.tree.leaves(vsim.state), jax.tree.leaves(sim.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert layout == "map" or len(steps) > 1, "the seeds should need different numbers of local steps"
+
+
+@pytest.mark.parametrize("layout, strategy, looped", [("vmap", "fused", False), ("map", "fused:1", True),
+                                                      ("loop", "stepwise:1", True), (None, None, False)])
+def test_with_the_replica_axis_left_to_auto_replicas_take_the_single_runs_strategy(layout, strategy, looped,
+                                                                                  monkeypatch):
+    """The replica axis left to ``auto``: the single run's own strategy for the measured layout, stacked only where
+    it is the vmapped fused round (``vmap``) or nothing was measured; otherwise a host loop with no stacked state."""
+    from fedpartial._src.engine.conv_choice import ConvChoice
+
+    monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("lax", layout, {}, "test"))
+    config = RunConfig(dataset="synthetic", model="mlp", num_clients=6, cohort_size=2, rounds=1, local_steps=1,
+                       batch_size=8, conv_impl="auto", out_dir=None)
+    decided = replica_axis.decided_layout(config, None, stacked=False)
+    assert decided == (None if strategy is None else (strategy, "lax"))
+    assert replica_axis.runs_looped(decided) is looped
+    reps = replicas.Replicas(config, [0, 1])
+    assert {str(sim.round.strategy) for sim in reps.sims} == {strategy or "fused"}
+    if looped:
+        assert reps.replica_axis == replica_axis.LOOP and reps.loop is not None and reps.state is None
+    else:
+        assert reps.replica_axis == ("map", None) and reps.loop is None and reps.state is not None
+    named = replicas.Replicas(config, [0, 1], replica_axis="map")  # a named axis: stacked, in the fused family
+    assert named.loop is None and named.replica_axis == ("map", None)
+    assert {str(sim.round.strategy) for sim in named.sims} == {replica_axis.LAYOUT_STRATEGIES.get(layout, "fused")}

@@ -293,7 +293,9 @@ def _run_seeds(args, console: Console, stop) -> int:
         if done["out_dir"]:
             with open(os.path.join(done["out_dir"], "seeds_summary.md")) as f:
                 print(f.read(), end="")
-        console.print(f"{len(labels)} replicas in one jitted round (replica axis: {done['replica_axis']}), "
+        how = ("one after another, each in the same compiled round" if done["replica_axis"] == "loop" else
+               "in one jitted round")
+        console.print(f"{len(labels)} replicas {how} (replica axis: {done['replica_axis']}), "
                       f"data on the {done['data_placement']}"
                       + (f" ({done['note']})" if done["note"] else ""), markup=False)
         for name, r in failed:

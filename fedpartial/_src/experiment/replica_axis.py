@@ -1,6 +1,7 @@
-"""How the replicas run: the fused strategy (:func:`replica_strategy`, :func:`decided_layout`) and, inside the one
-jitted round, the replica axis (``replica_axis``): every replica at once (``vmap``), one
-after another (``map``) or ``B`` at a time (``map:B``), and how many fit in memory (:func:`fit_replica_axis`).
+"""How the replicas run: the strategy (:func:`replica_strategy`, :func:`decided_layout`) and the replica axis
+(``replica_axis``): inside one jitted round every replica at once (``vmap``), one after another (``map``) or
+``B`` at a time (``map:B``), or a host loop over the replicas' own rounds (``loop``, :func:`runs_looped`), and how
+many fit in memory (:func:`fit_replica_axis`).
 :mod:`~fedpartial._src.experiment.replicas` says why each is chosen."""
 
 from __future__ import annotations
@@ -34,21 +35,43 @@ def replica_strategy(strategy: str) -> str:
     return strategy
 
 
-#: the fused strategy the replicas run for the cohort layout ``--conv-impl auto`` measured (a single run's
+#: the fused strategy stacked replicas run for the cohort layout ``--conv-impl auto`` measured (a single run's
 #: ``loop``, a host loop of one client at a time, is one client at a time inside the program here)
 LAYOUT_STRATEGIES = {"vmap": "fused", "map": "fused:1", "loop": "fused:1"}
 
 
-def decided_layout(config: RunConfig, dataset) -> tuple[str, str] | None:
+def decided_layout(config: RunConfig, dataset, stacked: bool = True) -> tuple[str, str] | None:
     """``(strategy, conv_impl)`` for replicas of ``config`` whose ``--strategy auto`` follows the lowering and
     layout a single run of it measures (:func:`~fedpartial._src.experiment.parts.choose_conv`, once for every
-    replica); None when nothing was measured (a named strategy or lowering, a model without convolutions)."""
+    replica); None when nothing was measured (a named strategy or lowering, a model without convolutions).
+
+    ``stacked``: the replicas run stacked on a replica axis inside one jitted round, so the strategy is of the
+    fused family (:data:`LAYOUT_STRATEGIES`); otherwise it is the single run's own strategy
+    (:func:`~fedpartial._src.engine.strategy.default_strategy` of the layout: ``fused``, ``fused:1`` or
+    ``stepwise:1``), which replicas other than ``fused`` run in a host loop (:func:`runs_looped`)."""
     if config.strategy != "auto":
         return None
     choice = choose_conv(config, dataset)
     if choice.layout is None:
         return None
-    return LAYOUT_STRATEGIES[choice.layout], choice.impl
+    if stacked:
+        return LAYOUT_STRATEGIES[choice.layout], choice.impl
+    return str(engine_strategy.default_strategy(layout=choice.layout)), choice.impl
+
+
+def runs_looped(decided: tuple[str, str] | None) -> bool:
+    """Whether replicas of the single run's ``decided`` layout (:func:`decided_layout` with ``stacked`` False, the
+    replica axis left to ``auto``) run in a host loop over the replicas (:data:`LOOP`): every layout but the
+    vmapped fused round.  Stacked
+    onto a loop inside the program, XLA:CPU runs convolution gradients several times slower than as the
+    top-level jitted calls a single run makes (``benchmarks/results/replica-layout-cpu-2026-12-03.json``:
+    ``fused:1`` replicas of the 28x28 CNN took 19x the steady time of two separate ``stepwise:1`` runs)."""
+    return decided is not None and decided[0] != "fused"
+
+
+#: the replica axis of replicas run one after another by the host, each replica's round the single run's
+#: compiled round called with its own state, cohort and key (:mod:`~fedpartial._src.experiment.replica_loop`)
+LOOP = ("loop", None)
 
 
 REPLICA_AXES = ("auto", "vmap", "map")
@@ -130,6 +153,8 @@ def at_once(axis: tuple[str, int | None], count: int) -> int:
 
 def describe(axis: tuple[str, int | None], count: int) -> str:
     together = at_once(axis, count)
+    if axis == LOOP:
+        return "one after another (host loop)"
     return "all at once (vmap)" if axis[0] == "vmap" else "one at a time" if together == 1 else f"{together} at a time"
 
 
@@ -163,6 +188,7 @@ def fit_replica_axis(est: memory.MemoryEstimate, count: int, axis: tuple[str, in
 
 
 def axis_name(axis: tuple[str, int | None]) -> str:
-    """``vmap``, ``map`` or ``map:B``: the replica axis as :func:`parse_replica_axis` reads it."""
+    """``vmap``, ``map`` or ``map:B`` (the replica axis as :func:`parse_replica_axis` reads it), or ``loop``
+    (:data:`LOOP`, which ``auto`` decides for a single run's host-loop layout)."""
     kind, batch = axis
     return kind if batch is None else f"{kind}:{batch}"

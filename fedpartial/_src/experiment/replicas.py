@@ -2,23 +2,31 @@
 
 ``fedpartial run --seeds 0,1,2,3`` builds one :class:`~fedpartial._src.experiment.simulation.Simulation` per seed
 (``--lrs 0.01,0.1`` too: one per seed and client learning rate)
-(host work stays per replica: data, partition, device profiles, sampling, packing), stacks their
-server states on a leading replica axis and runs every round as ONE jitted function over the
-stacked states, cohorts and keys: ``jax.vmap`` of the round over the replica axis on an
-accelerator, a ``lax.scan`` (one replica after another inside the jit, each new state written over its
-old one) on CPU (:mod:`~fedpartial._src.experiment.replica_axis`).  Each replica's record is then
+(host work stays per replica: data, partition, device profiles, sampling, packing) and runs their rounds in the
+layout a single run of them takes: stacked, the server states on a leading replica axis and every round ONE
+jitted function over the stacked states, cohorts and keys (``jax.vmap`` of the round over the replica axis on an
+accelerator, a ``lax.scan`` on CPU: one replica after another inside the jit, each new state written over its
+old one; :mod:`~fedpartial._src.experiment.replica_axis`), or, where the single run does not run the vmapped
+fused round, one replica's round after another from the host, every replica calling the same compiled round
+(:mod:`~fedpartial._src.experiment.replica_loop`).  Each replica's record is then
 built by the same host code as a single run (:meth:`Simulation.finish_round`) and written by the same
 writer (:class:`~fedpartial._src.experiment.run_directory.RunWriter`), so every seed gets an ordinary run directory.
 
 Decisions:
 
-* **Strategy.**  The replicas run the fused round (the pure ``FederatedRound.functions.round``)
-  over seeds.  ``--strategy auto`` follows the layout a single run decides: for a convolutional model under
-  ``--conv-impl auto``, the lowering and cohort layout measured once for all replicas (:func:`~fedpartial._src.experiment.replica_axis.decided_layout`:
-  ``vmap`` runs ``fused``, ``map`` and ``loop`` the clients one at a time inside the program, ``fused:1``);
-  otherwise ``fused``.  ``fused:N`` and ``fused-unrolled[:N]`` keep their meaning for the client axis inside
-  each replica; ``stepwise`` and ``debug`` drive a host loop per client and cannot run inside one jitted
-  function, so they are refused.  Each replica equals a separate ``fedpartial run --seed S --strategy STRATEGY
+* **Strategy and layout.**  ``--strategy auto`` follows the layout a single run decides: for a model under
+  ``--conv-impl auto``, the lowering and cohort layout measured once for all replicas
+  (:func:`~fedpartial._src.experiment.replica_axis.decided_layout`).  Where the single run's strategy is the
+  vmapped fused round (``vmap``), the replicas are stacked and run it over the replica axis; where it is not
+  (``loop``: ``stepwise:1``, a host loop of jitted client steps; ``map``: ``fused:1``), each replica runs that
+  same strategy, the replicas one after another from the host (replica axis ``loop``,
+  :func:`~fedpartial._src.experiment.replica_axis.runs_looped`): stacked onto a loop inside one program,
+  XLA:CPU ran the 28x28 CNN's convolution gradients 19x slower than two separate runs
+  (``benchmarks/results/replica-layout-cpu-2026-12-03.json``).  A named ``replica_axis`` (``vmap``, ``map``)
+  keeps the replicas stacked, in the fused family (``loop`` and ``map`` then run ``fused:1``).  Nothing
+  measured (a named lowering, ``FEDPARTIAL_CONV_IMPL``): the stacked fused round.  ``fused:N`` and
+  ``fused-unrolled[:N]`` keep their meaning for the client axis inside each replica; a named ``stepwise`` or
+  ``debug`` is refused.  Each replica equals a separate ``fedpartial run --seed S --strategy STRATEGY
   --conv-impl LOWERING`` of its seed, with the strategy and lowering its ``config.json`` names.
 * **Learning rates.**  A replica's client learning rate is data, not a constant of the round: every
   replica's simulation is built with the client optimizer at rate 1 and its cohort carries its rate
@@ -29,7 +37,7 @@ Decisions:
   server state carries its rate (``ServerState.server_lr_scale``); the replicas' own states, written to
   their run folders, leave it out, so each folder is the state of a separate run at its rate and
   resumes on its own.  Every server rate runs with every client rate and seed.  Other settings stay
-  one per run.
+  one per run.  In the host loop the rates travel the same way: one compiled round serves every rate.
 * **Shapes.**  Every replica's cohort is packed to the largest number of local steps over the
   replicas' populations (``num_steps``): padded steps are exact no-ops (``client.py`` keeps the
   state with ``where``; the packing draws do not depend on ``num_steps``).  Held-out splits are
@@ -54,7 +62,8 @@ Decisions:
   refused in one sentence with the estimate and what fits (:func:`~fedpartial._src.experiment.replica_axis.fit_replica_axis`). Why the layout
   changed: :attr:`Replicas.note`, ``layout_note`` in ``seeds_summary.json``.
 * **Time.**  A replica's ``round_time_s`` is its own host work plus its share (1/active replicas)
-  of the replica round; ``rounds_per_s`` in each summary follows from that.
+  of the stacked replica round, or its own round in the host loop; ``rounds_per_s`` in each summary follows from
+  that.
 * **Output.**  ``<out>/<name or METHOD-DATASET-seedsA-B>/`` holds one run directory per seed
   (``METHOD-DATASET-seedS``, what ``fedpartial run --seed S`` writes; with ``--lrs``
   ``METHOD-DATASET-seedS-lrX`` in ``METHOD-DATASET-seedsA-B-lrsX_Y``) and ``seeds_summary.json`` /
@@ -69,115 +78,33 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedpartial._src.experiment import driver, jobs, signals
-from fedpartial._src.experiment import replica_axis as replica_axis_lib
-from fedpartial._src.experiment import summaries
-from fedpartial._src.engine import types as engine_types
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
-from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.experiment import config_checks
+from fedpartial._src.experiment import driver, jobs, population, replica_loop, signals
+from fedpartial._src.experiment import replica_axis as replica_axis_lib
 from fedpartial._src.experiment.config import ConfigError, RunConfig
-from fedpartial._src.experiment.config_checks import validate_once, with_validation
-from fedpartial._src.experiment.preflight import preflight
-from fedpartial._src.experiment import population
+from fedpartial._src.experiment.config_checks import with_validation
 from fedpartial._src.experiment.parts import make_client_optimizer, make_server_optimizer
+from fedpartial._src.experiment.replica_loop import with_lr
+from fedpartial._src.experiment.replica_settings import (
+    Setting,
+    default_name,
+    parse_lrs,
+    replica_configs,
+    replica_run_name,
+    replica_settings,
+)
 from fedpartial._src.experiment.run_directory import RunWriter, unique_run_dir
 from fedpartial._src.experiment.simulation import Simulation
 
-
-def default_name(config: RunConfig, seeds: Sequence[int], lrs: Sequence[float] | None = None,
-                 server_lrs: Sequence[float] | None = None) -> str:
-    """``METHOD-DATASET-seeds0-3`` for consecutive seeds, else ``METHOD-DATASET-seeds1_5_9``; with learning
-    rates ``-lrs0.01_0.1`` after it, with server rates ``-slrs0.5_1.0``."""
-    ordered = sorted(seeds)
-    consecutive = len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1))
-    tag = f"{ordered[0]}-{ordered[-1]}" if consecutive else "_".join(map(str, seeds))
-    rates = "" if lrs is None else "-lrs" + "_".join(map(repr, lrs))
-    rates += "" if server_lrs is None else "-slrs" + "_".join(map(repr, server_lrs))
-    return f"{config.method_name}-{config.dataset}-seeds{tag}{rates}"
-
-
-def _rate(part: str) -> float | None:
-    try:
-        lr = float(part)
-    except ValueError:
-        return None
-    return lr if np.isfinite(lr) and lr > 0 else None
-
-
-def parse_lrs(text: str, flag: str = "--lrs") -> list[float]:
-    """``"0.01,0.1"`` → ``[0.01, 0.1]``: distinct finite learning rates above 0, at least one."""
-    return summaries.parse_distinct(text, flag, _rate,
-                                  "learning rates above 0 separated by commas, e.g. 0.01,0.05,0.1", "a learning rate")
-
-
-class Setting(NamedTuple):
-    """One replica: its seed, client learning rate and server learning rate (None: the config's)."""
-
-    seed: int
-    lr: float | None
-    server_lr: float | None = None
-
-
-def replica_settings(seeds: Sequence[int], lrs: Sequence[float] | None,
-                     server_lrs: Sequence[float] | None = None) -> list[Setting]:
-    """Every replica's :class:`Setting`: each server rate with each client rate with every seed (server rate,
-    then client rate, then seed), or the seeds alone (rates None: the config's)."""
-    return [Setting(seed, lr, server_lr) for server_lr in (server_lrs if server_lrs is not None else [None])
-            for lr in (lrs if lrs is not None else [None]) for seed in seeds]
-
-
-def replica_run_name(config: RunConfig, setting: Setting) -> str | None:
-    """``METHOD-DATASET-seedS`` with ``-lrX`` and ``-slrY`` for the rates given; None (the run's own default
-    name) for a seed alone."""
-    if setting.lr is None and setting.server_lr is None:
-        return None
-    return (f"{config.method_name}-{config.dataset}-seed{setting.seed}"
-            + ("" if setting.lr is None else f"-lr{setting.lr!r}")
-            + ("" if setting.server_lr is None else f"-slr{setting.server_lr!r}"))
-
-
-def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None,
-                    lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> list[RunConfig]:
-    """One validated configuration per replica (:func:`replica_settings`): ``config`` with the seed, the
-    learning rates, the fused strategy (:func:`~fedpartial._src.experiment.replica_axis.replica_strategy`; :class:`Replicas` then
-    follows :func:`~fedpartial._src.experiment.replica_axis.decided_layout`) and ``out_dir``."""
-    if len(seeds) < 1 or len(set(seeds)) < len(seeds):
-        raise ConfigError(f"--seeds {','.join(map(str, seeds))} is not allowed: it must name distinct seeds.")
-    for flag, rates in (("--lrs", lrs), ("--server-lrs", server_lrs)):
-        if rates is not None and (len(rates) < 1 or len(set(rates)) < len(rates)):
-            raise ConfigError(f"{flag} {','.join(map(str, rates))} is not allowed: it must name distinct learning "
-                              "rates.")
-    strategy = replica_axis_lib.replica_strategy(config.strategy)
-    if config.devices is not None and config.devices > 1:
-        raise ConfigError(f"--devices {config.devices} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas run on one "
-                          "device; use --devices 1.")
-    if config.client_state in client_state_lib.OFF_DEVICE:
-        raise ConfigError(f"--client-state {config.client_state} cannot run with {replica_axis_lib.REPLICAS_NAMED}: the replicas "
-                          "stack every seed's state on the device; use --client-state device.")
-    configs = [dataclasses.replace(
-        config, seed=r.seed, strategy=strategy, out_dir=out_dir, devices=1, client_state="device",
-        client_lr=config.client_lr if r.lr is None else r.lr,
-        server_lr=config.server_lr if r.server_lr is None else r.server_lr,
-        run_name=replica_run_name(config, r))
-        for r in replica_settings(seeds, lrs, server_lrs)]
-    # The settings the replicas share are the given configuration's, judged once (the command line has already);
-    # each replica's own (seed, rates, folder) are judged with it.  The fused strategy on one device with per-client
-    # state there is what every valid configuration may run.
-    validate_once(config)
-    for c in configs:
-        config_checks.check_replica(c)
-    configs = [with_validation(c, config) for c in configs]
-    preflight(configs[0])  # the replicas share the population, devices and --out
-    return configs
-
+# (the settings' names are read from here too: the command line and the tests take them with the runner)
+__all__ = ["Replicas", "Setting", "default_name", "parse_lrs", "replica_configs", "replica_run_name",
+           "replica_settings", "run_seeds", "stack", "with_lr"]
 
 
 def _shapes(tree) -> list:
@@ -189,15 +116,10 @@ def stack(trees: Sequence) -> object:
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def with_lr(cohort: engine_types.Cohort, lr: float) -> engine_types.Cohort:
-    """``cohort`` whose clients train at ``lr`` times the client optimizer's rate."""
-    size = np.shape(cohort.info.client_ids)[0]
-    return cohort._replace(info=cohort.info._replace(lr_scale=np.full(size, lr, np.float32)))
-
-
 class Replicas:
     """One :class:`Simulation` per replica (seed, or seed and learning rates), advanced together by one
-    jitted round over the replica axis per round.
+    jitted round over the replica axis per round, or by a host loop over the replicas' rounds
+    (:attr:`loop`, replica axis ``loop``).
 
     ``sims[i]`` is replica ``i``'s simulation (seed ``seeds[i]``, client rate ``sims[i].config.client_lr``,
     server rate ``sims[i].config.server_lr``); its ``state`` is kept up to date (its row of the stacked
@@ -212,8 +134,12 @@ class Replicas:
         configs = replica_configs(config, seeds, out_dir, lrs, server_lrs)
         # decided before anything is built: the layout a single run of the first replica would take
         first = dataset_for(configs[0]) if dataset_for else population.load_dataset(configs[0])
-        decided = replica_axis_lib.decided_layout(config, first)  # the options as given: --strategy auto
-        if decided is not None:  # a fused strategy and a measured lowering: valid for every valid configuration
+        # the options as given: --strategy auto.  With the replica axis left to auto, the replicas take the single
+        # run's own strategy, and run in a host loop unless it is the vmapped fused round (replica_axis.runs_looped)
+        decided = replica_axis_lib.decided_layout(config, first, stacked=replica_axis != "auto")
+        looped = replica_axis == "auto" and replica_axis_lib.runs_looped(decided)
+        if decided is not None:
+            # what a single run of the replica decides: valid wherever the replica's configuration is
             configs = [with_validation(dataclasses.replace(c, strategy=decided[0], conv_impl=decided[1]), c)
                        for c in configs]
         datasets = [first] + [dataset_for(c) if dataset_for else None for c in configs[1:]]
@@ -244,7 +170,8 @@ class Replicas:
         available, where = memory.available_bytes()  # one reading for the placement and the axis below
         place = auto_data and ondevice.resolve_placement("auto", together, available, platform) == "device"
         #: ``(kind, batch)`` how the replica axis runs (:func:`~fedpartial._src.experiment.replica_axis.parse_replica_axis`, then what fits in memory)
-        self.replica_axis = replica_axis_lib.parse_replica_axis(replica_axis, platform)
+        self.replica_axis = replica_axis_lib.LOOP if looped else replica_axis_lib.parse_replica_axis(replica_axis,
+                                                                                                    platform)
         est = max((sim.memory for sim in self.sims), key=lambda e: e.total)
         if place and available is not None:  # the checks count the data as on the device; it is copied after
             need = memory.for_replicas(est, count, replica_axis_lib.at_once(self.replica_axis, count))
@@ -269,13 +196,19 @@ class Replicas:
                                   f"simulation; run the seeds separately (fedpartial compare).")
         for sim in self.sims[1:]:  # the same model, method and shapes: the device model's counts are shared
             sim.costs.share_counts(first.costs)
+        self.round = first.round  # its trace_count counts the replica round's traces
+        #: the host loop over the replicas' rounds (replica axis ``loop``), else None: the stacked round below
+        self.loop = replica_loop.ReplicaLoop(self.sims, self._server_lrs) if looped else None
+        #: the replicas' states stacked on the replica axis (None in the host loop: each replica holds its own)
+        self.state = None
+        if looped:
+            return
         round_fn = first.round.functions.round
         impl = jax.random.key_impl(first.rounds_key)
 
         def one(state, cohort, key_data):
             return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
 
-        self.round = first.round  # its trace_count counts the replica round's traces
         self._round = jax.jit(replica_axis_lib.over_replicas(one, *self.replica_axis), donate_argnums=(0,))
         # one replica's row, taken as its old state is let go: with every row taken at once, the old states,
         # the new rows and the stacked state were held together (FedSPU, 4 replicas, vmap: 11.8 GiB, 9.0 row by row)
@@ -300,6 +233,23 @@ class Replicas:
                     last[i] = prepared
         if not any(active):
             return [None] * len(self.sims)
+        rounds = self.loop.run(last, active) if self.loop is not None else self._stacked_round(last, active)
+        records = []
+        for i, sim in enumerate(self.sims):
+            if not active[i]:
+                records.append(None)
+                continue
+            metrics, seconds = rounds[i]
+            try:
+                records.append(sim.finish_round(last[i], metrics, round_time=host[i] + seconds))
+            except Exception as e:  # DivergedError (or a host error): this replica ends, the others go on
+                active[i] = False
+                records.append(e)
+        return records
+
+    def _stacked_round(self, last: list, active: list[bool]) -> list:
+        """The stacked replica round: each active replica's ``(metrics, its share of the round's seconds)``, None
+        for the others; each active replica's ``state`` is its row of the new stacked state."""
         start = time.perf_counter()
         # (cohorts gathered on the device are stacked there; packed ones on the host)
         cohorts = jax.tree.map(lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a),
@@ -308,20 +258,13 @@ class Replicas:
         self.state, metrics = self._round(self.state, cohorts, keys)
         metrics = jax.device_get(metrics)
         share = (time.perf_counter() - start) / sum(active)
-        records = []
+        rounds: list = [None] * len(self.sims)
         for i, sim in enumerate(self.sims):
-            if not active[i]:
-                records.append(None)
-                continue
-            sim.state = None  # let go before its new row exists
-            sim.state = self._row(self.state, i)._replace(server_lr_scale=None)  # what a separate run's holds
-            try:
-                records.append(sim.finish_round(last[i], jax.tree.map(lambda a: a[i], metrics),  # noqa: B023
-                                                round_time=host[i] + share))
-            except Exception as e:  # DivergedError (or a host error): this replica ends, the others go on
-                active[i] = False
-                records.append(e)
-        return records
+            if active[i]:
+                sim.state = None  # let go before its new row exists
+                sim.state = self._row(self.state, i)._replace(server_lr_scale=None)  # what a separate run's holds
+                rounds[i] = (jax.tree.map(lambda a: a[i], metrics), share)  # noqa: B023
+        return rounds
 
 
 def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[int, list], None] | None = None,
@@ -329,10 +272,11 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
               dataset_for: Callable[[RunConfig], object] | None = None, replica_axis: str = "auto",
               lrs: Sequence[float] | None = None, server_lrs: Sequence[float] | None = None) -> dict:
     """Runs ``config`` once per seed (and, with ``lrs`` / ``server_lrs``, per client / server learning rate:
-    every rate with every seed) as one simulation (one jitted round over the replicas) and writes the run directories.
+    every rate with every seed) as one simulation (one jitted round over the replicas, or a host loop over their
+    rounds: :class:`Replicas`) and writes the run directories.
 
     Returns ``{"out_dir", "run_dirs", "results", "summary", "simulations", "replica_axis", "data_placement",
-    "note"}``: the parent directory (None without ``config.out_dir``), and per replica (:func:`replica_settings`
+    "note"}``: the parent directory (None without ``config.out_dir``), and per replica (:func:`~fedpartial._src.experiment.replica_settings.replica_settings`
     order) its run directory, its :func:`~fedpartial._src.experiment.simulation.run`-style result (summary, ``run_dir`` and
     ``records``), the mean ± std summary (None without a directory), the seeds' :class:`Simulation` objects
     (their final states), and the layout: the replica axis that ran, where the data lived and why
@@ -341,7 +285,9 @@ def run_seeds(config: RunConfig, seeds: Sequence[int], *, on_round: Callable[[in
     in its result; the others complete.  ``checkpoint_every``: as :func:`~fedpartial._src.experiment.simulation.run`'s, per
     seed.  ``on_round(t, records)`` gets each round's records (None for a finished replica).  A stop signal
     ends every replica after the current round (status ``interrupted``).
-    ``replica_axis``: how the replicas run inside the one jitted round (:func:`~fedpartial._src.experiment.replica_axis.parse_replica_axis`).
+    ``replica_axis``: how the replicas run inside the one jitted round (:func:`~fedpartial._src.experiment.replica_axis.parse_replica_axis`);
+    ``auto`` runs them in a host loop (``loop`` in the result and the summary) where a single run's measured
+    layout is not the vmapped fused round.
     """
     t0 = time.perf_counter()
     driver.check_checkpoint_every(checkpoint_every)
