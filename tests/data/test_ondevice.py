@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from fedpartial._src.core.types import Holdout
 from fedpartial._src.data import ondevice
 from fedpartial._src.data.packing import max_steps, pack_cohort
+from fedpartial._src.experiment import layout
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.simulation import run as simulation_run
@@ -172,12 +173,10 @@ def test_auto_is_device_on_an_accelerator_when_it_fits_and_host_otherwise(sim, m
     fits = 4 * sim.data_bytes  # data_bytes is exactly a quarter of it
     monkeypatch.setattr(ondevice, "available_memory", lambda device=None: fits)
     monkeypatch.setattr(jax, "devices", lambda *a: [type("Gpu", (), {"platform": "gpu"})()])
+    auto = dataclasses.replace(sim.config, data_placement="auto")
     for available, want in ((fits, "device"), (fits - 4, "host")):
-        other = copy.copy(sim)
-        other.config = dataclasses.replace(sim.config, data_placement="auto")
         monkeypatch.setattr(ondevice, "available_memory", lambda device=None, a=available: a)
-        other._place_data()  # decides only: __init__ copies the data once the memory checks pass
-        assert other.data_placement == want and other._population is None
+        assert layout.data_placement(auto, sim.data_bytes) == want
     assert ondevice.resolve_placement("auto", 250, 1000, "gpu") == "device"
     assert ondevice.resolve_placement("auto", 251, 1000, "gpu") == "host"
     assert ondevice.resolve_placement("auto", 1, None, "tpu") == "host"
@@ -208,7 +207,7 @@ def test_auto_placed_data_gives_way_to_a_round_that_fits_only_without_it(monkeyp
     fake_accelerator(monkeypatch, 530)  # 0.9 · 530 = 477 MiB ≥ 463.8, but 0.9 · (530 − 30.5) = 449.5 is not
     copies = count_copies(monkeypatch)
     sim = Simulation(config, dataset=dataset)
-    assert (sim.data_placement, sim._population, str(sim.round.strategy)) == ("host", None, "stepwise:1")
+    assert (sim.data_placement, sim.data.copied, str(sim.round.strategy)) == ("host", False, "stepwise:1")
     assert copies == []  # checked before it was copied: never copied
     assert sim.strategy_note == ("auto keeps the data on the host: with its 31 MiB on the device, stepwise:1 would "
                                  "need about 464 MiB but 499 MiB of Fake GPU memory would be left")
@@ -232,7 +231,7 @@ def test_a_streamed_chunk_is_sized_once_the_placed_data_is_let_go(monkeypatch):
     # (0.9 · 341 − 257.8) / 5.15 = 9 clients fit without the data on the device; with it, 4 would
     fake_accelerator(monkeypatch, 341)
     sim = Simulation(config, dataset=dataset)
-    assert (sim.data_placement, sim._population, str(sim.round.strategy)) == ("host", None, "stream-stepwise:9")
+    assert (sim.data_placement, sim.data.copied, str(sim.round.strategy)) == ("host", False, "stream-stepwise:9")
     assert sim.strategy_note == ("auto keeps the data on the host: with its 31 MiB on the device, stepwise:1 would "
                                  "need about 464 MiB but 310 MiB of Fake GPU memory would be left; auto streams the "
                                  "cohort: stepwise:1 would need about 464 MiB but 341 MiB of Fake GPU memory is "
@@ -242,7 +241,8 @@ def test_a_streamed_chunk_is_sized_once_the_placed_data_is_let_go(monkeypatch):
 def test_device_cohort_has_the_host_cohorts_shapes_masks_and_holdout(sim):
     device = sim[0]
     host = copy.copy(device)
-    host.data_placement = "host"
+    host.data = copy.copy(device.data)
+    host.data.keep_on_host()  # the same clients' data, packed on the host
     ids, valid, _, seed = device.sample_cohort(0)
     valid = valid.copy()
     valid[1] = False

@@ -111,7 +111,7 @@ def timed():
 def reset(timed, **clock):
     """``timed``'s simulation back at round 0 with its own devices and the ``clock`` settings given."""
     sim, state, progress, profiles = timed
-    sim.state, sim.progress, sim.devices, sim.clock.profiles = state, dict(progress), profiles, profiles
+    sim.state, sim.progress, sim.clock.profiles = state, dict(progress), profiles
     sim.clock.deadline_s, sim.clock.policy = clock.get("deadline", 1e9), clock.get("policy", "drop")
     sim.clock.availability = Availability(clock.get("availability", "always"), 8, 0)
     return sim
@@ -147,7 +147,7 @@ def test_a_deadline_cuts_steps_inside_the_compiled_round(timed):
     traces = None
     for policy in ("partial", "drop"):
         sim = reset(timed, policy=policy)
-        sim.devices = sim.clock.profiles = slow
+        sim.clock.profiles = slow  # sim.devices reads the clock's
         ids, predicted = uncut(sim, 0)
         deadline = 2.5 * float(predicted.step_s.min())  # the fastest sampled device fits 2 of its 4 steps
         sim.clock.deadline_s = deadline

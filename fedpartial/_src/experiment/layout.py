@@ -80,6 +80,8 @@ class RoundLayout(NamedTuple):
     data_placement: str  # the training data: host or device
     memory: memory.MemoryEstimate  # the round's peak-memory estimate in this layout
     note: str | None  # why the layout is not what --strategy and --data-placement give by themselves
+    mesh: object = None  # the client mesh the cohort is split over (None: one device)
+    conv_choice: object = None  # how the model's convolutions are lowered (engine.conv_choice.ConvChoice)
 
 
 def decide(config: RunConfig, method: Method, ctx, shapes, client_optimizer, *, strategy: engine_strategy.Strategy,
@@ -115,7 +117,7 @@ def decide(config: RunConfig, method: Method, ctx, shapes, client_optimizer, *, 
 
     est = estimate_for(strategy)
     if not check_memory:
-        return RoundLayout(strategy, client_state, placement, est, None)
+        return RoundLayout(strategy, client_state, placement, est, None, mesh)
     kept_on_host = device_data_gives_way(config, placement, est, strategy, data_bytes, room=room)
     if kept_on_host:
         placement = "host"
@@ -128,7 +130,39 @@ def decide(config: RunConfig, method: Method, ctx, shapes, client_optimizer, *, 
         placement = "host"  # a streamed cohort is packed on the host a chunk at a time
     refuse_what_does_not_fit(est, strategy, method, client_state=client_state, client_shapes=client_shapes,
                              cohort_size=config.sampled_size, model=ctx.model, room=room)
-    return RoundLayout(strategy, client_state, placement, est, "; ".join(n for n in notes if n) or None)
+    return RoundLayout(strategy, client_state, placement, est, "; ".join(n for n in notes if n) or None, mesh)
+
+
+def build_round(config: RunConfig, method: Method, model: Model, plain_model: Model | None, *, conv_choice, mesh,
+                client_optimizer, server_optimizer, server_data, label_counts, data_placement: str, data_bytes: int,
+                num_steps: int, x_dtype, check_memory: bool
+                ) -> tuple[RoundLayout, engine.FederatedRound, engine.FederatedRound]:
+    """Decides the round's layout from estimates (:func:`decide`), then builds the round once in it.  Returns the
+    layout, the round, and the round that counts local work's FLOPs: the same one, or, when the run's lowering or
+    dtype is not the plain model's, the ``plain_model``'s (a device's simulated time does not depend on how the
+    simulator lowers or rounds its arithmetic)."""
+    num_devices = 1 if mesh is None else mesh.size
+    # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
+    padded_size = sharding.padded_size(config.sampled_size, num_devices)
+    sizes = {"num_clients": config.num_clients, "cohort_size": padded_size, "bn_policy": config.bn_policy,
+             "padding": padded_size - config.sampled_size, "rounds": config.rounds}
+    known = {"server_data": server_data, "label_counts": label_counts}
+    ctx = engine.method_context(model, client_optimizer=client_optimizer, **sizes)
+    shapes = jax.eval_shape(lambda key: engine.initial_state(method, ctx, server_optimizer, key, **known),
+                            jax.random.key(0))
+    decided = decide(config, method, ctx, shapes, client_optimizer,
+                     strategy=config.run_strategy(num_devices, model, conv_choice.layout), mesh=mesh,
+                     data_placement=data_placement, data_bytes=data_bytes, num_steps=num_steps, x_dtype=x_dtype,
+                     check_memory=check_memory)._replace(conv_choice=conv_choice)
+
+    def build(model: Model) -> engine.FederatedRound:
+        return engine.FederatedRound(
+            model, method, client_optimizer=client_optimizer, server_optimizer=server_optimizer,
+            strategy=decided.strategy, record_decisions=config.record_decisions, devices=mesh,
+            client_state="device" if decided.client_state == "device" else "host", **sizes, **known)
+
+    built = build(model)
+    return decided, built, built if plain_model is None else build(plain_model)
 
 
 def client_state_place(config: RunConfig, method: Method, shapes, *, mesh, room: Room) -> str:

@@ -1,5 +1,6 @@
 """The parts of a run that a :class:`~fedpartial._src.experiment.config.RunConfig` names and that are built, not
-set: the model (shaped for the dataset) and the client and server optimizers.
+set: the method (with the wrappers its options add), the model (shaped for the dataset) and the client and server
+optimizers.
 
 :class:`~fedpartial._src.experiment.simulation.Simulation` builds these unless the caller brings its own.
 """
@@ -7,19 +8,22 @@ set: the model (shaped for the dataset) and the client and server optimizers.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import optax
 
+from fedpartial._src.core.types import ClientOptimizer, Method, client_sgd
 from fedpartial._src.data import sources
-from fedpartial._src.core.types import ClientOptimizer, client_sgd
 from fedpartial._src.engine import conv_choice
-from fedpartial._src.experiment import compile_cache
-from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment import compile_cache, pretrained, privacy
+from fedpartial._src.experiment.config import DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.config_checks import DEFAULT_MODELS
+from fedpartial._src.experiment.lora import with_lora, with_rank_tiers
+from fedpartial._src.methods.codecs import upload_codec
+from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models import registry, zoo
-from fedpartial._src.experiment.lora import with_lora
 from fedpartial._src.models.adapter import Model, from_linen
 from fedpartial._src.models.conv import check_conv_impl
 from fedpartial._src.models.precision import with_compute_dtype
@@ -130,3 +134,55 @@ def make_server_optimizer(config: RunConfig) -> optax.GradientTransformation:
         "yogi": lambda lr: optax.yogi(lr, eps=1e-3),
         "adagrad": lambda lr: optax.adagrad(lr),
     }[config.server_optimizer](config.server_lr)
+
+
+class RunMethod(NamedTuple):
+    """The method a run trains with, and what it decides about the clients' data."""
+
+    method: Method  # the caller's or the config's, wrapped as the options say (early stopping, codec, DP…)
+    accountant: object  # gives ε each round under --dp-clip (:mod:`.privacy`), else None
+    train_fraction: float  # the share of each client's examples it trains on
+    holdout_note: str | None  # why each client holds data out when the run did not say, else None
+
+
+def run_method(config: RunConfig, method: Method | None) -> RunMethod:
+    """The run's method (the caller's ``method`` or the config's) wrapped in early stopping, rank tiers, the
+    upload codec and DP-FedAvg as the config says, and each client's train fraction (a method that evaluates
+    personal models or reads held-out data holds some out unless ``--train-fraction`` says)."""
+    base = method if method is not None else config.build_method()
+    fraction, note = config.train_fraction, None
+    if fraction is None:
+        caps = base.capabilities
+        why = (f"method {base.name} is personalised: each client's own model is evaluated on its held-out data"
+               if caps.personalised else f"method {base.name} reads held-out data" if caps.needs_holdout
+               else "early stopping (--es) reads held-out data" if config.early_stopping else None)
+        fraction = DEFAULT_TRAIN_FRACTION if why else 1.0
+        if why:
+            note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the rest out, "
+                    f"because {why} (--train-fraction changes it)")
+    inner = early_stopping(base, lam=fraction) if config.early_stopping else base
+    inner = with_rank_tiers(config, inner)  # --lora-ranks: each client's rank components, as masks
+    inner = upload_codec(inner, config.upload_codec) if config.upload_codec else inner
+    # DP-FedAvg around the codec: it clips what the server receives
+    return RunMethod(*privacy.private(config, inner), fraction, note)
+
+
+def checked_model(config: RunConfig, dataset: sources.ArrayDataset, method: Method, model: Model | None
+                  ) -> tuple[Model, Model | None, conv_choice.ConvChoice]:
+    """:func:`run_models` for ``method`` (the model initialised from ``--init-from``), refused in one sentence if
+    it cannot take the data or the method."""
+    model, plain, choice = run_models(config, dataset, model, method.adapt_model, method.capabilities.second_order)
+    model = pretrained.initial_model(model, config.init_from)  # --init-from: checked against it
+    if method.capabilities.neuron_masks and not model.structure.sequential:  # from the record
+        raise ConfigError(f"method {method.name} drops single neurons, which needs a sequential model (a chain of "
+                          f"layers), but model {model.name} is not declared sequential; choose a sequential model "
+                          "or a layer-level method.")
+    if model.input_shape != tuple(dataset.x_train.shape[1:]):
+        raise ConfigError(f"model {model.name} takes examples of shape {model.input_shape}, but {dataset.name} has "
+                          f"{tuple(dataset.x_train.shape[1:])}.")
+    check_outputs_fit_labels(model, dataset)
+    outputs = model_outputs(model, dataset.x_train.dtype)
+    if outputs != dataset.num_classes:  # fewer would fail later as something else, more would pass silently
+        raise ConfigError(f"model {model.name} gives {outputs} outputs per example, but {dataset.name} has "
+                          f"{dataset.num_classes} classes; build the model with num_classes={dataset.num_classes}.")
+    return model, plain, choice

@@ -17,13 +17,10 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial._src.core import memory
 from fedpartial._src.core.errors import UserError, warn_nothing_trained
-from fedpartial._src.core.types import ClientOptimizer, CohortInfo, Holdout, Method, PersonalModels, ServerData
+from fedpartial._src.core.types import ClientOptimizer, Method, PersonalModels
 from fedpartial._src.costs import devices
-from fedpartial._src.data import ondevice, packing, sources
-from fedpartial._src.data.partition import train_holdout_split
-from fedpartial._src.engine import round as engine
+from fedpartial._src.data import sources
 from fedpartial._src.engine import sharding
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine import types as engine_types
@@ -33,8 +30,8 @@ from fedpartial._src.experiment import (
     driver,
     finetune,
     layout,
+    parts,
     population,
-    pretrained,
     privacy,
     round_record,
     signals,
@@ -42,23 +39,24 @@ from fedpartial._src.experiment import (
     timing,
 )
 from fedpartial._src.experiment import plan as plan_lib
-from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
+from fedpartial._src.experiment.client_data import ClientData
+from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, ConfigError, RunConfig
 from fedpartial._src.experiment.config_checks import validate_once
-from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients, pad_holdouts
-from fedpartial._src.experiment.lora import with_rank_tiers
-from fedpartial._src.experiment.parts import (
-    check_outputs_fit_labels,
-    make_client_optimizer,
-    make_server_optimizer,
-    model_outputs,
-    run_models,
-)
+from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.run_directory import RunWriter
 from fedpartial._src.experiment.timing import PreparedRound
-from fedpartial._src.methods.codecs import upload_codec
-from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models.adapter import Model
+
+
+def _held(part: str, name: str, doc: str, settable: bool = False) -> property:
+    """An attribute of the simulation that one of its parts holds (``settable``: written there too)."""
+    def get(self):
+        return getattr(getattr(self, part), name)
+
+    def put(self, value):  # the parts are named tuples: replaced, not changed in place
+        setattr(self, part, getattr(self, part)._replace(**{name: value}))
+    return property(get, put if settable else None, doc=doc)
 
 
 class Simulation:
@@ -87,6 +85,26 @@ class Simulation:
       [1, 2]
     """
 
+    dataset = _held("data", "dataset", "the training and test data")
+    clients = _held("data", "clients", "every client's training example indices")
+    holdout = _held("data", "holdout", "every client's held-out examples ``(x, y, mask)``, else None")
+    sizes = _held("data", "sizes", "``[N]`` every client's training examples")
+    label_counts = _held("data", "label_counts", "``[N, C]`` every client's training examples per class")
+    server_data = _held("data", "server_data", "the examples the server holds, else None")
+    num_steps = _held("data", "num_steps", "the local steps every cohort is packed to")
+    train_fraction = _held("data", "train_fraction", "the share of each client's examples it trains on")
+    holdout_note = _held("data", "holdout_note", "why each client holds data out when the run did not say, else None")
+    data_bytes = _held("data", "data_bytes", "bytes the training data takes on the device")
+    data_placement = _held("data", "placement", "``host`` or ``device``: where the training data lives")
+    mesh = _held("layout", "mesh", "the client mesh the cohort is split over (None: one device)")
+    conv_choice = _held("layout", "conv_choice", "how the model's convolutions are lowered, and why")
+    client_state = _held("layout", "client_state", "where the method's per-client state lives: device, host or disk")
+    memory = _held("layout", "memory", "the round's peak-memory estimate", settable=True)
+    strategy_note = _held("layout", "note", "why the round's layout is not what --strategy and --data-placement "
+                          "give by themselves (None: it is)", settable=True)
+    costs = _held("clock", "costs", "the FLOPs of local work (:class:`~fedpartial._src.costs.devices.CostModel`)")
+    devices = _held("clock", "profiles", "``[N]`` the simulated devices' compute speeds and bandwidths")
+
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
                  method: Method | None = None, model: Model | None = None,
                  client_optimizer: ClientOptimizer | optax.GradientTransformation | None = None,
@@ -96,18 +114,28 @@ class Simulation:
         self.config = self._checked_config(config, method, data_placement)
         #: what the settings resolve to on this machine: its devices and the method (:func:`.plan.resolve`)
         self.plan = plan_lib.resolve(self.config, method)
-        #: the persistent compilation cache's folder (None: off)
-        self.compile_cache_dir = compile_cache.enable(self.config.compile_cache)
-        self._load_dataset(dataset, model)
-        self._choose_method(method)
-        self._split_population()
-        self._place_data(data_placement)
-        self._build_model(model)
-        self._split_over_devices()
-        self._build_round(client_optimizer, server_optimizer, check_memory)
-        if self.data_placement == "device":
-            self.place_data_on_device()
-        self._model_devices()
+        compile_cache.enable(self.config.compile_cache)
+        dataset = self._load_dataset(dataset, model)
+        self.method, self.accountant, fraction, note = parts.run_method(self.config, self.plan.method)
+        #: the clients' data and where it lives (:class:`~fedpartial._src.experiment.client_data.ClientData`)
+        self.data = ClientData(self.config, dataset, self.method, fraction, note, data_placement)
+        self.model, plain_model, conv_choice = parts.checked_model(self.config, dataset, self.method, model)
+        #: how the round runs (:class:`~fedpartial._src.experiment.layout.RoundLayout`), decided before it was built
+        self.layout, self.round, counted = layout.build_round(
+            self.config, self.method, self.model, plain_model, conv_choice=conv_choice, mesh=self._client_mesh(),
+            client_optimizer=client_optimizer or parts.make_client_optimizer(self.config),
+            server_optimizer=server_optimizer or parts.make_server_optimizer(self.config),
+            server_data=self.data.server_data, label_counts=self.data.label_counts,
+            data_placement=self.data.placement, data_bytes=self.data.data_bytes, num_steps=self.data.num_steps,
+            x_dtype=dataset.x_train.dtype, check_memory=check_memory)
+        if self.layout.data_placement == "host":
+            self.data.keep_on_host()
+        else:
+            self.data.place_on_device()
+        #: who is available and who reports in time, with the simulated devices and the FLOPs of their local work
+        #: (counted on the plain model) (:mod:`fedpartial._src.experiment.timing`)
+        self.clock = timing.RoundClock(self.config, self.round, devices.CostModel(counted),
+                                       plan_lib.device_model(self.config))
         self._init_method_state()
         #: the last round's plan and selection (client ids and structured masks) when the run records decisions,
         #: else None
@@ -119,6 +147,12 @@ class Simulation:
         #: clock availability reads); with ``state`` everything a checkpoint restores (:mod:`.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
                          "cumulative_simulated_time_s": 0.0, "simulated_clock_s": 0.0}
+        self._said_trained_nothing = False  # the warning that a round trained nothing, said once a run
+
+    @property
+    def compile_cache_dir(self) -> str | None:
+        """The persistent compilation cache's folder (None: off)."""
+        return jax.config.jax_compilation_cache_dir or None
 
     @staticmethod
     def _checked_config(config: RunConfig, method: Method | None, data_placement: str | None) -> RunConfig:
@@ -133,142 +167,25 @@ class Simulation:
                               f"--data-placement {config.data_placement}).")
         return config
 
-    def _load_dataset(self, dataset: sources.ArrayDataset | None, model: Model | None) -> None:
+    def _load_dataset(self, dataset: sources.ArrayDataset | None, model: Model | None) -> sources.ArrayDataset:
         """The training and test data: the caller's ``dataset``, else the one the config names; in the view the
         run's model (the caller's ``model``, else the config's) reads (a language model: labels per position)."""
         if dataset is None and model is None:
-            self.dataset = population.load_dataset(self.config)
+            dataset = population.load_dataset(self.config)
         else:
             loaded = dataset if dataset is not None else population.load_dataset(self.config, viewed=False)
-            self.dataset = population.for_model(self.config, loaded, model)
-        self.config = population.with_population(self.config, self.dataset)  # leaf, hf: --clients from the files
-        population.check_labels(self.dataset)  # before the partition counts them
+            dataset = population.for_model(self.config, loaded, model)
+        self.config = population.with_population(self.config, dataset)  # leaf, hf: --clients from the files
+        population.check_labels(dataset)  # before the partition counts them
+        return dataset
 
-    def _choose_method(self, method: Method | None) -> None:
-        """The method (the caller's or the config's, early stopping around it) and each client's train fraction."""
-        config = self.config
-        base = method if method is not None else config.build_method()
-        self.train_fraction = config.train_fraction
-        #: why each client holds data out when the run did not say (None: it said, or nothing is held out)
-        self.holdout_note = None
-        if self.train_fraction is None:
-            caps = base.capabilities
-            why = (f"method {base.name} is personalised: each client's own model is evaluated on its held-out data"
-                   if caps.personalised else f"method {base.name} reads held-out data" if caps.needs_holdout
-                   else "early stopping (--es) reads held-out data" if config.early_stopping else None)
-            self.train_fraction = DEFAULT_TRAIN_FRACTION if why else 1.0
-            if why:
-                self.holdout_note = (f"each client trains on {DEFAULT_TRAIN_FRACTION:.0%} of its data and holds the "
-                                     f"rest out, because {why} (--train-fraction changes it)")
-        inner = early_stopping(base, lam=self.train_fraction) if config.early_stopping else base
-        inner = with_rank_tiers(config, inner)  # --lora-ranks: each client's rank components, as masks
-        inner = upload_codec(inner, config.upload_codec) if config.upload_codec else inner
-        # with --dp-clip the method is wrapped in DP-FedAvg (around the codec: it clips what the server receives)
-        # and ``accountant`` gives ε each round (else None)
-        self.method, self.accountant = privacy.private(config, inner)
-
-    def _split_population(self) -> None:
-        """The server's set, every client's training and held-out examples, its label counts and local steps."""
-        config, dataset = self.config, self.dataset
-        self.server_data, pool = None, None
-        if self.method.capabilities.server_examples_per_class:
-            if dataset.natural_partition is not None:
-                raise ConfigError(f"method {self.method.name} needs a server set, which a naturally "
-                                  f"partitioned dataset ({dataset.name}) cannot spare.")
-            server = population.server_examples(dataset.groups, self.method.capabilities.server_examples_per_class,
-                                                config.seed)
-            self.server_data = ServerData(dataset.x_train[server], dataset.y_train[server])
-            pool = np.setdiff1d(np.arange(len(dataset.y_train)), server)
-        self.clients = population.partition_clients(config, dataset, self.train_fraction, pool)
-        self.holdout = None
-        if self.train_fraction < 1:
-            self.clients, held = train_holdout_split(self.clients, self.train_fraction, seed=config.seed)
-            self.holdout = pad_holdouts([(dataset.x_train[h], dataset.y_train[h]) for h in held])
-        self.sizes = np.array([len(c) for c in self.clients])
-        #: [N, C] every client's training examples per class (FedDH's label distributions)
-        self.label_counts = population.label_counts(dataset.y_train, self.clients, dataset.num_classes)
-        self.num_steps = packing.max_steps(np.unique(self.sizes), config.batch_size, local_steps=config.local_steps,
-                                           local_epochs=config.epochs)
-
-    def _build_model(self, model: Model | None) -> None:
-        """The model (the caller's, else the config's adapted by the method), refused if it cannot take the data."""
-        dataset = self.dataset
-        #: the model, and the same model lowered by lax in float32 when the run's is not (the device model counts its
-        #: FLOPs; None: it is), and how its convolutions are lowered
-        model, self.plain_model, self.conv_choice = run_models(self.config, dataset, model, self.method.adapt_model,
-                                                               self.method.capabilities.second_order)
-        self.model = pretrained.initial_model(model, self.config.init_from)  # --init-from: checked against it
-        if self.method.capabilities.neuron_masks and not self.model.structure.sequential:  # from the record
-            raise ConfigError(f"method {self.method.name} drops single neurons, which needs a sequential model (a "
-                              f"chain of layers), but model {self.model.name} is not declared sequential; choose "
-                              "a sequential model or a layer-level method.")
-        if self.model.input_shape != tuple(dataset.x_train.shape[1:]):
-            raise ConfigError(f"model {self.model.name} takes examples of shape {self.model.input_shape}, but "
-                              f"{dataset.name} has {tuple(dataset.x_train.shape[1:])}.")
-        check_outputs_fit_labels(self.model, dataset)
-        outputs = model_outputs(self.model, dataset.x_train.dtype)
-        if outputs != dataset.num_classes:  # fewer would fail later as something else, more would pass silently
-            raise ConfigError(f"model {self.model.name} gives {outputs} outputs per example, but {dataset.name} has "
-                              f"{dataset.num_classes} classes; build the model with num_classes="
-                              f"{dataset.num_classes}.")
-
-    def _split_over_devices(self) -> None:
+    def _client_mesh(self):
         """The mesh the cohort is split over (None on one device); a run over several processes uses them all."""
-        config = self.config
-        if jax.process_count() > 1 and config.devices is not None:
-            raise ConfigError(f"--devices {config.devices} is not used by a run over {jax.process_count()} "
+        if jax.process_count() > 1 and self.config.devices is not None:
+            raise ConfigError(f"--devices {self.config.devices} is not used by a run over {jax.process_count()} "
                               f"processes, which splits the cohort over all their {jax.device_count()} devices; "
                               "leave it out.")
-        self.mesh = layout.client_mesh(config.num_devices)
-
-    def _build_round(self, client_optimizer: ClientOptimizer | optax.GradientTransformation | None,
-                     server_optimizer: optax.GradientTransformation | None, check_memory: bool) -> None:
-        """Decides the round's layout from estimates (:func:`layout.decide`: strategy, where the per-client state
-        and the data live, with ``check_memory`` a refusal of a run that does not fit), then builds the round,
-        once, in that layout."""
-        config = self.config
-        client_optimizer = client_optimizer or make_client_optimizer(config)
-        server_optimizer = server_optimizer or make_server_optimizer(config)
-        num_devices = 1 if self.mesh is None else self.mesh.size
-        # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
-        padded_size = sharding.padded_size(config.sampled_size, num_devices)
-        sizes = {"num_clients": config.num_clients, "cohort_size": padded_size, "padding": padded_size - config.sampled_size,
-                     "bn_policy": config.bn_policy, "rounds": config.rounds}
-        known = {"server_data": self.server_data, "label_counts": self.label_counts}
-        ctx = engine.method_context(self.model, client_optimizer=client_optimizer, **sizes)
-        shapes = jax.eval_shape(lambda key: engine.initial_state(self.method, ctx, server_optimizer, key, **known),
-                                jax.random.key(0))
-        decided = layout.decide(config, self.method, ctx, shapes, client_optimizer,
-                                strategy=config.run_strategy(num_devices, self.model, self.conv_choice.layout),
-                                mesh=self.mesh, data_placement=self.data_placement, data_bytes=self.data_bytes,
-                                num_steps=self.num_steps, x_dtype=self.dataset.x_train.dtype, check_memory=check_memory)
-        #: where the method's per-client state lives: ``device``, ``host`` or ``disk``
-        self.client_state = decided.client_state
-        #: the round's peak-memory estimate (:mod:`fedpartial._src.core.memory`)
-        self.memory = decided.memory
-        #: why the round's layout (strategy, data placement) is not what ``--strategy`` and ``--data-placement``
-        #: resolve to by themselves (None: it is)
-        self.strategy_note = decided.note
-        if decided.data_placement != self.data_placement:
-            self.drop_device_data()
-
-        def build(model: Model) -> engine.FederatedRound:
-            return engine.FederatedRound(
-                model, self.method, client_optimizer=client_optimizer, server_optimizer=server_optimizer,
-                strategy=decided.strategy, record_decisions=config.record_decisions, devices=self.mesh,
-                client_state="device" if decided.client_state == "device" else "host", **sizes, **known)
-
-        self.round = build(self.model)
-        # FLOPs of local work, compiled once per shape; counted on the plain model (a device's simulated time does
-        # not depend on how the simulator lowers or rounds its arithmetic): a second round, for counting only
-        self._counted = self.round if self.plain_model is None else build(self.plain_model)
-
-    def _model_devices(self) -> None:
-        """The simulated devices (compute speeds and bandwidths), the FLOPs of their local work, and the clock that
-        decides who is available and who reports in time (:mod:`fedpartial._src.experiment.timing`)."""
-        self.devices = self.config.device_model()  # [N] compute speeds and bandwidths (simulated time)
-        self.costs = devices.CostModel(self._counted)
-        self.clock = timing.RoundClock(self.config, self.round, self.costs, self.devices)
+        return layout.client_mesh(self.plan.num_devices)
 
     def _init_method_state(self) -> None:
         """The run's keys and the method's initial state; per-client rows off the device are filled in chunks."""
@@ -325,65 +242,21 @@ class Simulation:
         self.state = state
         return metrics
 
-    def _estimate(self) -> memory.MemoryEstimate:
-        """The current round's peak-memory estimate (:func:`layout.estimate`)."""
-        return layout.estimate(self.round, self.client_state, num_steps=self.num_steps,
-                               batch_size=self.config.batch_size, example_shape=self.model.input_shape,
-                               x_dtype=self.dataset.x_train.dtype)
-
     def streamed_option(self, clients_that_fit: int) -> engine_strategy.Strategy:
         """The streamed strategy for this platform and model with at most ``clients_that_fit`` in flight."""
         return layout.streamed_strategy(clients_that_fit, self.model)
 
-    def drop_device_data(self) -> None:
-        """Training data on the host from now on: the device's copy (if any) is let go."""
-        self.data_placement = "host"
-        self._population = self._device_holdout = self._gather_spec = None
-
-    def _place_data(self, decided: str | None = None) -> None:
-        """Resolves ``config.data_placement`` (or takes the caller's ``decided`` placement) into
-        :attr:`data_placement` (:func:`layout.data_placement`); for ``device`` :meth:`place_data_on_device`
-        copies the data once the memory checks have passed (they count it as already there), so that data
-        which gives way is never copied."""
-        #: bytes the data takes on the device (:func:`ondevice.population_bytes` plus the holdout)
-        self.data_bytes = layout.data_bytes(self.dataset.x_train, self.clients, self.holdout)
-        #: ``host`` or ``device``: where this run's training data lives (``config.data_placement`` resolved)
-        self.data_placement = layout.data_placement(self.config, self.data_bytes, decided)
-        # (copied by __init__ once the round is known to fit beside it: :func:`layout.decide`)
-        self._population = self._device_holdout = self._gather_spec = None
-
     def place_data_on_device(self) -> None:
-        """Copies the clients' training data (and the padded holdout) to the device, once; later cohorts are
-        gathered there (:mod:`fedpartial._src.data.ondevice`)."""
-        cfg = self.config
-        self.data_placement = "device"
-        self._gather_spec = ondevice.gather_spec(batch_size=cfg.batch_size, num_steps=self.num_steps,
-                                                 local_steps=cfg.local_steps, local_epochs=cfg.epochs)
-        self._population = ondevice.place(self.dataset.x_train, self.dataset.y_train, self.clients,
-                                          self._gather_spec)
-        if self.holdout is not None:
-            self._device_holdout = jax.device_put(Holdout(*self.holdout))
+        """Copies the clients' training data to the device, once (:meth:`ClientData.place_on_device`)."""
+        self.data.place_on_device()
 
     def pad_shapes(self, num_steps: int, holdout_length: int | None = None) -> None:
         """Pads every later cohort to ``num_steps`` local steps and the holdout to ``holdout_length`` examples
-        per client (:mod:`fedpartial._src.experiment.replicas` gives its seeds one shape).  Padded steps and
-        examples are masked no-ops, so training and evaluation are unchanged; on the device the gather's bounds
-        follow (its stream length depends on the population only, so the batches drawn stay the same)."""
-        if num_steps < self.num_steps:
-            raise ValueError(f"num_steps {num_steps} is below this run's {self.num_steps}; padding only grows it.")
-        self.num_steps = num_steps
-        if self._gather_spec is not None:
-            self._gather_spec = self._gather_spec._replace(num_steps=num_steps)
-        if self.holdout is not None and holdout_length is not None and holdout_length != self.holdout[0].shape[1]:
-            extra = holdout_length - self.holdout[0].shape[1]
-            if extra < 0:
-                raise ValueError(f"holdout_length {holdout_length} is below this run's {self.holdout[0].shape[1]}.")
-            before = sum(int(a.nbytes) for a in self.holdout)
-            self.holdout = tuple(np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2)) for a in self.holdout)
-            self.data_bytes += sum(int(a.nbytes) for a in self.holdout) - before
-            if self._device_holdout is not None:
-                self._device_holdout = jax.device_put(Holdout(*self.holdout))
-        self.memory = self._estimate()  # the padded steps are packed too
+        per client (:mod:`fedpartial._src.experiment.replicas` gives its seeds one shape; :meth:`ClientData.pad`)."""
+        self.data.pad(num_steps, holdout_length)
+        self.memory = layout.estimate(self.round, self.client_state, num_steps=num_steps,  # padded steps are packed
+                                      batch_size=self.config.batch_size, example_shape=self.model.input_shape,
+                                      x_dtype=self.dataset.x_train.dtype)
 
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its own data
@@ -425,21 +298,8 @@ class Simulation:
     def cohort(self, ids: np.ndarray, pack_seed: int, valid: np.ndarray | None = None) -> engine_types.Cohort:
         """The clients ``ids``' local data for one round, shuffled with ``pack_seed``: packed on the host, or
         gathered on the device (:attr:`data_placement`; the two draw different, equally valid orders)."""
-        cfg = self.config
         valid = np.ones(len(ids), bool) if valid is None else np.asarray(valid, bool)
-        packing_settings = {"batch_size": cfg.batch_size, "num_steps": self.num_steps,
-                            "local_steps": cfg.local_steps, "local_epochs": cfg.epochs}
-        if self.round.strategy.kind == "stream":
-            return population.streamed_cohort(self.dataset, self.clients, self.sizes, self.holdout, ids, valid,
-                                              pack_seed, **packing_settings)
-        if self.data_placement == "device":
-            ids = np.asarray(ids, np.int32)
-            batch, num_samples, holdout = ondevice.gather_round(
-                self._population, self._device_holdout, ids, valid, np.uint32(pack_seed), spec=self._gather_spec)
-            return engine_types.Cohort(data=batch, info=CohortInfo(client_ids=ids, num_samples=num_samples, valid=valid),
-                                 holdout=holdout)
-        return population.packed_cohort(self.dataset, self.clients, self.holdout, ids, valid, pack_seed,
-                                        **packing_settings)
+        return self.data.cohort(ids, pack_seed, valid, streamed=self.round.strategy.kind == "stream")
 
     def evaluate_personal(self) -> dict:
         """Every client's own model (fine-tuned first where the method asks: :mod:`.finetune`) on its held-out
@@ -512,7 +372,7 @@ class Simulation:
 
         metrics = round_record.checked(metrics, diverged)
         trained_nothing = bool(metrics.get("trained_nothing", False))
-        if trained_nothing and not getattr(self, "_said_trained_nothing", False):  # once a run
+        if trained_nothing and not self._said_trained_nothing:  # once a run
             self._said_trained_nothing = warn_nothing_trained(t + 1)
         finished = time.perf_counter()
         train_time = finished - prepared.start if round_time is None else round_time
