@@ -387,6 +387,46 @@ def peers(results) -> list[str]:
     return lines
 
 
+def peers_summary(results) -> list[str]:
+    """The README's sentence on Flower + PyTorch: the speed-up ranges per model family, where fedpartial loses, and
+    how ``auto`` compares with the best configuration and the plain loop, from the committed peers file."""
+    lines = []
+    for name, d in family(results, "peers").items():
+        rows = [r for r in d["rows"] if r.get("summary", {}).get("flower_s")]
+        if not rows:
+            continue
+
+        def span(values: list[float]) -> str:
+            low, high = min(values), max(values)
+            return f"{low:.1f}×" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}×"
+
+        groups = {"an MLP": [r for r in rows if r["row"].startswith("mlp")],
+                  "small CNNs on 28×28": [r for r in rows if r["row"].startswith("cnn")],
+                  "the default digits run": [r for r in rows if r["row"] == "digits"]}
+        parts = [f"{span([r['summary']['best_speedup_vs_flower'] for r in rs])} for {what}"
+                 for what, rs in groups.items() if rs]
+        losses = [f"`{r['row']}` ({r['summary']['best_speedup_vs_flower']:.2f}×)" for r in rows
+                  if r["summary"]["best_speedup_vs_flower"] < 1]
+        split = sum(1 for r in rows if r["summary"]["best"].endswith("@" + str(d["device"].get("cpu_count"))))
+        behind = [r["summary"]["auto_vs_best"] for r in rows if r["summary"]["auto_vs_best"] > 1.05]
+        lost_to_plain = sum(1 for r in rows if r["summary"]["auto_speedup_vs_plain"] < 0.95)
+        load = d.get("loadavg_at_start") or [0.0]
+        text = (f"Against Flower + PyTorch on a {d['device'].get('cpu_count')}-core CPU (FedAvg, N = 100, 10 local SGD "
+                f"steps of 32 on 28×28×1 inputs, the same layers on both sides; `pip install -e \".[peers]\"`, then "
+                f"`python -m benchmarks.peers`; {date_of(name, d)}, load average {load[0]:.1f} at the start), "
+                f"fedpartial's best configuration ran rounds {', '.join(parts)}")
+        text += f" faster; it lost to Flower in {', '.join(losses)}" if losses else " faster"
+        text += (f". The best was the cohort split over the cores in {split} of {len(rows)} rows, which `auto` does "
+                 "not choose on a CPU" if split else "")
+        text += (f"; `auto` was within 5% of the best in {len(rows) - len(behind)} of {len(rows)} rows"
+                 + (f" ({min(behind):.2f}–{max(behind):.2f}× the best's time in the others)" if behind else "")
+                 + (f" and slower than the plain loop in {lost_to_plain}" if lost_to_plain else
+                    " and never more than 5% slower than the plain loop")
+                 + " ([the table](docs/benchmarks.md#against-flower-pytorch)).")
+        lines.append(text)
+    return lines
+
+
 def seeds(results) -> list[str]:
     lines = []
     for name, d in family(results, "seeds").items():
@@ -881,6 +921,8 @@ def blocks(results: dict[str, dict]) -> dict[str, str]:
     headline = strategies(gpu) if gpu else ["No GPU measurement of the strategies yet."]
     speed = "\n".join(speed_cpu(results) + [""] + speed_gpu(results)).rstrip()
     return {"readme-headline": "\n".join(headline).rstrip(), "speed": speed,
+            "readme-peers-summary": "\n".join(peers_summary(results)) or "No peer measurement yet: run "
+                                    "`python -m benchmarks.peers`.",
             "readme-peers": "\n".join(peers(results)).rstrip() or "No peer measurement yet: run "
                             "`python -m benchmarks.peers`.",
             "readme-gpu-scale": "\n".join(gpu_scale(results)).rstrip() or "No GPU measurement of large cohorts yet.",

@@ -26,10 +26,10 @@ the host path.  Each ``π_p`` is a keyed bijection of ``0 … n-1`` computed pos
 by position (:func:`_permute`: a 6-round Feistel network on the smallest ``4^h ≥ n``
 values, cycle-walked back into ``0 … n-1``), so a round costs O(S x B) per client,
 the positions it reads: no client's stream is materialised or sorted, and one very
-large client costs its cohort nothing.  (An earlier version sorted a random key per
-stream position, up to the population's largest ``permutations x n_k``: measured
-4.7 s a round on CPU for K = 1,000 with one 20,000-example client, against 0.15 s
-without it; now 1.01× the same cohort without it, ``python -m benchmarks.gather``.)  A Feistel permutation is pseudo-random, not drawn uniformly from all
+large client costs its cohort nothing.  (Sorting a random key per stream
+position instead would cost up to the population's largest ``permutations x n_k``: 4.7 s a round on CPU for
+K = 1,000 with one 20,000-example client, against 0.15 s without that client; the Feistel network costs
+1.01x the same cohort without it, ``python -m benchmarks.gather``.)  A Feistel permutation is pseudo-random, not drawn uniformly from all
 ``n!`` orders; what SGD needs — every example once per epoch, in an order that
 changes with the key, the permutation and the client — it gives.
 

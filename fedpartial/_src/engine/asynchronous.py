@@ -230,7 +230,7 @@ class _Undonated(Fused):
 
     def __init__(self, program):
         Runner.__init__(self, program)
-        self.round = jax.jit(lambda s, c, k: program.pure_round(s, c, self._wrap(k)))
+        self.round = jax.jit(lambda s, c, k: program.pure_round(s, c, self.wrap_key(k)))
 
 
 def _put_rows(pool: Any, rows: Any, slots: jax.Array) -> Any:

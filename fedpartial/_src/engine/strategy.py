@@ -151,7 +151,7 @@ def default_strategy(platform: str | None = None, model: Model | None = None, la
       0.98x for the CNN at K = 20, where ``fused:20`` measured 0.74-0.95x (MLP) and ``stepwise:20``
       0.22-1.04x; vmapped conv steps run 10-20x slower than a loop of jitted steps, and for dense-only
       models no vmapped or chunked variant beat ``stepwise(1)`` either, so the model does not change
-      the choice on CPU today.  The exception is a LoRA model (:func:`~fedpartial.models.lora`): the frozen
+      the choice on CPU.  The exception is a LoRA model (:func:`~fedpartial.models.lora`): the frozen
       base is the same for every client, so vmapped over the cohort each of its products is one matrix product
       over every client's tokens; ``python -m benchmarks.lora_speed`` (FedIT, 5 steps of 16 sequences of 32
       tokens, rank 8): ``fused`` took 0.907 s a round against 0.949 s for ``stepwise:1`` with the tiny

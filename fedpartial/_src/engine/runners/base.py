@@ -67,7 +67,8 @@ class Runner:
             return cohort._replace(data=cohort.data.take(np.arange(self.program.ctx.cohort_size)))
         return cohort
 
-    def _wrap(self, key_data: jax.Array) -> jax.Array:
+    def wrap_key(self, key_data: jax.Array) -> jax.Array:
+        """The round key from its raw data (jitted pieces take key data: a key's type is not an array type)."""
         return jax.random.wrap_key_data(key_data, impl=self._key_impl)
 
     def _key_data(self, key: jax.Array) -> jax.Array:

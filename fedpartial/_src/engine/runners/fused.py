@@ -19,11 +19,11 @@ class Fused(Runner):
     def __init__(self, program):
         super().__init__(program)
         if program.mesh is None:
-            self.round = jit(lambda s, c, k: program.pure_round(s, c, self._wrap(k)), donate_argnums=(0,))
+            self.round = jit(lambda s, c, k: program.pure_round(s, c, self.wrap_key(k)), donate_argnums=(0,))
         else:  # the outputs replicated too: every process can read the metrics and feed the state back
             everywhere = sharding_lib.replicated(program.mesh)
             self.round = jit(
-                lambda s, c, k: jax.lax.with_sharding_constraint(program.pure_round(s, c, self._wrap(k)), everywhere),
+                lambda s, c, k: jax.lax.with_sharding_constraint(program.pure_round(s, c, self.wrap_key(k)), everywhere),
                 in_shardings=(everywhere, sharding_lib.cohort_sharding(program.mesh), everywhere), donate_argnums=(0,))
 
     def __call__(self, state, cohort, key):

@@ -41,7 +41,7 @@ class Steps:
         """
         if (group, chunk, full) not in self.fns:
             step = self.runner.program.clients[group].step
-            wrap = self.runner._wrap
+            wrap = self.runner.wrap_key
 
             def one_step(local, data, s, plan, global_vars, cstate, ckey_data, server_state):
                 batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, s, axis=0, keepdims=False), data)
@@ -72,8 +72,8 @@ class Stepwise(Runner):
 
     def __init__(self, program):
         super().__init__(program)
-        self._begin = jit(lambda s, c, k: self._begin_round(s, c, self._wrap(k)))
-        self._finish = jit(lambda s, c, k, p, locals_: program.finish(s, c, self._wrap(k), p, locals_))
+        self._begin = jit(lambda s, c, k: self._begin_round(s, c, self.wrap_key(k)))
+        self._finish = jit(lambda s, c, k, p, locals_: program.finish(s, c, self.wrap_key(k), p, locals_))
         self.steps = Steps(self)
 
     def __call__(self, state, cohort, key):

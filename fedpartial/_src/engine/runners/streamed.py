@@ -50,7 +50,7 @@ class Streamed(Runner):
     def _stream_begin(self, state: ServerState, info: CohortInfo, key):
         """The whole cohort's plan ``[K]`` and client keys (raw ``[K, ...]``); no data is read."""
         prog = self.program
-        keys = hook_keys(self._wrap(key))
+        keys = hook_keys(self.wrap_key(key))
         cohort = Cohort(data=None, info=info)
         plan = prog.plan(prog.view(state, cohort, keys.plan), keys)
         return plan, jax.random.key_data(prog.client_keys(keys, cohort))
@@ -58,7 +58,7 @@ class Streamed(Runner):
     def _stream_starts(self, state: ServerState, plan, rows, info: CohortInfo, key):
         """One chunk's (cohort positions ``rows`` ``[C]``) view, plan rows and start models."""
         prog = self.program
-        view = prog.view(state, Cohort(data=None, info=info), hook_keys(self._wrap(key)).plan)
+        view = prog.view(state, Cohort(data=None, info=info), hook_keys(self.wrap_key(key)).plan)
         plan = jax.tree.map(lambda a: a[rows], plan)
         start = lambda cstate, plan_k: prog.client_start(state.variables, cstate, plan_k)  # noqa: E731
         return view, plan, jax.vmap(start, axis_size=rows.shape[0])(view.client_state, plan)
@@ -88,7 +88,7 @@ class Streamed(Runner):
         else:
             train_one = functools.partial(prog.train_one, (state.variables, state.method_state.server),
                                           prog.clients[0])
-            trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self._wrap(ckeys[rows])))
+            trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self.wrap_key(ckeys[rows])))
         finite, trained, clean = clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
                              client_loss=clean, start_vars=starts, client_steps=steps, client_lr=prog.client_lr(plan))
@@ -98,7 +98,7 @@ class Streamed(Runner):
         """One pass of a "per_client" method: train a chunk, select its rows, add them to ``sums``."""
         prog = self.program
         view, raw = self._stream_train(state, plan, ckeys, rows, info, data, key)
-        selection = self._select(view, hook_keys(self._wrap(key)))
+        selection = self._select(view, hook_keys(self.wrap_key(key)))
         sums = aggregation.add_sums(prog.ctx.structure, sums, state.variables, view.trained_vars, selection.upload,
                                     selection.weights)
         return sums, (raw, view.client_steps, view.cohort.valid, view.summary, selection)
@@ -120,7 +120,7 @@ class Streamed(Runner):
     def _stream_selection(self, state, info, plan, key, valid, losses, steps, summary):
         """The whole cohort's selection from the summaries; ``[K]`` True for clients that upload anything."""
         prog = self.program
-        keys = hook_keys(self._wrap(key))
+        keys = hook_keys(self.wrap_key(key))
         view = prog.view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         view = view._replace(plan=plan, client_loss=jnp.where(valid, losses, 0.0), client_steps=steps,
                              summary=summary, client_lr=prog.client_lr(plan))
@@ -139,7 +139,7 @@ class Streamed(Runner):
 
     def _stream_finish(self, state, info, plan, key, sums, selection, raw, steps, valid, summary):
         prog = self.program
-        keys = hook_keys(self._wrap(key))
+        keys = hook_keys(self.wrap_key(key))
         view = prog.view(state, Cohort(data=None, info=info._replace(valid=valid)), keys.plan)
         losses = jnp.where(valid, raw, 0.0)  # a failed client's loss is NaN; 0 for the metrics, as fused
         view = view._replace(plan=plan, client_loss=losses, client_steps=steps, summary=summary,
