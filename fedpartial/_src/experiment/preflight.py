@@ -52,7 +52,7 @@ def check_pool_fits(config: RunConfig) -> None:
     fixed shape is left to the full estimate, which :class:`~fedpartial.AsyncSimulation` checks with the round
     beside the pool once the data is loaded)."""
     from fedpartial._src.engine.asynchronous import pool_bytes
-    from fedpartial._src.experiment.config_checks import DATASET_SHAPES, model_name
+    from fedpartial._src.experiment.setting_checks import DATASET_SHAPES, model_name
     from fedpartial._src.models import registry
     from fedpartial._src.models.adapter import from_linen
 
