@@ -20,11 +20,9 @@ from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment.config_checks import validate_once
-from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.setting_checks import build_method
-from fedpartial._src.experiment.settings import ConfigError
 
-__all__ = ["RunPlan", "build_method", "device_model", "for_simulation", "num_devices", "resolve", "run_strategy"]
+__all__ = ["RunPlan", "build_method", "device_model", "num_devices", "resolve", "run_strategy"]
 
 
 def num_devices(config) -> int:
@@ -90,17 +88,3 @@ def resolve(config, method: Method | None = None) -> RunPlan:
     return RunPlan(num_devices=num_devices(config), method=method if method is not None else build_method(config),
                    strategy_setting=config.strategy)
 
-
-def for_simulation(config, method: Method | None = None, data_placement: str | None = None):
-    """What a :class:`~fedpartial._src.experiment.simulation.Simulation` starts from, before any data is loaded:
-    ``config`` (named after the caller's own ``method``, with no options), validated once and judged against this
-    machine (:func:`~fedpartial._src.experiment.preflight.preflight`), its :class:`RunPlan`, and the caller's
-    ``data_placement`` checked.  Returns ``(config, plan)``."""
-    if method is not None and (config.method, config.options) != (method.name, {}):
-        config = dataclasses.replace(config, method=method.name, options={})
-    plan = resolve(config, method)
-    preflight(config)  # then whether this machine can hold it
-    if data_placement not in (None, "host", "device"):
-        raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
-                          f"--data-placement {config.data_placement}).")
-    return config, plan

@@ -31,6 +31,7 @@ from fedpartial._src.experiment import (
     layout,
     parts,
     population,
+    preflight,
     privacy,
     round_record,
     signals,
@@ -109,7 +110,7 @@ class Simulation:
                  data_placement: str | None = None):
         # Cheap checks first: a bad setting is refused before data is loaded or anything is built.  ``plan``: what
         # the settings resolve to on this machine, its devices and the method (:func:`.plan.resolve`)
-        self.config, self.plan = plan_lib.for_simulation(config, method, data_placement)
+        self.config, self.plan = preflight.for_simulation(config, method, data_placement)
         compile_cache.enable(self.config.compile_cache)
         self.config, dataset = population.run_dataset(self.config, dataset, model)
         self.method, self.accountant, fraction, note = parts.run_method(self.config, self.plan.method)
