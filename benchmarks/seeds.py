@@ -43,7 +43,7 @@ import time
 from benchmarks.strategies import device_info, log
 from fedpartial._src.experiment import replicas
 from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.config_checks import SERVER_OPTIMIZERS
+from fedpartial._src.experiment.setting_checks import SERVER_OPTIMIZERS
 from fedpartial._src.experiment.simulation import run
 from fedpartial._src.bench.provenance import stamp
 

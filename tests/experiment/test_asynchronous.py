@@ -15,7 +15,7 @@ from fedpartial._src.analysis.plots import plot_runs
 from fedpartial._src.cli.main import main
 from fedpartial._src.core import memory
 from fedpartial._src.costs import devices
-from fedpartial._src.experiment import asynchronous, checkpoint, signals
+from fedpartial._src.experiment import asynchronous, checkpoint, population, signals
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
 from fedpartial._src.experiment.availability import Availability
 from fedpartial._src.experiment.config import ConfigError, RunConfig
@@ -212,7 +212,7 @@ def test_a_pool_that_cannot_fit_is_refused_from_the_config_before_the_data_is_lo
                           "num_clients": 1000})
     pool = 1000 * 2 * 4 * 52_610  # float32 cnn2c1f on 8x8 with two classes: a lower bound of the pool
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: (pool, "test memory"))
-    monkeypatch.setattr(Simulation, "_load_dataset", lambda *a: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(population, "run_dataset", lambda *a: pytest.fail("the data was loaded"))
     with pytest.raises(ConfigError, match=r"^--concurrency 1000 keeps at least 401 MiB of in-flight updates .*"
                                           r"more than the 401 MiB available \(test memory\); lower --concurrency\.$"):
         AsyncSimulation(config)

@@ -12,7 +12,7 @@ import pytest
 import fedpartial as fp
 from fedpartial._src.analysis import compare
 from fedpartial._src.cli.main import main
-from fedpartial._src.experiment import config_checks, plan, population, replicas
+from fedpartial._src.experiment import config_checks, plan, population, replicas, setting_checks
 from fedpartial._src.experiment.asynchronous import AsyncSimulation
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.config_checks import validate_once, validated, with_validation
@@ -72,7 +72,7 @@ def test_the_command_line_validates_an_asynchronous_run_once(validations, tmp_pa
 
 def test_the_command_line_validates_replicas_once(validations, tmp_path, monkeypatch):
     replica_checks = []
-    monkeypatch.setattr(config_checks, "check_replica", lambda c, f=config_checks.check_replica: (
+    monkeypatch.setattr(setting_checks, "check_replica", lambda c, f=setting_checks.check_replica: (
         replica_checks.append(c.seed), f(c)))
     assert main(["run", *FLAGS, "--seeds", "0,1", "--out", str(tmp_path)]) == 0
     assert len(validations) == 1

@@ -35,7 +35,7 @@ from fedpartial._src.core.errors import UserError
 from fedpartial._src.experiment import jobs, run_files
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.config_checks import MAX_SEED
+from fedpartial._src.experiment.setting_checks import MAX_SEED
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.summaries import load_run, method_curves, parse_distinct, table, write_table
 

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from fedpartial._src.cli.flags import Formatter
 from fedpartial._src.data.sources import DATASETS
-from fedpartial._src.experiment.config_checks import DATASET_SHAPES, DEFAULT_MODELS
+from fedpartial._src.experiment.setting_checks import DATASET_SHAPES, DEFAULT_MODELS
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.catalog import all_methods, find_method
 from fedpartial._src.models.registry import MODELS

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from fedpartial._src.engine import types as engine_types
+
 #: where a run keeps its per-client state (``--client-state``)
 PLACES = ("auto", "device", "host", "disk")
 #: the places off the device: only the cohort's rows travel to it each round
@@ -124,3 +126,44 @@ class HostClientState:
         if self.directory is not None:
             self.leaves = []
             self._cleanup()
+
+
+def initial_state(round, key: jax.Array, place: str, num_clients: int, *, execution_times=None,
+                  chunk_bytes: int) -> tuple[Any, HostClientState | None]:
+    """``round``'s initial server state from ``key`` and, with the per-client state kept off the device (``place``
+    host or disk), the store of its ``[N]`` rows, filled in chunks of about ``chunk_bytes`` (else None)."""
+    state = round.init(key, execution_times=execution_times)
+    if place == "device":
+        return state, None
+    shapes = round.client_state_shapes()
+    store = HostClientState(shapes, disk=place == "disk")
+    per_client = max(1, tree_bytes(shapes) // num_clients)
+    store.fill(lambda start, size: round.init_client_rows(key, start, size, state.variables,
+                                                          execution_times=execution_times),
+               chunk=max(1, chunk_bytes // per_client))
+    return state, store
+
+
+def with_rows(state, store: HostClientState | None, ids: np.ndarray):
+    """The server state ``state`` the round takes for the cohort ``ids``: with their per-client rows from ``store``
+    brought to the device (unchanged when the rows live on the device: ``store`` None)."""
+    if store is None:
+        return state
+    # one copy to the device: the stepwise strategy hands the state to several jitted pieces
+    return engine_types.with_clients(state, jax.device_put(store.rows(ids)))
+
+
+def rows_written(state, store: HostClientState | None, ids: np.ndarray, valid: np.ndarray):
+    """The state a round gave back, its cohort's per-client rows written into ``store`` (the real clients' only)
+    and taken out of it; unchanged when ``store`` is None."""
+    if store is None:
+        return state
+    store.write(ids, valid, state.method_state.clients)
+    return engine_types.without_clients(state)
+
+
+def whole(state, store: HostClientState | None):
+    """The server state with every client's rows (numpy arrays from ``store`` when they live off the device)."""
+    if store is None:
+        return state
+    return engine_types.with_clients(state, store.tree())

@@ -275,7 +275,7 @@ class RunConfig:
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
         run cannot use — a neuron-level method (``Capabilities.neuron_masks``) on a residual model, or a model
-        that cannot take the dataset's known example shape (:data:`~fedpartial._src.experiment.config_checks.DATASET_SHAPES`).  Leave it off when
+        that cannot take the dataset's known example shape (:data:`~fedpartial._src.experiment.setting_checks.DATASET_SHAPES`).  Leave it off when
         the caller brings its own dataset or model, whose shape the names do not tell.
         """
         # the checks read the method and model registries and the engine's names: loaded when a run is checked

@@ -22,11 +22,15 @@ import numpy as np
 
 from fedpartial._src.core.losses import count_labels, model_loss
 from fedpartial._src.core.population import broadcast_clients
-from fedpartial._src.core.types import Batch, ClientOptimizer, MethodContext
+from fedpartial._src.core.types import Batch, ClientOptimizer, MethodContext, PersonalModels
 from fedpartial._src.data import packing
 from fedpartial._src.engine import local_training
-from fedpartial._src.experiment.evaluation import (CHUNK_BYTES_CPU, evaluate_clients, labels_per_client,
-                                                   summarize_clients)
+from fedpartial._src.experiment.evaluation import (
+    CHUNK_BYTES_CPU,
+    evaluate_clients,
+    labels_per_client,
+    summarize_clients,
+)
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.models.adapter import Model
 
@@ -102,3 +106,17 @@ def evaluate_own_models(sim, batch_statistics: bool) -> dict:
     return evaluate_finetuned(sim.model, sim.state.variables, optimizer, sim.dataset.x_train,
                               sim.dataset.y_train, sim.clients, sim.holdout, epochs=epochs,
                               batch_size=sim.config.batch_size, seed=seed, batch_statistics=batch_statistics)
+
+
+def evaluate_personal(sim) -> dict:
+    """A simulation's clients' own models (fine-tuned first where the method asks: :func:`evaluate_own_models`) on
+    their held-out splits, and the global model on the same splits: the ``personal_accuracy*`` and
+    ``global_client_accuracy`` fields of a record."""
+    x, y, mask = sim.holdout
+    static = sim.config.bn_policy == "static"
+    own = evaluate_own_models(sim, static)
+    shared = evaluate_clients(sim.model, PersonalModels(variables=sim.state.variables, stacked=False),
+                              x, y, mask, batch_statistics=static)
+    return {"personal_accuracy": own["mean"], "personal_accuracy_std": own["std"],
+            "personal_accuracy_min": own["min"], "personal_accuracy_max": own["max"],
+            "global_client_accuracy": shared["mean"]}

@@ -40,6 +40,15 @@ def client_mesh(num_devices: int):
     return sharding.client_mesh(num_devices) if num_devices > 1 else None
 
 
+def run_mesh(config: RunConfig, num_devices: int):
+    """:func:`client_mesh` for a run: ``--devices`` is refused in a run over several processes, which splits the
+    cohort over all their devices."""
+    if jax.process_count() > 1 and config.devices is not None:
+        raise ConfigError(f"--devices {config.devices} is not used by a run over {jax.process_count()} processes, "
+                          f"which splits the cohort over all their {jax.device_count()} devices; leave it out.")
+    return client_mesh(num_devices)
+
+
 def placed(cohort: engine_types.Cohort, mesh, padded_size: int) -> engine_types.Cohort:
     """The cohort split over the devices of ``mesh`` (unchanged on one device).  With several processes each
     keeps only its own devices' rows and the global cohort is assembled from them (:func:`sharding.global_cohort`)."""

@@ -19,7 +19,7 @@ from fedpartial._src.data import sources
 from fedpartial._src.engine import conv_choice
 from fedpartial._src.experiment import compile_cache, pretrained, privacy
 from fedpartial._src.experiment.config import DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
-from fedpartial._src.experiment.config_checks import DEFAULT_MODELS
+from fedpartial._src.experiment.setting_checks import DEFAULT_MODELS
 from fedpartial._src.experiment.lora import with_lora, with_rank_tiers
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping

@@ -7,7 +7,7 @@ how many devices there are and of which platform) and the engine (the strategy, 
 distributions).  The configuration's own ``run_strategy``, ``device_model``, ``build_method`` and
 ``num_devices`` are these functions, for callers that hold only a configuration; so this module takes the
 configuration as it comes and does not import its module.  The method a configuration names is built as its
-checks build it (:func:`~fedpartial._src.experiment.config_checks.build_method`).
+checks build it (:func:`~fedpartial._src.experiment.setting_checks.build_method`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import jax
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.engine import strategy as engine_strategy
-from fedpartial._src.experiment.config_checks import build_method, validate_once
+from fedpartial._src.experiment.config_checks import validate_once
+from fedpartial._src.experiment.setting_checks import build_method
 
 __all__ = ["RunPlan", "build_method", "device_model", "num_devices", "resolve", "run_strategy"]
 
@@ -86,3 +87,4 @@ def resolve(config, method: Method | None = None) -> RunPlan:
     validate_once(config, custom_method=method is not None)
     return RunPlan(num_devices=num_devices(config), method=method if method is not None else build_method(config),
                    strategy_setting=config.strategy)
+

@@ -12,14 +12,14 @@ import dataclasses
 import jax
 import numpy as np
 
+from fedpartial._src.core import types as core_types
 from fedpartial._src.core.losses import IGNORED_LABEL
 from fedpartial._src.core.types import CohortInfo, Holdout
 from fedpartial._src.data import language, packing, sources
 from fedpartial._src.data.partition import partition as split_population
-from fedpartial._src.core import types as core_types
-from fedpartial._src.engine import types as engine_types
 from fedpartial._src.engine import sharding
-from fedpartial._src.experiment import config_checks
+from fedpartial._src.engine import types as engine_types
+from fedpartial._src.experiment import config_checks, setting_checks
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.parts import labels_per_example, usual_model
 from fedpartial._src.models import registry
@@ -68,13 +68,28 @@ def for_model(config: RunConfig, dataset: sources.ArrayDataset, model: Model | N
 
 def with_population(config: RunConfig, dataset: sources.ArrayDataset) -> RunConfig:
     """``config`` with ``--clients`` left open (leaf, hf) set to the clients ``dataset`` brings; what depends on
-    the population's size is checked (:func:`~fedpartial._src.experiment.config_checks.check_population`), the
+    the population's size is checked (:func:`~fedpartial._src.experiment.setting_checks.check_population`), the
     rest was when ``config`` was validated."""
     if config.num_clients is not None or dataset.natural_partition is None:
         return config
     populated = dataclasses.replace(config, num_clients=len(dataset.natural_partition))
-    config_checks.check_population(populated)
+    setting_checks.check_population(populated)
     return config_checks.with_validation(populated, config)
+
+
+def run_dataset(config: RunConfig, dataset: sources.ArrayDataset | None = None,
+                model: Model | None = None) -> tuple[RunConfig, sources.ArrayDataset]:
+    """A run's training and test data and its configuration with the population known: the caller's ``dataset``,
+    else the one ``config`` names, in the view the run's model (the caller's ``model``, else the config's) reads
+    (a language model: labels per position); leaf and hf take ``--clients`` from the files.  Labels are checked
+    before the partition counts them."""
+    if dataset is None and model is None:
+        dataset = load_dataset(config)
+    else:
+        dataset = for_model(config, dataset if dataset is not None else load_dataset(config, viewed=False), model)
+    config = with_population(config, dataset)
+    check_labels(dataset)
+    return config, dataset
 
 
 def check_labels(dataset: sources.ArrayDataset) -> None:

@@ -9,12 +9,15 @@ same on another; the preflight's answer depends on where the run starts.  Each r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
 import jax
 
 from fedpartial._src.core import memory
+from fedpartial._src.core.types import Method
+from fedpartial._src.experiment import plan as plan_lib
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 
 #: the least host memory one client of the population takes (its device profile, ids, sample counts, data
@@ -52,7 +55,7 @@ def check_pool_fits(config: RunConfig) -> None:
     fixed shape is left to the full estimate, which :class:`~fedpartial.AsyncSimulation` checks with the round
     beside the pool once the data is loaded)."""
     from fedpartial._src.engine.asynchronous import pool_bytes
-    from fedpartial._src.experiment.config_checks import DATASET_SHAPES, model_name
+    from fedpartial._src.experiment.setting_checks import DATASET_SHAPES, model_name
     from fedpartial._src.models import registry
     from fedpartial._src.models.adapter import from_linen
 
@@ -110,3 +113,18 @@ def check_writable_dir(path: str, flag: str, what: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".fedpartial-probe-", dir=probe))
     except OSError:
         raise ConfigError(f"{flag} {path!r} {where}; choose a directory you may write to.") from None
+
+
+def for_simulation(config: RunConfig, method: Method | None = None, data_placement: str | None = None):
+    """What a :class:`~fedpartial._src.experiment.simulation.Simulation` starts from, before any data is loaded:
+    ``config`` (named after the caller's own ``method``, with no options), validated once and judged against this
+    machine (:func:`preflight`), its :class:`~fedpartial._src.experiment.plan.RunPlan`, and the caller's
+    ``data_placement`` checked.  Returns ``(config, plan)``."""
+    if method is not None and (config.method, config.options) != (method.name, {}):
+        config = dataclasses.replace(config, method=method.name, options={})
+    plan = plan_lib.resolve(config, method)
+    preflight(config)  # then whether this machine can hold it
+    if data_placement not in (None, "host", "device"):
+        raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
+                          f"--data-placement {config.data_placement}).")
+    return config, plan

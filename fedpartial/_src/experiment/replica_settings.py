@@ -10,8 +10,8 @@ from typing import NamedTuple
 import numpy as np
 
 from fedpartial._src.experiment import client_state as client_state_lib
-from fedpartial._src.experiment import config_checks, summaries
 from fedpartial._src.experiment import replica_axis as replica_axis_lib
+from fedpartial._src.experiment import setting_checks, summaries
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.config_checks import validate_once, with_validation
 from fedpartial._src.experiment.preflight import preflight
@@ -99,7 +99,7 @@ def replica_configs(config: RunConfig, seeds: Sequence[int], out_dir: str | None
     # state there is what every valid configuration may run.
     validate_once(config)
     for c in configs:
-        config_checks.check_replica(c)
+        setting_checks.check_replica(c)
     configs = [with_validation(c, config) for c in configs]
     preflight(configs[0])  # the replicas share the population, devices and --out
     return configs

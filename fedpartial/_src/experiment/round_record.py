@@ -8,12 +8,14 @@ decisions of ``--record-decisions``, the privacy budget spent so far and, on eva
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
-from fedpartial._src.core.errors import DivergedError
+from fedpartial._src.core.errors import DivergedError, warn_nothing_trained
 from fedpartial._src.engine import metrics as engine_metrics
-from fedpartial._src.experiment import privacy, simulated_time
+from fedpartial._src.experiment import privacy, simulated_time, timing
 from fedpartial._src.experiment.evaluation import record_fields
 
 
@@ -80,3 +82,41 @@ def evaluate_into(sim, record: dict, t: int, last: bool) -> None:
         record.update(record_fields(sim.evaluate()))
         if sim.holdout is not None:
             record.update(sim.evaluate_personal())
+
+
+def synchronous(sim, prepared, metrics: dict, round_time: float | None = None) -> dict:
+    """A synchronous round's record (:meth:`~fedpartial._src.experiment.simulation.Simulation.finish_round`) from
+    the metrics of its round, ``sim``'s state already updated: divergence check, traffic, simulated time on the
+    clock, running totals, the method's values, the privacy spent and, on evaluation rounds, the accuracies."""
+    t, ids, valid, cohort = prepared.round, prepared.ids, prepared.valid, prepared.cohort
+
+    def diverged(metrics):
+        what = ("every client's update was non-finite (NaN/inf)" if int(metrics["nonfinite_clients"]) ==
+                int(np.sum(valid)) else "the global model became non-finite (NaN/inf)")
+        return f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data"
+
+    metrics = checked(metrics, diverged)
+    trained_nothing = bool(metrics.get("trained_nothing", False))
+    if trained_nothing and not sim.trained_nothing_said:  # once a run
+        sim.trained_nothing_said = warn_nothing_trained(t + 1)
+    finished = time.perf_counter()
+    train_time = finished - prepared.start if round_time is None else round_time
+    flops, simulated = simulated_time.client_work(sim.costs, sim.devices, cohort, ids, valid, metrics,
+                                                  sparse_flops=sim.config.sparse_flops)
+    simulated, clock = sim.clock.finish(prepared.timing or timing.Timing(), sim.progress, valid, simulated)
+    sim.progress["cumulative_simulated_time_s"] += simulated
+    sim.progress["round"] = t + 1
+    out = record(
+        sim, t, metrics, round_time_s=train_time, host_time_s=prepared.host_time, clients=int(valid.sum()),
+        client_flops=np.sum(flops[valid]), simulated_time_s=simulated,
+        inserted={"simulated_time_s": {"cumulative_simulated_time_s": sim.progress["cumulative_simulated_time_s"],
+                                       **clock}})  # clients sampled, finished and dropped, wasted work, the clock
+    method_values(sim, out, metrics, ids)
+    if trained_nothing:
+        out["trained_nothing"] = True
+    if sim.method.active_clients is not None:
+        out["active_clients"] = int(sim.active_clients().sum())
+    privacy_spent(sim, out, prepared.draw)
+    evaluate_into(sim, out, t, t + 1 == sim.config.rounds or out.get("active_clients", 1) == 0)
+    out["wall_time_s"] = train_time + time.perf_counter() - finished
+    return out

@@ -9,7 +9,6 @@ cohorts are :mod:`~fedpartial._src.experiment.population`'s, where things live a
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,8 +16,8 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial._src.core.errors import UserError, warn_nothing_trained
-from fedpartial._src.core.types import ClientOptimizer, Method, PersonalModels
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import ClientOptimizer, Method
 from fedpartial._src.costs import devices
 from fedpartial._src.data import sources
 from fedpartial._src.engine import sharding
@@ -32,6 +31,7 @@ from fedpartial._src.experiment import (
     layout,
     parts,
     population,
+    preflight,
     privacy,
     round_record,
     signals,
@@ -40,10 +40,8 @@ from fedpartial._src.experiment import (
 )
 from fedpartial._src.experiment import plan as plan_lib
 from fedpartial._src.experiment.client_data import ClientData
-from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, ConfigError, RunConfig
-from fedpartial._src.experiment.config_checks import validate_once
-from fedpartial._src.experiment.evaluation import evaluate, evaluate_clients
-from fedpartial._src.experiment.preflight import preflight
+from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, RunConfig
+from fedpartial._src.experiment.evaluation import evaluate
 from fedpartial._src.experiment.run_directory import RunWriter
 from fedpartial._src.experiment.timing import PreparedRound
 from fedpartial._src.models.adapter import Model
@@ -110,19 +108,19 @@ class Simulation:
                  client_optimizer: ClientOptimizer | optax.GradientTransformation | None = None,
                  server_optimizer: optax.GradientTransformation | None = None, check_memory: bool = True,
                  data_placement: str | None = None):
-        # Cheap checks first: a bad setting is refused before data is loaded or anything is built.
-        self.config = self._checked_config(config, method, data_placement)
-        #: what the settings resolve to on this machine: its devices and the method (:func:`.plan.resolve`)
-        self.plan = plan_lib.resolve(self.config, method)
+        # Cheap checks first: a bad setting is refused before data is loaded or anything is built.  ``plan``: what
+        # the settings resolve to on this machine, its devices and the method (:func:`.plan.resolve`)
+        self.config, self.plan = preflight.for_simulation(config, method, data_placement)
         compile_cache.enable(self.config.compile_cache)
-        dataset = self._load_dataset(dataset, model)
+        self.config, dataset = population.run_dataset(self.config, dataset, model)
         self.method, self.accountant, fraction, note = parts.run_method(self.config, self.plan.method)
         #: the clients' data and where it lives (:class:`~fedpartial._src.experiment.client_data.ClientData`)
         self.data = ClientData(self.config, dataset, self.method, fraction, note, data_placement)
         self.model, plain_model, conv_choice = parts.checked_model(self.config, dataset, self.method, model)
         #: how the round runs (:class:`~fedpartial._src.experiment.layout.RoundLayout`), decided before it was built
         self.layout, self.round, counted = layout.build_round(
-            self.config, self.method, self.model, plain_model, conv_choice=conv_choice, mesh=self._client_mesh(),
+            self.config, self.method, self.model, plain_model, conv_choice=conv_choice,
+            mesh=layout.run_mesh(self.config, self.plan.num_devices),
             client_optimizer=client_optimizer or parts.make_client_optimizer(self.config),
             server_optimizer=server_optimizer or parts.make_server_optimizer(self.config),
             server_data=self.data.server_data, label_counts=self.data.label_counts,
@@ -136,7 +134,13 @@ class Simulation:
         #: (counted on the plain model) (:mod:`fedpartial._src.experiment.timing`)
         self.clock = timing.RoundClock(self.config, self.round, devices.CostModel(counted),
                                        plan_lib.device_model(self.config))
-        self._init_method_state()
+        # the run's two keys: the initial state's, and the one every round's draws come from (:attr:`rounds_key`)
+        init_key = jax.random.split(jax.random.key(self.config.seed))[0]
+        times = self.full_model_times() if self.method.capabilities.needs_execution_times else None  # e.g. FedAD's
+        #: the server state, and the per-client state kept off the device (``client_state`` host or disk) or None
+        self.state, self.client_store = client_state_lib.initial_state(
+            self.round, init_key, self.client_state, self.config.num_clients, execution_times=times,
+            chunk_bytes=CLIENT_STATE_CHUNK_BYTES)
         #: the last round's plan and selection (client ids and structured masks) when the run records decisions,
         #: else None
         self.last_decisions = None
@@ -147,72 +151,26 @@ class Simulation:
         #: clock availability reads); with ``state`` everything a checkpoint restores (:mod:`.checkpoint`)
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
                          "cumulative_simulated_time_s": 0.0, "simulated_clock_s": 0.0}
-        self._said_trained_nothing = False  # the warning that a round trained nothing, said once a run
+        #: whether a round of this run trained nothing (its warning is said once a run)
+        self.trained_nothing_said = False
+
+    @property
+    def rounds_key(self) -> jax.Array:
+        """The key every round's draws come from: the second of the run seed's two keys."""
+        return jax.random.split(jax.random.key(self.config.seed))[1]
 
     @property
     def compile_cache_dir(self) -> str | None:
         """The persistent compilation cache's folder (None: off)."""
         return jax.config.jax_compilation_cache_dir or None
 
-    @staticmethod
-    def _checked_config(config: RunConfig, method: Method | None, data_placement: str | None) -> RunConfig:
-        """``config`` validated unless its caller did (named after a custom ``method``), and the caller's
-        ``data_placement`` checked."""
-        if method is not None and (config.method, config.options) != (method.name, {}):
-            config = dataclasses.replace(config, method=method.name, options={})
-        validate_once(config, custom_method=method is not None)
-        preflight(config)  # then whether this machine can hold it
-        if data_placement not in (None, "host", "device"):
-            raise ConfigError(f"data_placement {data_placement!r} is not allowed: choose host or device (or None for "
-                              f"--data-placement {config.data_placement}).")
-        return config
-
-    def _load_dataset(self, dataset: sources.ArrayDataset | None, model: Model | None) -> sources.ArrayDataset:
-        """The training and test data: the caller's ``dataset``, else the one the config names; in the view the
-        run's model (the caller's ``model``, else the config's) reads (a language model: labels per position)."""
-        if dataset is None and model is None:
-            dataset = population.load_dataset(self.config)
-        else:
-            loaded = dataset if dataset is not None else population.load_dataset(self.config, viewed=False)
-            dataset = population.for_model(self.config, loaded, model)
-        self.config = population.with_population(self.config, dataset)  # leaf, hf: --clients from the files
-        population.check_labels(dataset)  # before the partition counts them
-        return dataset
-
-    def _client_mesh(self):
-        """The mesh the cohort is split over (None on one device); a run over several processes uses them all."""
-        if jax.process_count() > 1 and self.config.devices is not None:
-            raise ConfigError(f"--devices {self.config.devices} is not used by a run over {jax.process_count()} "
-                              f"processes, which splits the cohort over all their {jax.device_count()} devices; "
-                              "leave it out.")
-        return layout.client_mesh(self.plan.num_devices)
-
-    def _init_method_state(self) -> None:
-        """The run's keys and the method's initial state; per-client rows off the device are filled in chunks."""
-        init_key, self.rounds_key = jax.random.split(jax.random.key(self.config.seed))
-        # e.g. FedAD's per-device dropout targets, read by init
-        times = self.full_model_times() if self.method.capabilities.needs_execution_times else None
-        self.state = self.round.init(init_key, execution_times=times)
-        #: the per-client state kept off the device (``client_state`` host or disk), else None
-        self.client_store = None
-        if self.client_state != "device":
-            shapes = self.round.client_state_shapes()
-            self.client_store = client_state_lib.HostClientState(shapes, disk=self.client_state == "disk")
-            per_client = max(1, client_state_lib.tree_bytes(shapes) // self.config.num_clients)
-            variables = self.state.variables
-            self.client_store.fill(lambda start, size: self.round.init_client_rows(
-                init_key, start, size, variables, execution_times=times),
-                chunk=max(1, CLIENT_STATE_CHUNK_BYTES // per_client))
-
     def method_state(self):
         """The method's whole state, per-client rows included (numpy arrays when they are kept off the device)."""
-        if self.client_store is None:
-            return self.state.method_state
-        return self.state.method_state._replace(clients=self.client_store.tree())
+        return client_state_lib.whole(self.state, self.client_store).method_state
 
     def checkpoint_state(self) -> engine_types.ServerState:
         """What a checkpoint saves: the server state with every client's rows."""
-        return engine_types.with_clients(self.state, self.method_state().clients)
+        return client_state_lib.whole(self.state, self.client_store)
 
     def load_state(self, state: engine_types.ServerState) -> None:
         """Sets the state from a restored checkpoint (host arrays): per-client rows into their store."""
@@ -223,23 +181,12 @@ class Simulation:
         # arrays must be global: every process restored the same values from its own copy)
         self.state = jax.device_put(state, None if self.mesh is None else sharding.replicated(self.mesh))
 
-    def _with_rows(self, ids: np.ndarray) -> engine_types.ServerState:
-        """The state the round takes for the cohort ``ids`` (per-client rows off the device brought in)."""
-        if self.client_store is None:
-            return self.state
-        # one copy to the device: the stepwise strategy hands the state to several jitted pieces
-        return engine_types.with_clients(self.state, jax.device_put(self.client_store.rows(ids)))
-
     def run_round(self, prepared: PreparedRound):
         """Runs the prepared round on the state (per-client rows off the device travel in and back); returns
         its metrics."""
-        state = self._with_rows(prepared.ids)
-        state, metrics = self.round(state, layout.placed(prepared.cohort, self.mesh, self.round.ctx.cohort_size),
-                                    prepared.key)
-        if self.client_store is not None:
-            self.client_store.write(prepared.ids, prepared.valid, state.method_state.clients)
-            state = engine_types.without_clients(state)
-        self.state = state
+        state, metrics = self.round(client_state_lib.with_rows(self.state, self.client_store, prepared.ids),
+                                    layout.placed(prepared.cohort, self.mesh, self.round.ctx.cohort_size), prepared.key)
+        self.state = client_state_lib.rows_written(state, self.client_store, prepared.ids, prepared.valid)
         return metrics
 
     def streamed_option(self, clients_that_fit: int) -> engine_strategy.Strategy:
@@ -261,13 +208,11 @@ class Simulation:
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its own data
         (:func:`~fedpartial._src.experiment.simulated_time.full_model_times`)."""
-        cfg = self.config
-        k = self.round.ctx.cohort_size
         # same shapes as every round's (ids cycled: a cohort padded for several devices may exceed N)
-        cohort = self.cohort(np.arange(k) % cfg.num_clients, 0)
+        cohort = self.cohort(np.arange(self.round.ctx.cohort_size) % self.config.num_clients, 0)
         return simulated_time.full_model_times(self.round, self.costs, self.devices, cohort, self.sizes,
-                                               batch_size=cfg.batch_size, local_steps=cfg.local_steps,
-                                               local_epochs=cfg.epochs)
+                                               batch_size=self.config.batch_size, local_steps=self.config.local_steps,
+                                               local_epochs=self.config.epochs)
 
     @property
     def num_params(self) -> int:
@@ -302,33 +247,22 @@ class Simulation:
         return self.data.cohort(ids, pack_seed, valid, streamed=self.round.strategy.kind == "stream")
 
     def evaluate_personal(self) -> dict:
-        """Every client's own model (fine-tuned first where the method asks: :mod:`.finetune`) on its held-out
-        split, and the global model on the same splits."""
-        x, y, mask = self.holdout
-        static = self.config.bn_policy == "static"
-        own = finetune.evaluate_own_models(self, static)
-        shared = evaluate_clients(self.model, PersonalModels(variables=self.state.variables, stacked=False),
-                                  x, y, mask, batch_statistics=static)
-        return {"personal_accuracy": own["mean"], "personal_accuracy_std": own["std"],
-                "personal_accuracy_min": own["min"], "personal_accuracy_max": own["max"],
-                "global_client_accuracy": shared["mean"]}
+        """Every client's own model (fine-tuned first where the method asks) on its held-out split, and the global
+        model on the same splits (:func:`~fedpartial._src.experiment.finetune.evaluate_personal`)."""
+        return finetune.evaluate_personal(self)
 
     def evaluate(self) -> dict:
         return evaluate(self.model, self.state.variables, self.dataset.x_test, self.dataset.y_test,
                         batch_statistics=self.config.bn_policy == "static")
 
     def rounds(self) -> Iterator[dict]:
-        """Runs the configured rounds, yielding one metrics record per round.
+        """Runs the configured rounds, yielding one metrics record per round: :meth:`prepare_round` (host), the
+        round itself (:meth:`run_round`), :meth:`finish_round` (host).
 
-        Each record holds ``nonfinite_clients``: real clients whose update was not finite
-        (NaN/inf) and was left out of aggregation.  When every real client of a round
-        failed, or the new global model is not finite, the round raises
-        :class:`fedpartial._src.core.errors.DivergedError` before its record is yielded (the command
-        line exits with status 1; :func:`run` keeps the last good checkpoint and writes
-        nothing of the diverged state).  ``self.state`` is then the diverged round's.
-
-        A round is :meth:`prepare_round` (host), the round itself, :meth:`finish_round` (host);
-        :mod:`fedpartial._src.experiment.replicas` runs the same two host halves around one vmapped round.
+        A round in which every real client's update, or the new global model, is not finite raises
+        :class:`fedpartial._src.core.errors.DivergedError` before its record is yielded (``self.state`` is then
+        the diverged round's; :func:`run` keeps the last good checkpoint); ``nonfinite_clients`` counts the
+        updates left out of aggregation.
         """
         # Running totals live on the instance (``self.progress``) so a checkpoint can restore them.
         for t in range(self.progress["round"], self.config.rounds):
@@ -350,51 +284,20 @@ class Simulation:
         draw = self.accountant and privacy.draw_share(  # (N, K) for DP's accountant: who may be drawn, how many
             may, self.round.groups, self.config.sampled_size, self.round.ctx.cohort_size)
         ids, valid, key, pack_seed = self.sample_cohort(t, may)
-        cohort, timed = self.clock.cut(self._with_rows(ids) if self.clock.on else None,
-                                       self.cohort(ids, pack_seed, valid), key, wait)
+        rows = client_state_lib.with_rows(self.state, self.client_store, ids) if self.clock.on else None
+        cohort, timed = self.clock.cut(rows, self.cohort(ids, pack_seed, valid), key, wait)
         return PreparedRound(t, ids, np.asarray(cohort.info.valid), key, cohort, start, time.perf_counter() - start,
                              draw, timed)
 
     def finish_round(self, prepared: PreparedRound, metrics: dict, round_time: float | None = None) -> dict:
         """Round ``prepared.round``'s record from the metrics of its round (the state already updated):
-        divergence check, traffic, simulated time, running totals and evaluation.
+        divergence check, traffic, simulated time, running totals and evaluation
+        (:func:`~fedpartial._src.experiment.round_record.synchronous`).
 
         ``round_time``: the record's ``round_time_s`` (default: the time since :meth:`prepare_round`
         started, the round's host and device work); its ``wall_time_s`` adds the time taken here.
         """
-        cfg = self.config
-        t, ids, valid, cohort = prepared.round, prepared.ids, prepared.valid, prepared.cohort
-
-        def diverged(metrics):
-            what = ("every client's update was non-finite (NaN/inf)" if int(metrics["nonfinite_clients"]) ==
-                    int(np.sum(valid)) else "the global model became non-finite (NaN/inf)")
-            return f"round {t + 1}: {what} — lower --lr or --server-lr, or check the data"
-
-        metrics = round_record.checked(metrics, diverged)
-        trained_nothing = bool(metrics.get("trained_nothing", False))
-        if trained_nothing and not self._said_trained_nothing:  # once a run
-            self._said_trained_nothing = warn_nothing_trained(t + 1)
-        finished = time.perf_counter()
-        train_time = finished - prepared.start if round_time is None else round_time
-        flops, simulated = simulated_time.client_work(self.costs, self.devices, cohort, ids, valid, metrics,
-                                                      sparse_flops=self.config.sparse_flops)
-        simulated, clock = self.clock.finish(prepared.timing or timing.Timing(), self.progress, valid, simulated)
-        self.progress["cumulative_simulated_time_s"] += simulated
-        self.progress["round"] = t + 1
-        record = round_record.record(
-            self, t, metrics, round_time_s=train_time, host_time_s=prepared.host_time, clients=int(valid.sum()),
-            client_flops=np.sum(flops[valid]), simulated_time_s=simulated,
-            inserted={"simulated_time_s": {"cumulative_simulated_time_s": self.progress["cumulative_simulated_time_s"],
-                                           **clock}})  # clients sampled, finished and dropped, wasted work, the clock
-        round_record.method_values(self, record, metrics, ids)
-        if trained_nothing:
-            record["trained_nothing"] = True
-        if self.method.active_clients is not None:
-            record["active_clients"] = int(self.active_clients().sum())
-        round_record.privacy_spent(self, record, prepared.draw)
-        round_record.evaluate_into(self, record, t, t + 1 == cfg.rounds or record.get("active_clients", 1) == 0)
-        record["wall_time_s"] = train_time + time.perf_counter() - finished
-        return record
+        return round_record.synchronous(self, prepared, metrics, round_time)
 
 
 def run(config: RunConfig, *, on_round: Callable[[dict], None] | None = None,
