@@ -143,10 +143,11 @@ def decide(config: RunConfig, method: Method, ctx, shapes, client_optimizer, *, 
 
 
 def build_round(config: RunConfig, method: Method, model: Model, plain_model: Model | None, *, conv_choice, mesh,
-                client_optimizer, server_optimizer, server_data, label_counts, data_placement: str, data_bytes: int,
-                num_steps: int, x_dtype, check_memory: bool
+                strategy: engine_strategy.Strategy, client_optimizer, server_optimizer, server_data, label_counts,
+                data_placement: str, data_bytes: int, num_steps: int, x_dtype, check_memory: bool
                 ) -> tuple[RoundLayout, engine.FederatedRound, engine.FederatedRound]:
-    """Decides the round's layout from estimates (:func:`decide`), then builds the round once in it.  Returns the
+    """Decides the round's layout from estimates (:func:`decide`, starting from the run plan's ``strategy``), then
+    builds the round once in it.  Returns the
     layout, the round, and the round that counts local work's FLOPs: the same one, or, when the run's lowering or
     dtype is not the plain model's, the ``plain_model``'s (a device's simulated time does not depend on how the
     simulator lowers or rounds its arithmetic)."""
@@ -160,7 +161,7 @@ def build_round(config: RunConfig, method: Method, model: Model, plain_model: Mo
     shapes = jax.eval_shape(lambda key: engine.initial_state(method, ctx, server_optimizer, key, **known),
                             jax.random.key(0))
     decided = decide(config, method, ctx, shapes, client_optimizer,
-                     strategy=config.run_strategy(num_devices, model, conv_choice.layout), mesh=mesh,
+                     strategy=strategy, mesh=mesh,
                      data_placement=data_placement, data_bytes=data_bytes, num_steps=num_steps, x_dtype=x_dtype,
                      check_memory=check_memory)._replace(conv_choice=conv_choice)
 

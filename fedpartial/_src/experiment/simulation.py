@@ -117,10 +117,11 @@ class Simulation:
         #: the clients' data and where it lives (:class:`~fedpartial._src.experiment.client_data.ClientData`)
         self.data = ClientData(self.config, dataset, self.method, fraction, note, data_placement)
         self.model, plain_model, conv_choice = parts.checked_model(self.config, dataset, self.method, model)
+        mesh = layout.run_mesh(self.config, self.plan.num_devices)
         #: how the round runs (:class:`~fedpartial._src.experiment.layout.RoundLayout`), decided before it was built
         self.layout, self.round, counted = layout.build_round(
-            self.config, self.method, self.model, plain_model, conv_choice=conv_choice,
-            mesh=layout.run_mesh(self.config, self.plan.num_devices),
+            self.config, self.method, self.model, plain_model, conv_choice=conv_choice, mesh=mesh,
+            strategy=self.plan.strategy(self.model, conv_choice.layout, split_over=1 if mesh is None else mesh.size),
             client_optimizer=client_optimizer or parts.make_client_optimizer(self.config),
             server_optimizer=server_optimizer or parts.make_server_optimizer(self.config),
             server_data=self.data.server_data, label_counts=self.data.label_counts,
