@@ -207,7 +207,9 @@ def reference_markdown(cls, method_specs: Iterable = ()) -> str:
         for f in group:
             s = described(f)
             flag = f"`{flag_of(f)}`" if flag_of(f) else "(in Python only)"
-            out.append(f"| `{f.name}` | {flag} | {_cell(s.help)} ({_KIND_WORDS[kind(f)]}) | {s.unit or ''} | "
+            meaning = f"{s.help} ({_KIND_WORDS[kind(f)]})" if s.allowed is None else \
+                f"{s.help}: {s.allowed.says if s.allowed.whole else _KIND_WORDS[kind(f)] + ' ' + s.allowed.says}"
+            out.append(f"| `{f.name}` | {flag} | {_cell(meaning)} | {s.unit or ''} | "
                        f"{_cell(default_text(f))} |")
         out.append("")
     specs = [s for s in method_specs if s.options]
