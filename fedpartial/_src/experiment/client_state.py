@@ -32,6 +32,8 @@ from fedpartial._src.engine import types as engine_types
 PLACES = ("auto", "device", "host", "disk")
 #: the places off the device: only the cohort's rows travel to it each round
 OFF_DEVICE = ("host", "disk")
+#: per-client state kept off the device is initialised about this many bytes at a time
+CHUNK_BYTES = 64 * 2**20
 #: the per-client state may take at most this share of the memory it is placed in under ``auto``
 AUTO_FRACTION = 0.5
 
@@ -129,7 +131,7 @@ class HostClientState:
 
 
 def initial_state(round, key: jax.Array, place: str, num_clients: int, *, execution_times=None,
-                  chunk_bytes: int) -> tuple[Any, HostClientState | None]:
+                  chunk_bytes: int = CHUNK_BYTES) -> tuple[Any, HostClientState | None]:
     """``round``'s initial server state from ``key`` and, with the per-client state kept off the device (``place``
     host or disk), the store of its ``[N]`` rows, filled in chunks of about ``chunk_bytes`` (else None)."""
     state = round.init(key, execution_times=execution_times)

@@ -16,8 +16,18 @@ from typing import TYPE_CHECKING
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.costs.profile_defaults import DEFAULT_COMPUTE, DEFAULT_DOWNLOAD, DEFAULT_UPLOAD
 from fedpartial._src.data.names import NATURAL_DATASETS
-from fedpartial._src.experiment.settings import ConfigError  # noqa: F401 -- where callers take it, with RunConfig
-from fedpartial._src.experiment.settings import attributes_doc, flag_of, is_finite, reference_markdown, setting
+from fedpartial._src.experiment.settings import (
+    COUNT,
+    IN_OPEN_UNIT,
+    NON_NEGATIVE,
+    POSITIVE,
+    ConfigError,  # noqa: F401 -- where callers take it, with RunConfig
+    attributes_doc,
+    finite,
+    is_finite,
+    reference_markdown,
+    setting,
+)
 
 if TYPE_CHECKING:
     from fedpartial._src.core.types import Method
@@ -31,13 +41,6 @@ DEFAULT_LOCAL_EPOCHS = 2.0
 DEFAULT_TRAIN_FRACTION = 0.7
 #: the flags (by destination) that make a run a set of replicas, run as one simulation (not RunConfig fields)
 REPLICA_FLAGS = ("seeds", "lrs", "server_lrs")
-#: per-client state kept off the device is initialised about this many bytes at a time
-CLIENT_STATE_CHUNK_BYTES = 64 * 2**20
-
-
-def flag_name(field: str) -> str:
-    """The flag of the RunConfig field named ``field``: what messages name."""
-    return flag_of(field, RunConfig)
 
 
 @dataclasses.dataclass
@@ -84,19 +87,24 @@ class RunConfig:
                                     "dirichlet (label skew), shards (a few classes each) or natural (the dataset's "
                                     "own writers/users)", default_text="natural for leaf and hf, else dirichlet")
     alpha: float = setting(0.5, section="data", help="the Dirichlet α of the dirichlet partition (smaller: more "
-                           "skewed); for synthetic also its α and β")
+                           "skewed); for synthetic also its α and β",
+                           allowed=finite(lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)"))
     classes_per_client: int = setting(2, section="data", help="classes per client of the shards partition")
     num_clients: int | None = setting(None, section="data", help="the population N", flag="--clients",
-                                      unit="clients", default_text="20; for leaf and hf every user of the files")
+                                      unit="clients", default_text="20; for leaf and hf every user of the files",
+                                      allowed=COUNT)
     cohort_size: int = setting(10, section="data", help="clients sampled per round K", flag="--cohort",
                                unit="clients")
     train_fraction: float | None = setting(None, section="data", help="each client's share of its data to train "
                                            "on, the rest held out (personalised evaluation, --es)",
-                                           default_text="0.7 when the method or --es needs held-out data, else 1")
+                                           default_text="0.7 when the method or --es needs held-out data, else 1",
+                                           allowed=finite(lambda v: 0 < v <= 1,
+                                                          "in (0, 1] (each client's train fraction; the rest of its data is held out)"))
     max_samples: int | None = setting(None, section="data", help="synthetic only: cap each client's examples at "
                                       "N (its minimum min(50, N)), so that a million clients fit in memory",
                                       unit="examples", metavar="N",
-                                      default_text="none: the generator's lognormal sizes, a mean of about 450")
+                                      default_text="none: the generator's lognormal sizes, a mean of about 450",
+                                      allowed=COUNT)
     seed: int = setting(0, section="data", help="the seed of every random choice: the partition and held-out "
                         "split, cohorts, initial model, drawn device profiles")
 
@@ -127,15 +135,18 @@ class RunConfig:
 
     # --- local training ---
     local_steps: int | None = setting(None, section="training", help="local SGD steps per round",
-                                      unit="steps", exclusive="local", default_text="none: --local-epochs")
+                                      unit="steps", exclusive="local", default_text="none: --local-epochs",
+                                      allowed=COUNT)
     local_epochs: float | None = setting(None, section="training", help="local epochs per round",
                                          unit="epochs", exclusive="local",
-                                         default_text=f"{DEFAULT_LOCAL_EPOCHS:g} when --local-steps is not given")
-    batch_size: int = setting(16, section="training", help="the client batch size", unit="examples")
-    client_lr: float = setting(0.05, section="training", help="the client learning rate", flag="--lr")
-    momentum: float = setting(0.9, section="training", help="the client SGD momentum, in [0, 1)")
+                                         default_text=f"{DEFAULT_LOCAL_EPOCHS:g} when --local-steps is not given",
+                                         allowed=POSITIVE)
+    batch_size: int = setting(16, section="training", help="the client batch size", unit="examples", allowed=COUNT)
+    client_lr: float = setting(0.05, section="training", help="the client learning rate", flag="--lr", allowed=POSITIVE)
+    momentum: float = setting(0.9, section="training", help="the client SGD momentum, in [0, 1)",
+                              allowed=finite(lambda v: 0 <= v < 1, "in [0, 1)"))
     weight_decay: float = setting(0.0, section="training", help="the client L2 weight decay (never reaches frozen "
-                                  "elements)")
+                                  "elements)", allowed=NON_NEGATIVE)
 
     # --- method ---
     method: str = setting("fedavg", section="method", help="the method (fedpartial list methods), or "
@@ -153,26 +164,27 @@ class RunConfig:
 
     # --- server ---
     rounds: int = setting(40, section="server", help="communication rounds (with --resume: extend the run to this "
-                          "many)", unit="rounds")
+                          "many)", unit="rounds", allowed=COUNT)
     server_optimizer: str = setting("sgd", section="server", flag="--server-opt",
                                     help="the server optimizer applied to the round's aggregate: sgd, adam, yogi "
                                          "or adagrad")
-    server_lr: float = setting(1.0, section="server", help="the server learning rate")
+    server_lr: float = setting(1.0, section="server", help="the server learning rate", allowed=POSITIVE)
 
     # --- differential privacy ---
     dp_clip: float | None = setting(None, section="privacy", metavar="C", unit="L2 norm",
                                     help="C: clip each client's update (on what it uploads) to this norm; turns DP "
-                                         "on")
+                                         "on", allowed=POSITIVE)
     dp_noise_multiplier: float | None = setting(None, section="privacy", metavar="Z",
                                                 help="z: Gaussian noise of std z·C on the sum of clipped updates "
-                                                     "(0: clipping only, no privacy)")
+                                                     "(0: clipping only, no privacy)", allowed=NON_NEGATIVE)
     dp_clip_per_layer: bool = setting(False, section="privacy", help="clip each layer to C/√L (L layers) instead "
                                       "of the whole upload to C")
     dp_delta: float | None = setting(None, section="privacy", help="the δ at which ε is reported",
-                                     default_text="1/N, N the population")
+                                     default_text="1/N, N the population", allowed=IN_OPEN_UNIT)
     dp_target_quantile: float | None = setting(None, section="privacy", metavar="Q",
                                                help="adaptive clipping (Andrew et al. 2021): C follows this "
-                                                    "quantile of the clients' update norms, starting from --dp-clip")
+                                                    "quantile of the clients' update norms, starting from --dp-clip",
+                                                    allowed=IN_OPEN_UNIT)
 
     # --- simulated time: devices, deadlines and availability ---
     device_profiles: str | None = setting(None, section="time", metavar="CSV",
@@ -245,9 +257,10 @@ class RunConfig:
 
     # --- evaluation and output ---
     eval_every: int = setting(1, section="output", help="test the global model every this many rounds",
-                              unit="rounds")
+                              unit="rounds", allowed=COUNT)
     target_accuracy: float | None = setting(None, section="output", help="report the simulated time (and round) "
-                                            "at which test accuracy first reaches this")
+                                            "at which test accuracy first reaches this",
+                                            allowed=finite(lambda v: 0 < v <= 1, "in (0, 1]"))
     out_dir: str | None = setting("runs", section="output", flag="--out", help="the directory run folders are "
                                   "made in (None in Python: write nothing)")
     run_name: str | None = setting(None, section="output", flag="--name", help="the run folder's name, made "
@@ -265,18 +278,15 @@ class RunConfig:
     def validate(self, *, custom_method: bool = False, check_model: bool = False) -> None:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
 
-        Numbers are checked finite first (NaN and ±inf never pass), then their ranges, then names, output
-        paths and combinations.  Nothing is created or loaded, and the machine is not asked: whether the run
-        fits its memory, devices and disk is :func:`fedpartial._src.experiment.preflight.preflight`'s question.
-        The configuration remembers that it passed (and with which of the switches below), so that the run it
-        starts does not check it again unless a setting has changed since
-        (:func:`~fedpartial._src.experiment.config_checks.validate_once`).
+        Each number is checked against the values its setting declares (``allowed``; NaN and ±inf never pass),
+        then names, output paths and combinations.  Nothing is created or loaded and the machine is not asked
+        (:func:`fedpartial._src.experiment.preflight.preflight` asks).  The configuration remembers that it passed,
+        so its run does not check it again unless a setting changed (``config_checks.validate_once``).
 
-        ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
-        are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
-        run cannot use — a neuron-level method (``Capabilities.neuron_masks``) on a residual model, or a model
-        that cannot take the dataset's known example shape (:data:`~fedpartial._src.experiment.setting_checks.DATASET_SHAPES`).  Leave it off when
-        the caller brings its own dataset or model, whose shape the names do not tell.
+        ``custom_method``: the method is a given :class:`Method`, so ``method`` and ``options`` are not looked
+        up.  ``check_model``: also refuse, from the names alone, a model the run cannot use (a neuron-level
+        method on a residual model, or a model that cannot take the dataset's known example shape); leave it
+        off when the caller brings its own dataset or model.
         """
         # the checks read the method and model registries and the engine's names: loaded when a run is checked
         from fedpartial._src.experiment import config_checks
@@ -318,24 +328,18 @@ class RunConfig:
     def num_devices(self) -> int:
         """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
         fused on an accelerator, else 1 (:func:`fedpartial._src.experiment.plan.num_devices`: it asks JAX)."""
-        from fedpartial._src.experiment import plan
-
-        return plan.num_devices(self)
+        return _plan().num_devices(self)
 
     def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None) -> Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
         ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)
         (:func:`fedpartial._src.experiment.plan.run_strategy`)."""
-        from fedpartial._src.experiment import plan
-
-        return plan.run_strategy(self, num_devices, model, layout)
+        return _plan().run_strategy(self, num_devices, model, layout)
 
     def device_model(self) -> DeviceProfiles:
         """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed
         (:func:`fedpartial._src.experiment.plan.device_model`)."""
-        from fedpartial._src.experiment import plan
-
-        return plan.device_model(self)
+        return _plan().device_model(self)
 
     @property
     def epochs(self) -> float | None:
@@ -366,9 +370,14 @@ class RunConfig:
         """The registered method with this configuration's options (before early stopping), and this run's
         values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)
         (:func:`fedpartial._src.experiment.plan.build_method`)."""
-        from fedpartial._src.experiment import plan
+        return _plan().build_method(self)
 
-        return plan.build_method(self)
+
+def _plan():
+    """:mod:`~fedpartial._src.experiment.plan`, imported when first asked: it imports JAX, which a config never does."""
+    from fedpartial._src.experiment import plan
+
+    return plan
 
 
 RunConfig.__doc__ += "\n" + "\n".join("    " + line if line else line

@@ -19,11 +19,12 @@ from fedpartial._src.data.names import DATASETS, NATURAL_DATASETS
 from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.engine.round import BN_POLICIES
 from fedpartial._src.experiment import client_state as client_state_lib
+from fedpartial._src.experiment import settings
 from fedpartial._src.experiment.setting_checks import (
     PARTITIONS,
-    RANGES,
     SERVER_OPTIMIZERS,
     build_method,
+    check_allowed,
     check_async,
     check_cohort,
     check_devices,
@@ -32,7 +33,6 @@ from fedpartial._src.experiment.setting_checks import (
     check_natural_data,
     check_output,
     check_privacy,
-    check_range,
     check_rounds_in_time,
     check_seed,
     check_usable_model,
@@ -63,20 +63,14 @@ def validate(config, *, custom_method: bool = False, check_model: bool = False) 
         bad(f"options {config.options!r} is not allowed: it must be a mapping of option names to values, e.g. "
             f"{{'n': 4}} (the method's own flags on the command line).")
 
-    for field in RANGES:
-        check_range(config, field)
+    for field in settings.fields(type(config)):  # each setting's values, declared with it (Setting.allowed)
+        check_allowed(config, field)
     if config.upload_codec is not None:
         parse_codec(config.upload_codec)  # a bad codec is one sentence
     if not isinstance(config.sparse_flops, bool):
         refuse(config, "sparse_flops", config.sparse_flops, "true or false")
-    for field in ("rounds", "batch_size", "eval_every"):
-        check_int(config, field, 1)
-    if config.num_clients is not None or config.dataset not in NATURAL_DATASETS:
-        check_int(config, "num_clients", 1)
-    if config.local_steps is not None:
-        check_int(config, "local_steps", 1)
-    if config.max_samples is not None:
-        check_int(config, "max_samples", 1)
+    if config.num_clients is None and config.dataset not in NATURAL_DATASETS:  # the files' users count only there
+        refuse(config, "num_clients", None, "a whole number ≥ 1")
     if config.local_steps is not None and config.local_epochs is not None:
         bad("give only one of --local-steps or --local-epochs.")
     check_cohort(config)

@@ -79,7 +79,7 @@ def to_toml(config) -> str:
     Keys are the command-line flags; unset values (None) are left out; method options are written by their
     flags.  Reading it back with ``fedpartial run --config`` gives the same configuration.
     """
-    from fedpartial._src.experiment.config import flag_name
+    from fedpartial._src.experiment.settings import flag_of
     from fedpartial._src.methods.catalog import find_method
 
     lines = ["# fedpartial run --config this-file  (keys are the flags of `fedpartial run`)"]
@@ -89,7 +89,7 @@ def to_toml(config) -> str:
             continue
         if field.name == "local_epochs" and config.local_steps is not None:
             continue
-        lines.append(f"{flag_name(field.name)[2:]} = {_toml_value(value)}")
+        lines.append(f"{flag_of(field)[2:]} = {_toml_value(value)}")
     if config.options:
         spec = _spec_or_none(find_method, config.method)
         lines.append(f"# options of method {config.method}")

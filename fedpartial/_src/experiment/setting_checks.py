@@ -5,6 +5,7 @@ they judge against (partitions, server optimizers, the usual model of each datas
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from fedpartial._src.engine import strategy as engine_strategy
 from fedpartial._src.experiment import availability
 from fedpartial._src.experiment import client_state as client_state_lib
 from fedpartial._src.experiment.deadlines import POLICIES as STRAGGLER_POLICIES
-from fedpartial._src.experiment.settings import ConfigError, flag_of, is_finite, is_int
+from fedpartial._src.experiment.settings import ConfigError, described, flag_of, is_finite, is_int, optional
 from fedpartial._src.methods.catalog import find_method
 from fedpartial._src.methods.registry import shown
 from fedpartial._src.models import registry
@@ -79,29 +80,16 @@ def check_finite(config, field: str, ok: Callable[[float], bool], allowed: str) 
         refuse(config, field, value, f"a finite number {allowed}")
 
 
-#: the range of each number setting that may be None (unchecked then) or a finite number, in the order they are
-#: checked: what it must satisfy, and how the refusal says it
-RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    "alpha": (lambda v: v >= 0, "≥ 0 (> 0 for the dirichlet partition)"),
-    "local_epochs": (lambda v: v > 0, "> 0"),
-    "client_lr": (lambda v: v > 0, "> 0"),
-    "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, "≥ 0"),
-    "server_lr": (lambda v: v > 0, "> 0"),
-    "train_fraction": (lambda v: 0 < v <= 1, ("in (0, 1] (each client's train fraction; the rest of its data is "
-                                              "held out)")),
-    "target_accuracy": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "dp_clip": (lambda v: v > 0, "> 0"),
-    "dp_noise_multiplier": (lambda v: v >= 0, "≥ 0"),
-    "dp_delta": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "dp_target_quantile": (lambda v: 0 < v < 1, "in (0, 1)"),
-}
-
-
-def check_range(config, field: str) -> None:
-    """The number setting ``field`` of :data:`RANGES`: None, or finite and in its range."""
-    ok, allowed = RANGES[field]
-    check_finite(config, field, ok, allowed)
+def check_allowed(config, field: dataclasses.Field | str) -> None:
+    """A setting's value against the values its declaration allows (``setting(..., allowed=...)``:
+    :class:`~fedpartial._src.experiment.settings.Allowed`), refused in one sentence naming its flag."""
+    if isinstance(field, str):
+        field = next(f for f in dataclasses.fields(config) if f.name == field)
+    allowed = described(field).allowed
+    value = getattr(config, field.name)
+    problem = allowed.refusal(value, optional(field)) if allowed is not None else None
+    if problem:
+        refuse(config, field.name, value, problem)
 
 
 def check_seed(config) -> None:
@@ -114,8 +102,8 @@ def check_seed(config) -> None:
 def check_replica(config) -> None:
     """What one replica of a set (``--seeds``, ``--lrs``, ``--server-lrs``) sets on its own: its seed, learning
     rates and run folder; the settings the replicas share are judged once, on the configuration they come from."""
-    check_range(config, "client_lr")  # in validate's order
-    check_range(config, "server_lr")
+    check_allowed(config, "client_lr")  # in validate's order
+    check_allowed(config, "server_lr")
     check_seed(config)
     check_output(config)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,6 +55,38 @@ def is_finite(value) -> bool:
         and math.isfinite(value)
 
 
+class Allowed(NamedTuple):
+    """The values a number setting takes, declared with the setting (:func:`setting`'s ``allowed``): ``test`` on
+    the value, said as ``says`` in the refusal; ``whole``: whole numbers only (else finite numbers)."""
+
+    test: Callable[[float], bool]
+    says: str
+    whole: bool = False
+
+    def refusal(self, value, optional: bool) -> str | None:
+        """What ``value`` must be when it is not allowed, else None (None is allowed where ``optional``)."""
+        if value is None and optional:
+            return None
+        if self.whole:
+            return None if is_int(value) and self.test(value) else self.says
+        return None if is_finite(value) and self.test(value) else f"a finite number {self.says}"
+
+
+def whole(low: int) -> Allowed:
+    """Whole numbers from ``low``."""
+    return Allowed(lambda v: v >= low, f"a whole number ≥ {low}", whole=True)
+
+
+def finite(test: Callable[[float], bool], says: str) -> Allowed:
+    """Finite numbers that pass ``test`` (NaN and ±inf never do), said as ``says`` (``"> 0"``)."""
+    return Allowed(test, says)
+
+
+#: the ranges most number settings take
+POSITIVE, NON_NEGATIVE = finite(lambda v: v > 0, "> 0"), finite(lambda v: v >= 0, "≥ 0")
+IN_OPEN_UNIT, COUNT = finite(lambda v: 0 < v < 1, "in (0, 1)"), whole(1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """The description of one :class:`~fedpartial.RunConfig` field.
@@ -66,6 +99,8 @@ class Setting:
       metavar: how ``--help`` names the value (None: argparse's default).
       default_text: the default in words, where the field's value alone would mislead (None: the value).
       exclusive: fields sharing this name are mutually exclusive on the command line.
+      allowed: the values a number setting takes (:class:`Allowed`), checked by ``RunConfig.validate``; None: its
+        checks are of a kind a range cannot say (names, combinations).
     """
 
     section: str
@@ -75,6 +110,7 @@ class Setting:
     metavar: str | None = None
     default_text: str | None = None
     exclusive: str | None = None
+    allowed: Allowed | None = None
 
 
 def setting(default=dataclasses.MISSING, *, section: str, help: str, factory=dataclasses.MISSING, **described):
@@ -171,7 +207,9 @@ def reference_markdown(cls, method_specs: Iterable = ()) -> str:
         for f in group:
             s = described(f)
             flag = f"`{flag_of(f)}`" if flag_of(f) else "(in Python only)"
-            out.append(f"| `{f.name}` | {flag} | {_cell(s.help)} ({_KIND_WORDS[kind(f)]}) | {s.unit or ''} | "
+            meaning = f"{s.help} ({_KIND_WORDS[kind(f)]})" if s.allowed is None else \
+                f"{s.help}: {s.allowed.says if s.allowed.whole else _KIND_WORDS[kind(f)] + ' ' + s.allowed.says}"
+            out.append(f"| `{f.name}` | {flag} | {_cell(meaning)} | {s.unit or ''} | "
                        f"{_cell(default_text(f))} |")
         out.append("")
     specs = [s for s in method_specs if s.options]
@@ -188,3 +226,8 @@ def reference_markdown(cls, method_specs: Iterable = ()) -> str:
                            f"{_cell(str('none' if default is None else default))} |")
         out.append("")
     return "\n".join(out)
+
+
+def optional(field: dataclasses.Field) -> bool:
+    """Whether the field takes None (``int | None``)."""
+    return "None" in (field.type if isinstance(field.type, str) else str(field.type))

@@ -40,7 +40,7 @@ from fedpartial._src.experiment import (
 )
 from fedpartial._src.experiment import plan as plan_lib
 from fedpartial._src.experiment.client_data import ClientData
-from fedpartial._src.experiment.config import CLIENT_STATE_CHUNK_BYTES, RunConfig
+from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.evaluation import evaluate
 from fedpartial._src.experiment.run_directory import RunWriter
 from fedpartial._src.experiment.timing import PreparedRound
@@ -140,8 +140,7 @@ class Simulation:
         times = self.full_model_times() if self.method.capabilities.needs_execution_times else None  # e.g. FedAD's
         #: the server state, and the per-client state kept off the device (``client_state`` host or disk) or None
         self.state, self.client_store = client_state_lib.initial_state(
-            self.round, init_key, self.client_state, self.config.num_clients, execution_times=times,
-            chunk_bytes=CLIENT_STATE_CHUNK_BYTES)
+            self.round, init_key, self.client_state, self.config.num_clients, execution_times=times)
         #: the last round's plan and selection (client ids and structured masks) when the run records decisions,
         #: else None
         self.last_decisions = None
