@@ -80,7 +80,8 @@ class Simulation:
 
     Examples:
       >>> import fedpartial as fp
-      >>> config = fp.RunConfig(dataset="digits", num_clients=6, cohort_size=3, rounds=2, local_steps=1, out_dir=None)
+      >>> config = fp.RunConfig(dataset="digits", num_clients=6, cohort_size=3, rounds=2,
+      ...                       local_steps=1, out_dir=None)
       >>> [r["round"] for r in fp.Simulation(config).rounds()]
       [1, 2]
     """
