@@ -355,9 +355,17 @@ def test_the_fedpartial_page_leads_with_running_and_documents_each_run_setting(s
         entry = html.split(f'id="fedpartial.RunConfig.{field.name}"', 1)[1].split('<div class="doc doc-object', 1)[0]
         text = " ".join(visible_text(entry, code=True).split())
         flag = settings.flag_of(field)
-        assert settings.described(field).help.split()[-1] in text, (field.name, text)
+        # the whole description (its first letter capitalised), whatever the markup added around flags and links
+        assert "".join(settings.described(field).help[1:].split()) in "".join(text.split()), (field.name, text)
         assert "Type:" in text and f"Default: {settings.default_text(field)}" in text, (field.name, text)
         assert (f"Flag: {flag}" if flag else "Flag: none") in text and 'href="../../configuration/#' in entry, text
+    # a setting's words were written for --help: on the page its flags are code and "the Data page" a link
+    entry = html.split('id="fedpartial.RunConfig.train_fraction"', 1)[1].split('<div class="doc doc-object', 1)[0]
+    assert '<code class="nowrap">--es</code>' in entry, entry
+    entry = html.split('id="fedpartial.RunConfig.dataset"', 1)[1].split('<div class="doc doc-object', 1)[0]
+    assert '<a href="../../data/">Data</a> page' in entry and '<code class="nowrap">fedpartial list datasets</code>' in entry
+    signature = re.search(r'class="doc-signature[^"]*"><pre>(.*?)</pre>', entry, re.DOTALL).group(1)
+    assert "".join(visible_text(signature, code=True).split()) == "dataset:str='digits'", signature
 
 
 @pytest.mark.xdist_group("site")
