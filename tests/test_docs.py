@@ -363,7 +363,8 @@ def test_the_fedpartial_page_leads_with_running_and_documents_each_run_setting(s
     entry = html.split('id="fedpartial.RunConfig.train_fraction"', 1)[1].split('<div class="doc doc-object', 1)[0]
     assert '<code class="nowrap">--es</code>' in entry, entry
     entry = html.split('id="fedpartial.RunConfig.dataset"', 1)[1].split('<div class="doc doc-object', 1)[0]
-    assert '<a href="../../data/">Data</a> page' in entry and '<code class="nowrap">fedpartial list datasets</code>' in entry
+    assert '<a href="../../data/">Data</a> page' in entry
+    assert '<code class="nowrap">fedpartial list datasets</code>' in entry
     signature = re.search(r'class="doc-signature[^"]*"><pre>(.*?)</pre>', entry, re.DOTALL).group(1)
     assert "".join(visible_text(signature, code=True).split()) == "dataset:str='digits'", signature
 
@@ -408,6 +409,29 @@ def test_the_pages_speak_to_users(site):
     readme = (ROOT / "README.md").read_text()
     found += [f"README.md: {m.group(0)}" for m in INTERNAL_WORDS.finditer(readme)]
     assert not found, found
+
+
+@pytest.mark.xdist_group("site")
+def test_a_page_named_by_its_path_is_a_link(site):
+    """Even in code (the changelog names pages by path, as GitHub shows it), ``docs/NAME.md`` of a page that
+    exists is a link to it on the site."""
+    unlinked = [f"{page}: {m.group(1)}" for page, html in site_pages(site).items()
+                for m in re.finditer(r"<code[^>]*>docs/([\w/-]+\.md)</code>", html)
+                if (ROOT / "docs" / m.group(1)).exists()]
+    assert not unlinked, unlinked
+    assert '<a href="../lora/">LoRA fine-tuning</a>' in site_pages(site)["changelog"]
+
+
+def test_the_navigation_lists_each_page_once():
+    import yaml
+
+    def pages(items):
+        for item in items:
+            for target in item.values() if isinstance(item, dict) else [item]:
+                yield from [target] if isinstance(target, str) else pages(target)
+
+    listed = list(pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
+    assert len(listed) == len(set(listed)), sorted(p for p in listed if listed.count(p) > 1)
 
 
 def test_the_internal_words_rule_reads_what_it_should():
