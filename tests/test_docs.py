@@ -422,6 +422,19 @@ def test_a_page_named_by_its_path_is_a_link(site):
     assert '<a href="../lora/">LoRA fine-tuning</a>' in site_pages(site)["changelog"]
 
 
+@pytest.mark.xdist_group("site")
+def test_the_api_reference_names_no_private_module_and_shows_no_role(site):
+    """Beyond the sentence that says ``fedpartial._src`` is private, an API page names only what a user can
+    import, and no Sphinx role (``:mod:`...```, also in a ``#:`` comment's description) shows as typed."""
+    found = []
+    for page, html in site_pages(site).items():
+        if page.startswith("api"):
+            text = " ".join(visible_text(html, code=True).split()).replace("under fedpartial._src is private", "")
+            found += [f"{page}: {m.group(0)}" for m in re.finditer(r"fedpartial\._src\S*|:(?:class|mod|func|meth|"
+                                                                     r"attr|data|exc):", text)]
+    assert not found, found
+
+
 def test_the_navigation_lists_each_page_once():
     import yaml
 

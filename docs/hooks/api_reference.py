@@ -4,7 +4,8 @@ The reference reads the source statically, so it misses what the package fills i
 extension adds it back, for every documented object of the public namespaces:
 
 * an attribute documented in its class's ``Attributes:`` section, by the constructor argument of its name, or
-  by a ``#:`` comment above it, gets that text as its own description (otherwise its entry would be an empty box with only its name);
+  by a ``#:`` comment above it, gets that text as its own description (otherwise its entry would be an empty
+  box with only its name);
 * each :class:`~fedpartial.RunConfig` field gets its setting's meaning, type, unit, default and flag, read from
   the settings themselves (the same descriptions as ``--help`` and the configuration page; flags, commands and
   paths shown as code, "the Data page" as a link), its code line
@@ -20,6 +21,7 @@ extension adds it back, for every documented object of the public namespaces:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import pathlib
 import re
 import sys
@@ -27,6 +29,17 @@ import sys
 import griffe
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _sibling(name: str):
+    """A module of this folder, loaded by its path (as ``mkdocs.yml`` loads this one: the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sphinx_roles = _sibling("sphinx_roles")
 RUN_CONFIG = "fedpartial._src.experiment.config.RunConfig"
 SECTION_HEADING = re.compile(r"^\s*Attributes:\s*$")
 PROMPT = re.compile(r"^(\s*)>>> ")
@@ -193,20 +206,20 @@ class ApiReference(griffe.Extension):
                 continue
             if member.is_attribute and member.docstring is None:
                 comment = _comment_above(member)
-                if comment:
-                    member.docstring = griffe.Docstring(comment, parent=member)
+                if comment:  # read after the Sphinx roles extension ran: its roles are made code here
+                    member.docstring = griffe.Docstring(sphinx_roles.plain(comment), parent=member)
             if member.is_attribute and member.docstring is not None:
                 member.docstring.value = page_links(pycon_blocks(member.docstring.value))
             if member.is_module or member.is_class or member.is_function:
                 self._visit(member, seen)
 
     @staticmethod
-    def _fill_members(cls: griffe.Class) -> None:
-        if cls.docstring is None:
+    def _fill_members(klass: griffe.Class) -> None:
+        if klass.docstring is None:
             return
-        described = {**_init_arguments(cls), **_attribute_sections(cls.docstring)}
+        described = {**_init_arguments(klass), **_attribute_sections(klass.docstring)}
         for name, text in described.items():
-            member = cls.members.get(name)
+            member = klass.members.get(name)
             if member is not None and not member.is_alias and member.is_attribute and member.docstring is None:
                 member.docstring = griffe.Docstring(text, parent=member)
 

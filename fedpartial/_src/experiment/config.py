@@ -267,16 +267,15 @@ class RunConfig:
 
         Numbers are checked finite first (NaN and ±inf never pass), then their ranges, then names, output
         paths and combinations.  Nothing is created or loaded, and the machine is not asked: whether the run
-        fits its memory, devices and disk is :func:`fedpartial._src.experiment.preflight.preflight`'s question.
-        The configuration remembers that it passed (and with which of the switches below), so that the run it
-        starts does not check it again unless a setting has changed since
-        (:func:`~fedpartial._src.experiment.config_checks.validate_once`).
+        fits its memory, devices and disk is checked when the run starts.  The configuration remembers that it
+        passed (and with which of the switches below), so that the run it starts does not check it again unless
+        a setting has changed since.
 
         ``custom_method``: the run's method is a given :class:`Method` object, so ``method`` and ``options``
         are not looked up in the registry.  ``check_model``: also refuse, from the names alone, a model the
         run cannot use — a neuron-level method (``Capabilities.neuron_masks``) on a residual model, or a model
-        that cannot take the dataset's known example shape (:data:`~fedpartial._src.experiment.config_checks.DATASET_SHAPES`).  Leave it off when
-        the caller brings its own dataset or model, whose shape the names do not tell.
+        that cannot take the dataset's known example shape.  Leave it off when the caller brings its own
+        dataset or model, whose shape the names do not tell.
         """
         # the checks read the method and model registries and the engine's names: loaded when a run is checked
         from fedpartial._src.experiment import config_checks
@@ -317,22 +316,20 @@ class RunConfig:
     @property
     def num_devices(self) -> int:
         """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
-        fused on an accelerator, else 1 (:func:`fedpartial._src.experiment.plan.num_devices`: it asks JAX)."""
+        fused on an accelerator, else 1 (it asks JAX for the local devices)."""
         from fedpartial._src.experiment import plan
 
         return plan.num_devices(self)
 
     def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None) -> Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
-        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)
-        (:func:`fedpartial._src.experiment.plan.run_strategy`)."""
+        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
         from fedpartial._src.experiment import plan
 
         return plan.run_strategy(self, num_devices, model, layout)
 
     def device_model(self) -> DeviceProfiles:
-        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed
-        (:func:`fedpartial._src.experiment.plan.device_model`)."""
+        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed."""
         from fedpartial._src.experiment import plan
 
         return plan.device_model(self)
@@ -364,8 +361,7 @@ class RunConfig:
 
     def build_method(self) -> Method:
         """The registered method with this configuration's options (before early stopping), and this run's
-        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)
-        (:func:`fedpartial._src.experiment.plan.build_method`)."""
+        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
         from fedpartial._src.experiment import plan
 
         return plan.build_method(self)

@@ -118,7 +118,7 @@ class Simulation:
         compile_cache.enable(self.config.compile_cache)
         dataset = self._load_dataset(dataset, model)
         self.method, self.accountant, fraction, note = parts.run_method(self.config, self.plan.method)
-        #: the clients' data and where it lives (:class:`~fedpartial._src.experiment.client_data.ClientData`)
+        #: the clients' data and where it lives (on the device or the host)
         self.data = ClientData(self.config, dataset, self.method, fraction, note, data_placement)
         self.model, plain_model, conv_choice = parts.checked_model(self.config, dataset, self.method, model)
         #: how the round runs (:class:`~fedpartial._src.experiment.layout.RoundLayout`), decided before it was built
@@ -134,7 +134,7 @@ class Simulation:
         else:
             self.data.place_on_device()
         #: who is available and who reports in time, with the simulated devices and the FLOPs of their local work
-        #: (counted on the plain model) (:mod:`fedpartial._src.experiment.timing`)
+        #: (counted on the plain model)
         self.clock = timing.RoundClock(self.config, self.round, devices.CostModel(counted),
                                        plan_lib.device_model(self.config))
         self._init_method_state()
@@ -253,7 +253,7 @@ class Simulation:
 
     def pad_shapes(self, num_steps: int, holdout_length: int | None = None) -> None:
         """Pads every later cohort to ``num_steps`` local steps and the holdout to ``holdout_length`` examples
-        per client (:mod:`fedpartial._src.experiment.replicas` gives its seeds one shape; :meth:`ClientData.pad`)."""
+        per client (the seeds of a many-seed run share one shape)."""
         self.data.pad(num_steps, holdout_length)
         self.memory = layout.estimate(self.round, self.client_state, num_steps=num_steps,  # padded steps are packed
                                       batch_size=self.config.batch_size, example_shape=self.model.input_shape,
@@ -324,12 +324,12 @@ class Simulation:
         Each record holds ``nonfinite_clients``: real clients whose update was not finite
         (NaN/inf) and was left out of aggregation.  When every real client of a round
         failed, or the new global model is not finite, the round raises
-        :class:`fedpartial._src.core.errors.DivergedError` before its record is yielded (the command
+        :class:`~fedpartial.DivergedError` before its record is yielded (the command
         line exits with status 1; :func:`run` keeps the last good checkpoint and writes
         nothing of the diverged state).  ``self.state`` is then the diverged round's.
 
         A round is :meth:`prepare_round` (host), the round itself, :meth:`finish_round` (host);
-        :mod:`fedpartial._src.experiment.replicas` runs the same two host halves around one vmapped round.
+        a many-seed run (``--seeds``) runs the same two host halves around one vmapped round.
         """
         # Running totals live on the instance (``self.progress``) so a checkpoint can restore them.
         for t in range(self.progress["round"], self.config.rounds):
@@ -340,8 +340,8 @@ class Simulation:
 
     def prepare_round(self, t: int) -> PreparedRound | None:
         """Round ``t``'s cohort and key (the host work before the round), drawn from the clients available at the
-        clock and cut by the deadline (:mod:`fedpartial._src.experiment.timing`); None when early stopping has
-        stopped every client or an availability trace has nobody left."""
+        clock and cut by the deadline; None when early stopping has stopped every client or an availability
+        trace has nobody left."""
         active = self.active_clients()
         joined = self.clock.join(t, active, self.progress) if active.any() else None
         if joined is None:
