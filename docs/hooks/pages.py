@@ -32,7 +32,7 @@ def enlargeable(html: str) -> str:
 
 
 UNBROKEN = 40
-INLINE_CODE = re.compile(r"<code>([^<]{1,%d})</code>" % UNBROKEN)
+INLINE_CODE = re.compile(rf"<code>([^<]{{1,{UNBROKEN}}})</code>")
 PRE = re.compile(r"<pre\b.*?</pre>", re.DOTALL)
 
 
