@@ -138,24 +138,19 @@ def _nav_titles() -> dict[str, str]:
     return found
 
 
-# In a setting's words (written for ``--help``, so plain text): a flag, a ``fedpartial list|run`` command, an
-# environment variable or home path, and "the NAME page" by its title in the navigation.
-COMMAND = re.compile(r"fedpartial list [a-z]+|fedpartial run(?: --[\w-]+(?: [A-Z]+)?)+")
-FLAG = re.compile(r"(?<![\w`-])--[a-z][\w-]*[a-z0-9]")
-PATHLIKE = re.compile(r"(?<![\w`])(?:\$[A-Z_]+|~)(?:/[\w.-]+)*|\bpackage\.module:[a-z]+")
 PAGE = re.compile(r"\bthe ([A-Z][\w -]*?) page\b")
 
 
 def marked(text: str, titles: dict[str, str]) -> str:
-    """A setting's plain words as Markdown: flags, commands and paths as code, a page named by its navigation
-    title as a link to it (from an API reference page, one level down)."""
-    text = COMMAND.sub(lambda m: f"`{m.group(0)}`", text)
-    parts = text.split("`")  # odd parts are code already
+    """A setting's plain words as Markdown: flags, commands and paths as code (as on the configuration page), a
+    page named by its navigation title ("the Data page") as a link to it (from an API reference page, one
+    level down)."""
+    from fedpartial._src.experiment import settings
+
+    parts = settings.code_marked(text).split("`")  # odd parts are code
     for i in range(0, len(parts), 2):
-        part = FLAG.sub(lambda m: f"`{m.group(0)}`", parts[i])
-        part = PATHLIKE.sub(lambda m: f"`{m.group(0)}`", part)
         parts[i] = PAGE.sub(lambda m: f"the [{m.group(1)}](../{titles[m.group(1)]}.md) page"
-                            if m.group(1) in titles else m.group(0), part)
+                            if m.group(1) in titles else m.group(0), parts[i])
     return "`".join(parts)
 
 
