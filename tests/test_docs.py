@@ -22,7 +22,7 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUNNABLE = "<!-- runnable -->"
 NOT_RUNNABLE = re.compile(r"<!-- not runnable: \S.*-->")
 FENCE = re.compile(r"^```(\S*)\s*$")
-BUILD_LIMIT_S = 60  # the bound for the strict build; it takes a few seconds
+BUILD_LIMIT_S = 60  # a strict build takes a few seconds: a minute means something is wrong
 
 
 def code_blocks(path: pathlib.Path) -> list[tuple[int, str, str, str]]:
