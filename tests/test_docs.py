@@ -22,7 +22,7 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUNNABLE = "<!-- runnable -->"
 NOT_RUNNABLE = re.compile(r"<!-- not runnable: \S.*-->")
 FENCE = re.compile(r"^```(\S*)\s*$")
-BUILD_LIMIT_S = 60  # the issue's bound for the strict build; it takes a few seconds
+BUILD_LIMIT_S = 60  # a strict build takes a few seconds: a minute means something is wrong
 
 
 def code_blocks(path: pathlib.Path) -> list[tuple[int, str, str, str]]:
@@ -355,9 +355,18 @@ def test_the_fedpartial_page_leads_with_running_and_documents_each_run_setting(s
         entry = html.split(f'id="fedpartial.RunConfig.{field.name}"', 1)[1].split('<div class="doc doc-object', 1)[0]
         text = " ".join(visible_text(entry, code=True).split())
         flag = settings.flag_of(field)
-        assert settings.described(field).help.split()[-1] in text, (field.name, text)
+        # the whole description (its first letter capitalised), whatever the markup added around flags and links
+        assert "".join(settings.described(field).help[1:].split()) in "".join(text.split()), (field.name, text)
         assert "Type:" in text and f"Default: {settings.default_text(field)}" in text, (field.name, text)
         assert (f"Flag: {flag}" if flag else "Flag: none") in text and 'href="../../configuration/#' in entry, text
+    # a setting's words were written for --help: on the page its flags are code and "the Data page" a link
+    entry = html.split('id="fedpartial.RunConfig.train_fraction"', 1)[1].split('<div class="doc doc-object', 1)[0]
+    assert '<code class="nowrap">--es</code>' in entry, entry
+    entry = html.split('id="fedpartial.RunConfig.dataset"', 1)[1].split('<div class="doc doc-object', 1)[0]
+    assert '<a href="../../data/">Data</a> page' in entry
+    assert '<code class="nowrap">fedpartial list datasets</code>' in entry
+    signature = re.search(r'class="doc-signature[^"]*"><pre>(.*?)</pre>', entry, re.DOTALL).group(1)
+    assert "".join(visible_text(signature, code=True).split()) == "dataset:str='digits'", signature
 
 
 @pytest.mark.xdist_group("site")
@@ -400,6 +409,42 @@ def test_the_pages_speak_to_users(site):
     readme = (ROOT / "README.md").read_text()
     found += [f"README.md: {m.group(0)}" for m in INTERNAL_WORDS.finditer(readme)]
     assert not found, found
+
+
+@pytest.mark.xdist_group("site")
+def test_a_page_named_by_its_path_is_a_link(site):
+    """Even in code (the changelog names pages by path, as GitHub shows it), ``docs/NAME.md`` of a page that
+    exists is a link to it on the site."""
+    unlinked = [f"{page}: {m.group(1)}" for page, html in site_pages(site).items()
+                for m in re.finditer(r"<code[^>]*>docs/([\w/-]+\.md)</code>", html)
+                if (ROOT / "docs" / m.group(1)).exists()]
+    assert not unlinked, unlinked
+    assert '<a href="../lora/">LoRA fine-tuning</a>' in site_pages(site)["changelog"]
+
+
+@pytest.mark.xdist_group("site")
+def test_the_api_reference_names_no_private_module_and_shows_no_role(site):
+    """Beyond the sentence that says ``fedpartial._src`` is private, an API page names only what a user can
+    import, and no Sphinx role (``:mod:`...```, also in a ``#:`` comment's description) shows as typed."""
+    found = []
+    for page, html in site_pages(site).items():
+        if page.startswith("api"):
+            text = " ".join(visible_text(html, code=True).split()).replace("under fedpartial._src is private", "")
+            found += [f"{page}: {m.group(0)}" for m in re.finditer(r"fedpartial\._src\S*|:(?:class|mod|func|meth|"
+                                                                     r"attr|data|exc):", text)]
+    assert not found, found
+
+
+def test_the_navigation_lists_each_page_once():
+    import yaml
+
+    def pages(items):
+        for item in items:
+            for target in item.values() if isinstance(item, dict) else [item]:
+                yield from [target] if isinstance(target, str) else pages(target)
+
+    listed = list(pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
+    assert len(listed) == len(set(listed)), sorted(p for p in listed if listed.count(p) > 1)
 
 
 def test_the_internal_words_rule_reads_what_it_should():

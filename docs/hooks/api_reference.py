@@ -4,10 +4,13 @@ The reference reads the source statically, so it misses what the package fills i
 extension adds it back, for every documented object of the public namespaces:
 
 * an attribute documented in its class's ``Attributes:`` section, by the constructor argument of its name, or
-  by a ``#:`` comment above it, gets that text as its own description (otherwise its entry would be an empty box with only its name);
+  by a ``#:`` comment above it, gets that text as its own description (otherwise its entry would be an empty
+  box with only its name);
 * each :class:`~fedpartial.RunConfig` field gets its setting's meaning, type, unit, default and flag, read from
-  the settings themselves (the same descriptions as ``--help`` and the configuration page), and the class's
-  signature reads ``RunConfig(**settings)`` instead of a screen of ``setting(...)`` calls;
+  the settings themselves (the same descriptions as ``--help`` and the configuration page; flags, commands and
+  paths shown as code, "the Data page" as a link), its code line
+  reads ``name: type = default``, and the class's signature reads ``RunConfig(**settings)`` instead of a
+  screen of ``setting(...)`` calls;
 * ``>>>`` examples become ``pycon`` code blocks (Markdown would render them as nested quotes);
 * a documentation page named by its path (``docs/privacy.md``, as ``help()`` shows it) becomes a link to the
   page under its title.
@@ -17,13 +20,26 @@ extension adds it back, for every documented object of the public namespaces:
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import pathlib
 import re
 import sys
-import pathlib
 
 import griffe
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _sibling(name: str):
+    """A module of this folder, loaded by its path (as ``mkdocs.yml`` loads this one: the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sphinx_roles = _sibling("sphinx_roles")
 RUN_CONFIG = "fedpartial._src.experiment.config.RunConfig"
 SECTION_HEADING = re.compile(r"^\s*Attributes:\s*$")
 PROMPT = re.compile(r"^(\s*)>>> ")
@@ -102,25 +118,63 @@ def _comment_above(attr: griffe.Attribute) -> str | None:
     return " ".join(comment) or None
 
 
+def _nav_titles() -> dict[str, str]:
+    """``{title: page}`` of the site's navigation (``mkdocs.yml``), e.g. ``{"Data": "data"}``."""
+    import yaml
+
+    found = {}
+
+    def walk(items, section):
+        for item in items:
+            if isinstance(item, str) and section:  # a section's own page goes by the section's title
+                found.setdefault(section, item.removesuffix(".md"))
+            for title, target in item.items() if isinstance(item, dict) else ():
+                if isinstance(target, str):
+                    found[title] = target.removesuffix(".md")
+                else:
+                    walk(target, title)
+
+    walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"], None)
+    return found
+
+
+PAGE = re.compile(r"\bthe ([A-Z][\w -]*?) page\b")
+
+
+def marked(text: str, titles: dict[str, str]) -> str:
+    """A setting's plain words as Markdown: flags, commands and paths as code (as on the configuration page), a
+    page named by its navigation title ("the Data page") as a link to it (from an API reference page, one
+    level down)."""
+    from fedpartial._src.experiment import settings
+
+    parts = settings.code_marked(text).split("`")  # odd parts are code
+    for i in range(0, len(parts), 2):
+        parts[i] = PAGE.sub(lambda m: f"the [{m.group(1)}](../{titles[m.group(1)]}.md) page"
+                            if m.group(1) in titles else m.group(0), parts[i])
+    return "`".join(parts)
+
+
 def _run_config_docs() -> dict[str, tuple[str, str]]:
-    """``{field: (annotation, description)}`` of every RunConfig setting, from the settings' own descriptions."""
+    """``{field: (Python default, description)}`` of every RunConfig setting, from the settings' own
+    descriptions."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from fedpartial._src.experiment import config, settings
 
-    docs = {}
+    docs, titles = {}, _nav_titles()
     for field in settings.fields(config.RunConfig):
         described = settings.described(field)
         title = settings.SECTIONS[described.section][0]
         anchor = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
         flag = settings.flag_of(field)
-        facts = [f"**Type:** `{field.type}`", f"**Default:** {settings.default_text(field)}"]
+        facts = [f"**Type:** `{field.type}`", f"**Default:** {marked(settings.default_text(field), titles)}"]
         if described.unit:
             facts.append(f"**Unit:** {described.unit}")
         facts.append(f"**Flag:** `{flag}`" if flag else "**Flag:** none (Python only)")
         facts.append(f"**Section:** [{title}](../configuration.md#{anchor})")
-        help_text = described.help[0].upper() + described.help[1:]
-        docs[field.name] = (str(field.type), f"{help_text}.\n\n" + " · ".join(facts))
+        help_text = marked(described.help[0].upper() + described.help[1:], titles)
+        value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        docs[field.name] = (repr(value), f"{help_text}.\n\n" + " · ".join(facts))
     return docs
 
 
@@ -147,32 +201,35 @@ class ApiReference(griffe.Extension):
                 continue
             if member.is_attribute and member.docstring is None:
                 comment = _comment_above(member)
-                if comment:
-                    member.docstring = griffe.Docstring(comment, parent=member)
+                if comment:  # read after the Sphinx roles extension ran: its roles are made code here
+                    member.docstring = griffe.Docstring(sphinx_roles.plain(comment), parent=member)
             if member.is_attribute and member.docstring is not None:
                 member.docstring.value = page_links(pycon_blocks(member.docstring.value))
             if member.is_module or member.is_class or member.is_function:
                 self._visit(member, seen)
 
     @staticmethod
-    def _fill_members(cls: griffe.Class) -> None:
-        if cls.docstring is None:
+    def _fill_members(klass: griffe.Class) -> None:
+        if klass.docstring is None:
             return
-        described = {**_init_arguments(cls), **_attribute_sections(cls.docstring)}
+        described = {**_init_arguments(klass), **_attribute_sections(klass.docstring)}
         for name, text in described.items():
-            member = cls.members.get(name)
+            member = klass.members.get(name)
             if member is not None and not member.is_alias and member.is_attribute and member.docstring is None:
                 member.docstring = griffe.Docstring(text, parent=member)
 
     def _fill_run_config(self, cls: griffe.Class) -> None:
         if self._run_config is None:
             self._run_config = _run_config_docs()
-        for name, (annotation, text) in self._run_config.items():
+        for name, (default, text) in self._run_config.items():
             member = cls.members.get(name)
             if member is None or member.is_alias:
                 continue
             member.docstring = griffe.Docstring(page_links(text), parent=member)
-            member.value = None  # the field's setting(...) call is not what a reader needs
+            # the entry's code line reads ``name: type = default`` as a keyword argument is written, instead
+            # of the field's setting(...) call; "class-attribute instance-attribute" says nothing to a reader
+            member.value = default
+            member.labels -= {"class-attribute", "instance-attribute"}
         cls.set_member("__init__", griffe.Function(
             "__init__", lineno=0, endlineno=0, parent=cls, returns="None",
             parameters=griffe.Parameters(

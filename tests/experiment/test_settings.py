@@ -91,3 +91,14 @@ def test_list_options_shows_one_methods_options(capsys):
     assert "--mu" in out and "--tiers" in out
     assert main(["list", "options"]) == 2
     assert "give a method after options" in capsys.readouterr().err
+
+
+def test_a_settings_words_show_flags_commands_and_paths_as_code():
+    marked = settings.code_marked
+    assert marked("drawn with --seed (fedpartial list datasets)") == "drawn with `--seed` (`fedpartial list datasets`)"
+    assert marked("its flag (fedpartial run --method NAME --help)") == "its flag (`fedpartial run --method NAME --help`)"
+    assert marked("in $TMPDIR or ~/.cache/fedpartial/jax") == "in `$TMPDIR` or `~/.cache/fedpartial/jax`"
+    assert marked("a fedpartial run folder, 1e-3, non-IID, `--es` already") == \
+        "a fedpartial run folder, 1e-3, non-IID, `--es` already"
+    page = reference_page()
+    assert "| 0.7 when the method or `--es` needs held-out data, else 1 |" in page

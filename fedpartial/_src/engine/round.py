@@ -40,7 +40,7 @@ nothing (it reports failure instead of a model).  ``client_loss`` keeps its raw
 global model then comes back unchanged: nobody uploaded anything) or the new global
 variables are not finite; the round is not undone (that would copy the whole state
 every round), :class:`~fedpartial.Simulation` stops the run with a
-:class:`fedpartial._src.core.errors.DivergedError` and the last good checkpoint stays.
+:class:`~fedpartial.DivergedError` and the last good checkpoint stays.
 
 **Per-client state** (``MethodState.clients``, ``[N, ...]``) is gathered at the
 cohort's rows into ``RoundView.client_state`` and written back by the method's
@@ -245,7 +245,7 @@ class FederatedRound:
         # ``functions.round``: ``pure_round`` in a jax.jit that is inlined into whatever traces it (the same
         # computation, e.g. under a user's jit, scan or vmap), so that JAX's trace cache counts its traces
         self._round_fn = jit(self.pure_round, inline=True)
-        #: how this round's strategy runs it (:mod:`fedpartial._src.engine.runners`), picked once
+        #: how this round's strategy runs it, picked once
         self.runner = RUNNERS[self.strategy.kind](self.program)
 
     def client_state_shapes(self) -> Any:
@@ -280,7 +280,7 @@ class FederatedRound:
 
     def local_inputs(self, state: ServerState, cohort: Cohort, key: jax.Array) -> tuple[LocalInputs, ...]:
         """Per client group, what its clients' local training reads in a round with these inputs
-        (pure, not jitted): e.g. to compile one client's step ahead of time (:mod:`fedpartial._src.costs.devices`)."""
+        (pure, not jitted): e.g. to compile one client's step ahead of time."""
         keys, program = hook_keys(key), self.program
         view = program.view(state, cohort, key)
         plan = program.plan(view, keys)

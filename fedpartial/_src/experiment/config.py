@@ -279,9 +279,9 @@ class RunConfig:
         """Raises :class:`ConfigError` naming the first bad value by its command-line flag and what is allowed.
 
         Each number is checked against the values its setting declares (``allowed``; NaN and ±inf never pass),
-        then names, output paths and combinations.  Nothing is created or loaded and the machine is not asked
-        (:func:`fedpartial._src.experiment.preflight.preflight` asks).  The configuration remembers that it passed,
-        so its run does not check it again unless a setting changed (``config_checks.validate_once``).
+        then names, output paths and combinations.  Nothing is created or loaded and the machine is not asked (the run
+        asks when it starts).  The configuration remembers that it passed, so its run does not check it again
+        unless a setting changed.
 
         ``custom_method``: the method is a given :class:`Method`, so ``method`` and ``options`` are not looked
         up.  ``check_model``: also refuse, from the names alone, a model the run cannot use (a neuron-level
@@ -327,18 +327,16 @@ class RunConfig:
     @property
     def num_devices(self) -> int:
         """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
-        fused on an accelerator, else 1 (:func:`fedpartial._src.experiment.plan.num_devices`: it asks JAX)."""
+        fused on an accelerator, else 1 (it asks JAX for the local devices)."""
         return _plan().num_devices(self)
 
     def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None) -> Strategy:
         """The strategy the round runs: ``--strategy`` ('auto' is fused when the cohort is split over devices:
-        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)
-        (:func:`fedpartial._src.experiment.plan.run_strategy`)."""
+        ``num_devices``, default :attr:`num_devices`; otherwise the platform's rule for ``model``)."""
         return _plan().run_strategy(self, num_devices, model, layout)
 
     def device_model(self) -> DeviceProfiles:
-        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed
-        (:func:`fedpartial._src.experiment.plan.device_model`)."""
+        """Every client's device ``[N]``: the profiles CSV when given, else drawn with the seed."""
         return _plan().device_model(self)
 
     @property
@@ -368,8 +366,7 @@ class RunConfig:
 
     def build_method(self) -> Method:
         """The registered method with this configuration's options (before early stopping), and this run's
-        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)
-        (:func:`fedpartial._src.experiment.plan.build_method`)."""
+        values of the settings it reads (``MethodSpec.run_settings``, e.g. FedNova's client ``momentum``)."""
         return _plan().build_method(self)
 
 

@@ -49,7 +49,8 @@ def run(config: RunConfig, *, on_round=None, sim: simulation.Simulation | None =
 
     Examples:
       >>> import tempfile, fedpartial as fp
-      >>> config = fp.RunConfig(num_clients=6, cohort_size=3, rounds=1, local_steps=1, out_dir=tempfile.mkdtemp())
+      >>> config = fp.RunConfig(num_clients=6, cohort_size=3, rounds=1, local_steps=1,
+      ...                       out_dir=tempfile.mkdtemp())
       >>> 0 <= fp.run(config)["final_test_accuracy"] <= 1
       True
     """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -186,8 +187,23 @@ def attributes_doc(cls) -> str:
     return "\n".join(lines)
 
 
+# In a setting's words (written for ``--help``, so plain text): a flag, a ``fedpartial list|run`` command, and an
+# environment variable, home path or import string, which a documentation page shows as code.
+_COMMAND = re.compile(r"fedpartial list [a-z]+|fedpartial run(?: --[\w-]+(?: [A-Z]+)?)+")
+_FLAG = re.compile(r"(?<![\w`-])--[a-z][\w-]*[a-z0-9]")
+_PATHLIKE = re.compile(r"(?<![\w`])(?:\$[A-Z_]+|~)(?:/[\w.-]+)*|\bpackage\.module:[a-z]+")
+
+
+def code_marked(text: str) -> str:
+    """A setting's plain words as Markdown: its flags, commands and paths as code spans."""
+    parts = _COMMAND.sub(lambda m: f"`{m.group(0)}`", text).split("`")  # odd parts are code already
+    for i in range(0, len(parts), 2):
+        parts[i] = _PATHLIKE.sub(lambda m: f"`{m.group(0)}`", _FLAG.sub(lambda m: f"`{m.group(0)}`", parts[i]))
+    return "`".join(parts)
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return code_marked(text).replace("|", "\\|").replace("\n", " ")
 
 
 def reference_markdown(cls, method_specs: Iterable = ()) -> str:

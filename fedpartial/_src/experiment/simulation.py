@@ -78,7 +78,8 @@ class Simulation:
 
     Examples:
       >>> import fedpartial as fp
-      >>> config = fp.RunConfig(dataset="digits", num_clients=6, cohort_size=3, rounds=2, local_steps=1, out_dir=None)
+      >>> config = fp.RunConfig(dataset="digits", num_clients=6, cohort_size=3, rounds=2,
+      ...                       local_steps=1, out_dir=None)
       >>> [r["round"] for r in fp.Simulation(config).rounds()]
       [1, 2]
     """
@@ -100,7 +101,7 @@ class Simulation:
     memory = _held("layout", "memory", "the round's peak-memory estimate", settable=True)
     strategy_note = _held("layout", "note", "why the round's layout is not what --strategy and --data-placement "
                           "give by themselves (None: it is)", settable=True)
-    costs = _held("clock", "costs", "the FLOPs of local work (:class:`~fedpartial._src.costs.devices.CostModel`)")
+    costs = _held("clock", "costs", "the FLOPs of local work, counted on the plain model")
     devices = _held("clock", "profiles", "``[N]`` the simulated devices' compute speeds and bandwidths")
 
     def __init__(self, config: RunConfig, dataset: sources.ArrayDataset | None = None, *,
@@ -114,11 +115,12 @@ class Simulation:
         compile_cache.enable(self.config.compile_cache)
         self.config, dataset = population.run_dataset(self.config, dataset, model)
         self.method, self.accountant, fraction, note = parts.run_method(self.config, self.plan.method)
-        #: the clients' data and where it lives (:class:`~fedpartial._src.experiment.client_data.ClientData`)
+        #: the clients' data and where it lives (on the device or the host)
         self.data = ClientData(self.config, dataset, self.method, fraction, note, data_placement)
         self.model, plain_model, conv_choice = parts.checked_model(self.config, dataset, self.method, model)
         mesh = layout.run_mesh(self.config, self.plan.num_devices)
-        #: how the round runs (:class:`~fedpartial._src.experiment.layout.RoundLayout`), decided before it was built
+        #: how the round runs (strategy, where data and per-client state live, the memory estimate), decided before
+        #: the round was built
         self.layout, self.round, counted = layout.build_round(
             self.config, self.method, self.model, plain_model, conv_choice=conv_choice, mesh=mesh,
             strategy=self.plan.strategy(self.model, conv_choice.layout, split_over=1 if mesh is None else mesh.size),
@@ -132,7 +134,7 @@ class Simulation:
         else:
             self.data.place_on_device()
         #: who is available and who reports in time, with the simulated devices and the FLOPs of their local work
-        #: (counted on the plain model) (:mod:`fedpartial._src.experiment.timing`)
+        #: (counted on the plain model)
         self.clock = timing.RoundClock(self.config, self.round, devices.CostModel(counted),
                                        plan_lib.device_model(self.config))
         # the run's two keys: the initial state's, and the one every round's draws come from (:attr:`rounds_key`)
@@ -144,11 +146,11 @@ class Simulation:
         #: the last round's plan and selection (client ids and structured masks) when the run records decisions,
         #: else None
         self.last_decisions = None
-        #: the optimizer per-client fine-tuning trains with (:mod:`.finetune`); None: the round's client optimizer
+        #: the optimizer per-client fine-tuning trains with; None: the round's client optimizer
         #: (replicas, whose round runs at rate 1 with each replica's rate in its cohort, set their own rate here)
         self.finetune_optimizer = None
         #: host-side totals :meth:`rounds` carries between rounds (rounds done, traffic, simulated time and the
-        #: clock availability reads); with ``state`` everything a checkpoint restores (:mod:`.checkpoint`)
+        #: clock availability reads); with ``state`` everything a checkpoint restores
         self.progress = {"round": 0, "cumulative_upload_bytes": 0, "cumulative_download_bytes": 0,
                          "cumulative_simulated_time_s": 0.0, "simulated_clock_s": 0.0}
         #: whether a round of this run trained nothing (its warning is said once a run)
@@ -194,12 +196,12 @@ class Simulation:
         return layout.streamed_strategy(clients_that_fit, self.model)
 
     def place_data_on_device(self) -> None:
-        """Copies the clients' training data to the device, once (:meth:`ClientData.place_on_device`)."""
+        """Copies the clients' training data to the device, once; later cohorts are gathered there."""
         self.data.place_on_device()
 
     def pad_shapes(self, num_steps: int, holdout_length: int | None = None) -> None:
         """Pads every later cohort to ``num_steps`` local steps and the holdout to ``holdout_length`` examples
-        per client (:mod:`fedpartial._src.experiment.replicas` gives its seeds one shape; :meth:`ClientData.pad`)."""
+        per client (the seeds of a many-seed run share one shape)."""
         self.data.pad(num_steps, holdout_length)
         self.memory = layout.estimate(self.round, self.client_state, num_steps=num_steps,  # padded steps are packed
                                       batch_size=self.config.batch_size, example_shape=self.model.input_shape,
@@ -207,7 +209,7 @@ class Simulation:
 
     def full_model_times(self) -> np.ndarray:
         """``[N]`` each device's simulated time for one round of *full-model* local work on its own data
-        (:func:`~fedpartial._src.experiment.simulated_time.full_model_times`)."""
+        (what FedAD's dropout targets start from)."""
         # same shapes as every round's (ids cycled: a cohort padded for several devices may exceed N)
         cohort = self.cohort(np.arange(self.round.ctx.cohort_size) % self.config.num_clients, 0)
         return simulated_time.full_model_times(self.round, self.costs, self.devices, cohort, self.sizes,
@@ -248,7 +250,7 @@ class Simulation:
 
     def evaluate_personal(self) -> dict:
         """Every client's own model (fine-tuned first where the method asks) on its held-out split, and the global
-        model on the same splits (:func:`~fedpartial._src.experiment.finetune.evaluate_personal`)."""
+        model on the same splits: the ``personal_accuracy*`` and ``global_client_accuracy`` fields."""
         return finetune.evaluate_personal(self)
 
     def evaluate(self) -> dict:
@@ -260,7 +262,7 @@ class Simulation:
         round itself (:meth:`run_round`), :meth:`finish_round` (host).
 
         A round in which every real client's update, or the new global model, is not finite raises
-        :class:`fedpartial._src.core.errors.DivergedError` before its record is yielded (``self.state`` is then
+        :class:`~fedpartial.DivergedError` before its record is yielded (``self.state`` is then
         the diverged round's; :func:`run` keeps the last good checkpoint); ``nonfinite_clients`` counts the
         updates left out of aggregation.
         """
@@ -273,8 +275,8 @@ class Simulation:
 
     def prepare_round(self, t: int) -> PreparedRound | None:
         """Round ``t``'s cohort and key (the host work before the round), drawn from the clients available at the
-        clock and cut by the deadline (:mod:`fedpartial._src.experiment.timing`); None when early stopping has
-        stopped every client or an availability trace has nobody left."""
+        clock and cut by the deadline; None when early stopping has stopped every client or an availability
+        trace has nobody left."""
         active = self.active_clients()
         joined = self.clock.join(t, active, self.progress) if active.any() else None
         if joined is None:
@@ -291,8 +293,7 @@ class Simulation:
 
     def finish_round(self, prepared: PreparedRound, metrics: dict, round_time: float | None = None) -> dict:
         """Round ``prepared.round``'s record from the metrics of its round (the state already updated):
-        divergence check, traffic, simulated time, running totals and evaluation
-        (:func:`~fedpartial._src.experiment.round_record.synchronous`).
+        divergence check, traffic, simulated time, running totals and evaluation.
 
         ``round_time``: the record's ``round_time_s`` (default: the time since :meth:`prepare_round`
         started, the round's host and device work); its ``wall_time_s`` adds the time taken here.
