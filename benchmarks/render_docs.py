@@ -179,6 +179,9 @@ SUPERSEDED = {
                                 "noisier than the quiet re-run's (0.78× there, 0.98× here for cnn2c1f stepwise:1)"),
     "strategies-cpu-cpu-quiet-rerun.json": ("conv-lowering-cpu-cpu-20261203.json",
                                             "measured before the convolution lowerings and today's `auto`"),
+    "replica-layout-cpu-2026-12-03.json": ("replica-layout-cpu-2026-12-04.json",
+                                           "measured before replicas followed a single run's layout: they ran the "
+                                           "vmapped fused:1 round, 0.05× two separate runs' steady speed"),
     "throughput-cpu-cpu-20261123.json": ("conv-lowering-cpu-cpu-20261203.json",
                                          "measured before the convolution lowerings and today's `auto` (its conv "
                                          "models ran lax's convolution one client at a time)"),
