@@ -387,6 +387,17 @@ def peers(results) -> list[str]:
         lines += ["", "Median seconds a round after warm-up. `lax/fused:1@2`, `mapped/fused:1@2`: the cohort split "
                   "over 2 single-threaded XLA:CPU devices (one per core); `plain`: a Python loop of one jitted SGD "
                   "step per client."]
+    for name, d in family(results, "peers_profile").items():
+        jx, tc = d["sides"]["jax"], d["sides"]["torch"]
+        st = d["settings"]
+        names = {"step_s": "one SGD step (forward, backward, momentum)", "conv1_s": "first convolution block alone",
+                 "conv2_s": "second convolution block alone", "dense_s": "dense head alone"}
+        lines += ["", f"Where the time goes, per core: one client's step of `{st['model']}` (batch {st['batch']}, "
+                  f"{st['side']}×{st['side']}), one thread on each side, `python -m benchmarks.peers_profile` "
+                  f"({date_of(name, d)}).", ""]
+        lines += table(["piece", "XLA:CPU", "PyTorch", "XLA / PyTorch"],
+                       [[names[k], num(jx.get(k, 0) * 1e3, 2, " ms"), num(tc.get(k, 0) * 1e3, 2, " ms"),
+                         num(d["jax_over_torch"].get(k), 2, "×")] for k in names if k in d["jax_over_torch"]])
     return lines
 
 

@@ -45,3 +45,11 @@ def test_both_sides_train_the_same_layers(row):
     ours = sorted(int(np.prod(a.shape)) for a in jax.tree.leaves(variables["params"]))
     theirs = sorted(p.numel() for p in torch_model(spec.model, spec.side).parameters())
     assert ours == theirs and isinstance(torch.__version__, str)
+
+
+def test_the_profile_times_every_piece_of_a_step_on_the_jax_side():
+    from benchmarks import peers_profile
+
+    got = peers_profile.jax_side("cnn", batch=2, side=8, repeats=1)
+    assert set(got) == {"step_s", "conv1_s", "conv2_s", "dense_s", "versions"}
+    assert all(got[k] > 0 for k in ("step_s", "conv1_s", "conv2_s", "dense_s"))
