@@ -5,7 +5,7 @@ Usage::
 
     python -m benchmarks.conv_lowering [--quick] [--rows ROW[,ROW...]] [--rounds R] [--local-steps S]
         [--batch-size B] [--lowerings lax,im2col,hybrid,mapped] [--strategies stepwise:1,fused:1,fused]
-        [--skip ROW:IMPL:STRATEGY] [--dtypes float32,bfloat16] [--out PATH]
+        [--skip ROW:IMPL:STRATEGY] [--dtypes float32,bfloat16] [--matmul-precision highest] [--out PATH]
 
 A row is ``MODEL@SIDExSIDExC:K``: the default rows are the CNN of the default run on 8x8 grey images (the
 digits' shape) and on 28x28 (MNIST's) at K = 10 and 50, LeNet-5 and VGG-9 on 32x32x3 at K = 10.  The data
@@ -17,7 +17,8 @@ loop's.  GFLOP/s count the analytic training FLOPs of the round (:func:`fedparti
 x K x S x B), and the share is of a 2048x2048 float32 matmul timed in the same run.  ``auto`` is what
 :func:`fedpartial._src.engine.conv_choice.choose` picks for the row (measured here, not cached) and the round
 time of that (lowering, strategy) cell.  ``--skip`` leaves out cells known to take minutes (recorded as
-skipped, with the reason).  ``--quick``: a tiny smoke test (one 8x8 row, K = 2, seconds).
+skipped, with the reason).  ``--matmul-precision highest`` runs every cell and the plain loop at full float32
+(an NVIDIA GPU's default is TF32): a difference from the loop that stays there is a bug, not rounding.  ``--quick``: a tiny smoke test (one 8x8 row, K = 2, seconds).
 """
 
 from __future__ import annotations
@@ -189,8 +190,13 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", type=kit.name_list, default=STRATEGIES)
     p.add_argument("--dtypes", type=kit.name_list, default=("float32",))
     p.add_argument("--skip", type=kit.name_list, default=SLOW, help="ROW:IMPL:STRATEGY cells left out")
+    p.add_argument("--matmul-precision", default="default", choices=("default", "high", "highest"),
+                   help="JAX's default matmul and convolution precision for every cell and the plain loop "
+                        "(default: the backend's own, TF32 on NVIDIA GPUs; highest: full float32)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/conv-lowering-<device>.json)")
     args = p.parse_args(argv)
+    if args.matmul_precision != "default":  # set before anything is traced: it is read at lowering time
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     if args.quick:
         args.rows, args.rounds, args.local_steps, args.batch_size = ("cnn2c1f@8x8x1:2",), 1, 1, 4
         args.lowerings, args.strategies, args.auto = ("im2col",), ("fused",), False

@@ -7,7 +7,8 @@
 # (the device tool's folder that comes back), else into benchmarks/results, named with "gpu" and the step;
 # `fedpartial bench` rewrites its JSON after each cell's warm-up and timing, so a step cut off at its limit
 # keeps what it measured.  Nothing is installed: the fedpartial tree is put on PYTHONPATH and the machine's
-# own JAX is used.  `--dry-run` prints each step's limit and command instead of running it
+# own JAX is used.  `--within SECONDS` keeps the whole plan inside one call: each step gets at most what is left
+# (less 10 s), and a step left under 20 s is not run.  `--dry-run` prints each step's limit and command instead of running it
 # (tests/benchmarks/test_gpu_plan.py checks that every command is valid for the current CLI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ BENCH="$PY -m fedpartial bench --preset full --rounds 3"
 # GPU yet: their limits are guesses from cnn1000's and vgg9's times; they replace those two in the essentials.
 declare -A WHAT CMD LIMIT
 ESSENTIALS=(check convcnn convvgg seeds cohort10k)
-STEPS=("${ESSENTIALS[@]}" cnn1000 vgg9 probe seeds100 fedldf models placement replicas lora1000 tests)
+STEPS=("${ESSENTIALS[@]}" vggprec cnn1000 vgg9 probe seeds100 fedldf models placement replicas lora1000 tests)
 WHAT[check]="versions and devices seen by JAX (seconds)"
 CMD[check]="$PY -c 'import jax, flax, optax, fedpartial; print(jax.__version__, flax.__version__, optax.__version__, fedpartial.__version__, jax.devices())'"
 LIMIT[check]=30
@@ -34,6 +35,9 @@ LIMIT[convcnn]=120
 WHAT[convvgg]="the same for VGG-9 at K = 100 (32x32x3, lr 0.01; target: 30% of the matmul rate)"
 CMD[convvgg]="$CONV --lr 0.01 --rows vgg9@32x32x3:100 --out $DIR/conv-lowering-gpu-vgg9.json"
 LIMIT[convvgg]=140
+WHAT[vggprec]="VGG-9's check against the plain loop at full float32 (convvgg runs at the GPU's default, TF32): a difference over 1e-3 that stays here is a bug, not precision"
+CMD[vggprec]="$PY -m benchmarks.conv_lowering --no-auto --rounds 1 --local-steps 2 --batch-size 32 --strategies fused --lowerings lax,hybrid --dtypes float32 --lr 0.01 --matmul-precision highest --rows vgg9@32x32x3:100 --out $DIR/conv-lowering-gpu-vgg9-highest.json"
+LIMIT[vggprec]=120
 WHAT[cnn1000]="target: a 1,000-client CNN cohort (fused, fused:100) at least 20x the plain loop (the loop runs 100 clients and is scaled)"
 CMD[cnn1000]="$BENCH --models cnn2c1f --cohorts 1000 --methods fedavg --strategies fused,fused:100 --out $DIR/throughput-gpu-cnn1000.json"
 LIMIT[cnn1000]=110
@@ -72,8 +76,17 @@ WHAT[tests]="the default test suite on the GPU (4 workers sharing it, no preallo
 CMD[tests]="XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -q --durations=20 2>&1 | tee $DIR/tests-gpu.log"
 LIMIT[tests]=580
 
-dry=0
-if [[ ${1:-} == --dry-run ]]; then dry=1; shift; fi
+dry=0 within=0
+while [[ ${1:-} == --* ]]; do
+  case $1 in
+    --dry-run) dry=1; shift ;;
+    --within) within=${2:-}; shift 2 ;;
+    *) echo "gpu_plan.sh: option '$1' is unknown; use --dry-run or --within SECONDS." >&2; exit 2 ;;
+  esac
+done
+if ! [[ $within =~ ^[0-9]+$ ]]; then
+  echo "gpu_plan.sh: --within takes whole seconds, not '$within'." >&2; exit 2
+fi
 if [[ $# -eq 0 || $1 == list ]]; then
   for s in "${STEPS[@]}"; do printf '%-10s %4ss  %s\n' "$s" "${LIMIT[$s]}" "${WHAT[$s]}"; done
   total=0; for s in "${ESSENTIALS[@]}"; do total=$(( total + LIMIT[$s] )); done
@@ -81,8 +94,11 @@ if [[ $# -eq 0 || $1 == list ]]; then
     "the steps ${ESSENTIALS[*]}, in that order"
   exit 0
 fi
-[[ $1 == all ]] && set -- "${STEPS[@]}"
-[[ $1 == essentials ]] && set -- "${ESSENTIALS[@]}"
+named=()  # 'all' and 'essentials' expand where they stand, so more steps can follow them
+for s in "$@"; do
+  case $s in all) named+=("${STEPS[@]}") ;; essentials) named+=("${ESSENTIALS[@]}") ;; *) named+=("$s") ;; esac
+done
+set -- "${named[@]}"
 for s in "$@"; do
   if [[ -z ${CMD[$s]+x} ]]; then
     echo "gpu_plan.sh: step '$s' is unknown; choose from: ${STEPS[*]} (or list, essentials, all)." >&2
@@ -91,15 +107,22 @@ for s in "$@"; do
 done
 (( dry )) || mkdir -p "$DIR"
 failed=()
+began=$(date +%s)
 for s in "$@"; do
   if (( dry )); then
     printf '%s\t%s\t%s\n' "$s" "${LIMIT[$s]}" "${CMD[$s]}"
   else
-    echo "== $s (at most ${LIMIT[$s]} s): ${WHAT[$s]}"
+    limit=${LIMIT[$s]}
+    if (( within )); then  # the whole plan within a call's time: each step gets at most what is left
+      left=$(( within - ($(date +%s) - began) - 10 ))
+      (( left < limit )) && limit=$left
+      if (( limit < 20 )); then echo "== $s not run: $(( left > 0 ? left : 0 )) s of --within left"; failed+=("$s"); continue; fi
+    fi
+    echo "== $s (at most $limit s): ${WHAT[$s]}"
     start=$(date +%s)
     status=0
-    timeout --signal=TERM --kill-after=10 "${LIMIT[$s]}" bash -o pipefail -c "${CMD[$s]}" || status=$?
-    (( status == 124 )) && echo "== $s was cut off at its limit of ${LIMIT[$s]} s (its JSON keeps what it measured)"
+    timeout --signal=TERM --kill-after=10 "$limit" bash -o pipefail -c "${CMD[$s]}" || status=$?
+    (( status == 124 )) && echo "== $s was cut off at its limit of $limit s (its JSON keeps what it measured)"
     (( status != 0 )) && failed+=("$s")
     echo "== $s took $(( $(date +%s) - start )) s, exit status $status"
   fi

@@ -36,7 +36,7 @@ def limited_steps(out, which="all") -> dict[str, tuple[int, list[str]]]:
 
 def test_list_names_every_step_with_its_limit_and_purpose():
     listed = [line.split(None, 2) for line in plan("list").stdout.splitlines()]
-    assert [name for name, _, _ in listed] == [*ESSENTIALS, "cnn1000", "vgg9", "probe", "seeds100", "fedldf", "models",
+    assert [name for name, _, _ in listed] == [*ESSENTIALS, "vggprec", "cnn1000", "vgg9", "probe", "seeds100", "fedldf", "models",
                                                "placement", "replicas", "lora1000", "tests", "essentials"]
     assert all(what.strip() and limit.endswith("s") for _, limit, what in listed)
 
