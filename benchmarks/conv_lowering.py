@@ -18,7 +18,8 @@ x K x S x B), and the share is of a 2048x2048 float32 matmul timed in the same r
 :func:`fedpartial._src.engine.conv_choice.choose` picks for the row (measured here, not cached) and the round
 time of that (lowering, strategy) cell.  ``--skip`` leaves out cells known to take minutes (recorded as
 skipped, with the reason).  ``--matmul-precision highest`` runs every cell and the plain loop at full float32
-(an NVIDIA GPU's default is TF32): a difference from the loop that stays there is a bug, not rounding.  ``--quick``: a tiny smoke test (one 8x8 row, K = 2, seconds).
+(an NVIDIA GPU's default is TF32): a difference from the loop that stays there is a bug, not rounding.
+``--quick``: a tiny smoke test (one 8x8 row, K = 2, seconds).
 """
 
 from __future__ import annotations
