@@ -39,7 +39,8 @@ CONFIGS = {"mlp": ("lax/stepwise:1", "lax/fused:1", "lax/fused"),
            "conv": ("lax/stepwise:1", "mapped/fused:1")}
 #: the cohort split over the cores: one XLA:CPU device per core, each single-threaded
 SPLIT_FLAGS = "--xla_force_host_platform_device_count={cores} --xla_cpu_multi_thread_eigen=false"
-SPLIT_CONFIGS = {"mlp": ("lax/fused:1@{cores}",), "conv": ("mapped/fused:1@{cores}",)}
+SPLIT_CONFIGS = {"mlp": ("lax/fused:1@{cores}", "lax/stepwise:1@{cores}"),
+                 "conv": ("mapped/fused:1@{cores}", "lax/stepwise:1@{cores}")}
 #: Ray starts its workers at niceness 15 by default: on a machine other work loads, the actors would wait behind it;
 #: the registration timeouts are lengthened for a loaded machine.  Not cured by these: Ray's node manager stops when
 #: its dashboard agent takes more than about 15 s to start (seen at load averages over 20); run the benchmark again

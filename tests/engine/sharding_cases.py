@@ -79,6 +79,30 @@ def engine_run(model, method, devices, k=6, n=12):
     return state, ints, losses, shardings, r.trace_count
 
 
+def stepwise_run(model, method, devices, k=6, n=12):
+    """ROUNDS rounds of stepwise:1 (``devices``: its clients trained side by side, 4 then 2 at a time)."""
+    r = FederatedRound(model, method, num_clients=n, cohort_size=k, client_optimizer=OPT, strategy=stepwise(1),
+                       devices=devices)
+    state = r.init(jax.random.key(0))
+    ints = []
+    for t in range(ROUNDS):
+        cohort = make_cohort((4,), k=k, steps=3, batch=5, seed=t, real_steps=[3, 2, 1, 3, 3, 2][:k],
+                             client_ids=(np.arange(k) * 3 + t) % n)
+        state, metrics = r(state, cohort, jax.random.key(100 + t))
+        totals = traffic_totals(metrics)
+        ints.append([int(metrics["client_steps"]), totals["upload_bytes"], totals["download_bytes"]])
+    # the devices the client steps ran on: each jitted step holds one executable per device it ran on
+    ran_on = sum(f._cache_size() for f in r.runner.steps.fns.values())
+    return state, ints, ran_on, r.trace_count
+
+
+def compare_stepwise(model, name, method):
+    one, four = stepwise_run(model, method, None), stepwise_run(model, method, 4)
+    return {"method": name, "bit_equal": bit_equal(one[0], four[0]), "max_diff": max_diff(one[0], four[0]),
+            "ints_1": one[1], "ints_4": four[1], "executables_1": one[2], "executables_4": four[2],
+            "mesh_4": None, "trace_count_1": one[3], "trace_count_4": four[3]}
+
+
 def compare_engine(model, name, method):
     one, four = engine_run(model, method, None), engine_run(model, method, 4)
     return {"method": name, "max_diff": max_diff(one[0], four[0]), "bit_equal": bit_equal(one[0], four[0]),
@@ -106,7 +130,8 @@ def compare_simulation(method, options=None, **overrides):
             "ints_1": [[r[f] for f in ints] for r in rec1], "ints_4": [[r[f] for f in ints] for r in rec4],
             "acc_1": rec1[-1]["test_accuracy"], "acc_4": rec4[-1]["test_accuracy"],
             "ids_1": sim1.sample_cohort(0)[0].tolist(), "ids_4": ids4.tolist(), "valid_4": valid4.tolist(),
-            "state_devices_4": jax.tree.leaves(sim4.state.variables)[0].sharding.num_devices}
+            "state_devices_4": jax.tree.leaves(sim4.state.variables)[0].sharding.num_devices,
+            "step_devices_4": len(sim4.round.step_devices or ())}
 
 
 def refusals(model) -> dict:
@@ -120,7 +145,7 @@ def refusals(model) -> dict:
             out[name] = str(e)
 
     catch("engine_stepwise", lambda: FederatedRound(model, fedavg(), num_clients=8, cohort_size=8,
-                                                    client_optimizer=OPT, strategy=stepwise(),
+                                                    client_optimizer=OPT, strategy=stepwise(2),
                                                     devices=4))
     catch("engine_cohort", lambda: FederatedRound(model, fedavg(), num_clients=8, cohort_size=6,
                                                   client_optimizer=OPT, strategy=fused(), devices=4))
@@ -128,7 +153,7 @@ def refusals(model) -> dict:
                                                     client_optimizer=OPT, strategy=fused(), devices=5))
     base = RunConfig(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, out_dir=None)
     catch("config_too_many", lambda: preflight(dataclasses.replace(base, devices=5)))
-    catch("config_stepwise", lambda: dataclasses.replace(base, devices=4, strategy="stepwise").validate())
+    catch("config_stepwise", lambda: dataclasses.replace(base, devices=4, strategy="stepwise:2").validate())
     catch("config_zero", lambda: dataclasses.replace(base, devices=0).validate())
     return out
 
@@ -140,6 +165,11 @@ def main() -> None:
     results["engine"] = [compare_engine(model, name, method)
                          for name, method in (("fedavg", fedavg()), ("fedldf", fedldf(3)), ("fedspu", fedspu()))]
     results["seconds"]["engine"] = time.perf_counter() - start
+    start = time.perf_counter()
+    results["stepwise"] = [compare_stepwise(model, name, method) for name, method in (("fedavg", fedavg()),
+                                                                                      ("fedspu", fedspu()))]
+    results["simulation_stepwise"] = compare_simulation("embracingfl", {"tier_mix": "4,2,4"}, strategy="stepwise:1")
+    results["seconds"]["stepwise"] = time.perf_counter() - start
     start = time.perf_counter()
     results["simulation"] = compare_simulation("fedspu")
     # data placed on the (first) device once, each round's gathered cohort then split over the four

@@ -4,12 +4,13 @@
 4-device case runs in one subprocess (``tests/engine/sharding_cases.py``, which prints JSON) and the
 tests here read its results.
 
-Tolerance: not bit-identical.  On 4 devices each device compiles its local training for 2
+The fused round's tolerance: not bit-identical.  On 4 devices each device compiles its local training for 2
 clients instead of 6 (other batched-dot and fusion choices on XLA:CPU) and the client-axis
 sums (aggregation, metrics) become per-device partial sums plus an all-reduce; both change
 float32 rounding, not the arithmetic.  Measured after 3 rounds: at most 3.6e-7 on parameters
 of size ~1 (a few ulps); asserted: 2e-6.  Integer metrics (steps, bytes, clients, FLOPs) and
-the cohort draw are exactly equal.
+the cohort draw are exactly equal.  ``stepwise:1`` over 4 devices (clients trained side by side, one per device)
+is bit for bit: each client runs the very step it runs on one device.
 """
 
 import json
@@ -129,16 +130,36 @@ def test_client_groups_split_over_four_devices_equal_one_device(four_devices, in
     assert case["acc_4"] == case["acc_1"]
 
 
+@pytest.mark.parametrize("method", ["fedavg", "fedspu"])
+def test_stepwise_clients_side_by_side_on_four_devices_equal_one_device_bit_for_bit(four_devices, method):
+    """stepwise:1 over 4 devices: 6 clients of unequal steps, 4 then 2 at a time, each running the same
+    un-vmapped jitted step as on one device, so the state is the same bit for bit; the step ran on all 4."""
+    case = next(c for c in four_devices["stepwise"] if c["method"] == method)
+    assert case["bit_equal"], case["max_diff"]
+    assert case["ints_4"] == case["ints_1"]
+    assert case["executables_1"] == 1 and case["executables_4"] == 4
+    assert case["trace_count_4"] == case["trace_count_1"]
+
+
+def test_a_stepwise_run_of_client_groups_on_four_devices_equals_one_device(four_devices):
+    """``--strategy stepwise:1 --devices 4``: EmbracingFL's three tiers trained side by side, the cohort not
+    padded (only the client steps are split), every number the same as on one device."""
+    case = four_devices["simulation_stepwise"]
+    assert case["bit_equal"] and case["step_devices_4"] == 4 and case["state_devices_4"] == 1
+    assert case["cohort_size_4"] == case["cohort_size_1"] == 6
+    assert case["ints_4"] == case["ints_1"] and case["acc_4"] == case["acc_1"]
+
+
 def test_refusals_are_one_sentence_naming_the_values(four_devices):
     r = four_devices["refusals"]
-    assert r["engine_stepwise"] == ("the stepwise strategy runs on one device; only the fused strategy splits "
-                                    "the cohort over 4 devices.")
+    assert r["engine_stepwise"] == ("the stepwise strategy trains one client per device at a time over 4 "
+                                    "devices, not chunks of 2; use stepwise:1.")
     assert r["engine_cohort"] == "the cohort size 6 must be a multiple of the 4 devices the cohort is split over."
     assert r["engine_too_many"] == "5 devices asked for, but this process has 4 (cpu); use 1 to 4."
     assert r["config_too_many"] == ("--devices 5 is not allowed: it must be between 1 and 4, the number of local "
                                     "cpu devices.")
-    assert r["config_stepwise"] == ("--devices 4 needs the fused strategy (--strategy fused or fused:N); "
-                                    "--strategy stepwise runs on one device.")
+    assert r["config_stepwise"] == ("--devices 4 needs the fused strategy (--strategy fused or fused:N) or "
+                                    "stepwise:1; --strategy stepwise:2 runs on one device.")
     assert r["config_zero"] == "--devices 0 is not allowed: it must be a whole number ≥ 1."
 
 

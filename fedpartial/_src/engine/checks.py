@@ -85,18 +85,42 @@ def check_second_order(rnd: RoundSettings) -> None:
                         f"rule); use --conv-impl lax or im2col.") from None
 
 
-def resolve_mesh(rnd: RoundSettings, devices) -> jax.sharding.Mesh | None:
-    """The client mesh (None: one device, nothing sharded)."""
+def client_devices(devices) -> jax.sharding.Mesh | None:
+    """The client mesh ``devices`` names (None: one device)."""
     if devices is None or (isinstance(devices, (int, np.integer)) and devices == 1):
         return None
     mesh = devices if isinstance(devices, jax.sharding.Mesh) else sharding_lib.client_mesh(devices)
-    d, k = mesh.size, rnd.ctx.cohort_size
     if mesh.axis_names != (sharding_lib.CLIENT_AXIS,):
         raise ValueError(f"the device mesh must have the one axis {sharding_lib.CLIENT_AXIS!r}, "
                          f"not {mesh.axis_names}.")
-    if d > 1 and rnd.strategy.kind != "fused":
+    return mesh if mesh.size > 1 else None
+
+
+def resolve_step_devices(rnd: RoundSettings, devices) -> tuple[jax.Device, ...] | None:
+    """The devices the stepwise strategy trains clients on side by side, one client each at a time (None: one
+    device).  Only one-client steps are split: the round's other pieces run on the first device."""
+    mesh = client_devices(devices)
+    if mesh is None or rnd.strategy.kind != "stepwise":
+        return None
+    if rnd.strategy.chunk_size != 1:
+        raise ValueError(f"the stepwise strategy trains one client per device at a time over {mesh.size} "
+                         f"devices, not chunks of {rnd.strategy.chunk_size}; use stepwise:1.")
+    if jax.process_count() > 1:
+        raise ValueError("the stepwise strategy splits clients over one process's devices; use the fused "
+                         "strategy over several processes.")
+    return tuple(mesh.devices.flat)
+
+
+def resolve_mesh(rnd: RoundSettings, devices) -> jax.sharding.Mesh | None:
+    """The client mesh of the fused strategy (None: one device, nothing sharded; the stepwise strategy's
+    devices are :func:`resolve_step_devices`')."""
+    mesh = client_devices(devices)
+    if mesh is None or rnd.strategy.kind == "stepwise":
+        return None
+    d, k = mesh.size, rnd.ctx.cohort_size
+    if rnd.strategy.kind != "fused":
         raise ValueError(f"the {rnd.strategy.kind} strategy runs on one device; only the fused strategy "
-                         f"splits the cohort over {d} devices.")
+                         f"splits the cohort over {d} devices, and stepwise:1 its clients' steps.")
     if k % d:
         raise ValueError(f"the cohort size {k} must be a multiple of the {d} devices the cohort is split over.")
     return mesh if d > 1 else None

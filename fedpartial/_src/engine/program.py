@@ -50,6 +50,7 @@ class RoundProgram:
       clients: per group, its clients' compiled local training (:class:`~fedpartial._src.engine.client.ClientFns`).
       strategy: how the round runs (:class:`~fedpartial._src.engine.strategy.Strategy`).
       mesh: the device mesh the client axis is split over (fused strategy), or None.
+      step_devices: the devices the stepwise strategy trains clients on side by side, or None.
       client_state: where the method's per-client state lives, ``"device"`` or ``"host"``.
       communicated: the collections clients upload and the server aggregates.
       client_optimizer: the client optimizer (its rate, if known, is ``RoundView.client_lr``).
@@ -61,9 +62,10 @@ class RoundProgram:
                  offsets: tuple[int, ...], clients: tuple[ClientFns, ...], strategy: Strategy,
                  mesh: jax.sharding.Mesh | None, client_state: str, communicated: tuple[str, ...],
                  client_optimizer: ClientOptimizer, server_optimizer: optax.GradientTransformation,
-                 record_decisions: bool):
+                 record_decisions: bool, step_devices: tuple[jax.Device, ...] | None = None):
         self.ctx, self.method, self.groups, self.offsets, self.clients = ctx, method, groups, offsets, clients
         self.strategy, self.mesh, self.client_state, self.communicated = strategy, mesh, client_state, communicated
+        self.step_devices = step_devices
         self.client_optimizer, self.server_optimizer = client_optimizer, server_optimizer
         self.record_decisions = record_decisions
 

@@ -224,6 +224,8 @@ class FederatedRound:
                 raise UserError(f"{problem}; use the fused, stepwise or debug strategy.")
         #: the client mesh the cohort is split over, or None (one device)
         self.mesh = checks.resolve_mesh(self, devices)
+        #: the devices stepwise:1 trains clients on side by side, or None (one device)
+        self.step_devices = checks.resolve_step_devices(self, devices)
         self.client_state = checks.resolve_client_state(self, client_state)
         self._client_rows_fns: dict[int, Callable] = {}
         #: each client group's first row in the cohort
@@ -239,7 +241,8 @@ class FederatedRound:
         #: the round's pure pieces, which its runner computes a round from
         self.program = RoundProgram(
             ctx=self.ctx, method=method, groups=self.groups, offsets=self.offsets, clients=self.clients,
-            strategy=self.strategy, mesh=self.mesh, client_state=self.client_state, communicated=self.communicated,
+            strategy=self.strategy, mesh=self.mesh, step_devices=self.step_devices, client_state=self.client_state,
+            communicated=self.communicated,
             client_optimizer=client_optimizer, server_optimizer=self.server_optimizer,
             record_decisions=record_decisions)
         # ``functions.round``: ``pure_round`` in a jax.jit that is inlined into whatever traces it (the same

@@ -240,8 +240,9 @@ class RunConfig:
                                        "else ~/.cache/fedpartial/jax), so a second identical run does not compile "
                                        "again; --no-compile-cache: do not")
     devices: int | None = setting(None, section="execution", metavar="N", unit="devices",
-                                  help="split each round's cohort over N local devices (fused strategy; the cohort "
-                                       "is padded to a multiple of N with clients that weigh nothing)",
+                                  help="split each round's cohort over N local devices (fused strategy: the cohort "
+                                       "is padded to a multiple of N with clients that weigh nothing; stepwise:1: "
+                                       "N clients trained side by side, one per device)",
                                   default_text="every local device for the fused strategy on a GPU/TPU, else 1")
 
     # --- asynchronous aggregation (docs/async.md); off by default ---

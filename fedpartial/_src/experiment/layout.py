@@ -151,6 +151,9 @@ def build_round(config: RunConfig, method: Method, model: Model, plain_model: Mo
     layout, the round, and the round that counts local work's FLOPs: the same one, or, when the run's lowering or
     dtype is not the plain model's, the ``plain_model``'s (a device's simulated time does not depend on how the
     simulator lowers or rounds its arithmetic)."""
+    step_devices = None
+    if mesh is not None and strategy.kind == "stepwise":  # clients' steps side by side; the rest on one device
+        step_devices, mesh = mesh, None
     num_devices = 1 if mesh is None else mesh.size
     # The cohort (⌈F·K⌉ with over-selection) split over devices is padded to a multiple of their number.
     padded_size = sharding.padded_size(config.sampled_size, num_devices)
@@ -168,7 +171,8 @@ def build_round(config: RunConfig, method: Method, model: Model, plain_model: Mo
     def build(model: Model) -> engine.FederatedRound:
         return engine.FederatedRound(
             model, method, client_optimizer=client_optimizer, server_optimizer=server_optimizer,
-            strategy=decided.strategy, record_decisions=config.record_decisions, devices=mesh,
+            strategy=decided.strategy, record_decisions=config.record_decisions,
+            devices=mesh if step_devices is None or decided.strategy.kind != "stepwise" else step_devices,
             client_state="device" if decided.client_state == "device" else "host", **sizes, **known)
 
     built = build(model)

@@ -105,7 +105,7 @@ def summarize(config: RunConfig, sim: RunSimulation, records: list[dict], wall: 
         **({"strategy_note": sim.strategy_note} if sim.strategy_note else {}),
         "conv_impl": sim.conv_choice.describe() if getattr(sim, "conv_choice", None) else None,
         "compute_dtype": sim.config.compute_dtype,
-        "devices": 1 if sim.mesh is None else sim.mesh.size,
+        "devices": sim.mesh.size if sim.mesh is not None else len(sim.round.step_devices or ()) or 1,
         "backend": jax.default_backend(),
         "data_placement": sim.data_placement,
         "client_state": sim.client_state,

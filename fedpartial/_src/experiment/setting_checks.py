@@ -208,10 +208,11 @@ def check_devices(config) -> None:
     """``--devices``: a whole number ≥ 1 (at most the local device count: the preflight's), with a strategy
     that splits."""
     check_int(config, "devices", 1)
-    kind = engine_strategy.parse_strategy(config.strategy).kind
-    if config.devices > 1 and config.strategy != "auto" and kind != "fused":
-        raise ConfigError(f"--devices {config.devices} needs the fused strategy (--strategy fused or fused:N); "
-                          f"--strategy {config.strategy} runs on one device.")
+    strategy = engine_strategy.parse_strategy(config.strategy)
+    side_by_side = strategy.kind == "stepwise" and strategy.chunk_size == 1  # one client per device at a time
+    if config.devices > 1 and config.strategy != "auto" and strategy.kind != "fused" and not side_by_side:
+        raise ConfigError(f"--devices {config.devices} needs the fused strategy (--strategy fused or fused:N) or "
+                          f"stepwise:1; --strategy {config.strategy} runs on one device.")
 
 
 def check_natural_data(config) -> None:

@@ -125,6 +125,11 @@ class Stepwise(Runner):
                 zip(prog.groups, prog.offsets, groups)):
             data = cohort.data if inputs is None else inputs
             chunk = min(prog.strategy.chunk_size or 1, group.size)
+            if prog.step_devices is not None:
+                rows = slice(offset, offset + group.size)
+                trained.append(self._side_by_side(g, state, step_mask[rows], full_step[rows],
+                                                  (local, data, plan_g, cstate, ckeys)))
+                continue
             for start in range(0, group.size, chunk):
                 size = min(chunk, group.size - start)
                 # chunk 1 runs the un-vmapped step on one client's slice.
@@ -141,6 +146,39 @@ class Stepwise(Runner):
                 local = _put(batched, start, local, local_c._replace(opt_state=()))
             trained.append(local)
         return cohort, plan, tuple(trained)
+
+
+    def _side_by_side(self, g: int, state: ServerState, step_mask: np.ndarray, full_step: np.ndarray, rows):
+        """One group's clients trained one per device at a time (``rows``: their local states, data, plan,
+        client state and keys), their steps interleaved so that each device runs its client's step while
+        the others run theirs (dispatch is asynchronous).  Each client runs the same un-vmapped jitted step as
+        on one device, so the results are the same bit for bit.  The next clients are taken out before this
+        wave's are written back, so that no device waits for another's last step."""
+        devices, size = self.program.step_devices, step_mask.shape[0]
+        init_opt = self.program.clients[g].init_optimizer
+        home = next(iter(jax.tree.leaves(rows[0])[0].devices()))
+        shared = [jax.device_put((state.variables, state.method_state.server), d) for d in devices]
+
+        def take(first):
+            return [jax.device_put(_take(None, i, rows, init_opt), d)
+                    for i, d in zip(range(first, min(first + len(devices), size)), devices)]
+
+        lanes = take(0)
+        for first in range(0, size, len(devices)):
+            last = [int(a[-1]) + 1 if a.size else 0 for a in map(np.flatnonzero, step_mask[first:first + len(lanes)])]
+            for s in range(max(last)):
+                for j, (local_c, *args) in enumerate(lanes):
+                    if s < last[j]:  # steps after a client's last real step are padding: skipped
+                        step = self.steps.fn(g, None, bool(full_step[first + j, s]))
+                        data_c, plan_c, cstate_c, key_c = args
+                        local_c = step(local_c, data_c, s, plan_c, *shared[j][:1], cstate_c, key_c, shared[j][1])
+                        lanes[j] = (local_c, *args)
+            done, lanes = lanes, take(first + len(devices)) if first + len(devices) < size else []
+            local = rows[0]
+            for j, (local_c, *_) in enumerate(done):
+                local = _put(None, first + j, local, jax.device_put(local_c._replace(opt_state=()), home))
+            rows = (local, *rows[1:])
+        return rows[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
