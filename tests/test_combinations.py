@@ -4,6 +4,11 @@ optimizer with momentum and weight decay, a strategy that rotates over the metho
 two rounds.  Each combination keeps the engine's contract — no retrace, a resumed run equals the uninterrupted
 one bit for bit, clients outside the cohort keep their state, the fused round equals the stepwise one — or is
 refused in one sentence when it is built.  The bare methods keep the whole contract in test_contract.py.
+
+What it costs is XLA compiling each case's round (the two rounds and the resumed one reuse it), so the rotation
+runs the whole-cohort ``fused`` round where no other strategy is the point: the chunked ``fused:2`` (which
+compiles the client's training twice, a full chunk of K = 3 and the remainder) and ``stepwise:1`` (with its
+fused twin) come once in seven, the host store twice, each against the whole-cohort round.
 """
 
 import re
