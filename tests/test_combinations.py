@@ -8,7 +8,8 @@ refused in one sentence when it is built.  The bare methods keep the whole contr
 What it costs is XLA compiling each case's round (the two rounds and the resumed one reuse it), so the rotation
 runs the whole-cohort ``fused`` round where no other strategy is the point: the chunked ``fused:2`` (which
 compiles the client's training twice, a full chunk of K = 3 and the remainder) and ``stepwise:1`` (with its
-fused twin) come once in seven, the host store twice, each against the whole-cohort round.
+fused twin) come once in seven, the host store twice, each against the whole-cohort round (measured cold, 2 workers
+on a busy 2-core machine: 0.82x the CPU time of the rotation with ``fused:2`` twice and under the host store).
 """
 
 import re

@@ -11,7 +11,7 @@ tiers 1 and 2).  The whole engine contract (strategies, padding, determinism) is
 MLPs.
 
 What it costs is XLA compiling one round per method, so each case compiles the cheapest program that shows it
-(measured cold on 2 cores: the file 669 s of test time before, see the commit for after):
+(measured cold, 2 workers on a busy 2-core machine: 1534 CPU-seconds for the file before, 772 after, about half):
 
 * one block (embedding, pre-norms, attention, MLP, final norm, head: every kind of layer and both residual
   streams) for every method but the depth-tiered ones; DepthFL, InclusiveFL and FedPart's ``--train-unit block``
@@ -46,7 +46,8 @@ from tests.test_contract import BUILDERS, ON_LORA, ON_LORA_RANKS, ON_STAGED
 
 N, K, V, T = 8, 3, 11, 6
 #: the structure of the tiny size (every module) at a quarter of its width: the same program, less work; one block
-#: has every kind of layer, two are for the methods that tell blocks apart (a round compiles ~1.7x faster on one)
+#: has every kind of layer (and compiles a round in 1.5-1.7x less CPU time), two are for the methods that tell
+#: blocks apart
 MICRO = TransformerSize(layers=2, d_model=16, heads=2, mlp=32)
 ONE_BLOCK = TransformerSize(layers=1, d_model=16, heads=2, mlp=32)
 #: the methods that need two identical blocks: depth tiers train a prefix of them, InclusiveFL distils the deeper
