@@ -1,14 +1,27 @@
 """The built-in methods on a transformer language model: each runs (finite, and an element nobody uploaded keeps
 its global value bit for bit) or is refused in one sentence naming what to change.
 
-One ``transformer_lm`` of the tiny size's structure (2 blocks, but d = 16; 11 tokens, sequences of 6) is shared
-by every case; its labels are per position (next tokens, -1 after the end).  The layer-wise methods the
+The models are ``transformer_lm``s of the tiny size's structure at a quarter of its width (d = 16; 11 tokens,
+sequences of 6); their labels are per position (next tokens, -1 after the end).  The layer-wise methods the
 transformers are for (FedLDF, FedPart, EmbracingFL, DepthFL, InclusiveFL, FedPer, FedRep) and FedAvg run in the
 default suite, and so does the rest of the catalogue: the MLP contract cannot stand in for it (pre-norms on a
 layer's inputs, residual streams and per-position labels broke FedADP, FedDHE and MOON until this test ran them).
 The LoRA methods run on the transformer with rank-2 adapters on every block (and FlexLoRA/HetLoRA with rank
 tiers 1 and 2).  The whole engine contract (strategies, padding, determinism) is test_contract.py's, on the small
 MLPs.
+
+What it costs is XLA compiling one round per method, so each case compiles the cheapest program that shows it
+(measured cold, 2 workers on a busy 2-core machine: 1534 CPU-seconds for the file before, 772 after, about half):
+
+* one block (embedding, pre-norms, attention, MLP, final norm, head: every kind of layer and both residual
+  streams) for every method but the depth-tiered ones; DepthFL, InclusiveFL and FedPart's ``--train-unit block``
+  need two identical blocks (a prefix of the blocks per tier, momentum distilled from block1 into block0, a unit
+  per block) and get the two-block model;
+* the whole-cohort fused round (``fused``: the clients vmapped once), not ``fused:2``, whose ``lax.map`` over
+  chunks of K = 3 compiles the client's training twice (a full chunk and the remainder); chunked and stepwise
+  rounds equal the fused one for every method in test_contract.py;
+* FedJS (FedDH's weighting with (υ, b) never stepped) and plain HetLoRA (HetLoRA under rank tiers, every client at
+  rank 2) take the same path as FedDH and ``hetlora-ranks`` here and are ``slow``, as in test_contract.py.
 """
 
 import jax
@@ -26,14 +39,20 @@ from fedpartial._src.engine.types import Cohort
 from fedpartial._src.methods.base import CohortInfo
 from fedpartial._src.methods.catalog import METHODS
 from fedpartial._src.models.adapter import from_linen
-from fedpartial._src.models.transformer import TransformerLM, TransformerSize
 from fedpartial._src.models.lora import lora
 from fedpartial._src.models.lora_ranks import with_lora_ranks
+from fedpartial._src.models.transformer import TransformerLM, TransformerSize
 from tests.test_contract import BUILDERS, ON_LORA, ON_LORA_RANKS, ON_STAGED
 
 N, K, V, T = 8, 3, 11, 6
-#: the structure of the tiny size (two blocks, every module) at a quarter of its width: the same program, less work
+#: the structure of the tiny size (every module) at a quarter of its width: the same program, less work; one block
+#: has every kind of layer (and compiles a round in 1.5-1.7x less CPU time), two are for the methods that tell
+#: blocks apart
 MICRO = TransformerSize(layers=2, d_model=16, heads=2, mlp=32)
+ONE_BLOCK = TransformerSize(layers=1, d_model=16, heads=2, mlp=32)
+#: the methods that need two identical blocks: depth tiers train a prefix of them, InclusiveFL distils the deeper
+#: block's update into the shallower one
+TWO_BLOCKS = {"depthfl", "inclusivefl"}
 KEY = jax.random.key(0)
 
 #: the methods that cannot train a transformer, and their one-sentence refusal: dropping single neurons needs a
@@ -83,9 +102,20 @@ def server_data():
     return ServerData(x, y)
 
 
+def transformer(size):
+    return from_linen(TransformerLM(num_classes=V, size=size), input_shape=(T,), num_classes=V, name="transformer_lm")
+
+
 @pytest.fixture(scope="module")
 def lm():
-    return from_linen(TransformerLM(num_classes=V, size=MICRO), input_shape=(T,), num_classes=V, name="transformer_lm")
+    """The two-block transformer."""
+    return transformer(MICRO)
+
+
+@pytest.fixture(scope="module")
+def lm1():
+    """The one-block transformer."""
+    return transformer(ONE_BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +125,7 @@ def data():
 
 def build(model, method):
     return FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=client_sgd(0.1, momentum=0.9),
-                          server_optimizer=optax.sgd(1.0), strategy=strategies.fused(2), rounds=4,
+                          server_optimizer=optax.sgd(1.0), strategy=strategies.fused(), rounds=4,
                           record_decisions=True, label_counts=label_counts(), server_data=server_data(),
                           bn_policy="static")
 
@@ -113,17 +143,23 @@ def one_round(lm, data, name):
     return r, before, jax.device_get(after), jax.device_get(metrics)
 
 
-NAMES = [*METHODS, *sorted(ON_LORA_RANKS)]
+#: the same code path as an entry that runs by default (test_contract.py's SAME_PATH_AS): FedJS is FedDH's
+#: weighting with (υ, b) never stepped, plain HetLoRA is ``hetlora-ranks`` with every client at rank 2
+SAME_PATH_AS = {"fedjs": "feddh", "hetlora": "hetlora-ranks"}
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n
+         for n in [*METHODS, *sorted(ON_LORA_RANKS)]]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_method_runs_on_a_transformer_or_is_refused(lm, data, name):
+def test_method_runs_on_a_transformer_or_is_refused(lm, lm1, data, name):
+    """(FedJS and plain HetLoRA, ``slow``: the same path as FedDH and ``hetlora-ranks``, which run by default.)"""
+    model = lm if name in TWO_BLOCKS else lm1
     if name in REFUSED:
         with pytest.raises(UserError, match=REFUSED[name]) as refusal:
-            one_round(lm, data, name)
+            one_round(model, data, name)
         assert "\n" not in str(refusal.value) and str(refusal.value).endswith(".")
         return
-    r, before, after, metrics = one_round(lm, data, name)
+    r, before, after, metrics = one_round(model, data, name)
     for leaf in jax.tree.leaves(after.variables):
         assert np.isfinite(leaf).all()
     selection = metrics["decisions"]["selection"]
@@ -161,8 +197,9 @@ def test_fedpart_trains_one_block_a_round(lm, data, adapters):
 
 
 def test_fedpart_by_block_refuses_a_model_of_one_stage():
-    from fedpartial._src.methods.layerwise.fedpart import unit_of_layer
     import flax.linen as nn
+
+    from fedpartial._src.methods.layerwise.fedpart import unit_of_layer
 
     class Plain(nn.Module):  # a user's module: no stages
         @nn.compact
@@ -175,21 +212,22 @@ def test_fedpart_by_block_refuses_a_model_of_one_stage():
         unit_of_layer(mlp, "block")
 
 
-#: combinations on the transformer, at the smallest size that shows them: a LoRA method under rank tiers and a
-#: layer-wise method, each with every wrapper it allows stacked around it (test_combinations.py's, on the MLPs)
-COMBINED = [("fedit", "ranks", "fused:2"), ("fedldf", None, "fused"), ("fedsa_lora", "lora", "fused")]
+#: combinations on the transformer, at the smallest size that shows them (one block, the whole-cohort fused round):
+#: a LoRA method under rank tiers and a layer-wise method, each with every wrapper it allows stacked around it
+#: (test_combinations.py's, on the MLPs, under every strategy)
+COMBINED = [("fedit", "ranks", "fused"), ("fedldf", None, "fused"), ("fedsa_lora", "lora", "fused")]
 
 
 @pytest.mark.parametrize("name, adapters, strategy", COMBINED, ids=[c[0] for c in COMBINED])
-def test_combinations_on_a_transformer(lm, data, name, adapters, strategy):
+def test_combinations_on_a_transformer(lm1, data, name, adapters, strategy):
     """No retrace and a resumed round equal bit for bit (the fused round equals the stepwise one for every bare
     method in test_contract.py)."""
     import chex
 
     from tests.test_combinations import OPT, SERVER, checkpointed, stacked
 
-    model = {"ranks": lambda: with_lora_ranks(lora(lm, 2), (1, 2)), "lora": lambda: lora(lm, 2),
-             None: lambda: lm}[adapters]()
+    model = {"ranks": lambda: with_lora_ranks(lora(lm1, 2), (1, 2)), "lora": lambda: lora(lm1, 2),
+             None: lambda: lm1}[adapters]()
     method, refused = stacked(name)
     assert len(refused) < 3, refused
 
