@@ -33,6 +33,9 @@ from fedpartial._src.models.lora import lora
 from fedpartial._src.models.lora_ranks import with_lora_ranks
 from tests.conftest import make_cohort
 
+# Two compilations per method (stepwise and fused) of rounds that run a few steps: compiled at -O0
+# (tests/conftest.py says why that changes nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, K = 8, 3
 # optax's SGD bit for bit, and the rate readable (SCAFFOLD reads it); momentum with weight decay, so that a frozen

@@ -100,6 +100,9 @@ def _assert_resumes_bit_for_bit(sim, run_dir: str) -> None:
     assert sim.progress == progress
 
 
+# One compilation of each method's round, run for three rounds of one step: compiled at -O0 (tests/conftest.py says
+# why that changes nothing here; the resume compares the program with itself)
+@pytest.mark.usefixtures("engine_compiled_at_o0")
 @pytest.mark.parametrize("name", _params())
 def test_every_method_runs_from_the_command_line_and_resumes_bit_for_bit(name, tmp_path, monkeypatch, capsys):
     """``fedpartial run`` (the console script's function) for two rounds with a checkpoint after each, the second
@@ -130,6 +133,7 @@ class _BatchNormMLP(nn.Module):
         return nn.Dense(10, name="head")(x)
 
 
+@pytest.mark.usefixtures("engine_compiled_at_o0")
 def test_fedbn_on_a_model_with_batchnorm_resumes_bit_for_bit(tmp_path):
     """FedBN's default run is refused above (no zoo model small enough for digits has BatchNorm but ResNet20, a
     minute to compile); its local BatchNorm statistics are checkpointed here on a tiny model of its own."""
