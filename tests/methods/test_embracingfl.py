@@ -22,6 +22,9 @@ from fedpartial._src.models.registry import build_model
 from tests.conftest import make_cohort
 from tests.engine.test_groups import Block  # Dense → BatchNorm → ReLU
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 N = 8
 OPT = optax.sgd(0.1, momentum=0.9)
 
