@@ -55,7 +55,9 @@ def engine_compiled_at_o0():
     For files of many tiny rounds that compile each method's program and run it for a few steps: their time is
     XLA compiling (measured for the contract's FedLDF: stepwise 4.2 -> 3.1 and fused 5.9 -> 3.5 CPU seconds), and
     what they prove compares programs compiled alike (the persistent cache keys on the options, so nothing is shared
-    with the -O1 programs of other files).  Not for benchmarks or long training, which -O0 runs ~10x slower."""
+    with the -O1 programs of other files).  Not for benchmarks or long training, which -O0 runs ~10x slower, nor for
+    tests that expect two different programs to agree bit for bit: FedRolex's first round equals HeteroFL's at -O1
+    (tests/methods/test_fedrolex.py) but not at -O0."""
     from fedpartial._src.engine import round as round_lib
     from fedpartial._src.engine.runners import base, fused, stepwise, streamed
 
