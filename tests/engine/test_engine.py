@@ -169,8 +169,8 @@ def test_fedavg_traffic_is_the_whole_model_per_client(mlp):
     assert m[0]["upload_bytes"] == m[0]["download_bytes"] == 4 * model_bytes
 
 
-# FedAvg's fused round on the first cohort, the baseline of the next two tests, compiled once for both (they stay
-# on one xdist worker, which builds it once)
+# FedAvg's fused round on the first cohort, the baseline of the next two tests, traced, lowered and run once for
+# both (the persistent cache shares only the compilation; they stay on one xdist worker, which builds it once)
 FEDAVG_BASELINE = pytest.mark.xdist_group("engine_fedavg_baseline")
 
 

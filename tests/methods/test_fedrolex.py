@@ -62,8 +62,8 @@ def test_the_windowed_graph_holds_exactly_the_mask(which):
         chex.assert_trees_all_equal(graph.insert(variables, graph.extract(variables, window), window), variables)
 
 
-# The fused FedRolex round of the small MLP (one client per tier) is compiled once for the reference test and the
-# strategy test (each compilation of it costs seconds): the two stay on one xdist worker, which builds it once.
+# The fused FedRolex round of the small MLP (one client per tier) is traced, lowered and run once for the reference
+# test and the strategy test (the persistent cache shares only the compilation): the two stay on one xdist worker.
 SEVEN_ROUNDS = pytest.mark.xdist_group("fedrolex_seven_rounds")
 
 
