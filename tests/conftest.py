@@ -47,6 +47,31 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 os.environ.setdefault("FEDPARTIAL_CONV_IMPL", "lax")
 
 
+@pytest.fixture
+def engine_compiled_at_o0():
+    """The engine's jitted rounds, steps and inits (``runners.base.jit``) compiled at XLA's optimization level 0 while
+    the test that asks for it runs (``pytest.mark.usefixtures("engine_compiled_at_o0")``).
+
+    For files of many tiny rounds that compile each method's program and run it for a few steps: their time is
+    XLA compiling (measured for the contract's FedLDF: stepwise 4.2 -> 3.1 and fused 5.9 -> 3.5 CPU seconds), and
+    what they prove compares programs compiled alike (the persistent cache keys on the options, so nothing is shared
+    with the -O1 programs of other files).  Not for benchmarks or long training, which -O0 runs ~10x slower, nor for
+    tests that expect two different programs to agree bit for bit: FedRolex's first round equals HeteroFL's at -O1
+    (tests/methods/test_fedrolex.py) but not at -O0."""
+    from fedpartial._src.engine import round as round_lib
+    from fedpartial._src.engine.runners import base, fused, stepwise, streamed
+
+    original = base.jit
+
+    def jit(fn, **jit_kwargs):
+        return original(fn, compiler_options={"xla_backend_optimization_level": 0}, **jit_kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (base, round_lib, fused, stepwise, streamed):
+            patch.setattr(module, "jit", jit)
+        yield
+
+
 class TinyMLP(nn.Module):
     """Dense(6) → BN → ReLU → Dense(5) → ReLU → Dense(3): three layers, one BatchNorm.
 

@@ -7,22 +7,24 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
 from fedpartial._src.engine._rows import rows_padded
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.runners import stepwise as stepwise_runner
 from fedpartial._src.engine.runners.stepwise import Steps
 from fedpartial._src.engine.strategy import debug, default_strategy, fused, parse_strategy, stepwise, streamed
-from fedpartial._src.core import masks
+from fedpartial._src.methods.base import ClientPlan, Selection, make_method
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.basic.fedprox import fedprox
-from fedpartial._src.methods.base import ClientPlan, Selection, make_method
-from fedpartial._src.models.registry import build_model
 from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.registry import build_model
 from tests.conftest import make_cohort
 
 OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
-STRATEGIES = [fused(), fused(2), fused(None, unroll=True), stepwise(1), stepwise(3)]
+# fused(3) with K = 4: a scan over one chunk of 3, then the remainder chunk of 1 (jax.lax.map's chunking; the
+# contract in tests/test_contract.py runs every method whole-cohort fused and relies on this for the chunks)
+STRATEGIES = [fused(), fused(3), fused(None, unroll=True), stepwise(1), stepwise(3)]
 
 
 def partial_method():
@@ -167,20 +169,35 @@ def test_fedavg_traffic_is_the_whole_model_per_client(mlp):
     assert m[0]["upload_bytes"] == m[0]["download_bytes"] == 4 * model_bytes
 
 
-def test_fedprox_mu_zero_is_fedavg_and_mu_pulls_towards_global(mlp, unequal_cohorts):
-    s = fused()
-    _, avg, _ = run_rounds(mlp, fedavg(), s, unequal_cohorts[:1])
+# FedAvg's fused round on the first cohort, the baseline of the next two tests, traced, lowered and run once for
+# both (the persistent cache shares only the compilation; they stay on one xdist worker, which builds it once)
+FEDAVG_BASELINE = pytest.mark.xdist_group("engine_fedavg_baseline")
+
+
+@pytest.fixture(scope="module")
+def fedavg_one_round(mlp, unequal_cohorts):
+    """The server state after FedAvg's fused round on ``unequal_cohorts[0]``."""
+    return run_rounds(mlp, fedavg(), fused(), unequal_cohorts[:1])[1]
+
+
+@FEDAVG_BASELINE
+def test_fedprox_mu_zero_is_fedavg_and_mu_pulls_towards_global(mlp, unequal_cohorts, fedavg_one_round):
+    s, avg = fused(), fedavg_one_round
     _, prox0, _ = run_rounds(mlp, fedprox(0.0), s, unequal_cohorts[:1])
     _, prox, _ = run_rounds(mlp, fedprox(10.0), s, unequal_cohorts[:1])
     chex.assert_trees_all_close(avg.variables, prox0.variables, rtol=1e-6, atol=1e-7)
     init = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT).init(
         jax.random.key(0)).variables["params"]
-    dist = lambda p: sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init)))
+
+    def dist(p):
+        return sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init)))
+
     assert dist(prox.variables["params"]) < dist(avg.variables["params"])
 
 
-def test_server_adam_differs_from_fedavg(mlp, unequal_cohorts):
-    _, avg, _ = run_rounds(mlp, fedavg(), fused(), unequal_cohorts[:1])
+@FEDAVG_BASELINE
+def test_server_adam_differs_from_fedavg(mlp, unequal_cohorts, fedavg_one_round):
+    avg = fedavg_one_round
     _, adam, _ = run_rounds(mlp, fedavg(), fused(), unequal_cohorts[:1], server=optax.adam(0.01))
     assert not np.allclose(avg.variables["params"]["head"]["kernel"], adam.variables["params"]["head"]["kernel"])
 

@@ -12,7 +12,8 @@ as the checkpoint stores them.
 Cost: one compilation per method serves both the command line and the resume (the two checks were once meant as
 separate tests; together they compile half as much).  Every run is the smallest every default allows: digits, the
 MLP (the digits CNN that ``auto`` picks compiles about 2.5 times slower), 5 clients, a cohort of 4 (FedLDF's, HDFL's
-and Random's default n = 4 needs 4), one local step of 8.
+and Random's default n = 4 needs 4), one local step of 8.  Four entries whose checkpointed state is another entry's,
+through the same code (``SAME_STATE_AS``), run with ``-m slow`` only.
 """
 
 import json
@@ -61,8 +62,16 @@ COMBINATIONS = {
 }
 #: combinations refused with every default, and the words of their one sentence
 REFUSED = {"fedbn": "has no BatchNorm"}
+#: combinations whose checkpointed state is another's, through the same code, run with ``-m slow`` only (each is a
+#: method's compilation): FedMP is Hermes with an L1 instead of an L2 norm (one chooser), FedJS is FedDH's
+#: weighting with (υ, b) never stepped (the same state), and early stopping and DP-FedAvg wrap FedAvg's empty state
+#: as they wrap SCAFFOLD's control variates and FFA-LoRA's adapters
+SAME_STATE_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedavg --es": "scaffold --es", "fedavg --dp": "ffa_lora --dp"}
+
+
 def _params() -> list:
-    return [pytest.param(name, id=name.replace(" ", "_")) for name in COMBINATIONS]
+    return [pytest.param(name, id=name.replace(" ", "_"), marks=[pytest.mark.slow] if name in SAME_STATE_AS else [])
+            for name in COMBINATIONS]
 
 
 def _stored(sim) -> dict:
@@ -91,10 +100,14 @@ def _assert_resumes_bit_for_bit(sim, run_dir: str) -> None:
     assert sim.progress == progress
 
 
+# One compilation of each method's round, run for three rounds of one step: compiled at -O0 (tests/conftest.py says
+# why that changes nothing here; the resume compares the program with itself)
+@pytest.mark.usefixtures("engine_compiled_at_o0")
 @pytest.mark.parametrize("name", _params())
 def test_every_method_runs_from_the_command_line_and_resumes_bit_for_bit(name, tmp_path, monkeypatch, capsys):
     """``fedpartial run`` (the console script's function) for two rounds with a checkpoint after each, the second
-    being the final save; then the simulation it ran resumes bit for bit (one compilation serves both)."""
+    being the final save; then the simulation it ran resumes bit for bit (one compilation serves both).  The
+    entries of ``SAME_STATE_AS`` run with ``-m slow``: the entry each names proves the same by default."""
     ran = []
     real_run = simulation.run
     monkeypatch.setattr(simulation, "run", lambda config, **kw: ran.append(kw["sim"]) or real_run(config, **kw))
@@ -120,6 +133,7 @@ class _BatchNormMLP(nn.Module):
         return nn.Dense(10, name="head")(x)
 
 
+@pytest.mark.usefixtures("engine_compiled_at_o0")
 def test_fedbn_on_a_model_with_batchnorm_resumes_bit_for_bit(tmp_path):
     """FedBN's default run is refused above (no zoo model small enough for digits has BatchNorm but ResNet20, a
     minute to compile); its local BatchNorm statistics are checkpointed here on a tiny model of its own."""

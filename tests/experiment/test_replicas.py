@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedpartial._src.cli.main import main
 from fedpartial._src.core import memory
 from fedpartial._src.experiment import replica_axis, replicas, run_directory
-from fedpartial._src.cli.main import main
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation, run
 from tests.conftest import count_copies, fake_device_memory, wide_dataset
@@ -562,7 +562,10 @@ def test_replicas_of_a_single_run_that_is_no_vmapped_round_run_its_strategy_in_a
     from fedpartial._src.experiment import checkpoint
 
     monkeypatch.setattr(replica_axis, "choose_conv", lambda config, dataset: ConvChoice("lax", layout, {}, "test"))
-    config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
+    # The MLP: the layout is stubbed above, and nothing in the host loop depends on the model (the digits CNN, whose
+    # layout this is in practice, compiled the three rounds here, the replicas' and two separate runs', 2-3x
+    # slower: measured 63 against 41 CPU seconds for 'loop', 50 against 16 for 'map')
+    config = RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
                        local_epochs=0.5, momentum=0.9, server_optimizer="adam", conv_impl="auto", seed=0,
                        out_dir=str(tmp_path))
     lrs, server_lrs = [0.02, 0.3], [0.1, 0.5]

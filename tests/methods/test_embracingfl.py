@@ -7,21 +7,23 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Batch, CohortInfo, MethodContext
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.engine.types import Cohort
-from fedpartial._src.core.types import Batch, CohortInfo, MethodContext
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.tiered.embracingfl import capacity_table, default_cuts, embracingfl, resolve_cuts
 from fedpartial._src.methods.tiered.tiers import CAPACITY_CASES, TierMix, cohort_rows, resolve_mix
-from fedpartial._src.models.adapter import from_stages
-from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models.registry import build_model
 from tests.conftest import make_cohort
 from tests.engine.test_groups import Block  # Dense → BatchNorm → ReLU
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 N = 8
 OPT = optax.sgd(0.1, momentum=0.9)
 

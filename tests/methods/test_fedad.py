@@ -11,27 +11,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedpartial._src.costs import footprint as costs
+from fedpartial._src.core import masks
+from fedpartial._src.core.losses import model_loss
+from fedpartial._src.core.types import InitView, MethodContext, RoundView, client_sgd
 from fedpartial._src.costs import devices
+from fedpartial._src.costs import footprint as costs
+from fedpartial._src.data.sources import ArrayDataset
+from fedpartial._src.engine.client import make_client_fns, trainable_mask
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.engine.types import hook_keys
-from fedpartial._src.methods.adaptive import hessian
-from fedpartial._src.methods.adaptive import importance
-from fedpartial._src.core import masks
-from fedpartial._src.core.types import InitView, MethodContext, RoundView, client_sgd
-from fedpartial._src.engine.client import make_client_fns, trainable_mask
-from fedpartial._src.data.sources import ArrayDataset
-from fedpartial._src.core.losses import model_loss
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.adaptive.fedad import AdaptiveState, fedad, feddhad
-from fedpartial._src.methods.adaptive.rates import device_targets, sample_units, unit_rates, unit_shares
-from fedpartial._src.methods.weighting.feddh import feddh
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods.adaptive import hessian, importance
+from fedpartial._src.methods.adaptive.fedad import AdaptiveState, fedad, feddhad
+from fedpartial._src.methods.adaptive.rates import device_targets, sample_units, unit_rates, unit_shares
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.weighting.feddh import feddh
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 OPT = optax.sgd(0.1, momentum=0.9)
 KEY = jax.random.key(0)
 N, K = 6, 3
@@ -66,8 +68,8 @@ def test_unit_shares_sum_per_kind_and_favour_unimportant_units():
     shares = unit_shares(kinds, scores)
     conv = np.concatenate([shares[0], shares[1]])
     np.testing.assert_allclose(conv.sum(), 5.0, rtol=1e-6)  # softmax over all 5 conv filters × 5
-    np.testing.assert_allclose(conv, 5 * np.exp(-np.array([1, 3, 2, 2, 0.0])) / np.exp(-np.array([1, 3, 2, 2, 0.0])).sum(),
-                               rtol=1e-6)
+    scores = -np.array([1, 3, 2, 2, 0.0])
+    np.testing.assert_allclose(conv, 5 * np.exp(scores) / np.exp(scores).sum(), rtol=1e-6)
     np.testing.assert_allclose(shares[2], 2 * np.exp([-0.5, 0.5]) / np.exp([-0.5, 0.5]).sum(), rtol=1e-6)
     np.testing.assert_array_equal(shares[3], 0.0)  # the classifier is never dropped
 
@@ -203,8 +205,9 @@ def test_dropout_aware_aggregation_by_hand(mlp, name):
     trained, new_vars = m["trained"], jax.device_get(new.variables)
     leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731  (the same order in every tree)
     dropped_somewhere = 0
+    is_params = {c: jax.tree.map(lambda _, c=c: c == "params", t) for c, t in old.items()}
     for g, th, up, got, is_param in zip(leaves(old), leaves(trained), leaves(upload), leaves(new_vars),
-                                        leaves({c: jax.tree.map(lambda _, c=c: c == "params", t) for c, t in old.items()})):
+                                        leaves(is_params)):
         g, th, got = np.asarray(g, np.float64), np.asarray(th, np.float64), np.asarray(got, np.float64)
         km = np.broadcast_to(np.asarray(up), th.shape)  # [K, ...] elements each client uploaded
         ww = w.reshape((K,) + (1,) * g.ndim) * km

@@ -62,25 +62,42 @@ def test_the_windowed_graph_holds_exactly_the_mask(which):
         chex.assert_trees_all_equal(graph.insert(variables, graph.extract(variables, window), window), variables)
 
 
-def test_engine_matches_a_plain_python_reference_past_the_wrap():
+# The fused FedRolex round of the small MLP (one client per tier) is traced, lowered and run once for the reference
+# test and the strategy test (the persistent cache shares only the compilation): the two stay on one xdist worker.
+SEVEN_ROUNDS = pytest.mark.xdist_group("fedrolex_seven_rounds")
+
+
+@pytest.fixture(scope="module")
+def seven_rounds():
+    """The fused round and the host copy of its state after each of seven rounds of ``cohorts(7)`` (keys 0-6),
+    with the last round's metrics and the trace count after the first round."""
+    r = build(adapt(SMALL, (4,)), fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL))
+    state, states = start(r), []
+    for t, c in enumerate(cohorts(7)):
+        state, m = r(state, c, jax.random.key(t))
+        states.append(jax.device_get(state))
+        if t == 0:
+            traces = r.trace_count
+    return r, states, m, traces
+
+
+@SEVEN_ROUNDS
+def test_engine_matches_a_plain_python_reference_past_the_wrap(seven_rounds):
     """Strong, moderate (1/2) and weak (1/4) clients of a Dense(6) → Dense(5) MLP: at round t each narrow
     client trains units t, t+1, … of each hidden layer (mod 6 and mod 5); every element averaged over its
     holders.  Seven rounds: the windows wrap around both layers (rounds 5 and 6 start past the last unit).
     Its first round is HeteroFL's, bit for bit; the next ones are not."""
     model = adapt(SMALL, (4,))
-    r = build(model, fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL))
+    r, states, m, traces = seven_rounds
     hetero = build(model, heterofl(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL))
-    state = start(r)
     other = start(hetero)
-    expected = jax.device_get(state.variables["params"])
-    for t, c in enumerate(cohorts(7)):
+    expected = jax.device_get(start(r).variables["params"])
+    for t, (c, state) in enumerate(zip(cohorts(7), states)):
         expected = reference_round(expected, c, window=t)
-        state, m = r(state, c, jax.random.key(t))
         other, _ = hetero(other, c, jax.random.key(t))
         if t == 0:
-            chex.assert_trees_all_equal(state.variables, other.variables)
-            traces = r.trace_count
-        chex.assert_trees_all_close(jax.device_get(state.variables["params"]), expected, rtol=2e-5, atol=2e-6)
+            chex.assert_trees_all_equal(state.variables, jax.device_get(other.variables))
+        chex.assert_trees_all_close(state.variables["params"], expected, rtol=2e-5, atol=2e-6)
     assert r.trace_count == traces, "a later round retraced"
     assert not np.allclose(state.variables["params"]["fc1"]["kernel"], other.variables["params"]["fc1"]["kernel"])
     # Each client sends and receives its window: 4→6→5→3 at full width, 4→3→3→3 and 4→2→2→3 (float32).
@@ -98,10 +115,12 @@ def two_rounds(method, strategy=None):
     return jax.device_get(state.variables)
 
 
-def test_stepwise_strategy_agrees():
-    results = [two_rounds(fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL), strategy)
-               for strategy in (None, stepwise(1))]
-    chex.assert_trees_all_close(*results, rtol=1e-6, atol=1e-7)
+@SEVEN_ROUNDS
+def test_stepwise_strategy_agrees(seven_rounds):
+    """Two rounds stepwise equal the fused round's first two (:func:`seven_rounds`, the same cohorts and keys)."""
+    fused_two = seven_rounds[1][1].variables
+    chex.assert_trees_all_close(two_rounds(fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=SMALL),
+                                           stepwise(1)), fused_two, rtol=1e-6, atol=1e-7)
 
 
 def test_all_strong_fedrolex_is_fedavg():
