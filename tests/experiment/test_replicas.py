@@ -72,9 +72,30 @@ def _assert_same_run(result, vsim, alone, sim, rounds):
     assert int(vsim.state.round) == rounds
 
 
+@pytest.fixture(autouse=True)
+def flops_counted_uncompiled(monkeypatch):
+    """The device model counts each client step's FLOPs on the pre-optimisation HLO (``compiled=False``) instead of
+    compiling the step once more (a seventh to a fifth of these tests' compile seconds: each test's model or method
+    is new): the runs compared here are counted alike, and tests/costs checks the compiled count itself."""
+    from fedpartial._src.costs import devices
+
+    count = devices.step_costs
+    monkeypatch.setattr(devices, "step_costs", lambda fr, cohort, state=None, compiled=True: count(
+        fr, cohort, state, compiled=False))
+
+
+def small_cnn(num_classes, input_shape):
+    """The zoo's digits CNN (``cnn2c1f``: two convolutions and a dense head) with 4 and 8 channels of 3x3, not 32
+    and 64 of 5x5: the vmapped replicas' convolutions all the same, its three rounds (the replicas' and two
+    separate runs') compiled in a fraction of the time (``--model tests.experiment.test_replicas:small_cnn``)."""
+    from fedpartial._src.models.zoo import CNN2C1F
+
+    return CNN2C1F(num_classes, features=(4, 8), kernel_size=3)
+
+
 def test_fedavg_cnn_on_digits_equals_separate_fused_runs(tmp_path):
     """The replicas vmapped (the accelerator's choice); the other tests run ``auto``, which is ``map`` on CPU."""
-    config = RunConfig(dataset="digits", model="cnn2c1f", num_clients=6, cohort_size=2, rounds=2,
+    config = RunConfig(dataset="digits", model=f"{__name__}:small_cnn", num_clients=6, cohort_size=2, rounds=2,
                        batch_size=32, local_epochs=0.5, seed=0)
     done = _check_equal(config, [0, 1], tmp_path, replica_axis="vmap")
     assert [sim.round.trace_count for sim in done["simulations"]] == [1, 0]  # one vmapped trace for 2 rounds
@@ -232,7 +253,8 @@ def test_the_mapped_replica_round_updates_the_stacked_state_in_place(axis, most)
     """FedSPU's 200 personal models per replica dominate the stacked state: the mapped round's scratch memory
     is a fraction of it (one replica's rows, or a batch's), not a second stacked copy.  (``jax.lax.map``,
     which stacked its outputs anew: 258 MiB for a 167 MiB state under ``map``, 350 under ``map:2``.)"""
-    config = RunConfig(method="fedspu", dataset="synthetic", num_clients=200, cohort_size=5, rounds=1,
+    # rounds=2 with one run: round 1 is not the last, so nothing is evaluated (its programs prove nothing here)
+    config = RunConfig(method="fedspu", dataset="synthetic", num_clients=200, cohort_size=5, rounds=2,
                        local_steps=2, batch_size=16, max_samples=20, eval_every=100, out_dir=None)
     reps = replicas.Replicas(config, [0, 1, 2, 3], replica_axis=axis)
     calls, round_fn = [], reps._round
@@ -313,12 +335,15 @@ def test_a_failed_replica_says_why_under_quiet_too(tmp_path, capsys, monkeypatch
 
 def test_learning_rates_as_replicas_equal_separate_runs_at_each_rate(tmp_path):
     """``--lrs``: every rate with every seed, one round for all (rate 1 in the optimizer, each replica's
-    rate in its cohort); each replica equals its separate run at its rate, and the summary has a row per
+    rate in its cohort); a replica equals its separate run at its rate, and the summary has a row per
     rate over the seeds."""
     config = RunConfig(dataset="digits", model="mlp", num_clients=6, cohort_size=2, rounds=2, batch_size=16,
                        local_epochs=0.5, momentum=0.9, weight_decay=1e-3, seed=0)
     lrs = [0.02, 0.3]
-    done = _check_equal(config, [0, 1], tmp_path, replica_axis="map", lrs=lrs)
+    # separate runs of (seed 1, rate 0.02) and (seed 0, rate 0.3): they differ in the seed and the rate, and a
+    # replica order with seeds and rates swapped would give each the other's (0 and 3 would not tell); every
+    # replica's own rate and seed are checked through its folder's config below
+    done = _check_equal(config, [0, 1], tmp_path, replica_axis="map", lrs=lrs, compare=(1, 2))
     assert [sim.round.trace_count for sim in done["simulations"]] == [1, 0, 0, 0]
     parent = done["out_dir"]
     assert parent.endswith("fedavg-digits-seeds0-1-lrs0.02_0.3")
