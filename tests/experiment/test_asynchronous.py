@@ -20,8 +20,8 @@ from fedpartial._src.experiment.asynchronous import AsyncSimulation
 from fedpartial._src.experiment.availability import Availability
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
-from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.runs import run
+from fedpartial._src.experiment.simulation import Simulation
 
 TINY = dict(dataset="synthetic", max_samples=40, num_clients=6, cohort_size=3, rounds=3, local_steps=2,
             batch_size=8, out_dir=None)
@@ -128,8 +128,11 @@ def test_stopped_between_server_steps_resumes_bit_exact(compiled, tmp_path):
     assert any(p.endswith("accuracy_vs_simulated_time.png") for p in paths), paths
 
 
-#: every strategy an asynchronous run takes besides the stepwise one of ``compiled`` (the streamed one is refused)
-STRATEGIES = ("stepwise:2", "fused", "fused:1", "fused-unrolled", "debug")
+#: every strategy an asynchronous run takes besides the stepwise one of ``compiled`` (the streamed one is refused):
+#: a runner each by default; the same runners in chunks (``stepwise:2``, ``fused:1``: another chunk size of a
+#: strategy run here, through the same asynchronous code) with ``-m slow``
+STRATEGIES = ("fused", "fused-unrolled", "debug")
+CHUNKED = ("stepwise:2", "fused:1")
 #: the record's fields that are counts, ids or the clock: the same under every strategy, exactly
 DISCRETE = ("server_step", "arrived_client_ids", "arrived_staleness", "simulated_clock_s", "clients_in_flight",
             "upload_bytes", "download_bytes", "client_flops", "client_steps")
@@ -142,13 +145,25 @@ def test_the_same_seed_gives_the_same_run_under_every_strategy(compiled, tmp_pat
     within float rounding: the synchronous round is not bit for bit across strategies either (the unrolled and
     debug rounds sum in another order).  On this CPU stepwise:2, fused and fused:1 came out bit for bit,
     fused-unrolled 3e-8 and debug 1.2e-7 apart."""
+    _same_run_under(STRATEGIES, compiled, tmp_path)
+
+
+@pytest.mark.slow  # test_the_same_seed_gives_the_same_run_under_every_strategy runs these runners unchunked
+def test_the_same_seed_gives_the_same_run_under_the_chunked_strategies(compiled, tmp_path):
+    """``stepwise:2`` and ``fused:1``: the runners of the default test (the stepwise one and the fused one) in
+    other chunk sizes, through the same asynchronous code."""
+    _same_run_under(CHUNKED, compiled, tmp_path)
+
+
+def _same_run_under(strategies, compiled, tmp_path):
+    """The whole run under each of ``strategies`` against the stepwise run of ``compiled``."""
     def whole_run(sim):
         records = [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in sim.rounds()]
         return records, jax.device_get(sim.state.variables)
 
     reference = whole_run(fresh(compiled, tmp_path, "unused"))
     assert max(r["staleness_max"] for r in reference[0]) >= 1
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         sim = AsyncSimulation(RunConfig(**ASYNC, strategy=strategy))
         state, pool, progress = jax.device_get((sim.state, sim.pool)) + (copy.deepcopy(sim.progress),)
         records, params = whole_run(sim)
