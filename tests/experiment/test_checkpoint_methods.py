@@ -12,7 +12,7 @@ as the checkpoint stores them.
 Cost: one compilation per method serves both the command line and the resume (the two checks were once meant as
 separate tests; together they compile half as much).  Every run is the smallest every default allows: digits, the
 MLP (the digits CNN that ``auto`` picks compiles about 2.5 times slower), 5 clients, a cohort of 4 (FedLDF's, HDFL's
-and Random's default n = 4 needs 4), one local step of 8.  Four entries whose checkpointed state is another entry's,
+and Random's default n = 4 needs 4), one local step of 8.  Six entries whose checkpointed state is another entry's,
 through the same code (``SAME_STATE_AS``), run with ``-m slow`` only.
 """
 
@@ -64,9 +64,11 @@ COMBINATIONS = {
 REFUSED = {"fedbn": "has no BatchNorm"}
 #: combinations whose checkpointed state is another's, through the same code, run with ``-m slow`` only (each is a
 #: method's compilation): FedMP is Hermes with an L1 instead of an L2 norm (one chooser), FedJS is FedDH's
-#: weighting with (υ, b) never stepped (the same state), and early stopping and DP-FedAvg wrap FedAvg's empty state
-#: as they wrap SCAFFOLD's control variates and FFA-LoRA's adapters
-SAME_STATE_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedavg --es": "scaffold --es", "fedavg --dp": "ffa_lora --dp"}
+#: weighting with (υ, b) never stepped (the same state), early stopping and DP-FedAvg wrap FedAvg's empty state
+#: as they wrap SCAFFOLD's control variates and FFA-LoRA's adapters, FedProx is FedAvg's state with a penalty in the
+#: local objective, and LG-FedAvg keeps the complement of FedPer's personal layers (``personal_layers``, one code)
+SAME_STATE_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedavg --es": "scaffold --es", "fedavg --dp": "ffa_lora --dp",
+                 "fedprox": "fedavg", "lgfedavg": "fedper"}
 
 
 def _params() -> list:
