@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from fedpartial._src.analysis import compare
-from fedpartial._src.experiment import summaries
-from fedpartial._src.cli.main import main
 from fedpartial._src.analysis.plots import FIGURES
+from fedpartial._src.cli.main import main
+from fedpartial._src.experiment import summaries
 
 TINY = ["--dataset", "synthetic", "--model", "mlp", "--clients", "6", "--cohort", "3", "--rounds", "2",
         "--local-steps", "1", "--batch-size", "8"]
