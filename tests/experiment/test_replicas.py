@@ -72,17 +72,6 @@ def _assert_same_run(result, vsim, alone, sim, rounds):
     assert int(vsim.state.round) == rounds
 
 
-@pytest.fixture(autouse=True)
-def flops_counted_uncompiled(monkeypatch):
-    """The device model counts each client step's FLOPs on the pre-optimisation HLO (``compiled=False``) instead of
-    compiling the step once more (a seventh to a fifth of these tests' compile seconds: each test's model or method
-    is new): the runs compared here are counted alike, and tests/costs checks the compiled count itself."""
-    from fedpartial._src.costs import devices
-
-    count = devices.step_costs
-    monkeypatch.setattr(devices, "step_costs", lambda fr, cohort, state=None, compiled=True: count(
-        fr, cohort, state, compiled=False))
-
 
 def small_cnn(num_classes, input_shape):
     """The zoo's digits CNN (``cnn2c1f``: two convolutions and a dense head) with 4 and 8 channels of 3x3, not 32
