@@ -50,7 +50,11 @@ def _start(module: str, *args, devices: int) -> subprocess.Popen:
 
 def _result(process: subprocess.Popen) -> dict:
     """The JSON on the last line of stdout (gloo writes its own lines there too)."""
-    process.wait(timeout=900)
+    try:
+        process.wait(timeout=900)
+    except subprocess.TimeoutExpired:  # not left running (and compiling) for the rest of the session
+        process.kill()
+        raise
     out, err = process.files
     for f in (out, err):
         f.seek(0)
