@@ -8,7 +8,7 @@ only on the seed).
 Usage::
 
     python -m benchmarks.fedldf [--quick] [--datasets digits,mnist5k,synthetic,cifar10]
-        [--rounds R] [--seeds 0,1] [--out DIR] [--data-dir DIR]
+        [--methods fedavg,fedldf,...] [--rounds R] [--seeds 0,1] [--out DIR] [--data-dir DIR]
 
 Writes ``<out>/fedldf-<device>.json`` (every round of every run), a plot of test
 error against cumulative upload traffic (log scale) and prints a table: final
