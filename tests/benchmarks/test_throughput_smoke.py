@@ -20,9 +20,7 @@ pytestmark = pytest.mark.xdist_group("throughput_smoke")
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "t.json"
-    # The whole-cohort fused round rather than the preset's fused:2: the phases compile that round anyway, so it
-    # costs no program of its own (chunks of the cohort: test_a_strategy_too_big_is_skipped_while_its_chunks_run...)
-    assert cli.main(["bench", "--preset", "smoke", "--strategies", "auto,fused", "--out", str(out)]) == 0
+    assert cli.main(["bench", "--preset", "smoke", "--out", str(out)]) == 0
     return json.loads(out.read_text()), out
 
 
@@ -44,8 +42,8 @@ def test_every_runner_is_measured_next_to_the_plain_loop(report):
     assert (record["model"], k) == ("mlp", 4) and record["peak_memory_bytes"] > 0
     runners = {(e["method"], e["strategy"]): e for e in record["runners"]}
     auto = str(default_strategy(jax.default_backend()))
-    assert set(runners) == {("fedavg", "plain_loop"), ("fedavg", "auto"), ("fedavg", "fused"),
-                            ("fedldf", "auto"), ("fedldf", "fused")}
+    assert set(runners) == {("fedavg", "plain_loop"), ("fedavg", "auto"), ("fedavg", "fused:2"),
+                            ("fedldf", "auto"), ("fedldf", "fused:2")}
     for (method, strategy), e in runners.items():
         where = f"{method} {strategy}"
         assert "error" not in e, where
@@ -63,7 +61,7 @@ def test_every_runner_is_measured_next_to_the_plain_loop(report):
         if not e.get("reference"):  # fedavg: against the plain loop; fedldf: against its first strategy
             assert e["correct"] and e["max_abs_diff_vs_reference"] <= 1e-4, where
     assert runners[("fedavg", "auto")]["max_abs_diff_vs_reference"] <= 1e-4  # the plain loop is FedAvg
-    for strategy in ("auto", "fused"):
+    for strategy in ("auto", "fused:2"):
         ratio = runners[("fedldf", strategy)]["round_time_over_fedavg"]
         assert ratio == pytest.approx(runners[("fedldf", strategy)]["round_s"]
                                       / runners[("fedavg", strategy)]["round_s"])
