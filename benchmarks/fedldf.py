@@ -8,7 +8,7 @@ only on the seed).
 Usage::
 
     python -m benchmarks.fedldf [--quick] [--datasets digits,mnist5k,synthetic,cifar10]
-        [--rounds R] [--seeds 0,1] [--out DIR] [--data-dir DIR]
+        [--methods fedavg,fedldf,...] [--rounds R] [--seeds 0,1] [--out DIR] [--data-dir DIR]
 
 Writes ``<out>/fedldf-<device>.json`` (every round of every run), a plot of test
 error against cumulative upload traffic (log scale) and prints a table: final
@@ -31,10 +31,10 @@ import jax
 import numpy as np
 
 from benchmarks import device_slug, figure_style
+from fedpartial._src.bench.provenance import stamp
 from fedpartial._src.data.sources import DataError
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
-from fedpartial._src.bench.provenance import stamp
 
 METHODS = ("fedavg", "fedldf", "random", "hdfl", "fedadp")
 LABELS = {"fedavg": "FedAvg", "fedldf": "FedLDF", "random": "Random", "hdfl": "HDFL", "fedadp": "FedADP"}
@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fedldf", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="digits IID only, 2 rounds, N=10, K=5, n=2 (a smoke test)")
     p.add_argument("--datasets", default=None, help="default digits,mnist5k,synthetic,cifar10 (--quick: digits)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, fedavg (the reference) among them (default {','.join(METHODS)})")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--seeds", default="0")
     p.add_argument("--clients", type=int, default=50)
@@ -162,6 +164,9 @@ def main(argv=None) -> int:
         args.datasets, args.rounds, args.clients, args.cohort, args.n, args.eval_every = (
             args.datasets or "digits", 2, 10, 5, 2, 1)
     args.datasets = args.datasets or "digits,mnist5k,synthetic,cifar10"
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    if "fedavg" not in methods or len(methods) != len(set(args.methods.split(","))):
+        p.error(f"--methods {args.methods!r}: choose from {', '.join(METHODS)}, fedavg among them")
     seeds = [int(s) for s in args.seeds.split(",")]
     os.makedirs(args.out, exist_ok=True)
     runs, notes, t0 = [], [], time.perf_counter()
@@ -172,7 +177,7 @@ def main(argv=None) -> int:
             settings = SETUPS[dataset][-1][:1] if args.quick else SETUPS[dataset][-1]
             for setting in settings:
                 for seed in seeds:
-                    for method in METHODS:
+                    for method in methods:
                         start = time.perf_counter()
                         run = run_one(dataset, setting, method, seed, args.rounds, args)
                         run["time_s"] = time.perf_counter() - start

@@ -49,11 +49,14 @@ from fedpartial._src.engine.types import Cohort
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.lora import lora
-from fedpartial._src.models.transformer import SIZES, TransformerLM
+from fedpartial._src.models.transformer import SIZES as MODEL_SIZES
+from fedpartial._src.models.transformer import TransformerLM, TransformerSize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ_LEN, VOCAB = 32, 64 + 2  # synthetic_lm's defaults: 64 words, ids 0 and 1 reserved
 LR = 0.05
+#: the transformer's sizes; ``micro`` (one narrow block) is the smoke test's, a fraction of ``tiny``'s compile time
+SIZES = {**MODEL_SIZES, "micro": TransformerSize(layers=1, d_model=16, heads=2, mlp=32)}
 
 
 def cohort_data(k: int, steps: int, batch: int, seed: int) -> Cohort:

@@ -1,5 +1,6 @@
 """The GPU plan's commands stay valid for the current CLI (they cannot be run here: no GPU)."""
 
+import json
 import pathlib
 import shlex
 import subprocess
@@ -36,8 +37,8 @@ def limited_steps(out, which="all") -> dict[str, tuple[int, list[str]]]:
 
 def test_list_names_every_step_with_its_limit_and_purpose():
     listed = [line.split(None, 2) for line in plan("list").stdout.splitlines()]
-    assert [name for name, _, _ in listed] == [*ESSENTIALS, "vggprec", "cnn1000", "vgg9", "probe", "seeds100", "fedldf", "models",
-                                               "placement", "replicas", "lora1000", "tests", "essentials"]
+    assert [name for name, _, _ in listed] == [*ESSENTIALS, "vggprec", "cnn1000", "vgg9", "probe", "seeds100", "fedldf",
+                                               "models", "placement", "replicas", "lora1000", "tests", "essentials"]
     assert all(what.strip() and limit.endswith("s") for _, limit, what in listed)
 
 
@@ -84,15 +85,46 @@ def test_every_bench_step_parses_and_writes_into_out(tmp_path):
                                                                                                 "stream:1000"}
 
 
-@pytest.mark.parametrize("name", ["seeds", "probe", "seeds100", "placement", "replicas", "convcnn", "convvgg"])
-def test_every_benchmark_module_step_names_flags_its_module_takes(tmp_path, name):
-    argv = steps(tmp_path)[name]
-    module = argv[argv.index("-m") + 1]
-    shown = subprocess.run([sys.executable, "-m", module, "--help"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert shown.returncode == 0, shown.stderr
+MODULE_STEPS = ["seeds", "probe", "seeds100", "placement", "replicas", "convcnn", "convvgg"]
+#: runs ``python -m MODULE --help`` for each module named on its command line, in one process (each process of its own
+#: would import JAX and the package again, seconds each); prints one JSON object: module -> [exit status, its help]
+HELPS = """
+import contextlib, io, json, runpy, sys
+shown = {}
+for module in sys.argv[1:]:
+    sys.argv, out = [module, "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    shown[module] = [code, out.getvalue()]
+print(json.dumps(shown))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory):
+    """Each module step's argv and what its module's ``--help`` printed (exit status, text)."""
+    commands = steps(tmp_path_factory.mktemp("plan"))
+    argvs = {name: commands[name] for name in MODULE_STEPS}
+    modules = sorted({argv[argv.index("-m") + 1] for argv in argvs.values()})
+    done = subprocess.run([sys.executable, "-c", HELPS, *modules], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (argv, argv[argv.index("-m") + 1], *shown[argv[argv.index("-m") + 1]])
+            for name, argv in argvs.items()}
+
+
+@pytest.mark.parametrize("name", MODULE_STEPS)
+def test_every_benchmark_module_step_names_flags_its_module_takes(helps, name):
+    argv, module, returncode, shown = helps[name]
+    assert returncode == 0, f"{module} --help exited with {returncode}"
+    assert "usage:" in shown, f"{module} printed no help"
     for flag in (a for a in argv if a.startswith("--")):
-        assert flag in shown.stdout, f"{name}: {module} has no {flag}"
+        assert flag in shown, f"{name}: {module} has no {flag}"
 
 
 def test_bad_values_in_a_step_would_be_refused():
