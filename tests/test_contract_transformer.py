@@ -13,7 +13,7 @@ MLPs.
 
 What it costs is XLA compiling one round per method, so each case compiles the cheapest program that shows it
 (measured cold, 2 workers on a busy 2-core machine: 1534 CPU-seconds for the file before, 772 after, about half;
-then XXX):
+then 795 -> 373 for the last two points below, on a machine at a load average of ~24):
 
 * one block (embedding, pre-norms, attention, MLP, final norm, head: every kind of layer and both residual
   streams) for every method but the depth-tiered ones; DepthFL, InclusiveFL and FedPart's ``--train-unit block``
