@@ -1,15 +1,17 @@
 """The combinations a user can type, as a covering design: every method with every wrapper it allows, stacked
 (``--dp-clip`` around FedDH's reweighting around ``--es`` around SCAFFOLD's control variates), under a client
-optimizer with momentum and weight decay, a strategy that rotates over the methods, and a checkpoint between its
-two rounds.  Each combination keeps the engine's contract — no retrace, a resumed run equals the uninterrupted
-one bit for bit, clients outside the cohort keep their state, the fused round equals the stepwise one — or is
-refused in one sentence when it is built.  The bare methods keep the whole contract in test_contract.py.
+optimizer with momentum and weight decay, under every strategy (each on a few of the methods), and a checkpoint
+between its two rounds.  Each combination keeps the engine's contract — no retrace, a resumed run equals the
+uninterrupted one bit for bit, clients outside the cohort keep their state, the fused round equals the stepwise
+one — or is refused in one sentence when it is built.  The bare methods keep the whole contract in test_contract.py.
 
-What it costs is XLA compiling each case's round (the two rounds and the resumed one reuse it), so the rotation
-runs the whole-cohort ``fused`` round where no other strategy is the point: the chunked ``fused:2`` (which
-compiles the client's training twice, a full chunk of K = 3 and the remainder) and ``stepwise:1`` (with its
-fused twin) come once in seven, the host store twice, each against the whole-cohort round (measured cold, 2 workers
-on a busy 2-core machine: 0.82x the CPU time of the rotation with ``fused:2`` twice and under the host store).
+What it costs is XLA compiling each case's round (the two rounds and the resumed one reuse it), so every
+method runs the whole-cohort ``fused`` round but the few that show each other strategy with every wrapper (the
+chunked ``fused:2``, which compiles the client's training twice, a full chunk of K = 3 and the remainder; the
+stepwise leg and its fused twin; the host store and its device twin: each compiles a second program), and the
+rounds are compiled at -O0 (``engine_compiled_at_o0``: the resumed round is the uninterrupted one's program, the
+stepwise leg is compared within a tolerance) but the host store's: its round equals the device's bit for bit at
+-O1, not at -O0 (measured: FedPer's server momentum 1 ulp apart).
 """
 
 import re
@@ -57,13 +59,19 @@ WRAPPERS = (
     ("upload_codec", lambda m: upload_codec(m, "topk:0.5")),
     ("dp_fedavg", lambda m: dp_fedavg(m, clip=1.0, noise_multiplier=0.5, per_layer=True)),
 )
-#: each method's strategy, in turn: every strategy meets every wrapper (each method carries them all); the
-#: stepwise leg, which compiles a second round to compare with, comes once in seven (every bare method is
-#: compared stepwise against fused in test_contract.py), and so does the chunked ``fused:2``: its ``lax.map``
-#: over chunks of K = 3 compiles the client's training twice (a full chunk and the remainder), ~1.6x the
-#: whole-cohort round's compile time (chunked rounds equal stepwise ones for every bare method in
-#: test_contract.py); the host store and the stepwise leg's twin run the whole-cohort round for the same reason
-ROTATION = ("fused", "host", "fused", "stepwise:1", "fused:2", "host", "fused")
+#: the strategy of the methods that run another than the whole-cohort ``fused`` round: each strategy meets every
+#: wrapper through methods that take them all (every bare method is compared stepwise against fused in
+#: test_contract.py, the chunking per strategy in tests/engine/test_engine.py; tests/experiment/test_client_state.py
+#: puts methods' state in the host store, whose reads and writes are the same two engine lines for all).  The host
+#: store holds the wrappers' per-client rows (control variates, --es) beside the method's own (SCAFFOLD's control
+#: variates, FedPer's personal head); FedDH cannot keep its state off the device and is refused in one sentence.
+STRATEGY = {"fedldf": "stepwise:1", "moon": "stepwise:1", "fedprox": "fused:2", "fedsa_lora": "fused:2",
+            "scaffold": "host", "fedper": "host", "feddh": "host"}
+#: methods whose wrappers meet the same code as another's, ``slow``: FedMP is Hermes with an L1 norm (one chooser),
+#: FedJS FedDH's weighting with (υ, b) never stepped (test_contract.py's SAME_PATH_AS); Random and HDFL upload the
+#: layers (``masks.from_layers``) of the clients the server draws, FedLDF those its divergences choose; LG-FedAvg
+#: is FedPer's ``personal_layers`` with the other layers personal
+SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "random": "fedldf", "hdfl": "fedldf", "lgfedavg": "fedper"}
 
 
 def stacked(name, leave_out=()):
@@ -100,11 +108,22 @@ def data():
     return cohorts()
 
 
-CASES = [(name, ROTATION[i % len(ROTATION)]) for i, name in enumerate(METHODS)]
+CASES = [(name, STRATEGY.get(name, "fused")) for name in METHODS if name not in SAME_PATH_AS]
+#: every method under every strategy, with ``-m slow`` (before a release): the default cases show each method (or
+#: one on the same path) with every wrapper, and each strategy with every wrapper; the bare methods under each
+#: strategy are test_contract.py's and tests/experiment/test_client_state.py's
+SLOW_CASES = [(name, strategy) for name in METHODS for strategy in ("fused", "stepwise:1", "fused:2", "host")
+              if (name, strategy) not in CASES]
 
 
-@pytest.mark.parametrize("name, strategy", CASES, ids=[f"{n}-{s}" for n, s in CASES])
-def test_every_method_with_every_wrapper_it_allows(mlp, staged_mlp, data, name, strategy):
+@pytest.mark.parametrize("name, strategy", [*CASES, *(pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES)],
+                         ids=[f"{n}-{s}" for n, s in [*CASES, *SLOW_CASES]])
+def test_every_method_with_every_wrapper_it_allows(mlp, staged_mlp, data, name, strategy, request):
+    """(The ``slow`` cases, every method under every strategy: the default ones show the same combinations, each
+    method or one on the same path (``SAME_PATH_AS``) under ``fused``, each strategy with every wrapper.)"""
+    host_store = strategy == "host" and stacked(name, leave_out=("reweight",))[0].capabilities.host_client_state
+    if not host_store:  # a few tiny steps, compared with the same program or within a tolerance (see above)
+        request.getfixturevalue("engine_compiled_at_o0")
     method, refused = stacked(name)
     for wrapper, sentence in refused.items():  # one sentence naming the method, no traceback
         assert "\n" not in sentence and sentence.endswith(".") and BUILDERS[name]().name in sentence, sentence

@@ -153,9 +153,12 @@ def data():
 # FedAD's per-step masks (a step_plan) are checked for determinism and against the device model in
 # tests/methods/test_fedad.py, and step_plan itself under every strategy in tests/engine/test_hooks.py.
 # examples/scaffold.py is the built-in scaffold's algorithm on the public API (tests/test_extension.py checks it
-# by hand under every strategy and as learning-rate replicas).
+# by hand under every strategy and as learning-rate replicas).  HDFL is Random's draw (``random_n_per_row`` from
+# the round's key, uploads ``masks.from_layers``) with one row for every layer; LG-FedAvg is FedPer's
+# ``personal_layers`` with the other layers personal; plain FlexLoRA and HetLoRA are their rank-tiered entries with
+# every client at rank 2.
 SAME_PATH_AS = {"fedmp": "hermes", "fedjs": "feddh", "fedad-step": "fedad", "scaffold_example": "scaffold",
-                "hetlora": "hetlora-ranks"}
+                "hetlora": "hetlora-ranks", "flexlora": "flexlora-ranks", "hdfl": "random", "lgfedavg": "fedper"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n for n in BUILDERS]
 
 

@@ -4,14 +4,16 @@ its global value bit for bit) or is refused in one sentence naming what to chang
 The models are ``transformer_lm``s of the tiny size's structure at a quarter of its width (d = 16; 11 tokens,
 sequences of 6); their labels are per position (next tokens, -1 after the end).  The layer-wise methods the
 transformers are for (FedLDF, FedPart, EmbracingFL, DepthFL, InclusiveFL, FedPer, FedRep) and FedAvg run in the
-default suite, and so does the rest of the catalogue: the MLP contract cannot stand in for it (pre-norms on a
-layer's inputs, residual streams and per-position labels broke FedADP, FedDHE and MOON until this test ran them).
+default suite, and so does the rest of the catalogue, each method or one that takes the same path on a transformer
+(the others with ``-m slow``): the MLP contract cannot stand in for it (pre-norms on a layer's inputs, residual
+streams and per-position labels broke FedADP, FedDHE and MOON until this test ran them).
 The LoRA methods run on the transformer with rank-2 adapters on every block (and FlexLoRA/HetLoRA with rank
 tiers 1 and 2).  The whole engine contract (strategies, padding, determinism) is test_contract.py's, on the small
 MLPs.
 
 What it costs is XLA compiling one round per method, so each case compiles the cheapest program that shows it
-(measured cold, 2 workers on a busy 2-core machine: 1534 CPU-seconds for the file before, 772 after, about half):
+(measured cold, 2 workers on a busy 2-core machine: 1534 CPU-seconds for the file before, 772 after, about half;
+then 795 -> 373 for the last two points below, on a machine at a load average of ~24):
 
 * one block (embedding, pre-norms, attention, MLP, final norm, head: every kind of layer and both residual
   streams) for every method but the depth-tiered ones; DepthFL, InclusiveFL and FedPart's ``--train-unit block``
@@ -20,8 +22,10 @@ What it costs is XLA compiling one round per method, so each case compiles the c
 * the whole-cohort fused round (``fused``: the clients vmapped once), not ``fused:2``, whose ``lax.map`` over
   chunks of K = 3 compiles the client's training twice (a full chunk and the remainder); chunked and stepwise
   rounds equal the fused one for every method in test_contract.py;
-* FedJS (FedDH's weighting with (υ, b) never stepped) and plain HetLoRA (HetLoRA under rank tiers, every client at
-  rank 2) take the same path as FedDH and ``hetlora-ranks`` here and are ``slow``, as in test_contract.py.
+* XLA's -O0 (``engine_compiled_at_o0``): a round of a few tiny steps, compared only with itself (what nobody
+  uploaded, a resumed round);
+* the entries that take the same path on a transformer as one that runs by default are ``slow`` (``SAME_PATH_AS``
+  below says which), as FedJS and plain HetLoRA are in test_contract.py.
 """
 
 import jax
@@ -54,6 +58,8 @@ ONE_BLOCK = TransformerSize(layers=1, d_model=16, heads=2, mlp=32)
 #: block's update into the shallower one
 TWO_BLOCKS = {"depthfl", "inclusivefl"}
 KEY = jax.random.key(0)
+# Rounds of a few tiny steps, each compared only with itself: at -O0 (tests/conftest.py says why)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 #: the methods that cannot train a transformer, and their one-sentence refusal: dropping single neurons needs a
 #: chain of layers (a residual block is not one), width tiers need a model with a width-reduced version, and
@@ -64,8 +70,6 @@ REFUSED = {**dict.fromkeys(("fedspu", "feddrop", "hermes", "fedmp", "prunefl", "
                             "feddhad"), NEURONS),
            "fjord": f"{NEURONS}|{WIDTH}", "fedrolex": WIDTH,
            "feddhe": "one label per example"}
-#: the layer-wise methods transformers are for (a lighter test of their own below)
-LAYERWISE = ("fedavg", "fedldf", "fedpart", "embracingfl", "depthfl", "inclusivefl", "fedper", "fedrep")
 
 
 def tokens(rng, shape):
@@ -143,16 +147,23 @@ def one_round(lm, data, name):
     return r, before, jax.device_get(after), jax.device_get(metrics)
 
 
-#: the same code path as an entry that runs by default (test_contract.py's SAME_PATH_AS): FedJS is FedDH's
-#: weighting with (υ, b) never stepped, plain HetLoRA is ``hetlora-ranks`` with every client at rank 2
-SAME_PATH_AS = {"fedjs": "feddh", "hetlora": "hetlora-ranks"}
+#: the same code path on a transformer as an entry that runs by default, ``slow``: FedJS is FedDH's weighting with
+#: (υ, b) never stepped; plain HetLoRA and FlexLoRA are ``hetlora-ranks`` and ``flexlora-ranks`` with every client at
+#: rank 2; Random and HDFL upload the layers (``masks.from_layers``) of clients the server draws, FedLDF those of
+#: the clients its divergences over the transformer's layers choose; LG-FedAvg is FedPer's ``personal_layers`` with
+#: the other layers personal; FedProx's objective is FedAvg's with Ditto's proximal penalty (``with_penalty(
+#: proximal_term)``, its personal step's); FedSA-LoRA (``personal_parts``, as FedBN) runs on the transformer, with
+#: every wrapper, in test_combinations_on_a_transformer below
+SAME_PATH_AS = {"fedjs": "feddh", "hetlora": "hetlora-ranks", "flexlora": "flexlora-ranks", "random": "fedldf",
+                "hdfl": "fedldf", "lgfedavg": "fedper", "fedprox": "ditto",
+                "fedsa_lora": "test_combinations_on_a_transformer[fedsa_lora]"}
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SAME_PATH_AS else n
          for n in [*METHODS, *sorted(ON_LORA_RANKS)]]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_method_runs_on_a_transformer_or_is_refused(lm, lm1, data, name):
-    """(FedJS and plain HetLoRA, ``slow``: the same path as FedDH and ``hetlora-ranks``, which run by default.)"""
+    """(``SAME_PATH_AS``, ``slow``: the same path as the entry it names, which runs by default.)"""
     model = lm if name in TWO_BLOCKS else lm1
     if name in REFUSED:
         with pytest.raises(UserError, match=REFUSED[name]) as refusal:
