@@ -65,7 +65,9 @@ def one_round(model, strategy, c, server=None):
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
-pytestmark = pytest.mark.xdist_group("faults")
+# Rounds of a few tiny steps, compared with a tolerance or checked for what stays bit for bit: compiled at -O0
+# (tests/conftest.py says why that changes nothing here)
+pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.usefixtures("engine_compiled_at_o0")]
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)

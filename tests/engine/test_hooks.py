@@ -23,6 +23,9 @@ from fedpartial._src.experiment.population import server_examples
 from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
+# Rounds of a few tiny steps, compared with a tolerance or checked for what stays bit for bit: compiled at -O0
+# (tests/conftest.py says why that changes nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 N, K = 6, 3
 OPT = optax.sgd(0.1)
 
@@ -174,6 +177,7 @@ def test_decisions_are_recorded_only_when_asked(mlp):
     np.testing.assert_array_equal(layers.sum(axis=0), 2)  # FedLDF: n clients per layer
 
 
+@pytest.mark.xdist_group("debug_strategy")  # op by op: shares its ops with tests/core/test_views.py's debug rounds
 def test_debug_strategy_runs_hooks_eagerly_and_matches_stepwise(mlp):
     """Un-jitted, a hook may read concrete values (here: float() of the round), which jit forbids."""
 

@@ -27,6 +27,9 @@ from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.simulation import run as simulation_run
 from tests.conftest import make_cohort
 
+# Rounds of a few tiny steps, compared with a tolerance (integer metrics exactly): compiled at -O0
+# (tests/conftest.py says why that changes nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 OPT = optax.sgd(0.1, momentum=0.9)
 K, N = 7, 12
 REAL_STEPS = [3, 1, 2, 3, 2, 3, 1]

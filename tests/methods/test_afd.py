@@ -239,7 +239,9 @@ def run(r, rounds, seed=0):
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
-pytestmark = pytest.mark.xdist_group("afd")
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = [pytest.mark.xdist_group("afd"), pytest.mark.usefixtures("engine_compiled_at_o0")]
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)

@@ -23,6 +23,10 @@ from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 LR = 0.3
 OPT = optax.sgd(LR)  # plain SGD: the plain-Python reference below applies p - lr·g by hand
 N, K = 10, 4

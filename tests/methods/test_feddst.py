@@ -183,7 +183,9 @@ def cohorts():
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
-pytestmark = pytest.mark.xdist_group("feddst")
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = [pytest.mark.xdist_group("feddst"), pytest.mark.usefixtures("engine_compiled_at_o0")]
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)

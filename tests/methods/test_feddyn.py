@@ -15,6 +15,10 @@ from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.zoo import MLP
 from tests.conftest import make_cohort, mlp_grad
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N, K = 5, 3
 LR, ALPHA = 0.1, 0.1
 IDS = ([0, 1, 3], [1, 2, 4])

@@ -26,6 +26,10 @@ from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, index
 from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
 
 # ---- a hand-built cohort: client k's layer l is the global layer + C[k, l] everywhere ----------

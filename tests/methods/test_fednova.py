@@ -19,6 +19,10 @@ from fedpartial._src.models.zoo import MLP
 from fedpartial._src.experiment.config import RunConfig
 from tests.conftest import make_cohort, mlp_grad
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N, K = 5, 3
 LR, MOMENTUM, WD = 0.1, 0.9, 1e-2
 

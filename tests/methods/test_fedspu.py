@@ -19,6 +19,10 @@ from fedpartial._src.methods.base import ClientPlan, CohortInfo, MethodContext, 
 from fedpartial._src.models.adapter import from_linen
 from tests.conftest import TinyMLP, make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N, K = 10, 4
 IDS = [0, 3, 5, 9]  # tiers 0.2, 0.4, 0.6, 1.0 with N = 10 and five tiers
 

@@ -30,6 +30,10 @@ from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 LR, MOMENTUM = 0.1, 0.9
 OPT = optax.sgd(LR, momentum=MOMENTUM)
 KEY = jax.random.key(0, impl="rbg")  # initialises conv nets far faster than threefry on CPU

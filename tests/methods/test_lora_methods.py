@@ -20,6 +20,10 @@ from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.lora import lora
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 LR, N, K = 0.2, 5, 3
 
 

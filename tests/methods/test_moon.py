@@ -21,6 +21,10 @@ from fedpartial._src.experiment.parts import build_model
 from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N, K = 5, 3
 LR, MOMENTUM, MU, TAU = 0.1, 0.9, 1.0, 0.5
 IDS = ([0, 1, 3], [1, 2, 4])  # client 1 trains twice: its second round has a negative
