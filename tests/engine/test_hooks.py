@@ -57,10 +57,11 @@ def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
     r = build(mlp, method)
     state = jax.device_get(r.init(jax.random.key(0)))
     key = jax.random.key(11)
-    _, metrics = r(jax.tree.map(jnp.asarray, state), cohort, key)
+    new, _ = r(jax.tree.map(jnp.asarray, state), cohort, key)
 
     ctx = MethodContext(mlp, N, K)
     fns = make_client_fns(ctx, method, OPT)
+    step = jax.jit(fns.step)  # one program for the 9 steps (eagerly, each of the step's operations was one)
     train_key = hook_keys(key).train
     masks_seen = []
     trained = []
@@ -69,15 +70,13 @@ def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
         client_key = jax.random.fold_in(train_key, cid)
         for s in range(3):
             batch = jax.tree.map(lambda a: a[k, s], cohort.data)
-            local = fns.step(local, batch, ClientPlan(), state.variables, (), client_key, jnp.asarray(s))
+            local = step(local, batch, ClientPlan(), state.variables, (), client_key, jnp.asarray(s))
             plan_key = jax.random.split(jax.random.fold_in(client_key, s))[0]
             masks_seen.append(np.asarray(method.step_plan(ctx, ClientPlan(), plan_key, s).dropout.neurons[0]))
         trained.append(fns.final(local, state.variables)[0])
     # Different steps and clients drew different masks.
     assert len({m.tobytes() for m in masks_seen}) > 5
     expected = jax.tree.map(lambda *a: np.average(np.stack(a), axis=0, weights=cohort.info.num_samples), *trained)
-    r2 = build(mlp, method)
-    new, _ = r2(jax.tree.map(jnp.asarray, state), cohort, key)
     chex.assert_trees_all_close(new.variables, expected, rtol=1e-5, atol=1e-6)
 
 
