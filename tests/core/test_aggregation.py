@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedpartial._src.core import aggregation
-from fedpartial._src.core import masks
+from fedpartial._src.core import aggregation, masks
 
 
 def test_three_client_toy_by_hand():

@@ -63,7 +63,8 @@ def spy(seen: dict, streamable=None):
 
     return fp.make_method("spy", plan=plan, summarize=summarize, select=select, update=update, metrics=metrics,
                           server_correct=None if streamable else server_correct,
-                          aggregate=None if streamable else aggregate, capabilities=fp.Capabilities(streamable=streamable))
+                          aggregate=None if streamable else aggregate,
+                          capabilities=fp.Capabilities(streamable=streamable))
 
 
 @AT_O0

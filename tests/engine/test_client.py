@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from fedpartial._src.core import masks
-from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.core.types import client_sgd
+from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.methods.base import Batch, ClientPlan, MethodContext, make_method
 from tests.conftest import make_cohort
 

@@ -9,14 +9,14 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.cli.main import main
+from fedpartial._src.core.errors import DivergedError, UserError
+from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.cli.main import main
-from fedpartial._src.data.sources import ArrayDataset
-from fedpartial._src.core.errors import DivergedError, UserError
-from fedpartial._src.methods import base
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods import base
 from tests.conftest import make_cohort
 
 N, K = 4, 3
@@ -120,7 +120,7 @@ def test_a_nonfinite_global_model_flags_the_round(mlp, name):
     assert not all(np.all(np.isfinite(a)) for a in jax.tree.leaves(after.variables))
 
 
-# ---- Simulation: records, DivergedError (the run's last good checkpoint is kept: tests/experiment/test_checkpoint.py) ------
+# ---- Simulation: records, DivergedError (the run's last good checkpoint is kept: tests/experiment/test_checkpoint.py)
 
 TINY = dict(method="fedavg", partition="iid", num_clients=4, cohort_size=4, rounds=2, local_steps=1,
             local_epochs=None, batch_size=16, out_dir=None, strategy="stepwise")

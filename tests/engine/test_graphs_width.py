@@ -11,13 +11,13 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Batch, ClientPlan, MethodContext
 from fedpartial._src.engine import graphs
 from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.core.types import Batch, ClientPlan, MethodContext
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models import resnet, zoo
+from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models.registry import build_model, build_narrow_model
 
 KEY = jax.random.key(0, impl="rbg")  # initialises conv nets far faster than threefry on CPU
@@ -96,7 +96,8 @@ def test_extract_insert_round_trip_and_the_conv_to_dense_rows():
     for pos in range(4):
         for c in range(3):  # flat index (h·W + w)·C + c, NHWC
             np.testing.assert_array_equal(narrow_head[pos * 3 + c], head[pos * 6 + c])
-    np.testing.assert_array_equal(part["params"]["conv2"]["kernel"], variables["params"]["conv2"]["kernel"][:, :, :2, :3])
+    np.testing.assert_array_equal(part["params"]["conv2"]["kernel"],
+                                  variables["params"]["conv2"]["kernel"][:, :, :2, :3])
     # insert(v, extract(v)) is v, bit for bit; extract(insert(v, p)) is p.
     chex.assert_trees_all_equal(graph.insert(variables, part), variables)
     other = jax.tree.map(lambda a: a + 1.0, part)
@@ -172,7 +173,8 @@ def test_narrow_forward_equals_the_full_model_with_the_other_channels_zeroed(sho
     scaled = graphs.width(model, ratio, module=module)
     _, stats = JIT_O0(lambda v, x: scaled.apply(v, x, True, mask))(part, x)
     old = part["batch_stats"]["stage1_block1"]["bn1"]["mean"]
-    batch_mean = lambda tree: (tree["stage1_block1"]["bn1"]["mean"] - 0.9 * old) / 0.1
+    def batch_mean(tree):
+        return (tree["stage1_block1"]["bn1"]["mean"] - 0.9 * old) / 0.1
     np.testing.assert_allclose(batch_mean(stats), batch_mean(full_stats) / ratio, rtol=1e-4, atol=1e-5)
 
 
@@ -188,7 +190,8 @@ def test_the_scaler_multiplies_hidden_outputs_in_training_only():
         h = np.maximum(scale * (h @ p["fc2"]["kernel"] + p["fc2"]["bias"]), 0)
         return h @ p["head"]["kernel"] + p["head"]["bias"]
 
-    assert p["fc1"]["kernel"].shape == (2, 2) and p["fc2"]["kernel"].shape == (2, 3) and p["head"]["kernel"].shape == (3, 3)
+    assert p["fc1"]["kernel"].shape == (2, 2) and p["fc2"]["kernel"].shape == (2, 3)
+    assert p["head"]["kernel"].shape == (3, 3)
     np.testing.assert_allclose(graph.apply({"params": p, "batch_stats": {}}, x, True)[0], by_hand(2.0), rtol=1e-5)
     np.testing.assert_allclose(graph.apply({"params": p, "batch_stats": {}}, x, False)[0], by_hand(1.0), rtol=1e-5)
 

@@ -8,19 +8,18 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import Capabilities, ClientPlan, MethodContext, MethodState
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.engine import strategy as strategies
 from fedpartial._src.engine.types import hook_keys
-from fedpartial._src.core import masks
-from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.core.types import Capabilities, ClientPlan, MethodContext, MethodState
-from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.base import make_method
-from fedpartial._src.methods.base import cross_entropy, upload_trained
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.population import server_examples
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained
+from fedpartial._src.methods.catalog import get_method
 from tests.conftest import make_cohort
 
 # Rounds of a few tiny steps, compared with a tolerance or checked for what stays bit for bit: compiled at -O0

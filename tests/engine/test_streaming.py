@@ -10,21 +10,19 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.core import aggregation
-from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.engine import strategy as strategies
-from fedpartial._src.engine.types import ClientData
-from fedpartial._src.core import masks
-from fedpartial._src.core import memory
-from fedpartial._src.data import packing
+from fedpartial._src.core import aggregation, masks, memory
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.basic.fedprox import fedprox
-from fedpartial._src.methods.submodel.fedspu import fedspu
-from fedpartial._src.methods.layerwise.fedldf import fedldf, random_layers
+from fedpartial._src.data import packing
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.types import ClientData
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.simulation import run as simulation_run
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.basic.fedprox import fedprox
+from fedpartial._src.methods.layerwise.fedldf import fedldf, random_layers
+from fedpartial._src.methods.submodel.fedspu import fedspu
 from tests.conftest import make_cohort
 
 # Rounds of a few tiny steps, compared with a tolerance (integer metrics exactly): compiled at -O0

@@ -10,18 +10,28 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import (
+    Batch,
+    CohortInfo,
+    InitView,
+    MethodContext,
+    MethodState,
+    RoundView,
+    Selection,
+    ServerData,
+)
+from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
 from fedpartial._src.engine.types import Cohort
-from fedpartial._src.core import masks
-from fedpartial._src.core.types import (Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView,
-                                        Selection, ServerData)
-from fedpartial._src.data.sources import ArrayDataset
-from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.layerwise.fedldf import fedldf
 from fedpartial._src.methods.submodel.fedspu import fedspu
-from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.weighting.compose import reweight
 from fedpartial._src.methods.weighting.degrees import (
     DegreeState,
@@ -33,8 +43,6 @@ from fedpartial._src.methods.weighting.degrees import (
 )
 from fedpartial._src.methods.weighting.estimate import group_by_class
 from fedpartial._src.methods.weighting.feddh import feddh, feddh_weighting, feddhe, fedjs, fedjs_weighting
-from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
 
 # Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes

@@ -20,7 +20,6 @@ from fedpartial._src.methods.tiered.heterofl import heterofl, width_mask
 from fedpartial._src.models import resnet, zoo
 from tests.methods.test_heterofl import KEY, SMALL, adapt, build, cohorts, reference_round, start
 
-
 # Tests whose rounds are compared with a tolerance or only checked for what they record: compiled at -O0
 # (tests/conftest.py); not the reference test, whose first round must equal HeteroFL's bit for bit (only at -O1)
 AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")

@@ -6,16 +6,15 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.core import aggregation
+from fedpartial._src.core import aggregation, masks
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.core import masks
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.submodel.fedspu import fedspu
-from fedpartial._src.methods.submodel import common as submodel
 from fedpartial._src.methods.base import ClientPlan, CohortInfo, MethodContext, MethodState, RoundView
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.submodel import common as submodel
+from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.models.adapter import from_linen
 from tests.conftest import TinyMLP, make_cohort
 
