@@ -41,9 +41,7 @@ def round_key(t):
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
-# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
-# nothing here)
-pytestmark = [pytest.mark.xdist_group("fedselect"), pytest.mark.usefixtures("engine_compiled_at_o0")]
+pytestmark = pytest.mark.xdist_group("fedselect")
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
