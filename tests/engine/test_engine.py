@@ -27,7 +27,8 @@ OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
 STRATEGIES = [fused(), fused(3), fused(None, unroll=True), stepwise(1), stepwise(3)]
 # Tests of a few tiny rounds whose programs are compared with a tolerance, or checked for a property (what stays
 # bit for bit, what is traced, what is counted): compiled at -O0 (tests/conftest.py says why that changes nothing
-# there).  Not the learning-rate tests below, which expect two different programs to agree bit for bit.
+# there).  Not the learning-rate tests below, which expect two different programs to agree bit for bit, nor the trace
+# count's, which jits the pure round inside a user's jit (only a top-level jit takes compiler options).
 AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 
@@ -145,7 +146,6 @@ def test_stepwise_gives_each_chunk_its_optimizer_state_and_never_stacks_the_coho
 DEBUG_GROUP = pytest.mark.xdist_group("debug_strategy")
 
 
-@AT_O0
 @pytest.mark.parametrize("strategy", [fused(), stepwise(1), streamed(2), pytest.param(debug(), marks=DEBUG_GROUP)],
                          ids=str)
 def test_trace_count_counts_traces_of_the_jitted_pieces_from_outside(mlp, unequal_cohorts, strategy):

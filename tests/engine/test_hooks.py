@@ -23,8 +23,9 @@ from fedpartial._src.methods.catalog import get_method
 from tests.conftest import make_cohort
 
 # Rounds of a few tiny steps, compared with a tolerance or checked for what stays bit for bit: compiled at -O0
-# (tests/conftest.py says why that changes nothing here)
-pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+# (tests/conftest.py says why that changes nothing there); not the scanned pure round, a jit inside the test's jit
+# (only a top-level jit takes compiler options)
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 N, K = 6, 3
 OPT = optax.sgd(0.1)
 
@@ -48,6 +49,7 @@ def resampled_dropout(p=0.5):
     return make_method("resampled", step_plan=step_plan, select=select)
 
 
+@AT_O0
 def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
     """The engine's client k, step s uses fold_in(fold_in(train_key, id_k), s); replaying that by hand
     with the client functions gives the same trained model."""
@@ -79,6 +81,7 @@ def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
     chex.assert_trees_all_close(new.variables, expected, rtol=1e-5, atol=1e-6)
 
 
+@AT_O0
 def test_select_and_update_see_start_variables_and_real_step_counts(mlp):
     def init(ctx, view):
         return MethodState(clients=jnp.zeros((ctx.num_clients, 2), jnp.float32))
@@ -102,6 +105,7 @@ def test_select_and_update_see_start_variables_and_real_step_counts(mlp):
         np.testing.assert_array_equal(metrics["client_steps_per_client"], [3, 1, 2])
 
 
+@AT_O0
 def test_each_hook_gets_its_own_key(mlp):
     def update(ctx, view):
         return view.method_state._replace(server=jax.random.key_data(view.key))
@@ -119,6 +123,7 @@ def test_each_hook_gets_its_own_key(mlp):
     assert len(datas) == len(keys)
 
 
+@AT_O0
 def test_the_objective_is_a_method_piece(mlp):
     """An objective of ||θ||² alone: one plain SGD step scales every parameter by (1 - 2η)."""
 
@@ -134,6 +139,7 @@ def test_the_objective_is_a_method_piece(mlp):
                                 rtol=1e-6, atol=1e-7)
 
 
+@AT_O0
 def test_init_receives_a_class_balanced_server_set_no_client_holds():
     def init(ctx, view):
         counts = jnp.bincount(view.server_data.y, length=10)
@@ -150,6 +156,7 @@ def test_init_receives_a_class_balanced_server_set_no_client_holds():
     assert len(held) + len(server) == len(sim.dataset.y_train)  # every other example went to a client
 
 
+@AT_O0
 def test_method_metrics_reach_the_record_and_may_not_shadow_engine_names(mlp):
     sim = Simulation(RunConfig(method="fedldf", options={"n": 2}, num_clients=6, cohort_size=3, rounds=1,
                                local_steps=1, out_dir=None))
@@ -163,6 +170,7 @@ def test_method_metrics_reach_the_record_and_may_not_shadow_engine_names(mlp):
         r(r.init(jax.random.key(0)), make_cohort((4,), k=K), jax.random.key(0))
 
 
+@AT_O0
 def test_decisions_are_recorded_only_when_asked(mlp):
     cohort = make_cohort((4,), k=K)
     off = build(mlp, get_method("fedldf", n=2), strategies.fused())
@@ -175,6 +183,7 @@ def test_decisions_are_recorded_only_when_asked(mlp):
     np.testing.assert_array_equal(layers.sum(axis=0), 2)  # FedLDF: n clients per layer
 
 
+@AT_O0
 @pytest.mark.xdist_group("debug_strategy")  # op by op: shares its ops with tests/core/test_views.py's debug rounds
 def test_debug_strategy_runs_hooks_eagerly_and_matches_stepwise(mlp):
     """Un-jitted, a hook may read concrete values (here: float() of the round), which jit forbids."""
