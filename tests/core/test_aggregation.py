@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedpartial._src.core import aggregation
-from fedpartial._src.core import masks
+from fedpartial._src.core import aggregation, masks
 
 
 def test_three_client_toy_by_hand():
@@ -34,6 +33,9 @@ def test_zero_weight_client_is_ignored():
     chex.assert_trees_all_close(out, {"w": jnp.array([1.0, 1.0])})
 
 
+# The invariants below call the formula on many cohorts of five shapes: jitted, each shape is one compiled program
+# (eagerly, each of its operations was a program of its own, per shape)
+MEAN = jax.jit(aggregation.masked_weighted_mean)
 _cohorts = st.integers(1, 5).flatmap(
     lambda k: st.tuples(
         hnp.arrays(np.float32, (k, 6), elements=st.floats(-100, 100, width=32)),
@@ -49,7 +51,7 @@ _cohorts = st.integers(1, 5).flatmap(
 @given(_cohorts)
 def test_result_is_a_convex_combination_or_the_global_value(c):
     theta, m, w, g = c
-    out = np.asarray(aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w)))
+    out = np.asarray(MEAN(g, theta, m, jnp.asarray(w)))
     contributes = m & (w[:, None] > 0)
     for j in range(6):
         if contributes[:, j].any():
@@ -65,8 +67,8 @@ def test_invariant_to_client_order(c, rnd):
     theta, m, w, g = c
     perm = list(range(len(w)))
     rnd.shuffle(perm)
-    a = aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w))
-    b = aggregation.masked_weighted_mean(g, theta[perm], m[perm], jnp.asarray(w[perm]))
+    a = MEAN(g, theta, m, jnp.asarray(w))
+    b = MEAN(g, theta[perm], m[perm], jnp.asarray(w[perm]))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
@@ -74,15 +76,15 @@ def test_invariant_to_client_order(c, rnd):
 @given(_cohorts, st.floats(0.1, 10.0))
 def test_invariant_to_weight_scale(c, scale):
     theta, m, w, g = c
-    a = aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w))
-    b = aggregation.masked_weighted_mean(g, theta, m, jnp.asarray(w * np.float32(scale)))
+    a = MEAN(g, theta, m, jnp.asarray(w))
+    b = MEAN(g, theta, m, jnp.asarray(w * np.float32(scale)))
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
 
 
 @settings(max_examples=30, deadline=None)
 @given(hnp.arrays(np.float32, (3, 4), elements=st.floats(-10, 10, width=32)))
 def test_full_masks_equal_weights_is_the_mean(theta):
-    out = aggregation.masked_weighted_mean(np.zeros(4, np.float32), theta, np.ones((3, 4), bool), jnp.ones(3))
+    out = MEAN(np.zeros(4, np.float32), theta, np.ones((3, 4), bool), jnp.ones(3))
     np.testing.assert_allclose(out, theta.mean(0), rtol=1e-5, atol=1e-5)
 
 

@@ -15,6 +15,13 @@ from fedpartial._src.engine.strategy import fused
 from tests.conftest import make_cohort
 
 N, K = 5, 3
+# The rounds of the first two tests, a few tiny steps checked for what the hooks saw and moved: compiled at -O0
+# (tests/conftest.py says why that changes nothing here); not the last test's two programs expected bit for bit
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
+# The debug strategy runs its rounds op by op: each primitive is lowered and compiled on its first use in a process,
+# so the tests that run it share one xdist worker (tests/engine/test_engine.py, tests/engine/test_hooks.py), where
+# the next test's ops (the same model's step) are already there
+DEBUG = pytest.param(fp.debug(), marks=pytest.mark.xdist_group("debug_strategy"))
 
 
 def spy(seen: dict, streamable=None):
@@ -56,10 +63,12 @@ def spy(seen: dict, streamable=None):
 
     return fp.make_method("spy", plan=plan, summarize=summarize, select=select, update=update, metrics=metrics,
                           server_correct=None if streamable else server_correct,
-                          aggregate=None if streamable else aggregate, capabilities=fp.Capabilities(streamable=streamable))
+                          aggregate=None if streamable else aggregate,
+                          capabilities=fp.Capabilities(streamable=streamable))
 
 
-@pytest.mark.parametrize("strategy", [fp.fused(), fp.stepwise(2), fp.debug(), fp.streamed(2)], ids=str)
+@AT_O0
+@pytest.mark.parametrize("strategy", [fp.fused(), fp.stepwise(2), DEBUG, fp.streamed(2)], ids=str)
 def test_every_hook_sees_only_the_fields_of_its_phase(mlp, strategy):
     seen: dict = {}
     method = spy(seen, streamable="summary" if strategy.kind == "stream" else None)
@@ -100,7 +109,8 @@ def control_variate_method(seen: list):
     return fp.make_method("cv", init=init, plan=plan, objective=zero_loss, transform_grads=correct)
 
 
-@pytest.mark.parametrize("strategy", [fp.fused(), fp.stepwise(1), fp.debug()], ids=str)
+@AT_O0
+@pytest.mark.parametrize("strategy", [fp.fused(), fp.stepwise(1), DEBUG], ids=str)
 def test_local_steps_see_server_state_client_rows_and_rate_and_transform_the_gradient(mlp, strategy):
     """A zero loss leaves only the correction: plain SGD (no momentum) at rate 0.1 for 2 steps moves every
     trainable element by exactly −2 · 0.1 · 0.5, and the frozen output layer not at all."""
@@ -122,6 +132,7 @@ def test_local_steps_see_server_state_client_rows_and_rate_and_transform_the_gra
         np.testing.assert_allclose(moved, expected, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.xdist_group("debug_strategy")
 def test_rate_is_unknown_with_a_plain_optax_transformation_and_known_with_client_sgd(mlp):
     seen: list = []
     method = fp.make_method("rates", select=lambda ctx, view: seen.append(view.client_lr) or fp.upload_trained(ctx,

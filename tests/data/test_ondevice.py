@@ -18,6 +18,10 @@ from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.simulation import run as simulation_run
 from tests.conftest import count_copies, fake_device_memory, wide_dataset
 
+# The runs below are a few tiny rounds, checked for where the data went and for equal results of one program:
+# compiled at -O0 (tests/conftest.py says why that changes nothing there; the module's shared Simulation, built
+# before any test's fixture, stays at -O1)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Few static settings and fixed shapes, so that the gather compiles a handful of times for the whole file.
 BATCH, CLIENTS, MAX_SIZE, COHORT, STEPS_CAP = 4, 6, 20, 5, 12

@@ -1,5 +1,7 @@
 """Local training semantics: frozen, dropped and padded things change nothing."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,19 +10,22 @@ import optax
 import pytest
 
 from fedpartial._src.core import masks
-from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.core.types import client_sgd
+from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.methods.base import Batch, ClientPlan, MethodContext, make_method
 from tests.conftest import make_cohort
 
 OPT = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))
+# One client's few tiny steps, checked for what stays bit for bit or compared with a tolerance: compiled at XLA's
+# -O0, as engine_compiled_at_o0 (tests/conftest.py) compiles the engine's rounds, and for the same reason
+JIT_O0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def train(model, plan, data, variables, optimizer=OPT):
     """Runs one client's local steps un-vmapped (data: Batch with leading steps axis)."""
     fns = make_client_fns(MethodContext(model, 4, 4), make_method("t"), optimizer)
-    local = jax.jit(fns.init)(variables)
-    step = jax.jit(fns.step)
+    local = JIT_O0(fns.init)(variables)
+    step = JIT_O0(fns.step)
     for s in range(data.step_mask.shape[0]):
         local = step(local, jax.tree.map(lambda a: a[s], data), plan, variables, (), jax.random.key(0), s)
     return fns.final(local, variables)
@@ -178,10 +183,9 @@ def test_frozen_elements_keep_their_optimizer_state(mlp, optimizer):
     steps = 4
     data = one_client(make_cohort((4,), steps=steps, seed=3))
     fns = make_client_fns(MethodContext(mlp, 4, 4), make_method("t", step_plan=changing_mask), opt)
-    local = fns.init(v)
+    local, step = fns.init(v), JIT_O0(fns.step)
     for s in range(steps):
-        local = jax.jit(fns.step)(local, jax.tree.map(lambda a: a[s], data), ClientPlan(), v, (),
-                                  jax.random.key(0), s)
+        local = step(local, jax.tree.map(lambda a: a[s], data), ClientPlan(), v, (), jax.random.key(0), s)
     got = fns.final(local, v)[0]["params"]
     want = reference_masked_training(mlp, v, data, optimizer, steps)
     chex.assert_trees_all_close(jax.device_get(got), want, rtol=2e-5, atol=2e-6)

@@ -20,6 +20,9 @@ from fedpartial._src.models import registry
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.precision import with_compute_dtype
 
+# The candidates timed and the runs recorded are a few tiny steps, checked for what is kept and recorded, not for
+# speed: compiled at -O0 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 SHAPE = (8, 8, 1)
 
 

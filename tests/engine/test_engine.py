@@ -25,6 +25,11 @@ OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
 # fused(3) with K = 4: a scan over one chunk of 3, then the remainder chunk of 1 (jax.lax.map's chunking; the
 # contract in tests/test_contract.py runs every method whole-cohort fused and relies on this for the chunks)
 STRATEGIES = [fused(), fused(3), fused(None, unroll=True), stepwise(1), stepwise(3)]
+# Tests of a few tiny rounds whose programs are compared with a tolerance, or checked for a property (what stays
+# bit for bit, what is traced, what is counted): compiled at -O0 (tests/conftest.py says why that changes nothing
+# there).  Not the learning-rate tests below, which expect two different programs to agree bit for bit, nor the trace
+# count's, which jits the pure round inside a user's jit (only a top-level jit takes compiler options).
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 
 def partial_method():
@@ -61,6 +66,7 @@ def unequal_cohorts():
 
 # FedAvg's every strategy is checked against the plain loop by tests/benchmarks/test_strategies_smoke.py and
 # the masked method below exercises strictly more, so the FedAvg case runs with -m slow only.
+@AT_O0
 @pytest.mark.parametrize("method", [pytest.param(fedavg, marks=pytest.mark.slow), partial_method],
                          ids=["fedavg", "masked"])
 def test_strategies_agree(mlp, unequal_cohorts, method):
@@ -72,6 +78,7 @@ def test_strategies_agree(mlp, unequal_cohorts, method):
         assert metrics[-1]["upload_bytes"] == ref_metrics[-1]["upload_bytes"]
 
 
+@AT_O0
 def test_strategies_agree_on_conv_model(cnn):
     cohorts = [make_cohort((4, 4, 1), k=4, steps=2, seed=3, real_steps=[2, 1, 2, 2])]
     results = [run_rounds(cnn, fedavg(), s, cohorts)[1] for s in (fused(), stepwise(1))]
@@ -84,6 +91,7 @@ def masks_always(monkeypatch):
     monkeypatch.setattr(Steps, "fn", lambda self, g, c, full=False: masked(self, g, c))
 
 
+@AT_O0
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_stepwise_drops_the_masks_only_where_the_chunk_has_no_padding(mlp, unequal_cohorts, monkeypatch, chunk):
     """Real steps 3, 1, 2, 3 and real examples 5, 2, 4, 5 of 5: one client at a time, clients 0 and 3
@@ -101,6 +109,7 @@ def test_stepwise_drops_the_masks_only_where_the_chunk_has_no_padding(mlp, unequ
     np.testing.assert_allclose([m["train_loss"] for m in metrics2], [m["train_loss"] for m in metrics], rtol=1e-6)
 
 
+@AT_O0
 def test_stepwise_without_masks_keeps_batchnorm_statistics_up_to_float_noise(cnn, monkeypatch):
     """The conv model's BatchNorm over [B, H, W] with and without the example mask."""
     cohorts = [make_cohort((4, 4, 1), k=4, steps=2, seed=3, real_steps=[2, 1, 2, 2], real_examples=[5, 5, 3, 5])]
@@ -111,6 +120,7 @@ def test_stepwise_without_masks_keeps_batchnorm_statistics_up_to_float_noise(cnn
     chex.assert_trees_all_close(state.variables, masked.variables, rtol=1e-5, atol=1e-6)
 
 
+@AT_O0
 def test_stepwise_gives_each_chunk_its_optimizer_state_and_never_stacks_the_cohorts(mlp, unequal_cohorts, monkeypatch):
     """The cohort's local states ``[K]`` hold no optimizer state (SGD with momentum: one momentum per
     parameter, K of them would be as large as the cohort's models); each chunk gets a fresh one when it
@@ -130,7 +140,14 @@ def test_stepwise_gives_each_chunk_its_optimizer_state_and_never_stacks_the_coho
     assert len(written) == 4 and all(rows.opt_state == () for rows in written)
 
 
-@pytest.mark.parametrize("strategy", [fused(), stepwise(1), streamed(2), debug()], ids=str)
+# The debug strategy runs its rounds op by op: each primitive is lowered and compiled on its first use in a process,
+# so the tests that run it share one xdist worker (tests/core/test_views.py, tests/engine/test_hooks.py), where
+# the next test's ops (the same model's step) are already there
+DEBUG_GROUP = pytest.mark.xdist_group("debug_strategy")
+
+
+@pytest.mark.parametrize("strategy", [fused(), stepwise(1), streamed(2), pytest.param(debug(), marks=DEBUG_GROUP)],
+                         ids=str)
 def test_trace_count_counts_traces_of_the_jitted_pieces_from_outside(mlp, unequal_cohorts, strategy):
     """``trace_count`` reads JAX's trace cache, so nothing runs inside traced code: every jitted piece is
     traced for the first round's shapes and not again for another round of the same shapes, the debug
@@ -149,6 +166,7 @@ def test_trace_count_counts_traces_of_the_jitted_pieces_from_outside(mlp, unequa
         r.trace_count = 0  # read-only: counted, not kept
 
 
+@AT_O0
 def test_invalid_padding_client_changes_nothing(mlp):
     c = make_cohort((4,), k=4, steps=2, seed=1)
     # Clients 0-2 real; client 3 is a padding slot (valid False): same result as a cohort where
@@ -161,6 +179,7 @@ def test_invalid_padding_client_changes_nothing(mlp):
     assert ma[0]["upload_bytes"] * 4 == mb[0]["upload_bytes"] * 3
 
 
+@AT_O0
 def test_fedavg_traffic_is_the_whole_model_per_client(mlp):
     c = make_cohort((4,), k=4, steps=1)
     r, _, m = run_rounds(mlp, fedavg(), fused(), [c])
@@ -189,8 +208,9 @@ def test_fedprox_mu_zero_is_fedavg_and_mu_pulls_towards_global(mlp, unequal_coho
     init = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT).init(
         jax.random.key(0)).variables["params"]
 
-    def dist(p):
-        return sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init)))
+    def dist(p):  # in numpy: each jnp operation on each leaf shape would be a compiled program
+        return sum(float(np.sum((np.asarray(a) - np.asarray(b)) ** 2))
+                   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init)))
 
     assert dist(prox.variables["params"]) < dist(avg.variables["params"])
 
@@ -241,6 +261,7 @@ def test_rows_padded_runs_copies_of_the_first_rows_and_keeps_n():
     assert seen == [4, 3]  # already a multiple: run as it is
 
 
+@AT_O0
 def test_static_batchnorm_policy_neither_tracks_nor_uploads_statistics(mlp):
     c = make_cohort((4,), k=4, steps=2)
     r = FederatedRound(mlp, fedavg(), num_clients=4, cohort_size=4, client_optimizer=OPT, bn_policy="static")
@@ -266,6 +287,7 @@ def skip_layer_after_first_round(layer):
     return make_method("skip-layer", select=select)
 
 
+@AT_O0
 @pytest.mark.parametrize("server", [optax.adam(0.01), optax.sgd(1.0, momentum=0.9), optax.yogi(0.01)],
                          ids=["adam", "momentum", "yogi"])
 def test_what_nobody_uploaded_stays_bit_identical_under_any_server_optimizer(mlp, unequal_cohorts, server):

@@ -9,14 +9,14 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.cli.main import main
+from fedpartial._src.core.errors import DivergedError, UserError
+from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.cli.main import main
-from fedpartial._src.data.sources import ArrayDataset
-from fedpartial._src.core.errors import DivergedError, UserError
-from fedpartial._src.methods import base
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods import base
 from tests.conftest import make_cohort
 
 N, K = 4, 3
@@ -66,6 +66,10 @@ def one_round(model, strategy, c, server=None):
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
 pytestmark = pytest.mark.xdist_group("faults")
+# Rounds of a few tiny steps checked for what they flag and keep: compiled at -O0 (tests/conftest.py says why that
+# changes nothing there); not the test that compares its round with the shared runs, built at -O1 before any
+# test's fixture
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
@@ -103,6 +107,7 @@ def test_a_nonfinite_client_is_treated_as_padding_and_strategies_agree(mlp, pois
     chex.assert_trees_all_close(poisoned_runs["fused"][1], poisoned_runs["stepwise"][1], rtol=1e-5, atol=1e-6)
 
 
+@AT_O0
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_every_client_nonfinite_flags_the_round_and_changes_no_model(mlp, name):
     before, after, m = one_round(mlp, STRATEGIES[name], cohort(poisoned=[0, 1, 2]))
@@ -111,6 +116,7 @@ def test_every_client_nonfinite_flags_the_round_and_changes_no_model(mlp, name):
     chex.assert_trees_all_equal(after.method_state, before.method_state)  # every client was padding
 
 
+@AT_O0
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_a_nonfinite_global_model_flags_the_round(mlp, name):
     _, after, m = one_round(mlp, STRATEGIES[name], cohort(), server=optax.sgd(float("inf")))
@@ -118,7 +124,7 @@ def test_a_nonfinite_global_model_flags_the_round(mlp, name):
     assert not all(np.all(np.isfinite(a)) for a in jax.tree.leaves(after.variables))
 
 
-# ---- Simulation: records, DivergedError (the run's last good checkpoint is kept: tests/experiment/test_checkpoint.py) ------
+# ---- Simulation: records, DivergedError (the run's last good checkpoint is kept: tests/experiment/test_checkpoint.py)
 
 TINY = dict(method="fedavg", partition="iid", num_clients=4, cohort_size=4, rounds=2, local_steps=1,
             local_epochs=None, batch_size=16, out_dir=None, strategy="stepwise")
@@ -132,12 +138,14 @@ def dataset(nan_rows=()):
     return ArrayDataset("tiny", x, y, np.ones((8, 4), np.float32), y[:8], 3)
 
 
+@AT_O0
 def test_simulation_counts_a_nonfinite_client_and_goes_on(mlp):
     records = list(Simulation(RunConfig(**TINY), dataset([5]), model=mlp).rounds())
     assert [r["nonfinite_clients"] for r in records] == [1, 1]  # every client takes part in every round
     assert np.isfinite(records[-1]["train_loss"]) and np.isfinite(records[-1]["test_loss"])
 
 
+@AT_O0
 def test_simulation_stops_when_every_client_is_nonfinite(mlp):
     sim = Simulation(RunConfig(**TINY), dataset(range(40)), model=mlp)
     first = jax.device_get(sim.state)
@@ -147,6 +155,7 @@ def test_simulation_stops_when_every_client_is_nonfinite(mlp):
     chex.assert_trees_all_equal(jax.device_get(sim.state.variables), first.variables)  # nobody uploaded
 
 
+@AT_O0
 def test_simulation_stops_when_the_global_model_is_nonfinite(mlp):
     sim = Simulation(RunConfig(**TINY), dataset(), model=mlp, server_optimizer=optax.sgd(float("inf")))
     first = jax.device_get(sim.state)
@@ -156,6 +165,7 @@ def test_simulation_stops_when_the_global_model_is_nonfinite(mlp):
     del first
 
 
+@AT_O0
 def test_cli_exits_non_zero_with_one_sentence_on_divergence(tmp_path, capsys):
     # lr 1e30 keeps round 1 finite (the loss is taken before the step) and blows every client up in round 2.
     status = main(["run", "--dataset", "synthetic", "--lr", "1e30", "--clients", "4", "--cohort", "2",

@@ -1,6 +1,8 @@
 """The width graph (:func:`fedpartial._src.engine.graphs.width`): a narrow model is the full model's leading
 channels/units on every axis, runs as a physically smaller model, and writes back in place."""
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -9,16 +11,19 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import Batch, ClientPlan, MethodContext
 from fedpartial._src.engine import graphs
 from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.core.types import Batch, ClientPlan, MethodContext
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models import resnet, zoo
+from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models.registry import build_model, build_narrow_model
 
 KEY = jax.random.key(0, impl="rbg")  # initialises conv nets far faster than threefry on CPU
+# The forward passes compared below (exact zeros, values within a tolerance) compiled at XLA's -O0, as
+# engine_compiled_at_o0 (tests/conftest.py) compiles the engine's rounds: the time is XLA compiling them
+JIT_O0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def adapt(module, input_shape, num_classes, name):
@@ -91,7 +96,8 @@ def test_extract_insert_round_trip_and_the_conv_to_dense_rows():
     for pos in range(4):
         for c in range(3):  # flat index (h·W + w)·C + c, NHWC
             np.testing.assert_array_equal(narrow_head[pos * 3 + c], head[pos * 6 + c])
-    np.testing.assert_array_equal(part["params"]["conv2"]["kernel"], variables["params"]["conv2"]["kernel"][:, :, :2, :3])
+    np.testing.assert_array_equal(part["params"]["conv2"]["kernel"],
+                                  variables["params"]["conv2"]["kernel"][:, :, :2, :3])
     # insert(v, extract(v)) is v, bit for bit; extract(insert(v, p)) is p.
     chex.assert_trees_all_equal(graph.insert(variables, part), variables)
     other = jax.tree.map(lambda a: a + 1.0, part)
@@ -145,11 +151,11 @@ def test_narrow_forward_equals_the_full_model_with_the_other_channels_zeroed(sho
     graph = graphs.width(model, ratio, module=module, scaler=False)
     narrow = graphs.narrow_model(model, ratio, module=module, scaler=False)
     variables = random_variables(model)
-    part = jax.jit(graph.extract)(variables)
-    padded = jax.jit(graph.insert)(jax.tree.map(jnp.zeros_like, variables), part)
+    part = JIT_O0(graph.extract)(variables)
+    padded = JIT_O0(graph.insert)(jax.tree.map(jnp.zeros_like, variables), part)
     x = jax.random.normal(jax.random.key(2), (5, 8, 8, 3))
-    full_out = jax.jit(lambda v, x: model.intermediates(v, x, train=False))(padded, x)
-    narrow_out = jax.jit(lambda v, x: narrow.intermediates(v, x, train=False))(part, x)
+    full_out = JIT_O0(lambda v, x: model.intermediates(v, x, train=False))(padded, x)
+    narrow_out = JIT_O0(lambda v, x: narrow.intermediates(v, x, train=False))(part, x)
     for name, got in narrow_out.items():
         want = np.asarray(full_out[name])
         c = got.shape[-1]
@@ -157,17 +163,18 @@ def test_narrow_forward_equals_the_full_model_with_the_other_channels_zeroed(sho
         if name != "stage:head":
             assert np.all(want[..., c:] == 0), name
     mask = jnp.ones(5, bool)
-    full_logits, full_stats = jax.jit(lambda v, x: model.apply(v, x, True, mask))(padded, x)
+    full_logits, full_stats = JIT_O0(lambda v, x: model.apply(v, x, True, mask))(padded, x)
     full_stats = graph.extract({"batch_stats": full_stats})["batch_stats"]
-    logits, stats = jax.jit(lambda v, x: graph.apply(v, x, True, mask))(part, x)
+    logits, stats = JIT_O0(lambda v, x: graph.apply(v, x, True, mask))(part, x)
     np.testing.assert_allclose(logits, full_logits, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(stats, full_stats, rtol=1e-5, atol=1e-6)
     # With the Scaler, block 1's bn1 normalises conv1's outputs ×1/r: its batch means (read off the
     # running-mean update m ← 0.9·m + 0.1·batch mean) are ×1/r.
     scaled = graphs.width(model, ratio, module=module)
-    _, stats = jax.jit(lambda v, x: scaled.apply(v, x, True, mask))(part, x)
+    _, stats = JIT_O0(lambda v, x: scaled.apply(v, x, True, mask))(part, x)
     old = part["batch_stats"]["stage1_block1"]["bn1"]["mean"]
-    batch_mean = lambda tree: (tree["stage1_block1"]["bn1"]["mean"] - 0.9 * old) / 0.1
+    def batch_mean(tree):
+        return (tree["stage1_block1"]["bn1"]["mean"] - 0.9 * old) / 0.1
     np.testing.assert_allclose(batch_mean(stats), batch_mean(full_stats) / ratio, rtol=1e-4, atol=1e-5)
 
 
@@ -183,7 +190,8 @@ def test_the_scaler_multiplies_hidden_outputs_in_training_only():
         h = np.maximum(scale * (h @ p["fc2"]["kernel"] + p["fc2"]["bias"]), 0)
         return h @ p["head"]["kernel"] + p["head"]["bias"]
 
-    assert p["fc1"]["kernel"].shape == (2, 2) and p["fc2"]["kernel"].shape == (2, 3) and p["head"]["kernel"].shape == (3, 3)
+    assert p["fc1"]["kernel"].shape == (2, 2) and p["fc2"]["kernel"].shape == (2, 3)
+    assert p["head"]["kernel"].shape == (3, 3)
     np.testing.assert_allclose(graph.apply({"params": p, "batch_stats": {}}, x, True)[0], by_hand(2.0), rtol=1e-5)
     np.testing.assert_allclose(graph.apply({"params": p, "batch_stats": {}}, x, False)[0], by_hand(1.0), rtol=1e-5)
 

@@ -9,18 +9,21 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import ClientGroup, ClientPlan
+from fedpartial._src.engine import graphs
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.engine import graphs
-from fedpartial._src.core import masks
-from fedpartial._src.core.types import ClientGroup, ClientPlan
-from fedpartial._src.methods.base import make_method
-from fedpartial._src.models.adapter import from_stages
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods.base import make_method
+from fedpartial._src.models.adapter import from_stages
 from tests.conftest import make_cohort
 
+# Rounds of a few tiny steps, compared with a tolerance: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 N, K, CUT = 8, 3, 2
 OPT = optax.sgd(0.1, momentum=0.9)
 
@@ -67,12 +70,20 @@ def cohorts():
                         client_ids=ids) for t, ids in enumerate(([0, 2, 5], [1, 3, 7]))]
 
 
+_RUNS = {}
+
+
 def run(model, method, strategy):
-    r = FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT, strategy=strategy)
-    state = r.init(jax.random.key(0))
-    for t, c in enumerate(cohorts()):
-        state, m = r(state, c, jax.random.key(t))
-    return r, jax.device_get(state), jax.device_get(m)
+    """The round, its state and metrics after the two cohorts; once per method and strategy in this module (the
+    mask-only reference of every strategy's comparison, the cached fused run of two tests)."""
+    key = (id(model), method.name, str(strategy))
+    if key not in _RUNS:
+        r = FederatedRound(model, method, num_clients=N, cohort_size=K, client_optimizer=OPT, strategy=strategy)
+        state = r.init(jax.random.key(0))
+        for t, c in enumerate(cohorts()):
+            state, m = r(state, c, jax.random.key(t))
+        _RUNS[key] = r, jax.device_get(state), jax.device_get(m)
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("strategy", [fused(), stepwise(1), stepwise(2)], ids=str)
@@ -101,7 +112,8 @@ def test_weak_clients_hold_and_train_only_the_suffix(staged):
         lowered = jax.jit(fns.step).lower(fns.init(start), b, ClientPlan(), state.variables, (), jax.random.key(0), 0)
         return lowered.compile().cost_analysis()["flops"]
 
-    assert flops(weak, state.variables, batch) < 0.5 * flops(strong, state.variables, jax.tree.map(lambda a: a[0], data))
+    strong_batch = jax.tree.map(lambda a: a[0], data)
+    assert flops(weak, state.variables, batch) < 0.5 * flops(strong, state.variables, strong_batch)
 
 
 def test_groups_must_fill_the_cohort(staged):

@@ -8,21 +8,24 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.types import Capabilities, ClientPlan, MethodContext, MethodState
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.engine import strategy as strategies
 from fedpartial._src.engine.types import hook_keys
-from fedpartial._src.core import masks
-from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.core.types import Capabilities, ClientPlan, MethodContext, MethodState
-from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.base import make_method
-from fedpartial._src.methods.base import cross_entropy, upload_trained
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.population import server_examples
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods.base import cross_entropy, make_method, upload_trained
+from fedpartial._src.methods.catalog import get_method
 from tests.conftest import make_cohort
 
+# Rounds of a few tiny steps, compared with a tolerance or checked for what stays bit for bit: compiled at -O0
+# (tests/conftest.py says why that changes nothing there); not the scanned pure round, a jit inside the test's jit
+# (only a top-level jit takes compiler options)
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 N, K = 6, 3
 OPT = optax.sgd(0.1)
 
@@ -46,6 +49,7 @@ def resampled_dropout(p=0.5):
     return make_method("resampled", step_plan=step_plan, select=select)
 
 
+@AT_O0
 def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
     """The engine's client k, step s uses fold_in(fold_in(train_key, id_k), s); replaying that by hand
     with the client functions gives the same trained model."""
@@ -54,10 +58,11 @@ def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
     r = build(mlp, method)
     state = jax.device_get(r.init(jax.random.key(0)))
     key = jax.random.key(11)
-    _, metrics = r(jax.tree.map(jnp.asarray, state), cohort, key)
+    new, _ = r(jax.tree.map(jnp.asarray, state), cohort, key)
 
     ctx = MethodContext(mlp, N, K)
     fns = make_client_fns(ctx, method, OPT)
+    step = jax.jit(fns.step)  # one program for the 9 steps (eagerly, each of the step's operations was one)
     train_key = hook_keys(key).train
     masks_seen = []
     trained = []
@@ -66,18 +71,17 @@ def test_every_step_has_its_own_key_and_a_hand_replay_matches(mlp):
         client_key = jax.random.fold_in(train_key, cid)
         for s in range(3):
             batch = jax.tree.map(lambda a: a[k, s], cohort.data)
-            local = fns.step(local, batch, ClientPlan(), state.variables, (), client_key, jnp.asarray(s))
+            local = step(local, batch, ClientPlan(), state.variables, (), client_key, jnp.asarray(s))
             plan_key = jax.random.split(jax.random.fold_in(client_key, s))[0]
             masks_seen.append(np.asarray(method.step_plan(ctx, ClientPlan(), plan_key, s).dropout.neurons[0]))
         trained.append(fns.final(local, state.variables)[0])
     # Different steps and clients drew different masks.
     assert len({m.tobytes() for m in masks_seen}) > 5
     expected = jax.tree.map(lambda *a: np.average(np.stack(a), axis=0, weights=cohort.info.num_samples), *trained)
-    r2 = build(mlp, method)
-    new, _ = r2(jax.tree.map(jnp.asarray, state), cohort, key)
     chex.assert_trees_all_close(new.variables, expected, rtol=1e-5, atol=1e-6)
 
 
+@AT_O0
 def test_select_and_update_see_start_variables_and_real_step_counts(mlp):
     def init(ctx, view):
         return MethodState(clients=jnp.zeros((ctx.num_clients, 2), jnp.float32))
@@ -101,6 +105,7 @@ def test_select_and_update_see_start_variables_and_real_step_counts(mlp):
         np.testing.assert_array_equal(metrics["client_steps_per_client"], [3, 1, 2])
 
 
+@AT_O0
 def test_each_hook_gets_its_own_key(mlp):
     def update(ctx, view):
         return view.method_state._replace(server=jax.random.key_data(view.key))
@@ -118,6 +123,7 @@ def test_each_hook_gets_its_own_key(mlp):
     assert len(datas) == len(keys)
 
 
+@AT_O0
 def test_the_objective_is_a_method_piece(mlp):
     """An objective of ||θ||² alone: one plain SGD step scales every parameter by (1 - 2η)."""
 
@@ -133,6 +139,7 @@ def test_the_objective_is_a_method_piece(mlp):
                                 rtol=1e-6, atol=1e-7)
 
 
+@AT_O0
 def test_init_receives_a_class_balanced_server_set_no_client_holds():
     def init(ctx, view):
         counts = jnp.bincount(view.server_data.y, length=10)
@@ -149,6 +156,7 @@ def test_init_receives_a_class_balanced_server_set_no_client_holds():
     assert len(held) + len(server) == len(sim.dataset.y_train)  # every other example went to a client
 
 
+@AT_O0
 def test_method_metrics_reach_the_record_and_may_not_shadow_engine_names(mlp):
     sim = Simulation(RunConfig(method="fedldf", options={"n": 2}, num_clients=6, cohort_size=3, rounds=1,
                                local_steps=1, out_dir=None))
@@ -162,6 +170,7 @@ def test_method_metrics_reach_the_record_and_may_not_shadow_engine_names(mlp):
         r(r.init(jax.random.key(0)), make_cohort((4,), k=K), jax.random.key(0))
 
 
+@AT_O0
 def test_decisions_are_recorded_only_when_asked(mlp):
     cohort = make_cohort((4,), k=K)
     off = build(mlp, get_method("fedldf", n=2), strategies.fused())
@@ -174,6 +183,8 @@ def test_decisions_are_recorded_only_when_asked(mlp):
     np.testing.assert_array_equal(layers.sum(axis=0), 2)  # FedLDF: n clients per layer
 
 
+@AT_O0
+@pytest.mark.xdist_group("debug_strategy")  # op by op: shares its ops with tests/core/test_views.py's debug rounds
 def test_debug_strategy_runs_hooks_eagerly_and_matches_stepwise(mlp):
     """Un-jitted, a hook may read concrete values (here: float() of the round), which jit forbids."""
 

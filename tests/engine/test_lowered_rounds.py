@@ -16,6 +16,9 @@ from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.conv import CONV_IMPLS
 from tests.conftest import make_cohort
 
+# Two rounds of a few tiny steps, compared with a tolerance: compiled at -O0 (tests/conftest.py says why that
+# changes nothing here; the lowerings are what differ, and each is compiled alike)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 SHAPE, K, N = (8, 8, 1), 4, 6
 OPT = client_sgd(0.05, momentum=0.9, weight_decay=1e-3)
 STRATEGIES = ("stepwise:1", "fused", "fused:1", "stream:2")

@@ -10,23 +10,24 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.core import aggregation
-from fedpartial._src.engine.round import FederatedRound
-from fedpartial._src.engine import strategy as strategies
-from fedpartial._src.engine.types import ClientData
-from fedpartial._src.core import masks
-from fedpartial._src.core import memory
-from fedpartial._src.data import packing
+from fedpartial._src.core import aggregation, masks, memory
 from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.basic.fedprox import fedprox
-from fedpartial._src.methods.submodel.fedspu import fedspu
-from fedpartial._src.methods.layerwise.fedldf import fedldf, random_layers
+from fedpartial._src.data import packing
+from fedpartial._src.engine import strategy as strategies
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.types import ClientData
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.experiment.simulation import run as simulation_run
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.basic.fedprox import fedprox
+from fedpartial._src.methods.layerwise.fedldf import fedldf, random_layers
+from fedpartial._src.methods.submodel.fedspu import fedspu
 from tests.conftest import make_cohort
 
+# Rounds of a few tiny steps, compared with a tolerance (integer metrics exactly): compiled at -O0
+# (tests/conftest.py says why that changes nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 OPT = optax.sgd(0.1, momentum=0.9)
 K, N = 7, 12
 REAL_STEPS = [3, 1, 2, 3, 2, 3, 1]

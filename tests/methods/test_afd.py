@@ -7,15 +7,14 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import stepwise
-from fedpartial._src.core import masks
-from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.submodel.afd import afd
-from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.submodel.afd import ScoreMap, empty_map, weighted_draw
 from fedpartial._src.methods.base import ClientPlan, CohortInfo, InitView, MethodContext, RoundView
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.submodel.afd import ScoreMap, afd, empty_map, weighted_draw
 from fedpartial._src.methods.submodel.common import neuron_mask
 from tests.conftest import make_cohort
 
@@ -239,7 +238,9 @@ def run(r, rounds, seed=0):
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
-pytestmark = pytest.mark.xdist_group("afd")
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = [pytest.mark.xdist_group("afd"), pytest.mark.usefixtures("engine_compiled_at_o0")]
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)
@@ -265,7 +266,8 @@ def test_rounds_update_the_map_as_described(single_rounds):
         for layer in range(3):
             used = np.asarray(plan.dropout.neurons[layer][0])
             np.testing.assert_array_equal(s.neurons[layer], used)
-            want = np.where(used, (prev.loss - loss) / prev.loss, prev.scores[layer]) if improved else prev.scores[layer]
+            want = (np.where(used, (prev.loss - loss) / prev.loss, prev.scores[layer]) if improved
+                    else prev.scores[layer])
             np.testing.assert_allclose(s.scores[layer], want, rtol=1e-5)
             if bool(prev.keep):  # a good sub-model was sent again
                 np.testing.assert_array_equal(used, prev.neurons[layer])

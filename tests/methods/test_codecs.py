@@ -18,6 +18,10 @@ from fedpartial._src.methods.layerwise.fedldf import fedldf
 from fedpartial._src.methods.privacy.dp_fedavg import dp_fedavg
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N, K = 6, 3
 
 

@@ -21,6 +21,10 @@ from fedpartial._src.models.adapter import from_linen, from_stages
 from fedpartial._src.models.registry import build_model
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 LR, K = 0.3, 3
 
 

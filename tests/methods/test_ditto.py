@@ -21,6 +21,12 @@ from tests.methods.test_personal_layers import N, cohorts
 LAM = 0.5
 
 
+# Tests of a few tiny rounds compared with a tolerance or checked for a property: compiled at -O0
+# (tests/conftest.py); not the test that expects the global model to equal FedAvg's bit for bit: two different
+# programs, which the -O1 default compiles alike
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
+
+
 def build(method, strategy=None, optimizer=client_sgd(LR, MOMENTUM)):
     return FederatedRound(adapt(SMALL, (4,)), method, num_clients=N, cohort_size=2, client_optimizer=optimizer,
                           strategy=strategy or fused())
@@ -58,6 +64,7 @@ def reference(global_params, data):
     return g, own
 
 
+@AT_O0
 def test_engine_matches_a_plain_python_reference():
     r = build(get_method("ditto", lam=LAM), stepwise(1))
     state = start(r)
@@ -84,6 +91,7 @@ def test_the_uploaded_global_model_is_fedavgs_bit_for_bit():
     chex.assert_trees_all_equal(*results)
 
 
+@AT_O0
 def test_the_device_model_counts_both_trainings():
     """A client trains the global model and then its personal one on the same batches: its FLOPs of local work,
     and with them its simulated time, are twice FedAvg's (``Capabilities.local_passes``)."""

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import fedpartial as fp
-from fedpartial._src.engine.program import carry
 from fedpartial._src.core import masks
 from fedpartial._src.core.errors import UserError
+from fedpartial._src.engine.program import carry
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.privacy.dp_fedavg import count_noise_std, sum_noise_multiplier
 from tests.conftest import make_cohort
@@ -20,6 +20,12 @@ K = 3
 WEIGHTS = np.array([1.0, 5.0, 10.0], np.float32)  # n_k: DP ignores them (each clipped update counts once)
 # TinyMLP's layers: 0 = fc1 (+ bn1), 1 = fc2, 2 = head.  Client 2 does not upload the head, nobody uploads fc2.
 UPLOAD = np.array([[1, 0, 1], [1, 0, 1], [1, 0, 0]], bool)
+
+
+# Tests of a few tiny rounds compared with a tolerance or checked for a property: compiled at -O0
+# (tests/conftest.py); not the test that expects z = 0, C = ∞ to equal the wrapped method bit for bit: two different
+# programs, which the -O1 default compiles alike
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 
 def round_of(mlp, method):
@@ -60,6 +66,7 @@ def aggregate(rnd, view):
     return carry("aggregate", rnd.method.aggregate(rnd.ctx, view), view)
 
 
+@AT_O0
 @pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
 def test_clipping_and_the_fixed_denominator_on_a_toy(mlp, per_layer):
     # A noise multiplier of 1e-30 is the noised path with noise far below float32's resolution here.
@@ -84,6 +91,7 @@ def test_clipping_and_the_fixed_denominator_on_a_toy(mlp, per_layer):
     np.testing.assert_array_equal(new["fc2"]["kernel"], view.global_vars["params"]["fc2"]["kernel"])
 
 
+@AT_O0
 def test_without_noise_the_clipped_models_take_the_methods_own_formula(mlp):
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=1.0, noise_multiplier=0.0))
     view = toy_view(rnd)
@@ -97,6 +105,7 @@ def test_without_noise_the_clipped_models_take_the_methods_own_formula(mlp):
     assert not np.any(received["fc2"]["kernel"])
 
 
+@AT_O0
 def test_the_denominator_is_the_mean_upload_count_over_rounds(mlp):
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=100.0, noise_multiplier=1e-30))
     first = toy_view(rnd)
@@ -111,6 +120,7 @@ def test_the_denominator_is_the_mean_upload_count_over_rounds(mlp):
     assert moved(new, second)["fc1"]["kernel"][0, 0] == pytest.approx(3.0 / 3, rel=1e-6)  # 3 every round
 
 
+@AT_O0
 def test_noise_std_over_many_draws(mlp):
     # No update at all: what moves is the noise, std z·C over each element's expected uploaders — 3 for fc1
     # and fc2, 1 for the head (only client 0 uploads it).
@@ -133,6 +143,7 @@ def test_noise_std_over_many_draws(mlp):
     assert abs(np.corrcoef(body[:, 0], body[:, 1])[0, 1]) < 0.05
 
 
+@AT_O0
 def test_adaptive_clipping_follows_the_target_quantile(mlp):
     rnd = round_of(mlp, fp.dp_fedavg(fp.methods.fedavg(), clip=10.0, noise_multiplier=0.0, target_quantile=0.5))
     state = jax.jit(lambda v: rnd.method.update(rnd.ctx, aggregate(rnd, v)[1]))(toy_view(rnd)).server[1]
@@ -179,6 +190,7 @@ def test_refusals(mlp):
         rnd.init(jax.random.key(0))
 
 
+@AT_O0
 def test_the_clip_factors_are_computed_once_a_round(mlp, monkeypatch):
     """aggregate hands its clip factors, norms and counts on (Carry): update and metrics do not clip again."""
     from fedpartial._src.methods.privacy import dp_fedavg as module

@@ -8,20 +8,24 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.costs import footprint as costs
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.structure import leaf_paths
 from fedpartial._src.costs import flops
+from fedpartial._src.costs import footprint as costs
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.core import masks
-from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
-from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.base import CohortInfo, MethodContext, RoundView
+from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.submodel.common import SubmodelState
+from fedpartial._src.methods.submodel.dropout import feddrop, fedmp, fjord, hermes, prunefl
 from fedpartial._src.models.adapter import from_linen
-from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 LR = 0.3
 OPT = optax.sgd(LR)  # plain SGD: the plain-Python reference below applies p - lr·g by hand

@@ -10,18 +10,28 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import (
+    Batch,
+    CohortInfo,
+    InitView,
+    MethodContext,
+    MethodState,
+    RoundView,
+    Selection,
+    ServerData,
+)
+from fedpartial._src.data.sources import ArrayDataset
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
 from fedpartial._src.engine.types import Cohort
-from fedpartial._src.core import masks
-from fedpartial._src.core.types import (Batch, CohortInfo, InitView, MethodContext, MethodState, RoundView,
-                                        Selection, ServerData)
-from fedpartial._src.data.sources import ArrayDataset
-from fedpartial._src.core.errors import UserError
+from fedpartial._src.experiment.config import RunConfig
+from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.layerwise.fedldf import fedldf
 from fedpartial._src.methods.submodel.fedspu import fedspu
-from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.weighting.compose import reweight
 from fedpartial._src.methods.weighting.degrees import (
     DegreeState,
@@ -33,9 +43,12 @@ from fedpartial._src.methods.weighting.degrees import (
 )
 from fedpartial._src.methods.weighting.estimate import group_by_class
 from fedpartial._src.methods.weighting.feddh import feddh, feddh_weighting, feddhe, fedjs, fedjs_weighting
-from fedpartial._src.experiment.config import RunConfig
-from fedpartial._src.experiment.simulation import Simulation
 from tests.conftest import make_cohort
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing there); not the tests that compare their round with the
+# module's shared FedAvg and FedLDF runs (built at -O1, before any test's fixture)
+AT_O0 = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 OPT = optax.sgd(0.1, momentum=0.9)
 KEY = jax.random.key(0)
@@ -73,6 +86,7 @@ def two_cohorts(k, ids, seed=0):
 # ---- the pieces --------------------------------------------------------------------------------
 
 
+@AT_O0
 def test_js_divergence_hand_values():
     u = jnp.full((3,), 1 / 3)
     np.testing.assert_allclose(js_divergence(jnp.array([1.0, 0, 0]), u), JS_ONE_HOT, rtol=1e-6)
@@ -81,6 +95,7 @@ def test_js_divergence_hand_values():
     assert float(js_divergence(u, u)) == 0.0
 
 
+@AT_O0
 def test_degree_is_kept_positive_and_weights_normalised():
     js = jnp.array([0.3, 0.0, 0.2])
     degree = non_iid_degree(js, jnp.array([1.0, 1.0, 2.0]), jnp.array([0.0, 0.0, -1.0]), min_degree=1e-3)
@@ -109,6 +124,7 @@ Q_FLOOR_0_001 = [0.001041035, 0.005008413, 0.993950552]
 Q_FLOOR_0_2 = [0.111651665, 0.355339334, 0.533009001]
 
 
+@AT_O0
 def test_fedjs_weights_hand_computed(mlp):
     raw = lambda floor: np.array([10 / JS_ONE_HOT, 20 / max(JS_HALF, floor), 30 / floor])  # noqa: E731
     np.testing.assert_allclose(raw(1e-3) / raw(1e-3).sum(), Q_FLOOR_0_001, rtol=1e-6)
@@ -164,6 +180,7 @@ def test_frozen_feddh_with_equal_js_is_fedavg(mlp, data, fedavg_run):
     np.testing.assert_array_equal(dh.b, np.zeros(6))
 
 
+@AT_O0
 def test_reweight_fedavg_with_feddh_is_feddh(mlp, data):
     composed = reweight(fedavg(), feddh_weighting(lr_upsilon=1.0, lr_b=1.0))
     registered = get_method("feddh", lr_upsilon=1.0, lr_b=1.0)
@@ -192,6 +209,7 @@ def test_uniform_degree_leaves_the_wrapped_method_unchanged(mlp, data, fedldf_ru
         np.testing.assert_array_equal(g["layers_uploaded_per_client"], r["layers_uploaded_per_client"])
 
 
+@AT_O0
 def test_wrapped_state_and_personal_models_stay_the_wrapped_methods(mlp):
     """FedSPU + FedDH: FedSPU's [N] personal models and FedDH's (υ, b) side by side, each seen only by its owner."""
     spu, wrapped = fedspu(), reweight(fedspu(), feddh_weighting())
@@ -255,6 +273,7 @@ def gradient_view(model):
     return ctx, view
 
 
+@AT_O0
 def test_control_gradient_matches_finite_differences(mlp):
     ctx, view = gradient_view(mlp)
     js, base = jnp.array([0.3, 0.1, 0.2]), view.cohort.num_samples
@@ -277,6 +296,7 @@ def test_control_gradient_matches_finite_differences(mlp):
     assert float(loss(u - 1e-2 * g_u, b - 1e-2 * g_b)) < float(loss(u, b))
 
 
+@AT_O0
 def test_gradient_sees_the_upload_masks(mlp):
     """A client that uploads nothing cannot move F: its (υ, b) gradient is 0 (up to float rounding)."""
     ctx, view = gradient_view(mlp)
@@ -317,6 +337,7 @@ def server_set(per_class=6, seed=11):
 SKEWS = np.array([[0.9, 0.1, 0.0], [0.0, 0.9, 0.1], [0.1, 0.0, 0.9], [0.5, 0.5, 0.0]])  # as Dirichlet: zeros
 
 
+@AT_O0
 def test_feddhe_estimate_recovers_the_label_distribution_once_without_reading_counts(mlp):
     cohort, counts = skewed_cohort(SKEWS)
     other, _ = skewed_cohort(SKEWS[::-1], seed=4)  # round 2: the same clients, other data
@@ -346,6 +367,7 @@ def test_feddhe_estimate_recovers_the_label_distribution_once_without_reading_co
     chex.assert_trees_all_equal(with_counts[1], states[1])
 
 
+@AT_O0
 def test_group_by_class_orders_the_server_set():
     server = server_set(per_class=2)
     grouped = group_by_class(server, 3)
@@ -358,6 +380,7 @@ def test_group_by_class_orders_the_server_set():
 # ---- errors and the simulation's label counts ----------------------------------------------------
 
 
+@AT_O0
 def test_errors_are_one_sentence(mlp):
     with pytest.raises(UserError, match="label counts"):
         build(mlp, fedjs(), 6, 3).init(KEY)
@@ -375,6 +398,7 @@ def test_errors_are_one_sentence(mlp):
         get_method("feddhe", beta=1.0)
 
 
+@AT_O0
 def test_simulation_hands_every_clients_label_counts_to_feddh(mlp):
     rng = np.random.default_rng(0)
     y = rng.integers(0, 3, 90).astype(np.int32)
@@ -390,6 +414,7 @@ def test_simulation_hands_every_clients_label_counts_to_feddh(mlp):
     np.testing.assert_allclose(dh.num_samples, sim.sizes)
 
 
+@AT_O0
 def test_feddhe_estimates_once_a_round_and_reports_its_degrees(mlp, monkeypatch):
     """The weights hand the cohort's JS divergences on (Carry): update and metrics do not estimate again."""
     from fedpartial._src.methods.weighting import estimate as module

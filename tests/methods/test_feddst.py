@@ -11,15 +11,14 @@ import optax
 import pytest
 
 from fedpartial._src.core import masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
-from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.base import ClientPlan, InitView
-from fedpartial._src.methods.submodel.feddst import feddst
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.methods.submodel.erk import erk_counts, erk_densities, layout
-from fedpartial._src.methods.submodel.feddst import adjusts, cosine_fraction
+from fedpartial._src.methods.submodel.feddst import adjusts, cosine_fraction, feddst
 from fedpartial._src.methods.submodel.sparse import aggregate_sparse, last_batch_grad, prune_and_regrow
 from tests.conftest import make_cohort
 
@@ -183,7 +182,9 @@ def cohorts():
 
 # The module fixture below is costly: the module stays on one xdist worker (--dist loadgroup), which
 # builds it once.
-pytestmark = pytest.mark.xdist_group("feddst")
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = [pytest.mark.xdist_group("feddst"), pytest.mark.usefixtures("engine_compiled_at_o0")]
 
 
 @pytest.fixture(scope="session")  # kept by its xdist group's worker (see test_sharding.py)

@@ -5,15 +5,19 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
-from fedpartial._src.core.errors import UserError
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.basic.feddyn import feddyn
 from fedpartial._src.methods.catalog import get_method
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.zoo import MLP
 from tests.conftest import make_cohort, mlp_grad
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 N, K = 5, 3
 LR, ALPHA = 0.1, 0.1
@@ -58,7 +62,8 @@ def run(r, data, state=None):
 
 def reference_round(params, lam, h, cohort, mean_size):
     """FedDyn one client at a time (paper's algorithm, α_i = α / (n_i / n̄) as the official code)."""
-    to64 = lambda tree: jax.tree.map(lambda a: np.array(a, np.float64), tree)
+    def to64(tree):
+        return jax.tree.map(lambda a: np.array(a, np.float64), tree)
     g = to64(params)
     models = []
     for k in range(K):
@@ -108,7 +113,8 @@ def test_engine_matches_plain_python_feddyn(histories, population):
         mean_size = SIZES.mean() if population else c.info.num_samples[real].mean()
         params, lam, h = reference_round(params, lam, h, c, mean_size)
         got = history[t + 1]
-        close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+        def close(a, b):
+            return np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
         jax.tree.map(close, got.variables["params"], params)
         jax.tree.map(close, got.method_state.server.h, h)
         for i in range(N):
@@ -117,7 +123,8 @@ def test_engine_matches_plain_python_feddyn(histories, population):
 
 def test_client_state_changes_only_for_the_cohorts_real_clients(histories):
     lam = [jax.tree.leaves(s.method_state.clients) for s in histories["cohort"]]
-    changed = lambda t, i: any(not np.array_equal(a[i], b[i]) for a, b in zip(lam[t], lam[t + 1]))
+    def changed(t, i):
+        return any(not np.array_equal(a[i], b[i]) for a, b in zip(lam[t], lam[t + 1]))
     assert [changed(0, i) for i in range(N)] == [True, True, False, True, False]
     # Round 2: clients 1 and 2 train; client 4 sits in a padding slot; 0 and 3 keep their rows bit for bit.
     assert [changed(1, i) for i in range(N)] == [False, True, True, False, False]

@@ -12,19 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from benchmarks.fedldf_bound import convergence_bound
 from fedpartial._src.core import aggregation, masks
+from fedpartial._src.core.structure import leaf_paths
+from fedpartial._src.engine.client import make_client_fns
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.engine.types import Cohort
-from fedpartial._src.engine.client import make_client_fns
-from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods import selection
 from fedpartial._src.methods.base import Batch, ClientPlan, CohortInfo, MethodContext, MethodState, RoundView
-from benchmarks.fedldf_bound import convergence_bound
+from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.layerwise.fedldf import fedadp, fedldf, hdfl, index_bytes, random_layers
-from fedpartial._src.core.structure import leaf_paths
 from tests.conftest import make_cohort
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 OPT = optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.1, momentum=0.9))
 
@@ -209,7 +213,8 @@ def test_n_equal_k_is_fedavg(three_rounds):
 
 
 def permuted(c, perm):
-    take = lambda a: np.asarray(a)[perm]
+    def take(a):
+        return np.asarray(a)[perm]
     return Cohort(jax.tree.map(take, c.data), jax.tree.map(take, c.info))
 
 
@@ -243,7 +248,7 @@ def reference_fedldf_round(model, global_vars, cohort, n):
             diff = np.asarray(theta, np.float64) - np.asarray(g, np.float64)
             sq[structure.role("params", path).layer, k] += np.sum(diff ** 2)
     divergence = np.sqrt(sq)
-    chosen = [sorted(range(k_clients), key=lambda k: (-divergence[l, k], k))[:n] for l in range(num_layers)]
+    chosen = [sorted(range(k_clients), key=lambda k: (-divergence[layer, k], k))[:n] for layer in range(num_layers)]
 
     weights = np.asarray(cohort.info.num_samples, np.float64)
     new = {}

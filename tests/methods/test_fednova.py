@@ -5,19 +5,22 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
-from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.catalog import METHODS
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.basic.fednova import fednova
+from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.methods.base import RoundView, Selection
-from fedpartial._src.methods.basic.fednova import normalizer
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.basic.fednova import fednova, normalizer
+from fedpartial._src.methods.catalog import METHODS
 from fedpartial._src.models.adapter import from_linen
 from fedpartial._src.models.zoo import MLP
-from fedpartial._src.experiment.config import RunConfig
 from tests.conftest import make_cohort, mlp_grad
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 N, K = 5, 3
 LR, MOMENTUM, WD = 0.1, 0.9, 1e-2
@@ -52,7 +55,8 @@ def run(r, data):
 
 def reference_round(params, cohort, momentum, wd):
     """FedNova one client at a time, as the reference implementation computes it."""
-    to64 = lambda tree: jax.tree.map(lambda a: np.array(a, np.float64), tree)
+    def to64(tree):
+        return jax.tree.map(lambda a: np.array(a, np.float64), tree)
     g = to64(params)
     updates, a_list, n = [], [], []
     for k in range(K):

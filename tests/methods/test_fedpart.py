@@ -16,6 +16,10 @@ from fedpartial._src.methods.layerwise.fedpart import fedpart, schedule
 from tests.conftest import make_cohort
 from tests.methods.test_heterofl import LR, MOMENTUM, SMALL, _narrow_grad, adapt, build, start
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N = 4
 IDS = ([0, 2], [1, 3], [2, 3])
 LAYERS = ("fc1", "fc2", "head")  # SMALL's layers, input to output

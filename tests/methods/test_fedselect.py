@@ -7,16 +7,15 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core import masks
+from fedpartial._src.core.structure import leaf_paths
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.core import masks
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.submodel.fedselect import fedselect
 from fedpartial._src.methods.base import CohortInfo, MethodContext, RoundView
-from fedpartial._src.methods.submodel.fedselect import FedSelectState
-from fedpartial._src.core.structure import leaf_paths
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.submodel.fedselect import FedSelectState, fedselect
 from tests.conftest import make_cohort
 
 OPT = optax.sgd(0.3)

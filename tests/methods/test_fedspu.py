@@ -6,18 +6,21 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.core import aggregation
+from fedpartial._src.core import aggregation, masks
 from fedpartial._src.costs import footprint as costs
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.core import masks
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.submodel.fedspu import fedspu
-from fedpartial._src.methods.submodel import common as submodel
 from fedpartial._src.methods.base import ClientPlan, CohortInfo, MethodContext, MethodState, RoundView
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.submodel import common as submodel
+from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.models.adapter import from_linen
 from tests.conftest import TinyMLP, make_cohort
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 N, K = 10, 4
 IDS = [0, 3, 5, 9]  # tiers 0.2, 0.4, 0.6, 1.0 with N = 10 and five tiers

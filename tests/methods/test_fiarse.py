@@ -18,6 +18,10 @@ from fedpartial._src.methods.submodel.fiarse import extract, fiarse, kept_count,
 from tests.conftest import make_cohort
 from tests.methods.test_heterofl import LR, MOMENTUM, SMALL, _narrow_grad, adapt, build, start
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N = 4
 RATIOS = (0.25, 0.5, 0.75, 1.0)  # one tier per client id (equal clusters of one)
 IDS = ([0, 2, 3], [1, 2, 3], [0, 1, 3])

@@ -10,25 +10,28 @@ import numpy as np
 import optax
 import pytest
 
-from fedpartial._src.core import aggregation
+from fedpartial._src.core import aggregation, masks
+from fedpartial._src.core.errors import UserError
+from fedpartial._src.core.types import CohortInfo, InitView, MethodContext, RoundView
+from fedpartial._src.engine import graphs
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
 from fedpartial._src.engine.types import ServerState
-from fedpartial._src.engine import graphs
-from fedpartial._src.core import masks
-from fedpartial._src.core.types import CohortInfo, InitView, MethodContext, RoundView
-from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.submodel.dropout import fjord
-from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, heterofl, width_mask
-from fedpartial._src.methods.tiered.width_capacity import capacity_table
-from fedpartial._src.models.adapter import from_linen
-from fedpartial._src.models import resnet, zoo
-from fedpartial._src.models.registry import build_model
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.methods.submodel.dropout import fjord
+from fedpartial._src.methods.tiered.heterofl import DEFAULT_WIDTHS, heterofl, width_mask
+from fedpartial._src.methods.tiered.width_capacity import capacity_table
+from fedpartial._src.models import resnet, zoo
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.registry import build_model
 from tests.conftest import make_cohort
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 LR, MOMENTUM = 0.1, 0.9
 OPT = optax.sgd(LR, momentum=MOMENTUM)

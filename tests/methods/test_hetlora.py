@@ -26,6 +26,10 @@ from fedpartial._src.models.lora import lora
 from fedpartial._src.models.lora_ranks import with_lora_ranks
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 LR, N, K, R, SCALE = 0.5, 3, 3, 4, 1.5  # alpha 6, rank 4
 RANKS = (2, 4, 4)  # client i of 3 is in tier i
 

@@ -6,20 +6,23 @@ import numpy as np
 import optax
 import pytest
 
+from fedpartial._src.core.errors import UserError
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused
-from fedpartial._src.core.errors import UserError
-from fedpartial._src.methods.basic.fedavg import fedavg
-from fedpartial._src.methods.catalog import get_method
-from fedpartial._src.methods.basic.moon import moon
-from fedpartial._src.methods.basic.moon import contrastive_loss
-from fedpartial._src.models.adapter import from_linen
-from fedpartial._src.models import heads
-from fedpartial._src.models.zoo import MLP
 from fedpartial._src.experiment.config import RunConfig
 from fedpartial._src.experiment.parts import build_model
 from fedpartial._src.experiment.simulation import Simulation
+from fedpartial._src.methods.basic.fedavg import fedavg
+from fedpartial._src.methods.basic.moon import contrastive_loss, moon
+from fedpartial._src.methods.catalog import get_method
+from fedpartial._src.models import heads
+from fedpartial._src.models.adapter import from_linen
+from fedpartial._src.models.zoo import MLP
 from tests.conftest import make_cohort
+
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
 
 N, K = 5, 3
 LR, MOMENTUM, MU, TAU = 0.1, 0.9, 1.0, 0.5
@@ -94,8 +97,10 @@ def moon_grad(p, x, y, g, prev, has_prev, mu):
 
 def reference_round(params, previous, cohort, mu):
     """MOON one client at a time; ``previous``: client id -> its last trained params (absent: none yet)."""
-    to64 = lambda tree: jax.tree.map(lambda a: np.array(a, np.float64), tree)
-    to32 = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float32), tree)
+    def to64(tree):
+        return jax.tree.map(lambda a: np.array(a, np.float64), tree)
+    def to32(tree):
+        return jax.tree.map(lambda a: np.asarray(a, np.float32), tree)
     models, n = [], []
     for k in range(K):
         i = int(cohort.info.client_ids[k])
@@ -167,7 +172,8 @@ def test_engine_matches_plain_python_moon(model):
             without, _ = reference_round(params, dict(previous), c, 0.0)
         params, previous = reference_round(params, previous, c, MU)
         got = history[t + 1]
-        close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+        def close(a, b):
+            return np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
         jax.tree.map(close, got.variables["params"], params)
         stored = got.method_state.clients
         np.testing.assert_array_equal(stored.exists, [i in previous for i in range(N)])

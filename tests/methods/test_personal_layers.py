@@ -20,6 +20,10 @@ from fedpartial._src.methods.personal.fedrep import head_steps as fedrep_head_st
 from tests.conftest import make_cohort
 from tests.methods.test_heterofl import LR, MOMENTUM, SMALL, _narrow_grad, adapt, build, start
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N = 4
 IDS = ([0, 2], [2, 3])  # client 2 trains in both rounds: its personal layers carry over
 LAYERS = ("fc1", "fc2", "head")

@@ -22,6 +22,10 @@ from fedpartial._src.methods.tiered.embracingfl import embracingfl
 from fedpartial._src.methods.wrappers import HOOK_KINDS, NOT_HOOKS, Wrapper, wrap
 from tests.conftest import make_cohort
 
+# Rounds of a few steps, each test its own programs: compiled at -O0 (tests/conftest.py says why that changes
+# nothing here)
+pytestmark = pytest.mark.usefixtures("engine_compiled_at_o0")
+
 N, K = 5, 3
 
 
