@@ -11,7 +11,8 @@ Two parts:
       FEDPARTIAL_SUITE_PROFILE=/tmp/prof python -m pytest -p benchmarks.suite_profile
 
 * a summary of such a folder, printed and written as JSON (default
-  ``benchmarks/results/suite-profile-<platform>-<N>cores.json``) ::
+  ``benchmarks/results/suite-profile-<platform>-<N>cores.json``), with the machine's speed when summarised
+  (:func:`machine_speed`: profiles taken at different speeds compare only after scaling by it) ::
 
       python -m benchmarks.suite_profile /tmp/prof [--out PATH] [--top 25]
 
@@ -198,6 +199,10 @@ def print_summary(summary: dict, top: int) -> None:
     p = summary["programs"]
     print(f"{p['distinct']} distinct programs, {p['requests']} requests; {p['lowered_more_than_once']} lowered more "
           f"than once, {p['repeat_trace_and_lower_seconds']:.0f} s of tracing and lowering on the repeats")
+    if "machine_speed_seconds" in summary:
+        m = summary["machine_speed_seconds"]
+        print(f"this machine now: {m['python']:.3f} s for a million Python additions, {m['compile']:.3f} s to "
+              "compile a small MLP's gradient step")
     print(f"\n{'wall':>7} {'trace':>6} {'lower':>6} {'compile':>7}  file")
     for file, c in list(summary["files"].items())[:top]:
         print(f"{c.get('wall', 0):7.1f} {c.get('trace', 0):6.1f} {c.get('lower', 0):6.1f} {c.get('compile', 0):7.1f}  "
@@ -205,6 +210,39 @@ def print_summary(summary: dict, top: int) -> None:
     print(f"\n{'compile':>7} {'count':>5}  program")
     for name, c in summary["by_program_name"].items():
         print(f"{c.get('compile', 0):7.1f} {c.get('compiles', 0):5d}  {name}")
+
+
+def machine_speed(repeats: int = 3) -> dict:
+    """Seconds this machine takes, now, for two fixed pieces of the suite's kind of work (the best of
+    ``repeats``): ``python``, a million additions in a Python loop (tracing and lowering are Python);
+    ``compile``, tracing, lowering and compiling a small MLP's gradient step (each repeat's program differs by a
+    constant, so neither JAX's caches nor the persistent one answer).  Two profiles compare fairly only at
+    similar speeds: the shared 2-core machine has measured 3x slower on one day than on another."""
+    import jax
+    import jax.numpy as jnp
+
+    def loop():
+        total = 0
+        for i in range(1_000_000):
+            total += i
+        return total
+
+    def compile_step(k: float):
+        def loss(w, x):
+            h = jnp.tanh(x @ w[0])
+            return jnp.mean((h @ w[1] - k) ** 2)
+        w = (jnp.ones((64, 128)), jnp.ones((128, 10)))
+        jax.jit(jax.grad(loss)).lower(w, jnp.ones((32, 64))).compile()
+
+    def best(fn):
+        times = []
+        for r in range(repeats):
+            start = time.perf_counter()
+            fn(r)
+            times.append(time.perf_counter() - start)
+        return round(min(times), 4)
+
+    return {"python": best(lambda r: loop()), "compile": best(lambda r: compile_step(0.5 + r + time.time() % 1))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                "command": f"{ENV}=DIR python -m pytest -p benchmarks.suite_profile; "
                           "python -m benchmarks.suite_profile DIR",
                "device": {**device_info(), "processor": platform.processor() or platform.machine()},
+               "machine_speed_seconds": machine_speed(),
                **summarize(read(args.folder), args.top)}
     print_summary(summary, args.top)
     device = summary["device"]

@@ -87,3 +87,5 @@ def test_the_plugin_writes_one_record_per_test_and_the_summary_names_its_file(tm
     assert summary["benchmark"] == "suite_profile" and summary["device"]["platform"] == "cpu"
     assert summary["tests"] == 1 and list(summary["files"]) == ["tests/x.py"]
     assert summary["programs"]["requests"] == 1
+    speed = summary["machine_speed_seconds"]  # the speed the numbers were measured at, to compare profiles
+    assert set(speed) == {"python", "compile"} and 0 < speed["python"] < 60 and 0 < speed["compile"] < 60
