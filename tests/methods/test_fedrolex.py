@@ -144,6 +144,24 @@ def test_an_option_a_resnet_is_refused_and_projection_shortcuts_roll():
         build(model, fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25), module=zeros))
 
 
+def test_a_model_with_no_width_reduced_version_is_refused_before_any_unit_is_rolled(monkeypatch):
+    """The width graphs are built first: their one sentence comes before the rolling check runs the model
+    eagerly (measured 6.5 s of small compilations for a one-block transformer, 0.3 s after)."""
+    import flax.linen as nn
+
+    from fedpartial._src.models.adapter import from_linen
+
+    class Plain(nn.Module):  # a user's module, with no width-reduced version
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(3, name="head")(nn.relu(nn.Dense(4, name="fc")(x)))
+
+    monkeypatch.setattr(graphs, "rolls_units_consistently", lambda *a, **k: pytest.fail("rolled before refusing"))
+    model = from_linen(Plain(), input_shape=(2,), num_classes=3, sequential=True, name="plain")
+    with pytest.raises(UserError, match="model 'plain' has no width-reduced version"):
+        build(model, fedrolex(tier_mix=(1, 1, 1), widths=(0.5, 0.25)))
+
+
 @AT_O0
 def test_a_run_by_model_name():
     """From the run configuration, as the CLI builds it: the registry's MLP on the offline digits, one client per

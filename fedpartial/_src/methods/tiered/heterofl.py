@@ -61,10 +61,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from fedpartial._src.engine import graphs
-from fedpartial._src.core.types import Capabilities, ClientGroup, ClientPlan, MethodContext, RoundView, Selection
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.masks import Mask
+from fedpartial._src.core.types import Capabilities, ClientGroup, ClientPlan, MethodContext, RoundView, Selection
+from fedpartial._src.engine import graphs
 from fedpartial._src.methods.base import make_method
 from fedpartial._src.methods.registry import MethodSpec, Option
 from fedpartial._src.methods.tiered.tiers import (
@@ -190,6 +190,13 @@ def width_tiers(name: str, tier_mix, capacity_case, widths, weighting, *, scaler
     def groups(ctx: MethodContext) -> tuple[ClientGroup, ...]:
         mix = resolve_mix(ctx.num_clients, tier_mix, capacity_case)
         sizes = cohort_rows(mix, ctx)
+        # The width graphs first: a model with no width-reduced version is refused before the rolling check
+        # below runs the model eagerly (tens of small compilations, seconds, for a transformer)
+        tiers = tuple(
+            ClientGroup(TIER_NAMES[t], sizes[t], members=mix.members(t),
+                        graph=None if ratios[t] == 1 else graphs.width(ctx.model, ratios[t], module=module,
+                                                                        scaler=scaler))
+            for t in range(3) if sizes[t] > 0)
         if rolling:
             for t in range(3):
                 if sizes[t] > 0 and not graphs.rolls_units_consistently(ctx.model, ratios[t], module=module):
@@ -197,11 +204,7 @@ def width_tiers(name: str, tier_mix, capacity_case, widths, weighting, *, scaler
                         f"{name}: rolling the units of model {ctx.model.name} changes what it computes (e.g. "
                         f"option-A shortcuts place channels at fixed offsets), so a rolling window is not a "
                         f"sub-network of it; use a sequential model or ResNet20 with projection shortcuts.")
-        return tuple(
-            ClientGroup(TIER_NAMES[t], sizes[t], members=mix.members(t),
-                        graph=None if ratios[t] == 1 else graphs.width(ctx.model, ratios[t], module=module,
-                                                                        scaler=scaler))
-            for t in range(3) if sizes[t] > 0)
+        return tiers
 
     def plan(ctx: MethodContext, view: RoundView) -> ClientPlan:
         sizes = sizes_of(ctx)
