@@ -58,6 +58,7 @@ def engine_compiled_at_o0():
     with the -O1 programs of other files).  Not for benchmarks or long training, which -O0 runs ~10x slower, nor for
     tests that expect two different programs to agree bit for bit: FedRolex's first round equals HeteroFL's at -O1
     (tests/methods/test_fedrolex.py) but not at -O0."""
+    from fedpartial._src.engine import asynchronous
     from fedpartial._src.engine import round as round_lib
     from fedpartial._src.engine.runners import base, fused, stepwise, streamed
 
@@ -67,7 +68,7 @@ def engine_compiled_at_o0():
         return original(fn, compiler_options={"xla_backend_optimization_level": 0}, **jit_kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        for module in (base, round_lib, fused, stepwise, streamed):
+        for module in (base, round_lib, fused, stepwise, streamed, asynchronous):
             patch.setattr(module, "jit", jit)
         yield
 

@@ -103,6 +103,9 @@ def _pool_on_host(monkeypatch):
     monkeypatch.setattr(asynchronous, "pool_place", lambda *_: "host")
 
 
+# Each method's dispatch round and server step, run for three server steps and compared only with themselves (a
+# restored run): compiled at -O0 (tests/conftest.py says why that changes nothing here)
+@pytest.mark.usefixtures("engine_compiled_at_o0")
 @pytest.mark.parametrize("name", NAMES)
 def test_async_method_keeps_the_contract(name, tmp_path):
     _check_contract(name, str(tmp_path))

@@ -55,7 +55,7 @@ from fedpartial._src.core.structure import without_frozen
 from fedpartial._src.core.types import ClientPlan, CohortInfo, Method
 from fedpartial._src.engine.program import RoundProgram
 from fedpartial._src.engine.runners import RUNNERS
-from fedpartial._src.engine.runners.base import Runner
+from fedpartial._src.engine.runners.base import Runner, jit
 from fedpartial._src.engine.runners.fused import Fused
 from fedpartial._src.engine.types import Cohort, ServerState, hook_keys
 
@@ -175,7 +175,7 @@ class AsyncRound:
             communicated=prog.communicated, client_optimizer=prog.client_optimizer,
             server_optimizer=prog.server_optimizer, record_decisions=prog.record_decisions)
         self.runner = (_Undonated if prog.strategy.kind == "fused" else RUNNERS[prog.strategy.kind])(self.program)
-        self._step = jax.jit(lambda s, rows, tau, k: self.pure_server_step(s, rows, tau, jax.random.wrap_key_data(k)))
+        self._step = jit(lambda s, rows, tau, k: self.pure_server_step(s, rows, tau, jax.random.wrap_key_data(k)))
         self._take = jax.jit(lambda pool, slots: jax.tree.map(lambda a: a[slots], pool))
         self._put = jax.jit(_put_rows, donate_argnums=(0,))
 
@@ -230,7 +230,7 @@ class _Undonated(Fused):
 
     def __init__(self, program):
         Runner.__init__(self, program)
-        self.round = jax.jit(lambda s, c, k: program.pure_round(s, c, self.wrap_key(k)))
+        self.round = jit(lambda s, c, k: program.pure_round(s, c, self.wrap_key(k)))
 
 
 def _put_rows(pool: Any, rows: Any, slots: jax.Array) -> Any:
