@@ -61,14 +61,17 @@ def engine_compiled_at_o0():
     from fedpartial._src.engine import asynchronous
     from fedpartial._src.engine import round as round_lib
     from fedpartial._src.engine.runners import base, fused, stepwise, streamed
+    from fedpartial._src.experiment import replicas
 
     original = base.jit
 
     def jit(fn, **jit_kwargs):
+        if jit_kwargs.get("inline"):  # inlined into the program that traces it (a replica round): that one's options
+            return original(fn, **jit_kwargs)
         return original(fn, compiler_options={"xla_backend_optimization_level": 0}, **jit_kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        for module in (base, round_lib, fused, stepwise, streamed, asynchronous):
+        for module in (base, round_lib, fused, stepwise, streamed, asynchronous, replicas):
             patch.setattr(module, "jit", jit)
         yield
 

@@ -85,6 +85,7 @@ import numpy as np
 
 from fedpartial._src.core import memory
 from fedpartial._src.data import ondevice
+from fedpartial._src.engine.runners.base import jit
 from fedpartial._src.experiment import driver, jobs, population, replica_loop, signals
 from fedpartial._src.experiment import replica_axis as replica_axis_lib
 from fedpartial._src.experiment.config import ConfigError, RunConfig
@@ -209,7 +210,7 @@ class Replicas:
         def one(state, cohort, key_data):
             return round_fn(state, cohort, jax.random.wrap_key_data(key_data, impl=impl))
 
-        self._round = jax.jit(replica_axis_lib.over_replicas(one, *self.replica_axis), donate_argnums=(0,))
+        self._round = jit(replica_axis_lib.over_replicas(one, *self.replica_axis), donate_argnums=(0,))
         # one replica's row, taken as its old state is let go: with every row taken at once, the old states,
         # the new rows and the stacked state were held together (FedSPU, 4 replicas, vmap: 11.8 GiB, 9.0 row by row)
         self._row = jax.jit(lambda s, i: jax.tree.map(lambda a: a[i], s))
