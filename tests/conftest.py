@@ -49,8 +49,10 @@ os.environ.setdefault("FEDPARTIAL_CONV_IMPL", "lax")
 
 @pytest.fixture
 def engine_compiled_at_o0():
-    """The engine's jitted rounds, steps and inits (``runners.base.jit``) compiled at XLA's optimization level 0 while
-    the test that asks for it runs (``pytest.mark.usefixtures("engine_compiled_at_o0")``).
+    """The engine's jitted rounds, steps and inits (``runners.base.jit``: the runners', the asynchronous dispatch
+    round and server step, the stacked replica round) compiled at XLA's optimization level 0 while the test that
+    asks for it runs (``pytest.mark.usefixtures("engine_compiled_at_o0")``); an inlined jit (``functions.round``)
+    takes the options of the program it is inlined into, as JAX allows options on a top-level jit only.
 
     For files of many tiny rounds that compile each method's program and run it for a few steps: their time is
     XLA compiling (measured for the contract's FedLDF: stepwise 4.2 -> 3.1 and fused 5.9 -> 3.5 CPU seconds), and
@@ -66,7 +68,7 @@ def engine_compiled_at_o0():
     original = base.jit
 
     def jit(fn, **jit_kwargs):
-        if jit_kwargs.get("inline"):  # inlined into the program that traces it (a replica round): that one's options
+        if jit_kwargs.get("inline"):  # see above: a nested jit with options is an error
             return original(fn, **jit_kwargs)
         return original(fn, compiler_options={"xla_backend_optimization_level": 0}, **jit_kwargs)
 
