@@ -95,14 +95,16 @@ def stepwise_run(model, method, devices, k=6, n=12):
         ints.append([int(metrics["client_steps"]), totals["upload_bytes"], totals["download_bytes"]])
     # the devices the client steps ran on: each jitted step holds one executable per device it ran on
     ran_on = sum(f._cache_size() for f in r.runner.steps.fns.values())
-    return state, ints, ran_on, r.trace_count
+    # executables of the round's begin and end: one each, or a later round compiled them again
+    ends = r.runner._begin._cache_size() + r.runner._finish._cache_size()
+    return state, ints, ran_on, r.trace_count, ends
 
 
 def compare_stepwise(model, name, method):
     one, four = stepwise_run(model, method, None), stepwise_run(model, method, 4)
     return {"method": name, "bit_equal": bit_equal(one[0], four[0]), "max_diff": max_diff(one[0], four[0]),
             "ints_1": one[1], "ints_4": four[1], "executables_1": one[2], "executables_4": four[2],
-            "mesh_4": None, "trace_count_1": one[3], "trace_count_4": four[3]}
+            "mesh_4": None, "trace_count_1": one[3], "trace_count_4": four[3], "ends_1": one[4], "ends_4": four[4]}
 
 
 def compare_engine(model, name, method):

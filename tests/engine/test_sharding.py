@@ -140,6 +140,7 @@ def test_stepwise_clients_side_by_side_on_four_devices_equal_one_device_bit_for_
     assert case["ints_4"] == case["ints_1"]
     assert case["executables_1"] == 1 and case["executables_4"] == 4
     assert case["trace_count_4"] == case["trace_count_1"]
+    assert case["ends_1"] == case["ends_4"] == 2  # begin and finish compiled once: round 2 compiled nothing new
 
 
 def test_a_stepwise_run_of_client_groups_on_four_devices_equals_one_device(four_devices):

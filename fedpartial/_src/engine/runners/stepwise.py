@@ -78,6 +78,10 @@ class Stepwise(Runner):
 
     def __call__(self, state, cohort, key):
         key_data = self._key_data(key)
+        if self.program.step_devices is not None:
+            # Committed to the first device from the first round on, as the round's own outputs are: an
+            # uncommitted input would compile the round's programs once more in the second round.
+            state, key_data = jax.device_put((state, key_data), self.program.step_devices[0])
         cohort, plan, trained = self.train(state, self.whole(cohort), key_data)
         return self._finish(state, cohort, key_data, plan, trained)
 
@@ -118,7 +122,8 @@ class Stepwise(Runner):
         step_mask = np.asarray(cohort.data.step_mask)
         # [K, S]: no padding at all (reduced where the mask lives, so device data sends K × S, not K × S × B)
         full_step = step_mask & np.asarray(cohort.data.example_mask.all(axis=-1))
-        cohort = jax.device_put(cohort)  # once; chunks below are sliced on the device
+        # once; chunks below are sliced on the device (split over devices: committed to the first, see __call__)
+        cohort = jax.device_put(cohort, None if prog.step_devices is None else prog.step_devices[0])
         plan, groups = self._begin(state, cohort, key_data)
         trained = []
         for g, (group, offset, (local, inputs, plan_g, cstate, ckeys)) in enumerate(
