@@ -5,8 +5,9 @@ every configuration (and the plain JAX loop) alternating round by round.
 configuration the seconds of every round (the first compiles), plus what ``auto`` chose.  A configuration is
 ``plain`` (a Python loop over clients of a jitted SGD step, only the Flax module shared), ``auto`` (what
 ``--strategy auto --conv-impl auto`` would run: measured by :func:`auto_choice`, then timed as the configuration it
-names, which is run once) or ``LOWERING/STRATEGY`` (e.g. ``lax/stepwise:1``, ``mapped/fused:1``); ``@D`` splits the
-cohort over ``D`` devices (the process must have them: ``XLA_FLAGS=--xla_force_host_platform_device_count=D``).
+names, which is run once; a split over the cores is timed by the process that has the devices) or
+``LOWERING/STRATEGY`` (e.g. ``lax/stepwise:1``, ``mapped/fused:1``); ``@D`` splits the cohort over ``D`` devices
+(the process must have them: ``XLA_FLAGS=--xla_force_host_platform_device_count=D``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import fedpartial as fp
 from benchmarks.peers_rows import ROWS, Row
 from fedpartial._src.bench import kit
 from fedpartial._src.engine import conv_choice
+from fedpartial._src.experiment import core_split
 from fedpartial._src.models import zoo
 from fedpartial.models import from_linen
 
@@ -61,15 +63,37 @@ def engine_round(row: Row, impl: str, strategy, devices: int = 1):
                              strategy=strategy, devices=devices)
 
 
-def auto_choice(row: Row) -> dict:
-    """What ``--strategy auto --conv-impl auto`` runs for this row (``config``: as ``LOWERING/STRATEGY``), and how
-    it was chosen."""
+def row_model(row_name: str, conv_impl: str = "lax"):
+    """The row's model by name (what the split's timing process builds, see :func:`auto_choice`)."""
+    return engine_model(ROWS[row_name], conv_impl)
+
+
+def auto_choice(row_name: str) -> dict:
+    """What ``fedpartial run --strategy auto --conv-impl auto`` runs for this row (``config``: as
+    ``LOWERING/STRATEGY``, with ``@D`` when it splits the cohort over the ``D`` cores), and how it was chosen:
+    the one-device choice, then the split over the cores timed in a process of single-threaded devices
+    (:mod:`fedpartial._src.experiment.core_split`), taken when faster by the same margin."""
+    row = ROWS[row_name]
     started = time.perf_counter()
     choice = conv_choice.choose(lambda impl: engine_model(row, impl), batch_size=row.batch_size,
                                 cohort_size=row.cohort)
     strategy = fp.parse_strategy("auto", engine_model(row, choice.impl), layout=choice.layout)
-    return {"config": f"{choice.impl}/{strategy}", "conv_impl": choice.impl, "conv_layout": choice.layout,
-            "conv_seconds": choice.seconds, "how": choice.how, "choose_s": time.perf_counter() - started}
+    out = {"config": f"{choice.impl}/{strategy}", "conv_impl": choice.impl, "conv_layout": choice.layout,
+           "conv_seconds": choice.seconds, "how": choice.how}
+    devices = min(core_split.cores(), row.cohort)
+    if choice.seconds and jax.device_count() == 1 and devices > 1:
+        model = engine_model(row)
+        pairs = core_split.candidates("auto", "conv" in model.structure.kinds, False)
+        seconds = core_split.split_seconds("benchmarks.peers_fedpartial:row_model", {"row_name": row_name}, pairs,
+                                           devices=devices, batch_size=row.batch_size, cohort_size=row.cohort)
+        one = f"{choice.impl}/{choice.layout}"
+        split = core_split.decide({one: choice.seconds[one]}, seconds, devices)
+        out["split_seconds"] = seconds
+        if split is not None:
+            layout = fp.parse_strategy("auto", model, layout=split.layout)
+            out["config"] = f"{split.impl}/{layout}@{devices}"
+    out["choose_s"] = time.perf_counter() - started
+    return out
 
 
 def runner(row: Row, name: str, x, y):
@@ -98,9 +122,10 @@ def runner(row: Row, name: str, x, y):
 def time_row(row_name: str, rounds: int, configs: list[str]) -> dict:
     row = ROWS[row_name]
     x, y = population(row)
-    chosen = auto_choice(row) if "auto" in configs else None
+    chosen = auto_choice(row_name) if "auto" in configs else None
     names = [c for c in configs if c != "auto"]
-    if chosen and chosen["config"] not in names:
+    here = chosen and "@" not in chosen["config"]  # a split is timed in the split's process
+    if here and chosen["config"] not in names:
         names.append(chosen["config"])
     runners = {name: runner(row, name, x, y) for name in names}
     seconds = {name: [] for name in runners}
@@ -111,7 +136,7 @@ def time_row(row_name: str, rounds: int, configs: list[str]) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(run(ids, t))
             seconds[name].append(time.perf_counter() - start)
-    if chosen:
+    if here:
         seconds["auto"] = seconds[chosen["config"]]
     return {"round_s": seconds, "auto": chosen}
 

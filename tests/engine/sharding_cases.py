@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -17,10 +18,11 @@ import jax
 import numpy as np
 import optax
 
-from fedpartial._src.engine import sharding
+from fedpartial._src.engine import conv_choice, sharding
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
+from fedpartial._src.experiment import core_split
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.simulation import Simulation
@@ -139,6 +141,33 @@ def compare_simulation(method, options=None, **overrides):
             "placement": [sim1.data_placement, sim4.data_placement]}
 
 
+def compare_auto_split() -> dict:
+    """``--strategy auto`` in a process restarted for the split over the cores (:mod:`core_split`'s variable set,
+    as the command sets it): its plan and lowering follow the split, ``loop`` bit for bit one device's
+    ``stepwise:1``, ``map`` the fused round one client at a time; and the split's timing runs on these devices."""
+    out = {}
+    one_sim, _ = sim_run(1, strategy="stepwise:1")
+    for layout in ("loop", "map"):
+        split = core_split.CoreSplit(4, "lax", layout, {f"lax/{layout}": 0.01}, {"lax/vmap": 0.02})
+        os.environ[core_split.ENV] = json.dumps(dataclasses.asdict(split))
+        try:
+            sim, _ = sim_run(None, strategy="auto")
+        finally:
+            del os.environ[core_split.ENV]
+        out[layout] = {"strategy": str(sim.round.strategy), "summary_devices": run_summary_devices(sim),
+                       "bit_equal": bit_equal(one_sim.state, sim.state), "max_diff": max_diff(one_sim.state, sim.state),
+                       "note": sim.strategy_note, "conv": sim.conv_choice.describe()}
+    model = from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
+    seconds = conv_choice.time_split(lambda impl: model, (("lax", "loop"), ("lax", "map")), jax.local_devices(),
+                                     batch_size=4, cohort_size=6)
+    out["time_split"] = {k: v > 0 for k, v in seconds.items()}
+    return out
+
+
+def run_summary_devices(sim) -> int:
+    return sim.mesh.size if sim.mesh is not None else len(sim.round.step_devices or ()) or 1
+
+
 def refusals(model) -> dict:
     out = {}
 
@@ -176,6 +205,7 @@ def main() -> None:
     # FedSPU's step is FedAvg's plus its per-client state: one method shows the steps side by side
     results["stepwise"] = [compare_stepwise(model, "fedspu", fedspu())]
     results["simulation_stepwise"] = compare_simulation("embracingfl", {"tier_mix": "4,2,4"}, strategy="stepwise:1")
+    results["auto_split"] = compare_auto_split()
     results["seconds"]["stepwise"] = time.perf_counter() - start
     start = time.perf_counter()
     # FedSPU (per-client state) with its data placed on the (first) device once, each round's gathered cohort

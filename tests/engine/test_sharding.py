@@ -152,6 +152,21 @@ def test_a_stepwise_run_of_client_groups_on_four_devices_equals_one_device(four_
     assert case["ints_4"] == case["ints_1"] and case["acc_4"] == case["acc_1"]
 
 
+def test_auto_in_a_process_restarted_for_the_split_over_the_cores_runs_it(four_devices):
+    """The variable ``fedpartial run`` sets when it starts again on the cores: ``auto`` (no ``--devices``) then
+    trains over the 4 devices in the split's layout and lowering, and says why; ``loop`` is one device's
+    ``stepwise:1`` bit for bit, ``map`` the fused round one client at a time (the cohort padded to 8)."""
+    case = four_devices["auto_split"]
+    assert case["loop"]["strategy"] == "stepwise:1" and case["loop"]["summary_devices"] == 4
+    assert case["loop"]["bit_equal"], case["loop"]["max_diff"]
+    assert case["map"]["strategy"] == "fused:1" and case["map"]["summary_devices"] == 4
+    assert case["map"]["max_diff"] <= ATOL
+    for layout in ("loop", "map"):
+        assert case[layout]["note"].startswith("the cohort split over the 4 CPU cores")
+        assert case[layout]["conv"] == f"lax, {layout} (split over 4 cores: 10.0 ms a cohort step)"
+    assert case["time_split"] == {"lax/loop": True, "lax/map": True}
+
+
 def test_refusals_are_one_sentence_naming_the_values(four_devices):
     r = four_devices["refusals"]
     assert r["engine_stepwise"] == ("the stepwise strategy trains one client per device at a time over 4 "

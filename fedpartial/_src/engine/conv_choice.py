@@ -43,7 +43,8 @@ import optax
 
 from fedpartial._src.models.adapter import Model
 
-__all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "REVERSE_ONLY", "candidates", "choose"]
+__all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "REVERSE_ONLY", "SPLIT_CANDIDATES", "candidates", "choose",
+           "time_split"]
 
 LAYOUTS = ("loop", "vmap", "map")
 #: a cohort larger than this is timed on this many clients and scaled, by platform
@@ -121,7 +122,7 @@ def _stand_in_variables(model: Model) -> dict:
                         jax.eval_shape(model.init_variables, jax.random.key(0)))
 
 
-def _timeable(model: Model) -> bool:
+def timeable(model: Model) -> bool:
     """Whether the stand-in step can time ``model``: real-valued inputs and one label per example (a token
     model's inputs index its embedding, and a language model is labelled per position)."""
     variables = jax.eval_shape(model.init_variables, jax.random.key(0))
@@ -138,17 +139,19 @@ def _timed_clients(cohort_size: int) -> int:
 
 
 def prepare(model: Model, layout: str, batch_size: int, cohort_size: int,
-            variables: dict | None = None) -> Callable[[], object]:
+            variables: dict | None = None, device: jax.Device | None = None) -> Callable[[], object]:
     """A compiled ``fn()`` running one local step of the timed clients laid out as ``layout`` (see
     :func:`time_candidate`), compiled ahead (compiling is the slow part).  ``variables``: the model's (every
-    lowering has the same), None to draw stand-ins here."""
+    lowering has the same), None to draw stand-ins here.  ``device``: where it runs (None: the default
+    device); ``fn()`` only dispatches, so the programs of several devices run at once."""
     k = _timed_clients(cohort_size)
     if variables is None:
         variables = _stand_in_variables(model)
-    params, stats = variables["params"], variables["batch_stats"]
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(k, batch_size, *model.input_shape)).astype(np.float32))
-    y = jnp.asarray(rng.integers(0, model.num_classes, size=(k, batch_size)).astype(np.int32))
+    x = rng.normal(size=(k, batch_size, *model.input_shape)).astype(np.float32)
+    y = rng.integers(0, model.num_classes, size=(k, batch_size)).astype(np.int32)
+    variables, x, y = jax.device_put((variables, x, y), device)
+    params, stats = variables["params"], variables["batch_stats"]
     step = _step(model)
     if layout == "loop":
         one = jax.jit(step).lower(params, stats, x[0], y[0]).compile()
@@ -162,11 +165,33 @@ def prepare(model: Model, layout: str, batch_size: int, cohort_size: int,
     return lambda: compiled(ps, ss, x, y)[2]
 
 
-def time_candidate(model: Model, layout: str, batch_size: int, cohort_size: int) -> float:
+def time_candidate(model: Model, layout: str, batch_size: int, cohort_size: int, repeats: int = 1) -> float:
     """Seconds for one local step of ``cohort_size`` clients of ``batch_size`` examples, laid out as ``layout``:
     ``loop`` (a jitted step called per client), ``vmap`` (the step vmapped) or ``map`` (a ``lax.map`` of
     steps over the clients in one jitted call)."""
-    return _best(prepare(model, layout, batch_size, cohort_size)) * cohort_size / _timed_clients(cohort_size)
+    return _best(prepare(model, layout, batch_size, cohort_size), repeats) * cohort_size / _timed_clients(cohort_size)
+
+
+#: the (lowering, layout) pairs timed with the cohort split over several devices: one client's step at a time on
+#: each (as ``stepwise:1`` over devices) or a loop inside one program per device (as ``fused:1`` over devices; for
+#: convolutions ``mapped``, whose gradients stay fast inside a loop, or ``im2col``); a method that differentiates
+#: twice leaves out :data:`REVERSE_ONLY`
+SPLIT_CANDIDATES = {"conv": (("lax", "loop"), ("mapped", "map"), ("im2col", "map")),
+                    "dense": (("lax", "loop"), ("lax", "map"))}
+
+
+def time_split(build: Callable[[str], Model], pairs, devices, *, batch_size: int, cohort_size: int) -> dict:
+    """Seconds for one local step of ``cohort_size`` clients split over ``devices`` (each device its
+    ``ceil(K / D)`` clients, as the rounds split them), per (lowering, layout) of ``pairs``: every device's
+    work is dispatched in turn, then all are awaited.  A large share is timed on a few clients and scaled."""
+    share = -(-cohort_size // len(devices))
+    models = {impl: build(impl) for impl in dict(pairs)}
+    variables = _stand_in_variables(models[pairs[0][0]])
+    seconds = {}
+    for impl, layout in pairs:
+        ready = [prepare(models[impl], layout, batch_size, share, variables, device=d) for d in devices]
+        seconds[f"{impl}/{layout}"] = _best(lambda: [fn() for fn in ready], repeats=2) * share / _timed_clients(share)
+    return seconds
 
 
 #: the first candidate (the platform's default) is kept unless another is faster by more than this share:
@@ -181,14 +206,14 @@ def _pick(seconds: dict) -> tuple[str, str]:
     return tuple((first if keep else fastest).split("/"))
 
 
-def _key(model: Model, batch_size: int, cohort_size: int, dtype: str, second_order: bool = False) -> str:
+def cache_key(model: Model, batch_size: int, cohort_size: int, dtype: str, second_order: bool = False) -> str:
     device = jax.devices()[0]
     return "|".join(map(str, (jax.default_backend(), device.device_kind, model.name, tuple(model.input_shape),
                                batch_size, cohort_size, dtype, jax.__version__)
                          + (("second-order",) if second_order else ())))
 
 
-def _read(path: str | None) -> dict:
+def read_table(path: str | None) -> dict:
     try:
         with open(path) as f:
             return json.load(f)
@@ -209,11 +234,11 @@ def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, 
     model = build("lax")
     convolutions = "conv" in model.structure.kinds
     pairs = candidates(jax.default_backend(), second_order, convolutions)
-    if not pairs or not (convolutions or (time_dense and _timeable(model))):
+    if not pairs or not (convolutions or (time_dense and timeable(model))):
         return ConvChoice("lax", None, {}, "no convolutions")
     path = None if cache_dir is None else os.path.join(cache_dir, CACHE_FILE)
-    key = _key(model, batch_size, cohort_size, dtype, second_order)
-    known = _read(path).get(key)
+    key = cache_key(model, batch_size, cohort_size, dtype, second_order)
+    known = read_table(path).get(key)
     if known:
         return ConvChoice(known["impl"], known["layout"], known["seconds"], "cached")
     models = {impl: model if impl == "lax" else build(impl) for impl in dict(pairs)}
@@ -224,15 +249,22 @@ def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, 
     for (impl, layout), fn in zip(pairs, ready):
         seconds[f"{impl}/{layout}"] = _best(fn, beaten_by=min(seconds.values(), default=float("inf"))) * scale
     impl, layout = _pick(seconds)
-    if path is not None:
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            table = _read(path)
-            table[key] = {"impl": impl, "layout": layout, "seconds": seconds}
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError:  # a read-only cache folder: the choice is still made, just not kept
-            pass
+    if cache_dir is not None:
+        write_entry(cache_dir, CACHE_FILE, key, {"impl": impl, "layout": layout, "seconds": seconds})
     return ConvChoice(impl, layout, seconds, "measured")
+
+
+def write_entry(cache_dir: str, name: str, key: str, value) -> None:
+    """Keeps ``value`` under ``key`` in the JSON table ``name`` of ``cache_dir`` (replaced whole, so a reader
+    never sees half of it); a read-only folder keeps nothing."""
+    path = os.path.join(cache_dir, name)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        table = read_table(path)
+        table[key] = value
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache folder: the choice is still made, just not kept
+        pass

@@ -243,7 +243,10 @@ class RunConfig:
                                   help="split each round's cohort over N local devices (fused strategy: the cohort "
                                        "is padded to a multiple of N with clients that weigh nothing; stepwise:1: "
                                        "N clients trained side by side, one per device)",
-                                  default_text="every local device for the fused strategy on a GPU/TPU, else 1")
+                                  default_text="every local device for the fused strategy on a GPU/TPU; on a "
+                                               "CPU of several cores, --strategy auto measures the split over "
+                                               "them and the command starts again on them when it is faster; "
+                                               "else 1")
 
     # --- asynchronous aggregation (docs/async.md); off by default ---
     mode: str = setting("sync", section="async", help="sync: rounds of a cohort; async: buffered asynchronous "
@@ -328,7 +331,8 @@ class RunConfig:
     @property
     def num_devices(self) -> int:
         """Devices the client axis is split over: ``--devices``, else every local device when the strategy is
-        fused on an accelerator, else 1 (it asks JAX for the local devices)."""
+        fused on an accelerator, or a CPU's cores in a process started again for them (``auto``), else 1 (it asks
+        JAX for the local devices)."""
         return _plan().num_devices(self)
 
     def run_strategy(self, num_devices: int | None = None, model=None, layout: str | None = None) -> Strategy:

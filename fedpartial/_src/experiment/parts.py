@@ -17,10 +17,10 @@ import optax
 from fedpartial._src.core.types import ClientOptimizer, Method, client_sgd
 from fedpartial._src.data import sources
 from fedpartial._src.engine import conv_choice
-from fedpartial._src.experiment import compile_cache, pretrained, privacy
+from fedpartial._src.experiment import compile_cache, core_split, pretrained, privacy
 from fedpartial._src.experiment.config import DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
-from fedpartial._src.experiment.setting_checks import DEFAULT_MODELS
 from fedpartial._src.experiment.lora import with_lora, with_rank_tiers
+from fedpartial._src.experiment.setting_checks import DEFAULT_MODELS
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models import registry, zoo
@@ -40,14 +40,21 @@ def build_model(name: str, dataset: sources.ArrayDataset, *, conv_impl: str = "l
     and trained in ``compute_dtype`` (the defaults: the plain model)."""
     if name == "auto":
         name = usual_model(dataset)
-    input_shape = tuple(dataset.x_train.shape[1:])
+    return shaped_model(name, tuple(dataset.x_train.shape[1:]), dataset.num_classes, conv_impl=conv_impl,
+                        compute_dtype=compute_dtype, size=size)
+
+
+def shaped_model(name: str, input_shape: tuple[int, ...] | list[int], num_classes: int, *, conv_impl: str = "lax",
+                 compute_dtype: str = "float32", size: str = "tiny") -> Model:
+    """:func:`build_model` from the data's shape alone (``name`` a registry model, not ``auto``)."""
+    input_shape = tuple(input_shape)
     spec = registry.find_model(name)
-    module = registry.build_model(name, dataset.num_classes, input_shape, conv_impl=conv_impl, size=size)
+    module = registry.build_model(name, num_classes, input_shape, conv_impl=conv_impl, size=size)
     plain = conv_impl == "lax" and compute_dtype == "float32"
     # a width-reduced copy keeps the lowering (the registry's own model of this name would not)
     width = None if plain or not hasattr(module, "_width_fields") else \
         (lambda ratio, scaler: zoo.narrowed(module, ratio, scaler=scaler))
-    model = from_linen(module, input_shape=input_shape, num_classes=dataset.num_classes,
+    model = from_linen(module, input_shape=input_shape, num_classes=num_classes,
                        sequential=spec.sequential, name=name, width=width)
     return with_compute_dtype(model, compute_dtype)
 
@@ -60,6 +67,9 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: 
     sets ``lax``, so its numbers stay those of the plain convolution and no test spends seconds timing).
     ``second_order``: the run's method differentiates twice, which ``auto`` never gives a lowering that cannot
     (:data:`~fedpartial._src.engine.conv_choice.REVERSE_ONLY`; a named one is refused when the round is built)."""
+    split = core_split.active() if config.strategy == "auto" and config.devices is None else None
+    if split is not None:  # restarted for the split over the cores: its lowering, one client at a time or mapped
+        return conv_choice.ConvChoice(split.impl, split.layout, split.seconds, f"split over {split.devices} cores")
     if config.conv_impl != "auto":
         return conv_choice.ConvChoice(config.conv_impl, None, {}, "--conv-impl")
     forced = os.environ.get("FEDPARTIAL_CONV_IMPL")
@@ -73,11 +83,46 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: 
         time_dense=getattr(config, "lora", None) is None)  # a LoRA model's base is shared: the strategy fuses it
 
 
+def choose_core_split(config: RunConfig, dataset: sources.ArrayDataset, second_order: bool = False
+                      ) -> core_split.CoreSplit | None:
+    """``--strategy auto`` on a CPU of several cores: the split over them
+    (:mod:`~fedpartial._src.experiment.core_split`) when it measures faster than one device by more than
+    :data:`~fedpartial._src.engine.conv_choice.MARGIN`, else None (``config``: validated, its population known).
+    Measured once per setting, kept in ``core-split.json``."""
+    model = build_model(config.model, dataset, compute_dtype=config.compute_dtype, size=config.model_size)
+    if not conv_choice.timeable(model):
+        return None
+    one = choose_conv(config, dataset, second_order)
+    # what auto runs on one device: the measured choice, or with a named lowering one client at a time
+    one_pair = (one.impl, one.layout or "loop")
+    devices = min(core_split.cores(), config.cohort_size)
+    pairs = core_split.candidates(config.conv_impl, "conv" in model.structure.kinds, second_order)
+    key = "|".join([conv_choice.cache_key(model, config.batch_size, config.cohort_size, config.compute_dtype,
+                                          second_order), "/".join(one_pair), ",".join("/".join(p) for p in pairs),
+                    f"cores={devices}"])
+    known = conv_choice.read_table(os.path.join(compile_cache.cache_folder(), core_split.CACHE_FILE)).get(key)
+    if known is None:
+        # both sides timed now, minutes apart at most: a machine's speed drifts more than that over a day
+        built = build_model(config.model, dataset, conv_impl=one_pair[0], compute_dtype=config.compute_dtype,
+                            size=config.model_size)
+        one_device = {"/".join(one_pair): conv_choice.time_candidate(built, one_pair[1], config.batch_size,
+                                                                     config.cohort_size, repeats=2)}
+        shape = {"name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
+                 "compute_dtype": config.compute_dtype, "size": config.model_size}
+        split = core_split.split_seconds(f"{__name__}:shaped_model", shape, pairs, devices=devices,
+                                         batch_size=config.batch_size, cohort_size=config.cohort_size)
+        known = {"split": split, "one_device": one_device}
+        if known["split"]:  # a probe that failed is tried again next time
+            conv_choice.write_entry(compile_cache.cache_folder(), core_split.CACHE_FILE, key, known)
+    return core_split.decide(known["one_device"], known["split"], devices)
+
+
 def run_models(config: RunConfig, dataset: sources.ArrayDataset, model: Model | None, adapt=None,
                second_order: bool = False) -> tuple[Model, Model | None, conv_choice.ConvChoice]:
     """A run's model (the caller's ``model``, else the config's adapted by ``adapt``, the method's
-    ``adapt_model``) lowered and in the dtype the config says (``second_order``: the method differentiates twice); the same model plain (lax, float32) when the run's
-    is not, else None; and the lowering's :class:`~fedpartial._src.engine.conv_choice.ConvChoice`."""
+    ``adapt_model``) lowered and in the dtype the config says (``second_order``: the method differentiates twice);
+    the same model plain (lax, float32) when the run's is not, else None; and the lowering's
+    :class:`~fedpartial._src.engine.conv_choice.ConvChoice`."""
     dtype = config.compute_dtype
     if model is not None:
         choice = conv_choice.ConvChoice("lax", None, {}, "the caller's model")

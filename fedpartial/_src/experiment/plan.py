@@ -19,6 +19,7 @@ import jax
 from fedpartial._src.core.types import Method
 from fedpartial._src.costs import devices
 from fedpartial._src.engine import strategy as engine_strategy
+from fedpartial._src.experiment import core_split
 from fedpartial._src.experiment.config_checks import validate_once
 from fedpartial._src.experiment.setting_checks import build_method
 
@@ -27,9 +28,13 @@ __all__ = ["RunPlan", "build_method", "device_model", "num_devices", "resolve", 
 
 def num_devices(config) -> int:
     """Devices the client axis is split over: ``--devices``, else every local device when the strategy is fused
-    on an accelerator, else 1 (fake CPU devices share the same cores: splitting gains nothing)."""
+    on an accelerator, or the cores of a CPU when ``auto`` measured the split over them faster
+    (:mod:`~fedpartial._src.experiment.core_split`), else 1."""
     if config.devices is not None:
         return config.devices
+    split = core_split.active()
+    if split is not None and config.strategy == "auto":  # the process was restarted for it
+        return split.devices
     fused = engine_strategy.parse_strategy(config.strategy).kind == "fused"
     return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
 
@@ -66,16 +71,21 @@ class RunPlan:
       method: the run's method before the wrappers a run adds (early stopping, codecs, privacy): the caller's,
         else the one the configuration names, built.
       strategy_setting: ``--strategy`` as given, which :meth:`strategy` resolves once the model is known.
+      core_split: the split over a CPU's cores that ``auto`` measured faster and this process was restarted to
+        run (:func:`~fedpartial._src.experiment.core_split.active`), or None.
     """
 
     num_devices: int
     method: Method
     strategy_setting: str
+    core_split: core_split.CoreSplit | None = None
 
     def strategy(self, model=None, layout: str | None = None, split_over: int | None = None
                  ) -> engine_strategy.Strategy:
         """The strategy the round runs for ``model`` (its convolutions lowered in ``layout``) over ``split_over``
-        devices (default: the plan's): :func:`run_strategy`'s rule."""
+        devices (default: the plan's): :func:`run_strategy`'s rule, or over a CPU's cores the split's layout."""
+        if self.core_split is not None and self.strategy_setting == "auto":
+            return engine_strategy.default_strategy(layout=self.core_split.layout)
         return _strategy(self.strategy_setting, split_over or self.num_devices, model, layout)
 
 
@@ -85,6 +95,7 @@ def resolve(config, method: Method | None = None) -> RunPlan:
     ``method``: the caller's own :class:`~fedpartial.Method` (``config`` then names it, with no options).
     The device model is :func:`device_model`'s, once the population is known (leaf and hf: from the files)."""
     validate_once(config, custom_method=method is not None)
+    split = core_split.active() if config.strategy == "auto" and config.devices is None else None
     return RunPlan(num_devices=num_devices(config), method=method if method is not None else build_method(config),
-                   strategy_setting=config.strategy)
+                   strategy_setting=config.strategy, core_split=split)
 

@@ -129,6 +129,8 @@ class Simulation:
             server_data=self.data.server_data, label_counts=self.data.label_counts,
             data_placement=self.data.placement, data_bytes=self.data.data_bytes, num_steps=self.data.num_steps,
             x_dtype=dataset.x_train.dtype, check_memory=check_memory)
+        if self.plan.core_split is not None and not self.strategy_note:  # auto chose it: said, with its numbers
+            self.strategy_note = self.plan.core_split.describe()
         if self.layout.data_placement == "host":
             self.data.keep_on_host()
         else:

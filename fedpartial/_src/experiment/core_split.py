@@ -1,0 +1,170 @@
+"""``--strategy auto`` on a CPU of several cores: the cohort split over them when that measures faster.
+
+A round on one XLA:CPU device runs one client's small operations across every core, which scales poorly; the
+split gives each core its own single-threaded device and its own clients (``stepwise:1`` or ``fused:1`` over
+the devices, see :mod:`fedpartial._src.engine.conv_choice`).  The number of CPU devices and their threading are
+fixed when JAX starts, so the command line decides before the run is built
+(:func:`~fedpartial._src.experiment.parts.choose_core_split`):
+
+1. the one-device choice is measured as ``--conv-impl auto`` measures it (kept in ``conv-impl.json``);
+2. a child process started with :func:`flags` times one local step of the cohort split over the cores
+   (:func:`~fedpartial._src.engine.conv_choice.time_split`; kept in ``core-split.json``, so once per setting);
+3. when the split is faster by more than :data:`~fedpartial._src.engine.conv_choice.MARGIN`, the command runs
+   itself again (:func:`restart`) with those flags and :data:`ENV` naming the split, before anything is
+   written; in that process :func:`active` gives the split, which the plan and the lowering follow.
+
+Only a synchronous, single-process run with ``--strategy auto`` and no ``--devices`` is considered, on a CPU
+backend with one device, and not when ``FEDPARTIAL_CONV_IMPL`` fixes the lowering (the test suite sets it: no
+test spends seconds measuring).  From Python, set the flags before JAX starts and pass ``devices``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+
+from fedpartial._src.engine import conv_choice
+
+__all__ = ["CACHE_FILE", "ENV", "CoreSplit", "active", "candidates", "cores", "decide", "flags", "restart",
+           "skip_reason", "split_seconds"]
+
+#: names the split a restarted process runs (JSON of :class:`CoreSplit`)
+ENV = "FEDPARTIAL_CORE_SPLIT"
+CACHE_FILE = "core-split.json"
+
+
+def flags(devices: int) -> str:
+    """XLA's flags for ``devices`` single-threaded CPU devices."""
+    return f"--xla_force_host_platform_device_count={devices} --xla_cpu_multi_thread_eigen=false"
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreSplit:
+    """The cohort split over ``devices`` single-threaded CPU devices, each training its clients in ``layout``
+    (``loop``: ``stepwise:1``; ``map``: ``fused:1``) with the ``impl`` lowering; ``seconds``: one local step of
+    the cohort, per candidate split and ``one_device`` the one-device choice's."""
+
+    devices: int
+    impl: str
+    layout: str
+    seconds: dict
+    one_device: dict
+
+    @property
+    def speedup(self) -> float:
+        return min(self.one_device.values()) / self.seconds[f"{self.impl}/{self.layout}"]
+
+    def describe(self) -> str:
+        step = self.seconds[f"{self.impl}/{self.layout}"]
+        return (f"the cohort split over the {self.devices} CPU cores, one single-threaded device each: "
+                f"{step * 1e3:.1f} ms a cohort step against {min(self.one_device.values()) * 1e3:.1f} ms on one "
+                f"device, measured")
+
+
+def active() -> CoreSplit | None:
+    """The split this process was restarted to run (:data:`ENV`), when its devices are there."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    try:
+        split = CoreSplit(**json.loads(text))
+    except (TypeError, ValueError):
+        return None
+    if jax.default_backend() != "cpu" or jax.local_device_count() != split.devices:
+        return None
+    return split
+
+
+def skip_reason(config, second_order: bool = False) -> str | None:
+    """Why the split is not considered for ``config`` (None: it is)."""
+    if config.strategy != "auto" or config.devices is not None:
+        return "--strategy or --devices given"
+    if getattr(config, "mode", "sync") != "sync" or getattr(config, "lora", None) is not None:
+        return "asynchronous runs and LoRA models run on one device"
+    if os.environ.get("FEDPARTIAL_CONV_IMPL") or os.environ.get(ENV) is not None:
+        return "FEDPARTIAL_CONV_IMPL fixes the lowering, or this process is the split"
+    if os.name != "posix" or cores() < 2 or config.cohort_size < 2:
+        return "one core or one client"
+    if jax.default_backend() != "cpu" or jax.local_device_count() != 1 or jax.process_count() != 1:
+        return "not one CPU device in one process"
+    return None
+
+
+def _pairs(config, convolutions: bool, second_order: bool) -> tuple:
+    if config.conv_impl != "auto":
+        return ((config.conv_impl, "loop"),)
+    pairs = conv_choice.SPLIT_CANDIDATES["conv" if convolutions else "dense"]
+    return tuple(p for p in pairs if not (second_order and p[0] in conv_choice.REVERSE_ONLY))
+
+
+def candidates(conv_impl: str, convolutions: bool, second_order: bool) -> tuple:
+    """The (lowering, layout) pairs the split is timed in: with a named lowering, that one a client at a time."""
+    if conv_impl != "auto":
+        return ((conv_impl, "loop"),)
+    pairs = conv_choice.SPLIT_CANDIDATES["conv" if convolutions else "dense"]
+    return tuple(p for p in pairs if not (second_order and p[0] in conv_choice.REVERSE_ONLY))
+
+
+def decide(one_device: dict, seconds: dict, devices: int) -> CoreSplit | None:
+    """The fastest split of ``seconds`` (a cohort step per "impl/layout") when it beats ``one_device``'s by more
+    than :data:`~fedpartial._src.engine.conv_choice.MARGIN`, else None."""
+    if not seconds:
+        return None
+    best = min(seconds, key=seconds.get)
+    if seconds[best] > (1 - conv_choice.MARGIN) * min(one_device.values()):
+        return None
+    impl, layout = best.split("/")
+    return CoreSplit(devices, impl, layout, seconds, one_device)
+
+
+def split_seconds(builder: str, kwargs: dict, pairs, *, devices: int, batch_size: int, cohort_size: int,
+                  timeout: float = 600) -> dict:
+    """A cohort step's seconds per pair of ``pairs`` with the cohort split over ``devices`` single-threaded CPU
+    devices, timed in a process started with :func:`flags` ({} if it failed).  ``builder``: ``"module:function"``
+    building the model as ``function(conv_impl=IMPL, **kwargs)`` there."""
+    spec = {"builder": builder, "kwargs": kwargs, "pairs": [list(p) for p in pairs], "batch_size": batch_size,
+            "cohort_size": cohort_size}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags(devices)}".strip(),
+           "JAX_PLATFORMS": "cpu"}
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True,
+                              env=env, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("CORE-SPLIT ")]
+    return json.loads(lines[-1][len("CORE-SPLIT "):]) if done.returncode == 0 and lines else {}
+
+
+def _time_in_child(spec: dict) -> dict:
+    module, _, function = spec["builder"].partition(":")
+    build = getattr(importlib.import_module(module), function)
+    return conv_choice.time_split(lambda impl: build(conv_impl=impl, **spec["kwargs"]),
+                                  [tuple(p) for p in spec["pairs"]], jax.local_devices(),
+                                  batch_size=spec["batch_size"], cohort_size=spec["cohort_size"])
+
+
+def restart(split: CoreSplit, argv: list[str]) -> None:
+    """Runs ``python -m fedpartial ARGV`` in place of this process, with the split's devices and :data:`ENV`."""
+    env = {**os.environ, ENV: json.dumps(dataclasses.asdict(split)),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags(split.devices)}".strip()}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "fedpartial", *argv], env)
+
+
+if __name__ == "__main__":
+    print("CORE-SPLIT " + json.dumps(_time_in_child(json.loads(sys.argv[1]))), flush=True)
