@@ -121,11 +121,16 @@ def gather(rows: list[str], sides: list[dict], one: dict, split: dict) -> list[d
             seconds["flower"] += got["flower"].get("round_s", [])[1:]
             for side in ("fedpartial", "split"):
                 for config, times in (got.get(side, {}).get("round_s") or {}).items():
-                    seconds.setdefault(config, []).extend(times[1:])
+                    if config != "auto":
+                        seconds.setdefault(config, []).extend(times[1:])
+            chosen = got["fedpartial"].get("auto")
+            if chosen:  # each run's auto is the configuration that run chose, timed by the process that has it
+                side = "split" if "@" in chosen["config"] else "fedpartial"
+                seconds.setdefault("auto", []).extend(
+                    (got.get(side, {}).get("round_s") or {}).get(chosen["config"], [])[1:])
         autos = [run["fedpartial"].get("auto") for run in record["runs"] if run["fedpartial"].get("auto")]
         record["auto"] = autos[-1] if autos else None
-        if record["auto"] and "@" in record["auto"]["config"]:  # the split over the cores, timed in its process
-            seconds["auto"] = seconds.get(record["auto"]["config"], [])
+        record["auto_choices"] = [a["config"] for a in autos]
         record["median_round_s"] = {k: median(v) for k, v in seconds.items()}
         summarise(record)
         records.append(record)

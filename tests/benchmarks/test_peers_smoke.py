@@ -8,13 +8,33 @@ from benchmarks import peers, peers_fedpartial
 from benchmarks.peers_rows import ROWS
 
 
-def test_the_fedpartial_side_times_every_configuration_on_the_same_cohorts():
+@pytest.fixture
+def two_cores(monkeypatch):
+    """The split over 2 cores is considered; what its timing process measures is set per test."""
+    monkeypatch.setattr(peers_fedpartial.core_split, "cores", lambda: 2)
+    monkeypatch.setattr(peers_fedpartial.jax, "device_count", lambda: 1)
+
+    def measured(seconds):
+        monkeypatch.setattr(peers_fedpartial.core_split, "split_seconds", lambda *a, **k: dict(seconds))
+    return measured
+
+
+def test_the_fedpartial_side_times_every_configuration_on_the_same_cohorts(two_cores):
+    two_cores({})  # the split's process failed: one device
     got = peers_fedpartial.main(1, {"quick": ["auto", "plain", "lax/fused:1"]})["rows"]["quick"]
     # auto (a dense model on a CPU: one client at a time) is timed as the configuration it names
     assert got["auto"]["config"] == "lax/stepwise:1" and got["auto"]["conv_impl"] == "lax"
     assert set(got["round_s"]) == {"plain", "lax/fused:1", "lax/stepwise:1", "auto"}
     assert got["round_s"]["auto"] is got["round_s"]["lax/stepwise:1"]
     assert all(len(t) == 2 and min(t) > 0 for t in got["round_s"].values())  # the compiling round and one more
+
+
+def test_auto_names_the_split_when_it_measured_faster_and_leaves_its_timing_to_the_split_process(two_cores):
+    two_cores({"lax/loop": 1.0, "lax/map": 1e-9})
+    got = peers_fedpartial.auto_choice("quick")
+    assert got["config"] == "lax/fused:1@2" and got["split_seconds"]["lax/map"] == 1e-9
+    two_cores({"lax/loop": 1e3, "lax/map": 1e3})  # slower than one device: kept there
+    assert "@" not in peers_fedpartial.auto_choice("quick")["config"]
 
 
 def test_a_row_is_the_median_of_every_runs_timed_rounds_and_the_ratios_follow():

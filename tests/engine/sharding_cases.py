@@ -8,10 +8,12 @@ JAX's start-up once; the test reads the JSON and asserts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -22,9 +24,10 @@ from fedpartial._src.engine import conv_choice, sharding
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.experiment import core_split
+from fedpartial._src.experiment import core_split, runs
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
+from fedpartial._src.experiment.run_directory import load_config
 from fedpartial._src.experiment.simulation import Simulation
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.layerwise.fedldf import fedldf
@@ -116,10 +119,12 @@ def compare_engine(model, name, method):
             "shardings_4": four[3], "trace_count_4": four[4]}
 
 
+SIM_SETTINGS = dict(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, rounds=ROUNDS, local_steps=2,
+                    batch_size=8, eval_every=ROUNDS, out_dir=None)
+
+
 def sim_run(devices, **overrides):
-    settings = dict(dataset="synthetic", model="mlp", num_clients=10, cohort_size=6, rounds=ROUNDS, local_steps=2,
-                    batch_size=8, eval_every=ROUNDS, out_dir=None, strategy="fused", devices=devices)
-    config = RunConfig(**{**settings, **overrides})
+    config = RunConfig(**{**SIM_SETTINGS, "strategy": "fused", "devices": devices, **overrides})
     sim = Simulation(config)
     return sim, list(sim.rounds())
 
@@ -148,12 +153,8 @@ def compare_auto_split() -> dict:
     out = {}
     one_sim, _ = sim_run(1, strategy="stepwise:1")
     for layout in ("loop", "map"):
-        split = core_split.CoreSplit(4, "lax", layout, {f"lax/{layout}": 0.01}, {"lax/vmap": 0.02})
-        os.environ[core_split.ENV] = json.dumps(dataclasses.asdict(split))
-        try:
+        with split_process(4, layout):
             sim, _ = sim_run(None, strategy="auto")
-        finally:
-            del os.environ[core_split.ENV]
         out[layout] = {"strategy": str(sim.round.strategy), "summary_devices": run_summary_devices(sim),
                        "bit_equal": bit_equal(one_sim.state, sim.state), "max_diff": max_diff(one_sim.state, sim.state),
                        "note": sim.strategy_note, "conv": sim.conv_choice.describe()}
@@ -162,6 +163,43 @@ def compare_auto_split() -> dict:
                                      batch_size=4, cohort_size=6)
     out["time_split"] = {k: v > 0 for k, v in seconds.items()}
     return out
+
+
+#: the wrappers a run adds, all at once: DP clipping and noise, an upload codec with error feedback, early
+#: stopping, a deadline that cuts slow clients, FedSPU's per-client state kept on the host
+WRAPPED = dict(method="fedspu", client_state="host", dp_clip=1.0, dp_noise_multiplier=0.5, upload_codec="topk:0.5",
+               early_stopping=True, deadline_quantile=0.5)
+
+
+@contextlib.contextmanager
+def split_process(devices: int, layout: str):
+    """This process as ``fedpartial run`` starts it again for the split over the cores (its variable set)."""
+    split = core_split.CoreSplit(devices, "lax", layout, {f"lax/{layout}": 0.01}, {"lax/vmap": 0.02})
+    os.environ[core_split.ENV] = json.dumps(dataclasses.asdict(split))
+    try:
+        yield
+    finally:
+        del os.environ[core_split.ENV]
+
+
+def compare_split_wrapped_and_resumed(out_dir: str) -> dict:
+    """:data:`WRAPPED` split over the 4 devices as ``auto``'s restart runs it, against one device's ``stepwise:1``;
+    and the split run stopped after round 1 (its checkpoint) and resumed to round ``ROUNDS``."""
+    one, rec1 = sim_run(1, strategy="stepwise:1", **WRAPPED)
+    with split_process(4, "loop"):
+        four, rec4 = sim_run(None, strategy="auto", **WRAPPED)
+        first = RunConfig(**{**SIM_SETTINGS, **WRAPPED, "strategy": "auto", "devices": None, "rounds": 1,
+                             "out_dir": out_dir, "run_name": "split"})
+        run_dir = runs.run(first)["run_dir"]
+        again = dataclasses.replace(load_config(run_dir), rounds=ROUNDS)
+        resumed = Simulation(again)
+        summary = runs.run(again, sim=resumed, resume=run_dir)
+    ints = ("client_steps", "upload_bytes", "download_bytes", "clients")
+    return {"bit_equal": bit_equal(one.state, four.state), "max_diff": max_diff(one.state, four.state),
+            "ints_1": [[r[f] for f in ints] for r in rec1], "ints_4": [[r[f] for f in ints] for r in rec4],
+            "step_devices_4": len(four.round.step_devices or ()), "client_state_4": four.client_state,
+            "resumed_from": summary["resumed_from_round"], "resumed_devices": summary["devices"],
+            "resumed_bit_equal": bit_equal(one.state, resumed.state)}
 
 
 def run_summary_devices(sim) -> int:
@@ -206,6 +244,8 @@ def main() -> None:
     results["stepwise"] = [compare_stepwise(model, "fedspu", fedspu())]
     results["simulation_stepwise"] = compare_simulation("embracingfl", {"tier_mix": "4,2,4"}, strategy="stepwise:1")
     results["auto_split"] = compare_auto_split()
+    with tempfile.TemporaryDirectory() as out_dir:
+        results["split_wrapped"] = compare_split_wrapped_and_resumed(out_dir)
     results["seconds"]["stepwise"] = time.perf_counter() - start
     start = time.perf_counter()
     # FedSPU (per-client state) with its data placed on the (first) device once, each round's gathered cohort

@@ -167,6 +167,17 @@ def test_auto_in_a_process_restarted_for_the_split_over_the_cores_runs_it(four_d
     assert case["time_split"] == {"lax/loop": True, "lax/map": True}
 
 
+def test_the_wrappers_split_over_the_cores_and_resumed_equal_one_device_bit_for_bit(four_devices):
+    """DP clipping and noise, a top-k codec with error feedback, early stopping, a deadline and FedSPU's state on
+    the host, all in one run split over 4 devices as auto's restart runs it: every number one device's; stopped
+    after round 1 and resumed, still the same state."""
+    case = four_devices["split_wrapped"]
+    assert case["step_devices_4"] == 4 and case["client_state_4"] == "host"
+    assert case["bit_equal"], case["max_diff"]
+    assert case["ints_4"] == case["ints_1"]
+    assert case["resumed_from"] == 1 and case["resumed_devices"] == 4 and case["resumed_bit_equal"]
+
+
 def test_refusals_are_one_sentence_naming_the_values(four_devices):
     r = four_devices["refusals"]
     assert r["engine_stepwise"] == ("the stepwise strategy trains one client per device at a time over 4 "

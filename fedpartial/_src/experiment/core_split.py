@@ -44,12 +44,17 @@ def flags(devices: int) -> str:
     return f"--xla_force_host_platform_device_count={devices} --xla_cpu_multi_thread_eigen=false"
 
 
+#: the most devices a split uses: each compiles the round's programs for itself (measured on 2 cores only)
+MAX_DEVICES = 8
+
+
 def cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on, at most :data:`MAX_DEVICES`."""
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    return min(count, MAX_DEVICES)
 
 
 @dataclasses.dataclass(frozen=True)
