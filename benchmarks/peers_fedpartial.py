@@ -86,8 +86,12 @@ def auto_choice(row_name: str) -> dict:
         pairs = core_split.candidates("auto", "conv" in model.structure.kinds, False)
         seconds = core_split.split_seconds("benchmarks.peers_fedpartial:row_model", {"row_name": row_name}, pairs,
                                            devices=devices, batch_size=row.batch_size, cohort_size=row.cohort)
-        one = f"{choice.impl}/{choice.layout}"
-        split = core_split.decide({one: choice.seconds[one]}, seconds, devices)
+        # one device timed again now, as often as the split (what fedpartial run holds the split against)
+        one = {f"{choice.impl}/{choice.layout}": conv_choice.time_candidate(
+            engine_model(row, choice.impl), choice.layout, row.batch_size, row.cohort,
+            repeats=conv_choice.SPLIT_REPEATS)}
+        split = core_split.decide(one, seconds, devices)
+        out["one_device_seconds"] = one
         out["split_seconds"] = seconds
         if split is not None:
             layout = fp.parse_strategy("auto", model, layout=split.layout)

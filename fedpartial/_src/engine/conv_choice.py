@@ -189,6 +189,11 @@ SPLIT_CANDIDATES = {"conv": (("lax", "loop"), ("mapped", "map"), ("im2col", "map
                     "dense": (("lax", "loop"), ("lax", "map"))}
 
 
+#: timed runs of each candidate of a split (and of the one-device choice it is held against), after a warm-up:
+#: the same step measured 50 and 77 ms a cohort step in two runs an hour apart on a loaded 2-core machine
+SPLIT_REPEATS = 4
+
+
 def time_split(build: Callable[[str], Model], pairs, devices, *, batch_size: int, cohort_size: int) -> dict:
     """Seconds for one local step of ``cohort_size`` clients split over ``devices`` (each device its
     ``ceil(K / D)`` clients, as the rounds split them), per (lowering, layout) of ``pairs``: every device's
@@ -206,7 +211,8 @@ def time_split(build: Callable[[str], Model], pairs, devices, *, batch_size: int
     for impl, layout in pairs:
         ready = [prepare(models[impl], layout, batch_size, share, variables, device=d, home=devices[0])
                  for d in devices]
-        seconds[f"{impl}/{layout}"] = _best(lambda: [fn() for fn in ready], repeats=2) * share / _timed_clients(share)
+        seconds[f"{impl}/{layout}"] = _best(lambda: [fn() for fn in ready], repeats=SPLIT_REPEATS) * share / \
+            _timed_clients(share)
     return seconds
 
 

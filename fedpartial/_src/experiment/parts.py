@@ -105,8 +105,8 @@ def choose_core_split(config: RunConfig, dataset: sources.ArrayDataset, second_o
         # both sides timed now, minutes apart at most: a machine's speed drifts more than that over a day
         built = build_model(config.model, dataset, conv_impl=one_pair[0], compute_dtype=config.compute_dtype,
                             size=config.model_size)
-        one_device = {"/".join(one_pair): conv_choice.time_candidate(built, one_pair[1], config.batch_size,
-                                                                     config.cohort_size, repeats=2)}
+        one_device = {"/".join(one_pair): conv_choice.time_candidate(
+            built, one_pair[1], config.batch_size, config.cohort_size, repeats=conv_choice.SPLIT_REPEATS)}
         shape = {"name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
                  "compute_dtype": config.compute_dtype, "size": config.model_size}
         split = core_split.split_seconds(f"{__name__}:shaped_model", shape, pairs, devices=devices,
