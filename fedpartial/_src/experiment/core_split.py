@@ -31,8 +31,8 @@ import jax
 
 from fedpartial._src.engine import conv_choice
 
-__all__ = ["CACHE_FILE", "ENV", "CoreSplit", "active", "candidates", "cores", "decide", "flags", "restart",
-           "skip_reason", "split_seconds"]
+__all__ = ["CACHE_FILE", "ENV", "CoreSplit", "active", "candidates", "cores", "decide", "flags", "for_config",
+           "restart", "skip_reason", "split_seconds"]
 
 #: names the split a restarted process runs (JSON of :class:`CoreSplit`)
 ENV = "FEDPARTIAL_CORE_SPLIT"
@@ -92,6 +92,11 @@ def active() -> CoreSplit | None:
     if jax.default_backend() != "cpu" or jax.local_device_count() != split.devices:
         return None
     return split
+
+
+def for_config(config) -> CoreSplit | None:
+    """:func:`active` for a run that leaves the split to ``auto`` (``--strategy auto``, no ``--devices``)."""
+    return active() if config.strategy == "auto" and config.devices is None else None
 
 
 def skip_reason(config, second_order: bool = False) -> str | None:

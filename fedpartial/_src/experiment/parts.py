@@ -67,7 +67,7 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: 
     sets ``lax``, so its numbers stay those of the plain convolution and no test spends seconds timing).
     ``second_order``: the run's method differentiates twice, which ``auto`` never gives a lowering that cannot
     (:data:`~fedpartial._src.engine.conv_choice.REVERSE_ONLY`; a named one is refused when the round is built)."""
-    split = core_split.active() if config.strategy == "auto" and config.devices is None else None
+    split = core_split.for_config(config)
     if split is not None:  # restarted for the split over the cores: its lowering, one client at a time or mapped
         return conv_choice.ConvChoice(split.impl, split.layout, split.seconds, f"split over {split.devices} cores")
     if config.conv_impl != "auto":

@@ -32,8 +32,8 @@ def num_devices(config) -> int:
     (:mod:`~fedpartial._src.experiment.core_split`), else 1."""
     if config.devices is not None:
         return config.devices
-    split = core_split.active()
-    if split is not None and config.strategy == "auto":  # the process was restarted for it
+    split = core_split.for_config(config)
+    if split is not None:  # the process was restarted for it
         return split.devices
     fused = engine_strategy.parse_strategy(config.strategy).kind == "fused"
     return jax.local_device_count() if fused and jax.default_backend() != "cpu" else 1
@@ -95,7 +95,6 @@ def resolve(config, method: Method | None = None) -> RunPlan:
     ``method``: the caller's own :class:`~fedpartial.Method` (``config`` then names it, with no options).
     The device model is :func:`device_model`'s, once the population is known (leaf and hf: from the files)."""
     validate_once(config, custom_method=method is not None)
-    split = core_split.active() if config.strategy == "auto" and config.devices is None else None
     return RunPlan(num_devices=num_devices(config), method=method if method is not None else build_method(config),
-                   strategy_setting=config.strategy, core_split=split)
+                   strategy_setting=config.strategy, core_split=core_split.for_config(config))
 
