@@ -18,12 +18,13 @@ BASE = dict(dataset="synthetic", model="mlp", num_clients=4, cohort_size=2, roun
 
 
 @pytest.mark.parametrize("split, chosen", [
-    ({"lax/loop": 0.095, "lax/map": 0.080}, "lax/map"),  # 1.25x: the faster split
-    ({"lax/loop": 0.091}, None),  # 0.9 % short of the 10 % margin: noise, one device kept
-    ({"lax/loop": 0.089}, "lax/loop"),
+    ({"lax/loop": 0.095, "lax/map": 0.080}, "lax/map"),  # the faster split
+    ({"lax/loop": 0.105}, "lax/loop"),  # one device 5 % faster: within the margin, the split kept
+    ({"lax/loop": 0.111}, "lax/loop"),  # 0.100 against 0.9 x 0.111 = 0.0999: 0.1 % short of the margin
+    ({"lax/loop": 0.112}, None),  # 0.100 < 0.9 x 0.112 = 0.1008: one device faster by more than the margin
     ({}, None),  # the probe failed
 ])
-def test_the_split_is_taken_only_when_faster_than_one_device_by_the_margin(split, chosen):
+def test_the_split_is_kept_unless_one_device_is_faster_by_the_margin(split, chosen):
     got = core_split.decide({"im2col/map": 0.100}, split, 2)
     assert (got and f"{got.impl}/{got.layout}") == chosen
     if got:

@@ -132,8 +132,8 @@ def _check_resume(args, parser: Parser, tokens: list[str]) -> None:
 
 
 def _restart_split_over_cores(args, config, console: Console):
-    """``--strategy auto`` on a CPU of several cores: when the cohort split over them measures faster
-    (:mod:`fedpartial._src.experiment.core_split`), this command runs again on them in place of this process,
+    """``--strategy auto`` on a CPU of several cores: unless one device measures faster than the cohort split
+    over them (:mod:`fedpartial._src.experiment.core_split`), this command runs again on them in place of this process,
     before anything is written.  Returns the dataset loaded to decide (None: the split was not considered)."""
     from fedpartial._src.experiment import core_split, parts, population
     from fedpartial._src.experiment.plan import build_method

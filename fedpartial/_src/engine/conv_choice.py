@@ -199,6 +199,11 @@ def time_split(build: Callable[[str], Model], pairs, devices, *, batch_size: int
     ``ceil(K / D)`` clients, as the rounds split them), per (lowering, layout) of ``pairs``: every device's
     work is dispatched in turn, then all are awaited.  A large share is timed on a few clients and scaled.
 
+    The candidates take turns, a run of each per pass (a warm-up, then :data:`SPLIT_REPEATS` passes; the fastest
+    run counts): a shared machine's speed drifts over seconds, and timed one after another a candidate that
+    happened to run in a slow spell lost (measured: ``mapped/map`` 382 ms a cohort step against ``im2col/map``'s
+    244 ms, whose rounds were 1.2x slower).
+
     ``loop`` moves each client's state and data from the first device and back around its step, which the
     round does once per client, not once per step: a step timed alone left out that work around it, which made
     ``stepwise:1`` over 2 cores look 15 % faster than ``fused:1`` over them for the MLP at K = 50 where its
@@ -207,13 +212,16 @@ def time_split(build: Callable[[str], Model], pairs, devices, *, batch_size: int
     share = -(-cohort_size // len(devices))
     models = {impl: build(impl) for impl in dict(pairs)}
     variables = _stand_in_variables(models[pairs[0][0]])
-    seconds = {}
-    for impl, layout in pairs:
-        ready = [prepare(models[impl], layout, batch_size, share, variables, device=d, home=devices[0])
-                 for d in devices]
-        seconds[f"{impl}/{layout}"] = _best(lambda: [fn() for fn in ready], repeats=SPLIT_REPEATS) * share / \
-            _timed_clients(share)
-    return seconds
+    ready = {f"{impl}/{layout}": [prepare(models[impl], layout, batch_size, share, variables, device=d,
+                                          home=devices[0]) for d in devices]
+             for impl, layout in pairs}
+    best = dict.fromkeys(ready, float("inf"))
+    for _ in range(1 + SPLIT_REPEATS):
+        for name, fns in ready.items():
+            start = time.perf_counter()
+            jax.block_until_ready([fn() for fn in fns])
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: seconds * share / _timed_clients(share) for name, seconds in best.items()}
 
 
 #: the first candidate (the platform's default) is kept unless another is faster by more than this share:

@@ -245,7 +245,8 @@ class RunConfig:
                                        "N clients trained side by side, one per device)",
                                   default_text="every local device for the fused strategy on a GPU/TPU; on a "
                                                "CPU of several cores, --strategy auto measures the split over "
-                                               "them and the command starts again on them when it is faster; "
+                                               "them and the command starts again on them unless one "
+                                               "device measures faster; "
                                                "else 1")
 
     # --- asynchronous aggregation (docs/async.md); off by default ---

@@ -86,9 +86,10 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: 
 def choose_core_split(config: RunConfig, dataset: sources.ArrayDataset, second_order: bool = False
                       ) -> core_split.CoreSplit | None:
     """``--strategy auto`` on a CPU of several cores: the split over them
-    (:mod:`~fedpartial._src.experiment.core_split`) when it measures faster than one device by more than
-    :data:`~fedpartial._src.engine.conv_choice.MARGIN`, else None (``config``: validated, its population known).
-    Measured once per setting, kept in ``core-split.json``."""
+    (:mod:`~fedpartial._src.experiment.core_split`) unless one device measures faster than it by more than
+    :data:`~fedpartial._src.engine.conv_choice.MARGIN` (:func:`~fedpartial._src.experiment.core_split.decide`),
+    else None (``config``: validated, its population known).  Measured once per setting, kept in
+    ``core-split.json``."""
     model = build_model(config.model, dataset, compute_dtype=config.compute_dtype, size=config.model_size)
     if not conv_choice.timeable(model):
         return None
