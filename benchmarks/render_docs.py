@@ -447,7 +447,7 @@ def peers_summary(results) -> list[str]:
         text += f"; Flower was faster in {', '.join(losses)}." if losses else "."
         if split:
             text += (f" The best was the cohort split over the {cores} cores in {split} of {len(rows)} rows; "
-                     f"`--strategy auto` measured the split faster and chose it in {auto_split} of its "
+                     f"`--strategy auto` chose it (the split unless one device measures faster) in {auto_split} of its "
                      f"{len(choices)} choices (one a row in each run; [the decision](docs/decisions.md)).")
         text += (f" `auto` took {min(to_best):.2f}–{max(to_best):.2f}× the time of the best configuration (within "
                  f"5 % in {sum(v <= 1.05 for v in to_best)} of {len(rows)} rows) and "
