@@ -24,9 +24,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # programs compiled the same way, so nothing they prove changes.  LLVM at -O1 instead of -O2 compiles ~15% faster
 # and runs these tiny programs as fast (measured: the whole suite 18:15 -> 17:12 on 2 cores, every test passing,
 # the bit-for-bit replica checks included; -O0 compiles 40% faster but the benchmark smoke tests, which train
-# for real, ran 10x slower).  Set before any backend starts; subprocesses (CLI, checkpoint, sharding tests)
+# for real, ran 10x slower).  One LLVM module per program instead of XLA's split into parts compiled in parallel:
+# on 2 cores the workers already use both, and splitting a tiny program costs more than it saves (measured: five
+# of the transformer contract's rounds at -O0, 23.0-23.7 -> 21.3-21.8 CPU seconds each way in two alternating
+# processes, tracing included).  Set before any backend starts; subprocesses (CLI, checkpoint, sharding tests)
 # inherit it through the environment.
-XLA_TEST_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
+XLA_TEST_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1 "
+                  "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), XLA_TEST_FLAGS]))
 
 # Many tests compile the same programs (a zoo model's step, evaluation) in fresh closures, which jit's
