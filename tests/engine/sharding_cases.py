@@ -146,18 +146,22 @@ def compare_simulation(method, options=None, **overrides):
             "placement": [sim1.data_placement, sim4.data_placement]}
 
 
+def split_facts(one_sim, sim) -> dict:
+    """What a run restarted for the split shows of it (its plan, lowering and note), and how far from one device."""
+    return {"strategy": str(sim.round.strategy), "summary_devices": run_summary_devices(sim),
+            "bit_equal": bit_equal(one_sim.state, sim.state), "max_diff": max_diff(one_sim.state, sim.state),
+            "note": sim.strategy_note, "conv": sim.conv_choice.describe()}
+
+
 def compare_auto_split() -> dict:
-    """``--strategy auto`` in a process restarted for the split over the cores (:mod:`core_split`'s variable set,
-    as the command sets it): its plan and lowering follow the split, ``loop`` bit for bit one device's
-    ``stepwise:1``, ``map`` the fused round one client at a time; and the split's timing runs on these devices."""
-    out = {}
+    """``--strategy auto`` in a process restarted for the ``map`` split over the cores (:mod:`core_split`'s variable
+    set, as the command sets it): its plan and lowering follow the split, the fused round one client at a time
+    (the ``loop`` split is :func:`compare_split_wrapped_and_resumed`'s); and the split's timing runs on these
+    devices."""
     one_sim, _ = sim_run(1, strategy="stepwise:1")
-    for layout in ("loop", "map"):
-        with split_process(4, layout):
-            sim, _ = sim_run(None, strategy="auto")
-        out[layout] = {"strategy": str(sim.round.strategy), "summary_devices": run_summary_devices(sim),
-                       "bit_equal": bit_equal(one_sim.state, sim.state), "max_diff": max_diff(one_sim.state, sim.state),
-                       "note": sim.strategy_note, "conv": sim.conv_choice.describe()}
+    with split_process(4, "map"):
+        sim, _ = sim_run(None, strategy="auto")
+    out = {"map": split_facts(one_sim, sim)}
     model = from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
     seconds = conv_choice.time_split(lambda impl: model, (("lax", "loop"), ("lax", "map")), jax.local_devices(),
                                      batch_size=4, cohort_size=6)
@@ -195,7 +199,7 @@ def compare_split_wrapped_and_resumed(out_dir: str) -> dict:
         resumed = Simulation(again)
         summary = runs.run(again, sim=resumed, resume=run_dir)
     ints = ("client_steps", "upload_bytes", "download_bytes", "clients")
-    return {"bit_equal": bit_equal(one.state, four.state), "max_diff": max_diff(one.state, four.state),
+    return {**split_facts(one, four),
             "ints_1": [[r[f] for f in ints] for r in rec1], "ints_4": [[r[f] for f in ints] for r in rec4],
             "step_devices_4": len(four.round.step_devices or ()), "client_state_4": four.client_state,
             "resumed_from": summary["resumed_from_round"], "resumed_devices": summary["devices"],

@@ -156,7 +156,7 @@ def test_auto_in_a_process_restarted_for_the_split_over_the_cores_runs_it(four_d
     """The variable ``fedpartial run`` sets when it starts again on the cores: ``auto`` (no ``--devices``) then
     trains over the 4 devices in the split's layout and lowering, and says why; ``loop`` is one device's
     ``stepwise:1`` bit for bit, ``map`` the fused round one client at a time (the cohort padded to 8)."""
-    case = four_devices["auto_split"]
+    case = {"loop": four_devices["split_wrapped"], **four_devices["auto_split"]}  # loop: the wrapped run's
     assert case["loop"]["strategy"] == "stepwise:1" and case["loop"]["summary_devices"] == 4
     assert case["loop"]["bit_equal"], case["loop"]["max_diff"]
     assert case["map"]["strategy"] == "fused:1" and case["map"]["summary_devices"] == 4
