@@ -84,15 +84,13 @@ def auto_choice(row_name: str) -> dict:
     if choice.seconds and jax.device_count() == 1 and devices > 1:
         model = engine_model(row)
         pairs = core_split.candidates("auto", "conv" in model.structure.kinds, False)
-        seconds = core_split.split_seconds("benchmarks.peers_fedpartial:row_model", {"row_name": row_name}, pairs,
-                                           devices=devices, batch_size=row.batch_size, cohort_size=row.cohort)
-        # one device timed again now, as often as the split (what fedpartial run holds the split against)
-        one = {f"{choice.impl}/{choice.layout}": conv_choice.time_candidate(
-            engine_model(row, choice.impl), choice.layout, row.batch_size, row.cohort,
-            repeats=conv_choice.SPLIT_REPEATS)}
-        split = core_split.decide(one, seconds, devices)
-        out["one_device_seconds"] = one
-        out["split_seconds"] = seconds
+        # what fedpartial run weighs: one device's choice timed again now, as often as the split
+        known = core_split.measure("benchmarks.peers_fedpartial:row_model", {"row_name": row_name},
+                                   (choice.impl, choice.layout), pairs, devices=devices,
+                                   batch_size=row.batch_size, cohort_size=row.cohort)
+        split = core_split.decide(known["one_device"], known["split"], devices)
+        out["one_device_seconds"] = known["one_device"]
+        out["split_seconds"] = known["split"]
         if split is not None:
             layout = fp.parse_strategy("auto", model, layout=split.layout)
             out["config"] = f"{split.impl}/{layout}@{devices}"

@@ -30,6 +30,7 @@ def test_the_split_is_kept_unless_one_device_is_faster_by_the_margin(split, chos
     if got:
         assert got.devices == 2 and got.speedup == pytest.approx(0.100 / split[chosen])
         assert got.describe().startswith("the cohort split over the 2 CPU cores")
+        assert got.describe().endswith("the split is the default)") == (got.speedup < 1)
 
 
 def test_only_auto_on_one_cpu_device_is_considered(monkeypatch):

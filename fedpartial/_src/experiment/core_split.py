@@ -33,7 +33,7 @@ import jax
 from fedpartial._src.engine import conv_choice
 
 __all__ = ["CACHE_FILE", "ENV", "CoreSplit", "active", "candidates", "cores", "decide", "flags", "for_config",
-           "restart", "skip_reason", "split_seconds"]
+           "measure", "restart", "skip_reason", "split_seconds"]
 
 #: names the split a restarted process runs (JSON of :class:`CoreSplit`)
 ENV = "FEDPARTIAL_CORE_SPLIT"
@@ -78,7 +78,9 @@ class CoreSplit:
         step = self.seconds[f"{self.impl}/{self.layout}"]
         return (f"the cohort split over the {self.devices} CPU cores, one single-threaded device each: "
                 f"{step * 1e3:.1f} ms a cohort step against {min(self.one_device.values()) * 1e3:.1f} ms on one "
-                f"device, measured")
+                f"device, measured" + ("" if self.speedup >= 1 else
+                                       f" (one device is not faster by over {conv_choice.MARGIN:.0%}: the split "
+                                       "is the default)"))
 
 
 def active() -> CoreSplit | None:
@@ -160,9 +162,26 @@ def split_seconds(builder: str, kwargs: dict, pairs, *, devices: int, batch_size
     return json.loads(lines[-1][len("CORE-SPLIT "):]) if done.returncode == 0 and lines else {}
 
 
+def measure(builder: str, kwargs: dict, one_pair: tuple[str, str], pairs, *, devices: int, batch_size: int,
+            cohort_size: int) -> dict:
+    """What :func:`decide` weighs: ``{"one_device": {"impl/layout": s}, "split": {"impl/layout": s}}``, a cohort
+    step of the one-device choice ``one_pair`` timed here now, as often as each split candidate, and of the split
+    over ``devices`` timed in its own process (:func:`split_seconds`; ``{}`` if that failed).  Both sides minutes
+    apart at most: a machine's speed drifts more than that over a day.  ``builder``: as :func:`split_seconds`'s."""
+    model = _builder(builder)(conv_impl=one_pair[0], **kwargs)
+    one = conv_choice.time_candidate(model, one_pair[1], batch_size, cohort_size, repeats=conv_choice.SPLIT_REPEATS)
+    return {"one_device": {"/".join(one_pair): one},
+            "split": split_seconds(builder, kwargs, pairs, devices=devices, batch_size=batch_size,
+                                   cohort_size=cohort_size)}
+
+
+def _builder(spec: str):
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _time_in_child(spec: dict) -> dict:
-    module, _, function = spec["builder"].partition(":")
-    build = getattr(importlib.import_module(module), function)
+    build = _builder(spec["builder"])
     return conv_choice.time_split(lambda impl: build(conv_impl=impl, **spec["kwargs"]),
                                   [tuple(p) for p in spec["pairs"]], jax.local_devices(),
                                   batch_size=spec["batch_size"], cohort_size=spec["cohort_size"])

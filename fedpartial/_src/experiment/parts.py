@@ -103,16 +103,10 @@ def choose_core_split(config: RunConfig, dataset: sources.ArrayDataset, second_o
                     f"cores={devices}"])
     known = conv_choice.read_table(os.path.join(compile_cache.cache_folder(), core_split.CACHE_FILE)).get(key)
     if known is None:
-        # both sides timed now, minutes apart at most: a machine's speed drifts more than that over a day
-        built = build_model(config.model, dataset, conv_impl=one_pair[0], compute_dtype=config.compute_dtype,
-                            size=config.model_size)
-        one_device = {"/".join(one_pair): conv_choice.time_candidate(
-            built, one_pair[1], config.batch_size, config.cohort_size, repeats=conv_choice.SPLIT_REPEATS)}
         shape = {"name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
                  "compute_dtype": config.compute_dtype, "size": config.model_size}
-        split = core_split.split_seconds(f"{__name__}:shaped_model", shape, pairs, devices=devices,
-                                         batch_size=config.batch_size, cohort_size=config.cohort_size)
-        known = {"split": split, "one_device": one_device}
+        known = core_split.measure(f"{__name__}:shaped_model", shape, one_pair, pairs, devices=devices,
+                                   batch_size=config.batch_size, cohort_size=config.cohort_size)
         if known["split"]:  # a probe that failed is tried again next time
             conv_choice.write_entry(compile_cache.cache_folder(), core_split.CACHE_FILE, key, known)
     return core_split.decide(known["one_device"], known["split"], devices)
