@@ -42,6 +42,7 @@ from fedpartial._src.engine import conv_choice
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import parse_strategy
 from fedpartial._src.engine.types import cohort_from_packed
+from fedpartial._src.experiment import parts
 from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.models import registry
 from fedpartial._src.models.adapter import from_linen
@@ -140,11 +141,14 @@ def run_row(row: str, cfg: dict, peak: float, skip: set[str], save=lambda record
     if not cfg["auto"]:
         return record
     started = time.perf_counter()
-    choice = conv_choice.choose(lambda impl: build(model_name, shape, impl, dtype)[1], batch_size=b,
-                                cohort_size=k, dtype=dtype)
+    choice = conv_choice.choose(
+        lambda impl: build(model_name, shape, impl, dtype)[1],
+        lambda model, strategy, clients, devices: parts.timing_round(model, strategy, clients, devices,
+                                                                     lr=cfg["lr"], momentum=0.9),
+        batch_size=b, cohort_size=k, local_steps=s, dtype=dtype)
     picked = f"{choice.impl}/{LAYOUT_STRATEGY.get(choice.layout, 'stepwise:1')}"
     record["auto"] = {"impl": choice.impl, "layout": choice.layout, "cell": picked,
-                      "choose_s": time.perf_counter() - started, "seconds_per_cohort_step": choice.seconds,
+                      "choose_s": time.perf_counter() - started, "seconds_per_round": choice.seconds,
                       "speedup_vs_plain": record["cells"].get(picked, {}).get("speedup_vs_plain")}
     kit.log(f"  {row} auto picks {picked} in {record['auto']['choose_s']:.1f} s: "
             f"{record['auto']['speedup_vs_plain'] or float('nan'):.2f}x the plain loop")

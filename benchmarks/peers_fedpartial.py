@@ -24,7 +24,7 @@ import fedpartial as fp
 from benchmarks.peers_rows import ROWS, Row
 from fedpartial._src.bench import kit
 from fedpartial._src.engine import conv_choice
-from fedpartial._src.experiment import core_split
+from fedpartial._src.experiment import core_split, parts
 from fedpartial._src.models import zoo
 from fedpartial.models import from_linen
 
@@ -57,9 +57,15 @@ def cohort_packed(x, y, ids):
                                  np.full((k,), s * b, np.float32))
 
 
+#: the clients' optimizer on both sides
+LR, MOMENTUM = 0.05, 0.9
+#: the round ``auto`` times a layout by, as ``fedpartial run`` builds it for this optimizer
+TIMING = ("fedpartial._src.experiment.parts:timing_round", {"lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0})
+
+
 def engine_round(row: Row, impl: str, strategy, devices: int = 1):
     return fp.FederatedRound(engine_model(row, impl), fp.methods.fedavg(), num_clients=row.clients,
-                             cohort_size=row.cohort, client_optimizer=optax.sgd(0.05, momentum=0.9),
+                             cohort_size=row.cohort, client_optimizer=optax.sgd(LR, momentum=MOMENTUM),
                              strategy=strategy, devices=devices)
 
 
@@ -75,8 +81,10 @@ def auto_choice(row_name: str) -> dict:
     (:mod:`fedpartial._src.experiment.core_split`), taken when faster by the same margin."""
     row = ROWS[row_name]
     started = time.perf_counter()
-    choice = conv_choice.choose(lambda impl: engine_model(row, impl), batch_size=row.batch_size,
-                                cohort_size=row.cohort)
+    choice = conv_choice.choose(
+        lambda impl: engine_model(row, impl),
+        lambda model, strategy, clients, devices: parts.timing_round(model, strategy, clients, devices, **TIMING[1]),
+        batch_size=row.batch_size, cohort_size=row.cohort, local_steps=row.local_steps)
     strategy = fp.parse_strategy("auto", engine_model(row, choice.impl), layout=choice.layout)
     out = {"config": f"{choice.impl}/{strategy}", "conv_impl": choice.impl, "conv_layout": choice.layout,
            "conv_seconds": choice.seconds, "how": choice.how}
@@ -85,9 +93,9 @@ def auto_choice(row_name: str) -> dict:
         model = engine_model(row)
         pairs = core_split.candidates("auto", "conv" in model.structure.kinds, False)
         # what fedpartial run weighs: one device's choice timed again now, as often as the split
-        known = core_split.measure("benchmarks.peers_fedpartial:row_model", {"row_name": row_name},
+        known = core_split.measure(("benchmarks.peers_fedpartial:row_model", {"row_name": row_name}), TIMING,
                                    (choice.impl, choice.layout), pairs, devices=devices,
-                                   batch_size=row.batch_size, cohort_size=row.cohort)
+                                   batch_size=row.batch_size, cohort_size=row.cohort, local_steps=row.local_steps)
         split = core_split.decide(known["one_device"], known["split"], devices)
         out["one_device_seconds"] = known["one_device"]
         out["split_seconds"] = known["split"]
@@ -101,7 +109,7 @@ def auto_choice(row_name: str) -> dict:
 def runner(row: Row, name: str, x, y):
     """``run(ids, t)``: one round of configuration ``name`` on the clients ``ids``, its state kept inside."""
     if name == "plain":
-        loop = kit.PlainLoop(flax_module(row), optax.sgd(0.05, momentum=0.9), (row.side, row.side, row.channels))
+        loop = kit.PlainLoop(flax_module(row), optax.sgd(LR, momentum=MOMENTUM), (row.side, row.side, row.channels))
         held = {"variables": loop.init_variables(jax.random.key(0))}
 
         def run_plain(ids, t):

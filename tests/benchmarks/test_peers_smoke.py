@@ -22,10 +22,12 @@ def two_cores(monkeypatch):
 def test_the_fedpartial_side_times_every_configuration_on_the_same_cohorts(two_cores):
     two_cores({})  # the split's process failed: one device
     got = peers_fedpartial.main(1, {"quick": ["auto", "plain", "lax/fused:1"]})["rows"]["quick"]
-    # auto (a dense model on a CPU: one client at a time) is timed as the configuration it names
-    assert got["auto"]["config"] == "lax/stepwise:1" and got["auto"]["conv_impl"] == "lax"
-    assert set(got["round_s"]) == {"plain", "lax/fused:1", "lax/stepwise:1", "auto"}
-    assert got["round_s"]["auto"] is got["round_s"]["lax/stepwise:1"]
+    # auto (a dense model on a CPU: its three layouts timed) is timed as the configuration it names, added to the
+    # row's when it is not one of them
+    chosen = got["auto"]["config"]
+    assert chosen in ("lax/stepwise:1", "lax/fused", "lax/fused:1") and got["auto"]["conv_impl"] == "lax"
+    assert set(got["round_s"]) == {"plain", "lax/fused:1", chosen, "auto"}
+    assert got["round_s"]["auto"] is got["round_s"][chosen]
     assert all(len(t) == 2 and min(t) > 0 for t in got["round_s"].values())  # the compiling round and one more
 
 

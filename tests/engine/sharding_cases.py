@@ -24,7 +24,7 @@ from fedpartial._src.engine import conv_choice, sharding
 from fedpartial._src.engine.metrics import traffic_totals
 from fedpartial._src.engine.round import FederatedRound
 from fedpartial._src.engine.strategy import fused, stepwise
-from fedpartial._src.experiment import core_split, runs
+from fedpartial._src.experiment import core_split, parts, runs
 from fedpartial._src.experiment.config import ConfigError, RunConfig
 from fedpartial._src.experiment.preflight import preflight
 from fedpartial._src.experiment.run_directory import load_config
@@ -163,8 +163,8 @@ def compare_auto_split() -> dict:
         sim, _ = sim_run(None, strategy="auto")
     out = {"map": split_facts(one_sim, sim)}
     model = from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
-    seconds = conv_choice.time_split(lambda impl: model, (("lax", "loop"), ("lax", "map")), jax.local_devices(),
-                                     batch_size=4, cohort_size=6)
+    seconds = conv_choice.time_split(lambda impl: model, parts.timing_round, (("lax", "loop"), ("lax", "map")),
+                                     jax.local_device_count(), batch_size=4, cohort_size=6, local_steps=1)
     out["time_split"] = {k: v > 0 for k, v in seconds.items()}
     return out
 

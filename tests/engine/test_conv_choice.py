@@ -15,6 +15,7 @@ import pytest
 from fedpartial._src.engine import conv_choice
 from fedpartial._src.engine.strategy import default_strategy, fused, parse_strategy, stepwise
 from fedpartial._src.experiment.config import ConfigError, RunConfig
+from fedpartial._src.experiment.parts import timing_round
 from fedpartial._src.experiment.simulation import run
 from fedpartial._src.models import registry
 from fedpartial._src.models.adapter import from_linen
@@ -38,7 +39,7 @@ def test_auto_times_every_candidate_once_keeps_the_fastest_and_reads_it_back(tmp
         built.append(impl)
         return small_cnn(impl)
 
-    first = conv_choice.choose(build, batch_size=4, cohort_size=3, cache_dir=str(tmp_path))
+    first = conv_choice.choose(build, timing_round, batch_size=4, cohort_size=3, local_steps=1, cache_dir=str(tmp_path))
     pairs = conv_choice.candidates("cpu")
     assert first.how == "measured" and set(first.seconds) == {f"{i}/{lay}" for i, lay in pairs}
     chosen, fastest = first.seconds[f"{first.impl}/{first.layout}"], min(first.seconds.values())
@@ -48,19 +49,60 @@ def test_auto_times_every_candidate_once_keeps_the_fastest_and_reads_it_back(tmp
     kept = json.loads((tmp_path / conv_choice.CACHE_FILE).read_text())
     assert [v["impl"] for v in kept.values()] == [first.impl]
     built.clear()
-    again = conv_choice.choose(build, batch_size=4, cohort_size=3, cache_dir=str(tmp_path))
+    again = conv_choice.choose(build, timing_round, batch_size=4, cohort_size=3, local_steps=1, cache_dir=str(tmp_path))
     assert again == first._replace(how="cached") and built == ["lax"]  # nothing timed the second time
-    other = conv_choice.choose(lambda impl: mlp, batch_size=4, cohort_size=3, cache_dir=str(tmp_path),
-                               time_dense=False)
+    other = conv_choice.choose(lambda impl: mlp, timing_round, batch_size=4, cohort_size=3, local_steps=1,
+                               cache_dir=str(tmp_path), time_dense=False)
     assert other == conv_choice.ConvChoice("lax", None, {}, "no convolutions")
 
 
 def test_a_dense_model_has_its_layouts_timed_on_a_cpu(mlp):
-    dense = conv_choice.choose(lambda impl: mlp, batch_size=4, cohort_size=3)
+    dense = conv_choice.choose(lambda impl: mlp, timing_round, batch_size=4, cohort_size=3, local_steps=1)
     assert dense.how == "measured" and dense.impl == "lax"
     assert set(dense.seconds) == {f"{i}/{lay}" for i, lay in conv_choice.DENSE_CPU_CANDIDATES}
     assert dense.layout in ("loop", "vmap", "map")
     assert conv_choice.candidates("gpu", convolutions=False) == ()  # a GPU runs the vmapped cohort unmeasured
+
+
+def test_each_layout_is_timed_by_a_round_of_its_strategy_on_the_clients_its_work_allows(mlp, monkeypatch):
+    """What is timed is a round as the run has it: ``round_for`` builds one per candidate, in the layout's strategy,
+    for every client when their steps are within the budget, else for as many as fit it (at least two), and the
+    time is scaled to the cohort."""
+    built = []
+
+    def round_for(model, strategy, clients, devices):
+        built.append((strategy, clients, devices))
+        return timing_round(model, strategy, clients, devices)
+
+    flops = conv_choice.step_flops(mlp, 4)
+    assert flops > 0 and conv_choice.step_flops(mlp, 8) == pytest.approx(2 * flops, rel=0.2)
+    dense = conv_choice.choose(lambda impl: mlp, round_for, batch_size=4, cohort_size=3, local_steps=2)
+    assert built == [(conv_choice.LAYOUT_STRATEGIES[lay], 3, None) for _, lay in conv_choice.DENSE_CPU_CANDIDATES]
+    assert [s for s, _, _ in built] == [stepwise(1), fused(None), fused(1)]
+    assert all(s > 0 for s in dense.seconds.values())
+    # a budget of 2.5 clients' steps: two are timed (and the round's time scaled by 5 / 2); never fewer than two
+    monkeypatch.setitem(conv_choice.TIMED_ROUND_FLOPS, "cpu", 2.5 * 2 * flops)
+    assert conv_choice.timed_clients(mlp, 5, 2, 4) == 2
+    monkeypatch.setitem(conv_choice.TIMED_ROUND_FLOPS, "cpu", 4.5 * 2 * flops)
+    assert conv_choice.timed_clients(mlp, 5, 2, 4) == 4
+    monkeypatch.setitem(conv_choice.TIMED_ROUND_FLOPS, "cpu", 0.0)
+    assert conv_choice.timed_clients(mlp, 5, 2, 4) == conv_choice.MIN_TIMED_CLIENTS
+    assert conv_choice.timed_clients(mlp, 1, 2, 4) == 1
+    built.clear()
+    calls = []
+    monkeypatch.setattr(conv_choice, "_best", lambda run, repeats, beaten_by=0: calls.append(run) or 1.0)
+    scaled = conv_choice.choose(lambda impl: mlp, round_for, batch_size=4, cohort_size=5, local_steps=2)
+    assert {clients for _, clients, _ in built} == {2} and set(scaled.seconds.values()) == {2.5}
+
+
+def test_a_timed_round_runs_on_stand_in_data_and_feeds_its_state_back(mlp):
+    rnd = timing_round(mlp, fused(1), 2)
+    run = conv_choice.prepare(rnd, local_steps=3, batch_size=4)  # compiled and run once here
+    rounds = [int(run().round) for _ in range(2)]  # read before the next call: the fused round donates its state
+    assert rounds == [2, 3]
+    assert rnd.trace_count == 1  # the timed calls compile nothing
+    cohort = conv_choice.stand_in_cohort(mlp, 2, 3, 4)
+    assert cohort.data.x.shape == (2, 3, 4, *mlp.input_shape) and cohort.data.step_mask.all()
 
 
 def test_the_default_candidate_is_kept_unless_another_is_clearly_faster():

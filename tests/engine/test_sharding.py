@@ -163,7 +163,7 @@ def test_auto_in_a_process_restarted_for_the_split_over_the_cores_runs_it(four_d
     assert case["map"]["max_diff"] <= ATOL
     for layout in ("loop", "map"):
         assert case[layout]["note"].startswith("the cohort split over the 4 CPU cores")
-        assert case[layout]["conv"] == f"lax, {layout} (split over 4 cores: 10.0 ms a cohort step)"
+        assert case[layout]["conv"] == f"lax, {layout} (split over 4 cores: 0.01 s a round)"
     assert case["time_split"] == {"lax/loop": True, "lax/map": True}
 
 

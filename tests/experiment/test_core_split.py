@@ -64,8 +64,8 @@ def test_candidates_follow_the_model_the_lowering_and_the_method():
 
 
 def test_a_probe_that_fails_leaves_the_run_on_one_device():
-    assert core_split.split_seconds("no_such_module:build", {}, [("lax", "loop")], devices=2, batch_size=4,
-                                    cohort_size=2) == {}
+    assert core_split.split_seconds(("no_such_module:build", {}), parts.timing_spec(RunConfig(**BASE)),
+                                    [("lax", "loop")], devices=2, batch_size=4, cohort_size=2, local_steps=1) == {}
 
 
 def test_auto_runs_the_command_again_on_the_cores_when_the_split_measured_faster(tmp_path):
@@ -75,7 +75,8 @@ def test_auto_runs_the_command_again_on_the_cores_when_the_split_measured_faster
     with_population, dataset = population.run_dataset(config)
     model = parts.build_model(config.model, dataset)
     cache = tmp_path / "cache" / "fedpartial"
-    key = conv_choice.cache_key(model, config.batch_size, config.cohort_size, "float32")
+    key = conv_choice.cache_key(model, config.batch_size, config.cohort_size, config.local_steps, "float32",
+                                optimizer=parts.timing(config, dataset)["optimizer"])
     conv_choice.write_entry(str(cache), conv_choice.CACHE_FILE, key,
                             {"impl": "lax", "layout": "vmap", "seconds": {"lax/vmap": 0.02}})
     pairs = core_split.candidates("auto", False, False)
@@ -95,5 +96,5 @@ def test_auto_runs_the_command_again_on_the_cores_when_the_split_measured_faster
         return
     assert "note: --strategy auto runs the cohort split over the 2 CPU cores" in " ".join(proc.stdout.split())
     assert summary["devices"] == 2 and summary["strategy"] == "stepwise:1"
-    assert "10.0 ms a cohort step against 20.0 ms on one device" in summary["strategy_note"]
+    assert "0.01 s a round against 0.02 s on one device" in summary["strategy_note"]
     assert json.loads((tmp_path / "runs" / "split" / "config.json").read_text())["strategy"] == "auto"

@@ -2,69 +2,89 @@
 
 Which lowering of :mod:`fedpartial._src.models.conv` is fastest depends on the chip, the model, the image size
 and the cohort (on a 2-core CPU, im2col wins on 8x8 digits and lax's own convolution on 28x28 images), so
-:func:`choose` times one local SGD step of the whole cohort for every candidate and keeps the fastest.  A
-candidate is a lowering and a *layout*:
+:func:`choose` times a round for every candidate and keeps the fastest.  A candidate is a lowering and a *layout*,
+the strategy the round runs in (:data:`LAYOUT_STRATEGIES`):
 
-* ``loop`` — one client's step jitted and called for each client in turn (what ``stepwise:1`` runs);
-* ``vmap`` — the step vmapped over the cohort in one jitted call (what the fused round runs);
-* ``map`` — a ``lax.map`` of one client's step over the cohort in one jitted call (what ``fused:1`` runs: the
-  whole round one program, the clients a loop inside it).
+* ``loop`` — ``stepwise:1``: one client's step jitted and called for each client in turn;
+* ``vmap`` — ``fused``: the whole round one program, the cohort's training vmapped;
+* ``map`` — ``fused:1``: the whole round one program, the clients a ``lax.map`` inside it.
 
-A model without convolutions is timed too on a CPU, in lax's three layouts (:data:`DENSE_CPU_CANDIDATES`): the MLP's
-fused round ran 1.63x the plain loop at K = 10 where one client at a time ran 1.13x
-(``benchmarks/results/conv-lowering-cpu-cpu-20261203.json``), and which wins depends on the cohort.
+A model without convolutions is timed too on a CPU, in lax's three layouts (:data:`DENSE_CPU_CANDIDATES`): which
+wins depends on the cohort.  ``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is what
+the fused round runs by default; on XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with
+``mapped`` (inside a loop XLA:CPU runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids)
+and ``im2col`` (matrix products only).
 
-``(lax, vmap)`` — grouped convolutions — is tried only off the CPU, where it is what the fused round runs by default; on
-XLA:CPU it measured 10-80x slower than the loop.  ``map`` is tried with ``mapped`` (inside a loop XLA:CPU
-runs autodiff's convolution gradients 15-40x slower, which ``mapped`` avoids) and ``im2col`` (matrix products
-only).  Each candidate is compiled (XLA:CPU already compiles on every core: compiling them in parallel
-gained nothing), then run twice, the first run timed too (the best counts), and the first candidate is kept
-unless another is faster by over :data:`MARGIN`.  The variables are drawn on the host in the model's shapes
-(initialising for real compiles the initialisers).  A large cohort is timed on at most
-:data:`MAX_TIMED_CLIENTS` clients of the platform and scaled (on a CPU every layout's time grows about
-linearly with the clients; a GPU's vmapped step gains from more).  The choice is
-kept in ``conv-impl.json`` in the cache folder, keyed by backend, device, model, input shape, per-client batch,
-cohort size, compute dtype and the JAX version, so it is measured once per setting.  The strategy chooser
-(:func:`fedpartial._src.engine.strategy.default_strategy`) takes the layout: ``vmap`` runs the fused round,
-``map`` the fused round one client at a time (``fused:1``), ``loop`` ``stepwise:1``.
+**What is timed is a round as the run has it**: FedAvg's round, built by the caller's ``round_for`` (the run's
+client optimizer; the model in the candidate's lowering) in the candidate's strategy, for ``local_steps`` steps of
+the run's batch size, on data and a server state drawn on the host in their shapes (initialising for real compiles
+the initialisers: 2.5 s for VGG-9 on 2 cores).  One local step timed alone misjudged the rounds in both
+directions, as a round does more around its steps and the layouts do it differently: on 2026-12-05 the MLP at
+K = 50 timed 24 ms a cohort step vmapped and 42 ms mapped, whose rounds took 60 and 49 ms a step; the day before,
+one device's vmapped step timed 58 ms against 86 ms for the split over the cores, whose rounds took 98 and 53 ms.
+A round is compiled (XLA:CPU already compiles on every core: compiling candidates in parallel gained nothing),
+run once, then timed (the fastest run counts), and the first candidate is kept unless another is faster by over
+:data:`MARGIN`.
+
+**Timed clients.**  A timed round trains every client of the cohort when their work is at most
+:data:`TIMED_ROUND_FLOPS` (XLA's count of one client's step, from its lowered program: nothing compiled), else as
+many as fit it (at least :data:`MIN_TIMED_CLIENTS`), and its time is scaled to the cohort: on a CPU a round's time
+grows about linearly with its clients once they are a few, and a cohort whose round is cheap is timed whole (the
+MLP's vmapped state outgrows the caches as the cohort grows).  The choice is kept in ``conv-impl.json`` in the
+cache folder, keyed by backend, device, model, input shape, per-client batch, cohort size, local steps, the
+client optimizer's settings, compute dtype and the JAX version, so it is measured once per setting.  The strategy
+chooser (:func:`fedpartial._src.engine.strategy.default_strategy`) takes the layout.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedpartial._src.core.types import Batch, CohortInfo
+from fedpartial._src.engine.strategy import Strategy, fused, stepwise
+from fedpartial._src.engine.types import Cohort
 from fedpartial._src.models.adapter import Model
 
-__all__ = ["ConvChoice", "LAYOUTS", "MAX_TIMED_CLIENTS", "REVERSE_ONLY", "SPLIT_CANDIDATES", "candidates", "choose",
-           "time_split"]
+__all__ = ["ConvChoice", "LAYOUTS", "LAYOUT_STRATEGIES", "MIN_TIMED_CLIENTS", "REVERSE_ONLY", "SPLIT_CANDIDATES",
+           "TIMED_ROUND_FLOPS", "candidates", "choose", "time_split"]
 
 LAYOUTS = ("loop", "vmap", "map")
-#: a cohort larger than this is timed on this many clients and scaled, by platform
-MAX_TIMED_CLIENTS = {"cpu": 4, "other": 256}
+#: the strategy a round of each layout runs in
+LAYOUT_STRATEGIES = {"loop": stepwise(1), "vmap": fused(None), "map": fused(1)}
+#: the most work a timed round does, in XLA's count of floating-point operations, by platform (a fraction of a
+#: second on a 2-core CPU)
+TIMED_ROUND_FLOPS = {"cpu": 1e10, "other": 1e13}
+#: the fewest clients a timed round trains (per device of a split), where the cohort has them
+MIN_TIMED_CLIENTS = 2
 CACHE_FILE = "conv-impl.json"
+
+#: ``round_for(model, strategy, clients, devices)``: the round a layout is timed by (FedAvg's, with the run's
+#: client optimizer) for ``clients`` clients, on one device (``devices`` None) or split over ``devices``
+RoundFor = Callable[[Model, Strategy, int, "int | None"], Any]
 
 
 class ConvChoice(NamedTuple):
-    """What ``auto`` chose: the lowering, the layout, every candidate's seconds per cohort step, and how."""
+    """What ``auto`` chose: the lowering, the layout, every candidate's seconds per round, and how."""
 
     impl: str
     layout: str | None  # None: not measured (nothing to choose), the strategy chooser decides as usual
-    seconds: dict  # "impl/layout" -> seconds for one step of the whole cohort
+    seconds: dict  # "impl/layout" -> seconds for one round of the whole cohort
     how: str  # "measured", "cached" or why nothing was measured
 
     def describe(self) -> str:
         if not self.seconds:
             return f"{self.impl} ({self.how})"
         best = self.seconds[f"{self.impl}/{self.layout}"]
-        return f"{self.impl}, {self.layout} ({self.how}: {best * 1e3:.1f} ms a cohort step)"
+        return f"{self.impl}, {self.layout} ({self.how}: {best:.3g} s a round)"
 
 
 #: the lowerings whose gradient is a custom reverse-mode rule: no forward mode over it (second-order methods)
@@ -90,6 +110,7 @@ def candidates(platform: str, second_order: bool = False, convolutions: bool = T
 
 
 def _step(model: Model):
+    """One client's plain SGD step: what :func:`step_flops` counts."""
     def loss(params, stats, x, y):
         logits, stats = model.apply({"params": params, "batch_stats": stats}, x, True)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), stats
@@ -101,30 +122,56 @@ def _step(model: Model):
     return step
 
 
-def _best(fn: Callable, repeats: int = 1, beaten_by: float = float("inf")) -> float:
-    """The fastest of a warm-up and ``repeats`` timed runs of ``fn``; one run only when even the warm-up took
-    over twice ``beaten_by`` (the best candidate so far), which it cannot then beat."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn())  # warm up (compiled already)
-    best = time.perf_counter() - start
-    for _ in range(repeats if best <= 2 * beaten_by else 0):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
+def step_flops(model: Model, batch_size: int) -> float:
+    """XLA's count of the floating-point operations of one client's local step of ``batch_size`` examples, from
+    the lowered program (nothing compiled); 0 when XLA counts none."""
+    shapes = jax.eval_shape(model.init_variables, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((batch_size, *model.input_shape), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+    cost = jax.jit(_step(model)).lower(shapes["params"], shapes["batch_stats"], x, y).cost_analysis()
+    if isinstance(cost, (list, tuple)):  # one entry per program in some JAX versions
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
 
 
-def _stand_in_variables(model: Model) -> dict:
-    """Variables of the model's shapes, drawn on the host: a step's time does not depend on their values, and
-    initialising for real compiles the initialisers (2.5 s for VGG-9 on 2 cores)."""
+def timed_clients(model: Model, clients: int, local_steps: int, batch_size: int) -> int:
+    """How many of ``clients`` a timed round trains: all when their local steps are at most
+    :data:`TIMED_ROUND_FLOPS`, else as many as are, at least :data:`MIN_TIMED_CLIENTS` (where there are)."""
+    budget = TIMED_ROUND_FLOPS["cpu" if jax.default_backend() == "cpu" else "other"]
+    per_client = step_flops(model, batch_size) * local_steps
+    fit = clients if per_client <= 0 else int(budget // per_client)
+    return max(min(clients, MIN_TIMED_CLIENTS), min(clients, fit))
+
+
+def _drawn(shapes: Any) -> Any:
+    """Arrays of ``shapes`` (``jax.ShapeDtypeStruct``) drawn on the host: a round's time does not depend on the
+    values (floats small and random, integers 0, keys of seed 0)."""
     rng = np.random.default_rng(0)
-    return jax.tree.map(lambda s: jnp.asarray((0.05 * rng.standard_normal(s.shape)).astype(s.dtype)),
-                        jax.eval_shape(model.init_variables, jax.random.key(0)))
+
+    def draw(s):
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            return (0.05 * rng.standard_normal(s.shape)).astype(s.dtype)
+        return np.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(draw, shapes)
+
+
+def stand_in_cohort(model: Model, clients: int, local_steps: int, batch_size: int) -> Cohort:
+    """A cohort of ``clients`` clients with ``local_steps`` full steps of ``batch_size`` random examples each."""
+    rng = np.random.default_rng(0)
+    shape = (clients, local_steps, batch_size)
+    x = rng.standard_normal((*shape, *model.input_shape)).astype(np.float32)
+    y = rng.integers(0, model.num_classes, shape).astype(np.int32)
+    info = CohortInfo(client_ids=np.arange(clients, dtype=np.int32), valid=np.ones((clients,), bool),
+                      num_samples=np.full((clients,), local_steps * batch_size, np.float32))
+    return Cohort(data=Batch(x, y, np.ones(shape, bool), np.ones(shape[:2], bool)), info=info)
 
 
 def timeable(model: Model) -> bool:
-    """Whether the stand-in step can time ``model``: real-valued inputs and one label per example (a token
-    model's inputs index its embedding, and a language model is labelled per position)."""
+    """Whether a round can be timed on stand-in data for ``model``: real-valued inputs and one label per example
+    (a token model's inputs index its embedding, and a language model is labelled per position)."""
     variables = jax.eval_shape(model.init_variables, jax.random.key(0))
     x = jax.ShapeDtypeStruct((1, *model.input_shape), jnp.float32)
     try:
@@ -134,94 +181,83 @@ def timeable(model: Model) -> bool:
     return logits.ndim == 2 and model.lora is None
 
 
-def _timed_clients(cohort_size: int) -> int:
-    return min(cohort_size, MAX_TIMED_CLIENTS["cpu" if jax.default_backend() == "cpu" else "other"])
+def prepare(rnd, local_steps: int, batch_size: int) -> Callable[[], Any]:
+    """``run()``: one round of the built round ``rnd`` (its clients, ``local_steps`` steps of ``batch_size``) on
+    stand-in data, the server state it returns fed to the next; run once here, compiling it, so that a timed
+    call compiles nothing."""
+    held = {"state": _drawn(jax.eval_shape(rnd.pure_init, jax.random.key(0)))}
+    cohort = stand_in_cohort(rnd.model, rnd.ctx.cohort_size, local_steps, batch_size)
+    key = jax.random.key(1)
+
+    def run():
+        held["state"], _ = rnd(held["state"], cohort, key)
+        return held["state"]
+
+    jax.block_until_ready(run())
+    return run
 
 
-def prepare(model: Model, layout: str, batch_size: int, cohort_size: int,
-            variables: dict | None = None, device: jax.Device | None = None,
-            home: jax.Device | None = None) -> Callable[[], object]:
-    """A compiled ``fn()`` running one local step of the timed clients laid out as ``layout`` (see
-    :func:`time_candidate`), compiled ahead (compiling is the slow part).  ``variables``: the model's (every
-    lowering has the same), None to draw stand-ins here.  ``device``: where it runs (None: the default
-    device); ``fn()`` only dispatches, so the programs of several devices run at once.  ``home``: for ``loop``
-    on another device, where each client's state and data are kept and moved from and back around its step."""
-    k = _timed_clients(cohort_size)
-    if variables is None:
-        variables = _stand_in_variables(model)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(k, batch_size, *model.input_shape)).astype(np.float32)
-    y = rng.integers(0, model.num_classes, size=(k, batch_size)).astype(np.int32)
-    variables, x, y = jax.device_put((variables, x, y), device)
-    params, stats = variables["params"], variables["batch_stats"]
-    step = _step(model)
-    if layout == "loop":
-        one = jax.jit(step).lower(params, stats, x[0], y[0]).compile()
-        xs, ys = list(x), list(y)
-        if home is not None and home != device:
-            kept = jax.device_put((params, stats, xs, ys), home)
-
-            def moved(i):  # as stepwise:1 over devices moves a client to its device and back, once a round
-                out = one(*jax.device_put((kept[0], kept[1], kept[2][i], kept[3][i]), device))
-                return jax.device_put(out[:2], home)
-            return lambda: [moved(i) for i in range(k)]
-        return lambda: [one(params, stats, xs[i], ys[i])[2] for i in range(k)]
-    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), t)  # noqa: E731
-    ps, ss = stack(params), stack(stats)
-    # ``map`` as the fused round's chunks of one run it: a loop of one-client vmaps
-    many = jax.vmap(step) if layout == "vmap" else lambda *a: jax.lax.map(lambda c: step(*c), a, batch_size=1)
-    compiled = jax.jit(many).lower(ps, ss, x, y).compile()
-    return lambda: compiled(ps, ss, x, y)[2]
+def _best(fn: Callable, repeats: int, beaten_by: float = float("inf")) -> float:
+    """The fastest of ``repeats`` timed runs of ``fn`` (compiled and run already); one run only when it took
+    over twice ``beaten_by`` (the best candidate so far), which it cannot then beat."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+        if best > 2 * beaten_by:
+            break
+    return best
 
 
-def time_candidate(model: Model, layout: str, batch_size: int, cohort_size: int, repeats: int = 1) -> float:
-    """Seconds for one local step of ``cohort_size`` clients of ``batch_size`` examples, laid out as ``layout``:
-    ``loop`` (a jitted step called per client), ``vmap`` (the step vmapped) or ``map`` (a ``lax.map`` of
-    steps over the clients in one jitted call)."""
-    return _best(prepare(model, layout, batch_size, cohort_size), repeats) * cohort_size / _timed_clients(cohort_size)
+#: timed rounds of each candidate ``choose`` measures (after the compiling run)
+REPEATS = 2
+
+
+def time_candidate(round_for: RoundFor, model: Model, layout: str, *, batch_size: int, cohort_size: int,
+                   local_steps: int, repeats: int = REPEATS) -> float:
+    """Seconds for one round of ``cohort_size`` clients training ``model`` for ``local_steps`` steps of
+    ``batch_size`` examples, laid out as ``layout`` on one device (the fastest of ``repeats``)."""
+    k = timed_clients(model, cohort_size, local_steps, batch_size)
+    run = prepare(round_for(model, LAYOUT_STRATEGIES[layout], k, None), local_steps, batch_size)
+    return _best(run, repeats) * cohort_size / k
 
 
 #: the (lowering, layout) pairs timed with the cohort split over several devices: one client's step at a time on
-#: each (as ``stepwise:1`` over devices) or a loop inside one program per device (as ``fused:1`` over devices; for
+#: each (``stepwise:1`` over devices) or a loop inside one program per device (``fused:1`` over devices; for
 #: convolutions ``mapped``, whose gradients stay fast inside a loop, or ``im2col``); a method that differentiates
 #: twice leaves out :data:`REVERSE_ONLY`
 SPLIT_CANDIDATES = {"conv": (("lax", "loop"), ("mapped", "map"), ("im2col", "map")),
                     "dense": (("lax", "loop"), ("lax", "map"))}
 
 
-#: timed runs of each candidate of a split (and of the one-device choice it is held against), after a warm-up:
-#: the same step measured 50 and 77 ms a cohort step in two runs an hour apart on a loaded 2-core machine
+#: timed rounds of each candidate of a split (and of the one-device choice it is held against), after the
+#: compiling run: the same step measured 50 and 77 ms a cohort step in two runs an hour apart on a loaded 2-core
+#: machine
 SPLIT_REPEATS = 4
 
 
-def time_split(build: Callable[[str], Model], pairs, devices, *, batch_size: int, cohort_size: int) -> dict:
-    """Seconds for one local step of ``cohort_size`` clients split over ``devices`` (each device its
-    ``ceil(K / D)`` clients, as the rounds split them), per (lowering, layout) of ``pairs``: every device's
-    work is dispatched in turn, then all are awaited.  A large share is timed on a few clients and scaled.
+def time_split(build: Callable[[str], Model], round_for: RoundFor, pairs, devices: int, *, batch_size: int,
+               cohort_size: int, local_steps: int) -> dict:
+    """Seconds for one round of ``cohort_size`` clients split over ``devices`` devices (each its
+    ``ceil(K / D)`` clients, as the rounds split them), per (lowering, layout) of ``pairs``, each round built by
+    ``round_for`` over the devices.  A large share is timed on fewer clients per device and scaled.
 
-    The candidates take turns, a run of each per pass (a warm-up, then :data:`SPLIT_REPEATS` passes; the fastest
-    run counts): a shared machine's speed drifts over seconds, and timed one after another a candidate that
-    happened to run in a slow spell lost (measured: ``mapped/map`` 382 ms a cohort step against ``im2col/map``'s
-    244 ms, whose rounds were 1.2x slower).
-
-    ``loop`` moves each client's state and data from the first device and back around its step, which the
-    round does once per client, not once per step: a step timed alone left out that work around it, which made
-    ``stepwise:1`` over 2 cores look 15 % faster than ``fused:1`` over them for the MLP at K = 50 where its
-    rounds were 1.3x slower; counted once per step it weighs as much as that work for steps as short as the
-    MLP's and little for a convolutional model's."""
-    share = -(-cohort_size // len(devices))
+    The candidates take turns, a round of each per pass (:data:`SPLIT_REPEATS` passes; the fastest counts): a
+    shared machine's speed drifts over seconds, and timed one after another a candidate that happened to run in
+    a slow spell lost (measured: ``mapped/map`` 382 ms a cohort step against ``im2col/map``'s 244 ms, whose
+    rounds were 1.2x slower)."""
+    share = math.ceil(cohort_size / devices)
     models = {impl: build(impl) for impl in dict(pairs)}
-    variables = _stand_in_variables(models[pairs[0][0]])
-    ready = {f"{impl}/{layout}": [prepare(models[impl], layout, batch_size, share, variables, device=d,
-                                          home=devices[0]) for d in devices]
+    k = timed_clients(models[pairs[0][0]], share, local_steps, batch_size)
+    ready = {f"{impl}/{layout}": prepare(round_for(models[impl], LAYOUT_STRATEGIES[layout], k * devices, devices),
+                                         local_steps, batch_size)
              for impl, layout in pairs}
     best = dict.fromkeys(ready, float("inf"))
-    for _ in range(1 + SPLIT_REPEATS):
-        for name, fns in ready.items():
-            start = time.perf_counter()
-            jax.block_until_ready([fn() for fn in fns])
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: seconds * share / _timed_clients(share) for name, seconds in best.items()}
+    for _ in range(SPLIT_REPEATS):
+        for name, run in ready.items():
+            best[name] = min(best[name], _best(run, 1))
+    return {name: seconds * share / k for name, seconds in best.items()}
 
 
 #: the first candidate (the platform's default) is kept unless another is faster by more than this share:
@@ -236,11 +272,14 @@ def _pick(seconds: dict) -> tuple[str, str]:
     return tuple((first if keep else fastest).split("/"))
 
 
-def cache_key(model: Model, batch_size: int, cohort_size: int, dtype: str, second_order: bool = False) -> str:
+def cache_key(model: Model, batch_size: int, cohort_size: int, local_steps: int, dtype: str,
+              second_order: bool = False, optimizer: str = "") -> str:
+    """The setting a measurement is kept under (``optimizer``: the client optimizer's settings that change a
+    round's work, e.g. its momentum)."""
     device = jax.devices()[0]
-    return "|".join(map(str, (jax.default_backend(), device.device_kind, model.name, tuple(model.input_shape),
-                               batch_size, cohort_size, dtype, jax.__version__)
-                         + (("second-order",) if second_order else ())))
+    return "|".join(map(str, ("round", jax.default_backend(), device.device_kind, model.name,
+                               tuple(model.input_shape), batch_size, cohort_size, f"steps={local_steps}", optimizer,
+                               dtype, jax.__version__) + (("second-order",) if second_order else ())))
 
 
 def read_table(path: str | None) -> dict:
@@ -251,10 +290,13 @@ def read_table(path: str | None) -> dict:
         return {}
 
 
-def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, dtype: str = "float32",
-           cache_dir: str | None = None, second_order: bool = False, time_dense: bool = True) -> ConvChoice:
-    """The fastest (lowering, layout) for the model ``build(impl)`` builds, measured once per setting.
+def choose(build: Callable[[str], Model], round_for: RoundFor, *, batch_size: int, cohort_size: int,
+           local_steps: int, dtype: str = "float32", optimizer: str = "", cache_dir: str | None = None,
+           second_order: bool = False, time_dense: bool = True) -> ConvChoice:
+    """The fastest (lowering, layout) for the model ``build(impl)`` builds, each timed by a round ``round_for``
+    builds (:data:`RoundFor`) of ``local_steps`` steps of ``batch_size`` per client, measured once per setting.
 
+    ``optimizer``: the settings of the client optimizer ``round_for`` builds with, as the cache key keeps them.
     ``cache_dir``: where ``conv-impl.json`` keeps the choices (None: measure every time, keep nothing).
     ``second_order``: the method differentiates twice (:attr:`~fedpartial.Capabilities.second_order`), so
     :data:`REVERSE_ONLY` lowerings are not candidates.
@@ -267,17 +309,17 @@ def choose(build: Callable[[str], Model], *, batch_size: int, cohort_size: int, 
     if not pairs or not (convolutions or (time_dense and timeable(model))):
         return ConvChoice("lax", None, {}, "no convolutions")
     path = None if cache_dir is None else os.path.join(cache_dir, CACHE_FILE)
-    key = cache_key(model, batch_size, cohort_size, dtype, second_order)
+    key = cache_key(model, batch_size, cohort_size, local_steps, dtype, second_order, optimizer)
     known = read_table(path).get(key)
     if known:
         return ConvChoice(known["impl"], known["layout"], known["seconds"], "cached")
     models = {impl: model if impl == "lax" else build(impl) for impl in dict(pairs)}
-    variables = _stand_in_variables(model)
-    ready = [prepare(models[impl], layout, batch_size, cohort_size, variables) for impl, layout in pairs]
-    scale = cohort_size / _timed_clients(cohort_size)
+    k = timed_clients(model, cohort_size, local_steps, batch_size)
     seconds = {}
-    for (impl, layout), fn in zip(pairs, ready):
-        seconds[f"{impl}/{layout}"] = _best(fn, beaten_by=min(seconds.values(), default=float("inf"))) * scale
+    for impl, layout in pairs:
+        run = prepare(round_for(models[impl], LAYOUT_STRATEGIES[layout], k, None), local_steps, batch_size)
+        beaten_by = min(seconds.values(), default=float("inf")) * k / cohort_size
+        seconds[f"{impl}/{layout}"] = _best(run, REPEATS, beaten_by) * cohort_size / k
     impl, layout = _pick(seconds)
     if cache_dir is not None:
         write_entry(cache_dir, CACHE_FILE, key, {"impl": impl, "layout": layout, "seconds": seconds})

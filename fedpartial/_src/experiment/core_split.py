@@ -6,8 +6,9 @@ the devices, see :mod:`fedpartial._src.engine.conv_choice`).  The number of CPU 
 fixed when JAX starts, so the command line decides before the run is built
 (:func:`~fedpartial._src.experiment.parts.choose_core_split`):
 
-1. the one-device choice is measured as ``--conv-impl auto`` measures it (kept in ``conv-impl.json``);
-2. a child process started with :func:`flags` times one local step of the cohort split over the cores
+1. the one-device choice is measured as ``--conv-impl auto`` measures it (kept in ``conv-impl.json``), by
+   timing a round as the run has it (:mod:`fedpartial._src.engine.conv_choice`), and timed again now;
+2. a child process started with :func:`flags` times a round of the cohort split over the cores
    (:func:`~fedpartial._src.engine.conv_choice.time_split`; kept in ``core-split.json``, so once per setting);
 3. unless one device is faster than the fastest split by more than
    :data:`~fedpartial._src.engine.conv_choice.MARGIN` (:func:`decide`), the command runs itself again
@@ -61,8 +62,8 @@ def cores() -> int:
 @dataclasses.dataclass(frozen=True)
 class CoreSplit:
     """The cohort split over ``devices`` single-threaded CPU devices, each training its clients in ``layout``
-    (``loop``: ``stepwise:1``; ``map``: ``fused:1``) with the ``impl`` lowering; ``seconds``: one local step of
-    the cohort, per candidate split and ``one_device`` the one-device choice's."""
+    (``loop``: ``stepwise:1``; ``map``: ``fused:1``) with the ``impl`` lowering; ``seconds``: one round of the
+    cohort, per candidate split and ``one_device`` the one-device choice's."""
 
     devices: int
     impl: str
@@ -75,12 +76,11 @@ class CoreSplit:
         return min(self.one_device.values()) / self.seconds[f"{self.impl}/{self.layout}"]
 
     def describe(self) -> str:
-        step = self.seconds[f"{self.impl}/{self.layout}"]
+        split, one = self.seconds[f"{self.impl}/{self.layout}"], min(self.one_device.values())
+        kept = "" if self.speedup >= 1 else \
+            f" (one device is not faster by over {conv_choice.MARGIN:.0%}: the split is the default)"
         return (f"the cohort split over the {self.devices} CPU cores, one single-threaded device each: "
-                f"{step * 1e3:.1f} ms a cohort step against {min(self.one_device.values()) * 1e3:.1f} ms on one "
-                f"device, measured" + ("" if self.speedup >= 1 else
-                                       f" (one device is not faster by over {conv_choice.MARGIN:.0%}: the split "
-                                       "is the default)"))
+                f"{split:.3g} s a round against {one:.3g} s on one device, measured{kept}")
 
 
 def active() -> CoreSplit | None:
@@ -126,7 +126,7 @@ def candidates(conv_impl: str, convolutions: bool, second_order: bool) -> tuple:
 
 
 def decide(one_device: dict, seconds: dict, devices: int) -> CoreSplit | None:
-    """The fastest split of ``seconds`` (a cohort step per "impl/layout"), unless ``one_device``'s is faster
+    """The fastest split of ``seconds`` (a round per "impl/layout"), unless ``one_device``'s is faster
     than it by more than :data:`~fedpartial._src.engine.conv_choice.MARGIN`; None for one device, or when
     nothing was measured.
 
@@ -144,13 +144,15 @@ def decide(one_device: dict, seconds: dict, devices: int) -> CoreSplit | None:
     return CoreSplit(devices, impl, layout, seconds, one_device)
 
 
-def split_seconds(builder: str, kwargs: dict, pairs, *, devices: int, batch_size: int, cohort_size: int,
-                  timeout: float = 600) -> dict:
-    """A cohort step's seconds per pair of ``pairs`` with the cohort split over ``devices`` single-threaded CPU
-    devices, timed in a process started with :func:`flags` ({} if it failed).  ``builder``: ``"module:function"``
-    building the model as ``function(conv_impl=IMPL, **kwargs)`` there."""
-    spec = {"builder": builder, "kwargs": kwargs, "pairs": [list(p) for p in pairs], "batch_size": batch_size,
-            "cohort_size": cohort_size}
+def split_seconds(model_spec: tuple[str, dict], round_spec: tuple[str, dict], pairs, *, devices: int,
+                  batch_size: int, cohort_size: int, local_steps: int, timeout: float = 600) -> dict:
+    """A round's seconds per pair of ``pairs`` with the cohort split over ``devices`` single-threaded CPU devices,
+    timed in a process started with :func:`flags` ({} if it failed).  ``model_spec``: ``("module:function",
+    kwargs)`` building the model as ``function(conv_impl=IMPL, **kwargs)`` there; ``round_spec``: the same for
+    the round, ``function(model, strategy, clients, devices, **kwargs)``
+    (:data:`~fedpartial._src.engine.conv_choice.RoundFor`)."""
+    spec = {"model": list(model_spec), "round": list(round_spec), "pairs": [list(p) for p in pairs],
+            "batch_size": batch_size, "cohort_size": cohort_size, "local_steps": local_steps}
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags(devices)}".strip(),
            "JAX_PLATFORMS": "cpu"}
     try:
@@ -162,29 +164,37 @@ def split_seconds(builder: str, kwargs: dict, pairs, *, devices: int, batch_size
     return json.loads(lines[-1][len("CORE-SPLIT "):]) if done.returncode == 0 and lines else {}
 
 
-def measure(builder: str, kwargs: dict, one_pair: tuple[str, str], pairs, *, devices: int, batch_size: int,
-            cohort_size: int) -> dict:
-    """What :func:`decide` weighs: ``{"one_device": {"impl/layout": s}, "split": {"impl/layout": s}}``, a cohort
-    step of the one-device choice ``one_pair`` timed here now, as often as each split candidate, and of the split
-    over ``devices`` timed in its own process (:func:`split_seconds`; ``{}`` if that failed).  Both sides minutes
-    apart at most: a machine's speed drifts more than that over a day.  ``builder``: as :func:`split_seconds`'s."""
-    model = _builder(builder)(conv_impl=one_pair[0], **kwargs)
-    one = conv_choice.time_candidate(model, one_pair[1], batch_size, cohort_size, repeats=conv_choice.SPLIT_REPEATS)
+def measure(model_spec: tuple[str, dict], round_spec: tuple[str, dict], one_pair: tuple[str, str], pairs, *,
+            devices: int, batch_size: int, cohort_size: int, local_steps: int) -> dict:
+    """What :func:`decide` weighs: ``{"one_device": {"impl/layout": s}, "split": {"impl/layout": s}}``, a round
+    of the one-device choice ``one_pair`` timed here now, as often as each split candidate, and of the split over
+    ``devices`` timed in its own process (:func:`split_seconds`; ``{}`` if that failed).  Both sides minutes
+    apart at most: a machine's speed drifts more than that over a day.  The specs: as :func:`split_seconds`'s."""
+    model = _function(model_spec[0])(conv_impl=one_pair[0], **model_spec[1])
+    one = conv_choice.time_candidate(_round_for(round_spec), model, one_pair[1], batch_size=batch_size,
+                                     cohort_size=cohort_size, local_steps=local_steps,
+                                     repeats=conv_choice.SPLIT_REPEATS)
     return {"one_device": {"/".join(one_pair): one},
-            "split": split_seconds(builder, kwargs, pairs, devices=devices, batch_size=batch_size,
-                                   cohort_size=cohort_size)}
+            "split": split_seconds(model_spec, round_spec, pairs, devices=devices, batch_size=batch_size,
+                                   cohort_size=cohort_size, local_steps=local_steps)}
 
 
-def _builder(spec: str):
+def _function(spec: str):
     module, _, function = spec.partition(":")
     return getattr(importlib.import_module(module), function)
 
 
+def _round_for(round_spec: tuple[str, dict]):
+    build, kwargs = _function(round_spec[0]), round_spec[1]
+    return lambda model, strategy, clients, devices: build(model, strategy, clients, devices, **kwargs)
+
+
 def _time_in_child(spec: dict) -> dict:
-    build = _builder(spec["builder"])
-    return conv_choice.time_split(lambda impl: build(conv_impl=impl, **spec["kwargs"]),
-                                  [tuple(p) for p in spec["pairs"]], jax.local_devices(),
-                                  batch_size=spec["batch_size"], cohort_size=spec["cohort_size"])
+    build, kwargs = _function(spec["model"][0]), spec["model"][1]
+    return conv_choice.time_split(lambda impl: build(conv_impl=impl, **kwargs), _round_for(spec["round"]),
+                                  [tuple(p) for p in spec["pairs"]], jax.local_device_count(),
+                                  batch_size=spec["batch_size"], cohort_size=spec["cohort_size"],
+                                  local_steps=spec["local_steps"])
 
 
 def restart(split: CoreSplit, argv: list[str]) -> None:

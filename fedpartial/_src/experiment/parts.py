@@ -7,6 +7,7 @@ optimizers.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -17,10 +18,13 @@ import optax
 from fedpartial._src.core.types import ClientOptimizer, Method, client_sgd
 from fedpartial._src.data import sources
 from fedpartial._src.engine import conv_choice
+from fedpartial._src.engine.round import FederatedRound
+from fedpartial._src.engine.strategy import Strategy
 from fedpartial._src.experiment import compile_cache, core_split, pretrained, privacy
 from fedpartial._src.experiment.config import DEFAULT_TRAIN_FRACTION, ConfigError, RunConfig
 from fedpartial._src.experiment.lora import with_lora, with_rank_tiers
 from fedpartial._src.experiment.setting_checks import DEFAULT_MODELS
+from fedpartial._src.methods.basic.fedavg import fedavg
 from fedpartial._src.methods.codecs import upload_codec
 from fedpartial._src.methods.early_stopping import early_stopping
 from fedpartial._src.models import registry, zoo
@@ -59,10 +63,45 @@ def shaped_model(name: str, input_shape: tuple[int, ...] | list[int], num_classe
     return with_compute_dtype(model, compute_dtype)
 
 
+def timing_round(model: Model, strategy: Strategy, clients: int, devices: int | None = None, *, lr: float = 0.05,
+                 momentum: float = 0.9, weight_decay: float = 0.0) -> FederatedRound:
+    """What ``auto`` times a layout by (:data:`~fedpartial._src.engine.conv_choice.RoundFor`): FedAvg's round of
+    ``clients`` clients training ``model`` with SGD at these settings, in ``strategy``, on one device or split
+    over ``devices``."""
+    return FederatedRound(model, fedavg(), num_clients=clients, cohort_size=clients, strategy=strategy,
+                          client_optimizer=client_sgd(lr, momentum=momentum, weight_decay=weight_decay),
+                          devices=devices)
+
+
+def timing_spec(config: RunConfig) -> tuple[str, dict]:
+    """``(builder, kwargs)`` of the round ``auto`` times the config's layouts by (:func:`timing_round` with the
+    run's client optimizer), as a process of its own rebuilds it."""
+    return f"{__name__}:timing_round", {"lr": config.client_lr, "momentum": config.momentum,
+                                        "weight_decay": config.weight_decay}
+
+
+def timing_steps(config: RunConfig, dataset: sources.ArrayDataset) -> int:
+    """The local steps a timed round takes: ``--local-steps``, else the steps of the run's epochs for a client
+    of average size."""
+    if config.local_steps is not None:
+        return config.local_steps
+    average = len(dataset.x_train) / max(config.num_clients or 1, 1)
+    return max(1, math.ceil(config.epochs * average / config.batch_size))
+
+
+def timing(config: RunConfig, dataset: sources.ArrayDataset) -> dict:
+    """What :func:`~fedpartial._src.engine.conv_choice.choose` times the config's rounds with."""
+    builder, kwargs = timing_spec(config)
+    return {"round_for": lambda model, strategy, clients, devices: timing_round(model, strategy, clients, devices,
+                                                                                **kwargs),
+            "local_steps": timing_steps(config, dataset),
+            "optimizer": f"momentum={config.momentum},weight_decay={config.weight_decay}"}
+
+
 def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: bool = False
                 ) -> conv_choice.ConvChoice:
     """``--conv-impl``: the lowering it names, or for ``auto`` the fastest (lowering, cohort layout) for the
-    config's model, measured once per setting (:mod:`fedpartial._src.engine.conv_choice`).
+    config's model, measured once per setting by timing its rounds (:mod:`fedpartial._src.engine.conv_choice`).
     ``FEDPARTIAL_CONV_IMPL`` in the environment names what ``auto`` gives without measuring (the test suite
     sets ``lax``, so its numbers stay those of the plain convolution and no test spends seconds timing).
     ``second_order``: the run's method differentiates twice, which ``auto`` never gives a lowering that cannot
@@ -78,8 +117,8 @@ def choose_conv(config: RunConfig, dataset: sources.ArrayDataset, second_order: 
     return conv_choice.choose(
         lambda impl: build_model(config.model, dataset, conv_impl=impl, compute_dtype=config.compute_dtype,
                                  size=config.model_size),
-        batch_size=config.batch_size, cohort_size=config.cohort_size, dtype=config.compute_dtype,
-        cache_dir=compile_cache.cache_folder(), second_order=second_order,
+        **timing(config, dataset), batch_size=config.batch_size, cohort_size=config.cohort_size,
+        dtype=config.compute_dtype, cache_dir=compile_cache.cache_folder(), second_order=second_order,
         time_dense=getattr(config, "lora", None) is None)  # a LoRA model's base is shared: the strategy fuses it
 
 
@@ -98,15 +137,17 @@ def choose_core_split(config: RunConfig, dataset: sources.ArrayDataset, second_o
     one_pair = (one.impl, one.layout or "loop")
     devices = min(core_split.cores(), config.cohort_size)
     pairs = core_split.candidates(config.conv_impl, "conv" in model.structure.kinds, second_order)
-    key = "|".join([conv_choice.cache_key(model, config.batch_size, config.cohort_size, config.compute_dtype,
-                                          second_order), "/".join(one_pair), ",".join("/".join(p) for p in pairs),
-                    f"cores={devices}"])
+    timed = timing(config, dataset)
+    key = "|".join([conv_choice.cache_key(model, config.batch_size, config.cohort_size, timed["local_steps"],
+                                          config.compute_dtype, second_order, timed["optimizer"]),
+                    "/".join(one_pair), ",".join("/".join(p) for p in pairs), f"cores={devices}"])
     known = conv_choice.read_table(os.path.join(compile_cache.cache_folder(), core_split.CACHE_FILE)).get(key)
     if known is None:
         shape = {"name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
                  "compute_dtype": config.compute_dtype, "size": config.model_size}
-        known = core_split.measure(f"{__name__}:shaped_model", shape, one_pair, pairs, devices=devices,
-                                   batch_size=config.batch_size, cohort_size=config.cohort_size)
+        known = core_split.measure((f"{__name__}:shaped_model", shape), timing_spec(config), one_pair, pairs,
+                                   devices=devices, batch_size=config.batch_size, cohort_size=config.cohort_size,
+                                   local_steps=timed["local_steps"])
         if known["split"]:  # a probe that failed is tried again next time
             conv_choice.write_entry(compile_cache.cache_folder(), core_split.CACHE_FILE, key, known)
     return core_split.decide(known["one_device"], known["split"], devices)

@@ -60,7 +60,7 @@ def execution_facts(sim) -> dict:
     the compilation cache folder."""
     choice = getattr(sim, "conv_choice", None)
     conv = None if choice is None else {"impl": choice.impl, "layout": choice.layout, "how": choice.how,
-                                        "seconds_per_cohort_step": choice.seconds}
+                                        "seconds_per_round": choice.seconds}
     return {"conv_impl": conv, "compute_dtype": sim.config.compute_dtype,
             "compile_cache_dir": getattr(sim, "compile_cache_dir", None)}
 
