@@ -66,6 +66,8 @@ def test_the_plugin_writes_one_record_per_test_and_the_summary_names_its_file(tm
     then the command-line summary of the folder, written where ``--out`` says."""
     monkeypatch.setenv(suite_profile.ENV, str(tmp_path / "prof"))
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    # the suite may be profiled itself (the plugin loaded, its recorder this module's): set aside until the end
+    monkeypatch.setattr(suite_profile, "_recorder", None)
     item = type("Item", (), {"nodeid": "tests/x.py::test_y"})()
     x = jnp.arange(5.0)
     suite_profile.pytest_configure(None)
