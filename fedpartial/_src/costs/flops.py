@@ -77,6 +77,7 @@ from flax.linen.linear import canonicalize_padding
 
 from fedpartial._src.core.masks import Mask
 from fedpartial._src.core.structure import leaf_paths
+from fedpartial._src.core.xla_costs import flops_of
 from fedpartial._src.costs.footprint import adapted_paths, adapter_outputs
 from fedpartial._src.engine import graphs
 from fedpartial._src.engine.client import make_client_fns
@@ -337,14 +338,6 @@ def _row(tree: Any, leading: int = 1) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[leading:], a.dtype), tree)
 
 
-def _flops_of(analysis) -> float | None:
-    """The 'flops' entry of a cost analysis (a dict, or a list of one on older jax), if usable."""
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0] if analysis else None
-    value = (analysis or {}).get("flops")
-    return float(value) if value is not None and math.isfinite(value) and value >= 0 else None
-
-
 def _loop_flops(jaxpr) -> float:
     """FLOPs that XLA's cost analysis leaves out of ``jaxpr``'s ``scan`` loops.
 
@@ -362,7 +355,7 @@ def _loop_flops(jaxpr) -> float:
             unroll = max(int(eqn.params.get("unroll", 1)), 1)
             copies = length if unroll >= length else unroll + length % unroll
             args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
-            once = _flops_of(jax.jit(jax_core.jaxpr_as_fun(body)).lower(*args).cost_analysis()) or 0.0
+            once = flops_of(jax.jit(jax_core.jaxpr_as_fun(body)).lower(*args).cost_analysis()) or 0.0
             extra += (length - copies) * once + length * _loop_flops(body.jaxpr)
         else:
             for sub in jax_core.jaxprs_in_params(eqn.params):
@@ -393,11 +386,11 @@ def xla_costs(fn, *args, compiled: bool = True) -> XlaCost:
     traced = jax.jit(fn).trace(*args)
     lowered = traced.lower()
     loops = _loop_flops(traced.jaxpr.jaxpr)
-    before = _flops_of(lowered.cost_analysis())
+    before = flops_of(lowered.cost_analysis())
     # Some backends (the CUDA build of jaxlib) count nothing before compilation: compile then, even when
     # asked not to, and let the compiled count stand in for the pre-optimisation one.
     executable = lowered.compile() if compiled or before is None else None
-    after = None if executable is None or (loops and before is not None) else _flops_of(executable.cost_analysis())
+    after = None if executable is None or (loops and before is not None) else flops_of(executable.cost_analysis())
     if after is None and before is None:
         raise ValueError(f"XLA's cost analysis reports no FLOP count on the {jax.default_backend()} backend.")
     peak = None

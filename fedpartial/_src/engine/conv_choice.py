@@ -50,12 +50,14 @@ import numpy as np
 import optax
 
 from fedpartial._src.core.types import Batch, CohortInfo
+from fedpartial._src.core.xla_costs import flops_of
 from fedpartial._src.engine.strategy import Strategy, fused, stepwise
 from fedpartial._src.engine.types import Cohort
 from fedpartial._src.models.adapter import Model
 
 __all__ = ["ConvChoice", "LAYOUTS", "LAYOUT_STRATEGIES", "MIN_TIMED_CLIENTS", "REVERSE_ONLY", "SPLIT_CANDIDATES",
-           "TIMED_ROUND_FLOPS", "candidates", "choose", "time_split"]
+           "TIMED_ROUND_FLOPS", "candidates", "choose", "prepare", "stand_in_cohort", "step_flops", "time_candidate",
+           "time_split", "timed_clients"]
 
 LAYOUTS = ("loop", "vmap", "map")
 #: the strategy a round of each layout runs in
@@ -128,10 +130,7 @@ def step_flops(model: Model, batch_size: int) -> float:
     shapes = jax.eval_shape(model.init_variables, jax.random.key(0))
     x = jax.ShapeDtypeStruct((batch_size, *model.input_shape), jnp.float32)
     y = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-    cost = jax.jit(_step(model)).lower(shapes["params"], shapes["batch_stats"], x, y).cost_analysis()
-    if isinstance(cost, (list, tuple)):  # one entry per program in some JAX versions
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
+    return flops_of(jax.jit(_step(model)).lower(shapes["params"], shapes["batch_stats"], x, y).cost_analysis()) or 0.0
 
 
 def timed_clients(model: Model, clients: int, local_steps: int, batch_size: int) -> int:
