@@ -420,9 +420,9 @@ def peers_summary(results) -> list[str]:
         if not rows:
             continue
 
-        def span(values: list[float]) -> str:
-            low, high = min(values), max(values)
-            return f"{low:.1f}×" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}×"
+        def span(values: list[float], digits: int = 1) -> str:
+            low, high = (f"{v:.{digits}f}" for v in (min(values), max(values)))
+            return f"{low}×" if low == high else f"{low}–{high}×"
 
         groups = {"an MLP": [r for r in rows if r["row"].startswith("mlp")],
                   "small CNNs on 28×28": [r for r in rows if r["row"].startswith("cnn")],
@@ -444,14 +444,15 @@ def peers_summary(results) -> list[str]:
                 "Flower's round time over fedpartial's best configuration's was "
                 + (f"{', '.join(parts[:-1])} and {parts[-1]}" if len(parts) > 1 else parts[0])
                 + " (above 1: fedpartial is faster)")
-        text += f"; Flower was faster in {', '.join(losses)}." if losses else "."
+        text += f"; Flower was faster in {', '.join(losses[:-1])} and {losses[-1]}." if len(losses) > 1 else (
+            f"; Flower was faster in {losses[0]}." if losses else ".")
         if split:
             text += (f" The best was the cohort split over the {cores} cores in {split} of {len(rows)} rows; "
                      f"`--strategy auto` chose it (the split unless one device measures faster) in {auto_split} of its "
                      f"{len(choices)} choices (one a row in each run; [the decision](docs/decisions.md)).")
-        text += (f" `auto` took {min(to_best):.2f}–{max(to_best):.2f}× the time of the best configuration (within "
+        text += (f" `auto` took {span(to_best, 2)} the time of the best configuration (within "
                  f"5 % in {sum(v <= 1.05 for v in to_best)} of {len(rows)} rows) and "
-                 f"{1 / max(plain):.2f}–{1 / min(plain):.2f}× the plain loop's "
+                 f"{span([1 / v for v in plain], 2)} the plain loop's "
                  "([the table](docs/benchmarks.md#against-flower-pytorch)).")
         lines.append(text)
     return lines
