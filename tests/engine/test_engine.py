@@ -384,6 +384,28 @@ def test_a_chunk_of_one_client_trains_un_vmapped(mlp, chunk, batched):
     assert (_batched_products(jaxpr) > 0) == batched
 
 
+@pytest.mark.parametrize("chunk, batched", [(1, False), (2, True)])
+def test_a_streamed_chunk_of_one_client_trains_un_vmapped(mlp, monkeypatch, chunk, batched):
+    """``stream:1`` trains its chunk of one client un-vmapped too (``program.map_clients``); chunks of 2 are
+    vmapped.  The chunk's jitted pass is traced again from the shapes it was called with."""
+    rnd = FederatedRound(mlp, fedavg(), num_clients=8, cohort_size=4, client_optimizer=OPT, strategy=streamed(chunk))
+    calls, original = {}, rnd.runner._stream_fn
+
+    def recording(name, fn, donate=()):
+        jitted = original(name, fn, donate)
+
+        def call(*args):
+            calls[name] = (fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args))
+            return jitted(*args)
+        return call
+
+    monkeypatch.setattr(rnd.runner, "_stream_fn", recording)
+    rnd(rnd.init(jax.random.key(0)), make_cohort((4,)), jax.random.key(1))
+    fn, shapes = calls["per_client"]
+    assert (_batched_products(jax.make_jaxpr(fn)(*shapes).jaxpr) > 0) == batched
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the options are XLA:CPU's")
 def test_a_fused_round_on_cpu_is_compiled_with_fewer_copies_and_the_same_results(mlp):
     """The fused round is compiled with ``CPU_COMPILER_OPTIONS``: by region analysis XLA's copy insertion copies
     fewer of the carried parameters and optimizer states each local step (half, for this MLP with momentum), and the

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 #: the peer benchmark's MLP, each kernel's momentum, which the parameter's and the momentum's updates both read), with
 #: it about half as many (tests/engine/test_engine.py).  Bit for bit the same results; fedpartial's
 #: side of the peer benchmark, medians of 8-15 alternating rounds on one device: mlp:50 ``fused`` 0.459 -> 0.401 s a
-#: round, mlp K = 25 ``fused:1`` (one thread) 0.197 -> 0.167 s, cnn:10 K = 5 ``mapped/fused:1`` 0.562 -> 0.512 s,
+#: round, mlp K = 25 ``fused:1`` (one thread) 0.197 -> 0.167 s, cnn K = 5 ``mapped/fused:1`` 0.562 -> 0.512 s,
 #: the digits run's ``im2col`` rounds unchanged (docs/decisions.md).
 CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 

@@ -22,6 +22,7 @@ from fedpartial._src.core import aggregation
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.core.types import CohortInfo
 from fedpartial._src.engine._rows import clean_faults
+from fedpartial._src.engine.program import map_clients
 from fedpartial._src.engine.runners.base import Runner, jit
 from fedpartial._src.engine.runners.stepwise import Steps
 from fedpartial._src.engine.types import ClientData, Cohort, ServerState, hook_keys
@@ -88,7 +89,8 @@ class Streamed(Runner):
         else:
             train_one = functools.partial(prog.train_one, (state.variables, state.method_state.server),
                                           prog.clients[0])
-            trained, losses, steps = jax.vmap(train_one)((data, plan, view.client_state, self.wrap_key(ckeys[rows])))
+            trained, losses, steps = map_clients(train_one, (data, plan, view.client_state, self.wrap_key(ckeys[rows])),
+                                                 1 if rows.shape[0] == 1 else None)
         finite, trained, clean = clean_faults(trained, losses, starts)
         view = view._replace(cohort=info._replace(valid=info.valid & finite), plan=plan, trained_vars=trained,
                              client_loss=clean, start_vars=starts, client_steps=steps, client_lr=prog.client_lr(plan))
