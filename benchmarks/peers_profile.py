@@ -11,6 +11,12 @@ the best of 5 medians is kept.  The pieces: the whole step (forward, backward, S
 plus backward of each layer alone on its input (the convolutions with their ReLU and pooling, the dense head).
 The JSON names the device, date, command and versions; each side runs in its own process so its threading is set
 before its library starts.
+
+Then both sides run one client's local training alone on one core, and one client per core all at once, as a round
+split over the cores runs them (JAX: ``--local-steps`` steps in a ``lax.scan`` with the ``--impl`` lowering, on
+each single-threaded XLA:CPU device; PyTorch: one process per core, one thread each, as Flower's actors).  What
+the cores give together (``throughput``: clients at once × a step alone / a step side by side) bounds a round:
+``cohort × local steps × a step side by side / cores`` seconds, were nothing but the steps to take time.
 """
 
 from __future__ import annotations
@@ -98,6 +104,43 @@ def jax_side(model: str, batch: int, side: int, repeats: int) -> dict:
     return out
 
 
+def jax_side_by_side(model: str, batch: int, side: int, steps: int, repeats: int, impl: str = "mapped",
+                     devices: list | None = None) -> dict:
+    """One client's ``steps`` SGD steps (a ``lax.scan``, as ``fused:1`` trains a client) alone on the first of
+    ``devices`` (default: every local device), then one client on each of them at once.  Seconds a step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from benchmarks.peers_fedpartial import engine_model
+    from benchmarks.peers_rows import Row
+
+    devices = devices or jax.local_devices()
+    m = engine_model(Row(model, side, 1, 1, 1, 1, batch), impl)
+    variables = m.init_variables(jax.random.key(0))
+    opt = optax.sgd(0.05, momentum=0.9)
+
+    def local_training(params, opt_state, x, y):
+        def step(carry, _):
+            p, s = carry
+            grads = jax.grad(lambda q: optax.softmax_cross_entropy_with_integer_labels(
+                m.apply({**variables, "params": q}, x, True)[0], y).mean())(p)
+            updates, s = opt.update(grads, s, p)
+            return (optax.apply_updates(p, updates), s), None
+        return jax.lax.scan(step, (params, opt_state), None, length=steps)[0]
+
+    train = jax.jit(local_training)
+    args = []
+    for d in devices:
+        x = jax.random.normal(jax.random.key(1), (batch, side, side, 1))
+        args.append(jax.device_put((variables["params"], opt.init(variables["params"]), x, jnp.arange(batch) % 10),
+                                   d))
+    alone = best_median(lambda: jax.block_until_ready(train(*args[0])), repeats)
+    together = best_median(lambda: jax.block_until_ready([train(*a) for a in args]), repeats)
+    return {"impl": impl, "steps": steps, "clients_at_once": len(devices), "alone_step_s": alone / steps,
+            "side_by_side_step_s": together / steps}
+
+
 def torch_side(model: str, batch: int, side: int, repeats: int) -> dict:
     import torch
     import torch.nn as nn
@@ -137,13 +180,69 @@ def torch_side(model: str, batch: int, side: int, repeats: int) -> dict:
     return out
 
 
+def torch_local_training(model: str, batch: int, side: int, steps: int, repeats: int, start_at: float = 0.0) -> dict:
+    """One client's ``steps`` SGD steps in this process, one thread: warmed up, then (after ``start_at``, a
+    ``time.time()`` that processes started together wait for) timed as :func:`best_median` does.  Seconds a step."""
+    import torch
+    import torch.nn as nn
+
+    from benchmarks.peers_flower import torch_model
+
+    torch.set_num_threads(1)
+    net = torch_model(model, side)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(batch, 1, side, side), torch.arange(batch) % 10
+
+    def local_training():
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    local_training()
+    time.sleep(max(0.0, start_at - time.time()))
+    return {"step_s": best_median(local_training, repeats) / steps}
+
+
+def torch_side_by_side(args) -> dict:
+    """:func:`torch_local_training` in one process alone, then in one process per core at once."""
+    cores = os.cpu_count() or 1
+
+    def start(start_at: float) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "benchmarks.peers_profile", "--child", "torch-train", "--model", args.model,
+               "--batch", str(args.batch), "--side", str(args.side), "--repeats", str(args.pair_repeats),
+               "--local-steps", str(args.local_steps), "--start-at", str(start_at)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def results(procs: list) -> list[dict]:
+        out = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=1800)
+            line = next((ln for ln in stdout.splitlines() if ln.startswith("PROFILE ")), None)
+            if line is None:
+                raise RuntimeError((stderr or stdout)[-600:])
+            out.append(json.loads(line[len("PROFILE "):]))
+        return out
+
+    try:
+        [alone] = results([start(0.0)])
+        together = results([start(time.time() + 20.0) for _ in range(cores)])  # all imported and warm by then
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"steps": args.local_steps, "clients_at_once": cores, "alone_step_s": alone["step_s"],
+            "side_by_side_step_s": statistics.mean(r["step_s"] for r in together)}
+
+
 def child(side_name: str, args) -> dict:
     """One side in its own process, its threading set before its library starts."""
     env = dict(os.environ)
-    if side_name == "jax":
+    if side_name.startswith("jax"):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    if side_name == "jax-pair":
+        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={os.cpu_count() or 1}"
     cmd = [sys.executable, "-m", "benchmarks.peers_profile", "--child", side_name, "--model", args.model,
-           "--batch", str(args.batch), "--side", str(args.side), "--repeats", str(args.repeats)]
+           "--batch", str(args.batch), "--side", str(args.side), "--repeats", str(args.repeats),
+           "--local-steps", str(args.local_steps), "--impl", args.impl]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROFILE ")), None)
     if line is None:
@@ -157,14 +256,31 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--side", type=int, default=28)
     p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--child", choices=("jax", "torch"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--local-steps", type=int, default=10, help="a client's steps when clients run side by side")
+    p.add_argument("--impl", default="mapped", help="the JAX side's convolution lowering side by side (what the "
+                   "split's fused:1 runs)")
+    p.add_argument("--pair-repeats", type=int, default=5, help="timed local trainings a side-by-side measure")
+    p.add_argument("--child", choices=("jax", "torch", "jax-pair", "torch-train"), default=None,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "peers-profile-cpu.json"))
     args = p.parse_args(argv)
     if args.child:
-        fn = jax_side if args.child == "jax" else torch_side
-        print("PROFILE " + json.dumps(fn(args.model, args.batch, args.side, args.repeats)))
+        if args.child == "jax-pair":
+            got = jax_side_by_side(args.model, args.batch, args.side, args.local_steps, args.repeats, args.impl)
+        elif args.child == "torch-train":
+            got = torch_local_training(args.model, args.batch, args.side, args.local_steps, args.repeats,
+                                       args.start_at)
+        else:
+            got = (jax_side if args.child == "jax" else torch_side)(args.model, args.batch, args.side, args.repeats)
+        print("PROFILE " + json.dumps(got))
         return {}
     sides = {name: child(name, args) for name in ("jax", "torch")}
+    pair_args = argparse.Namespace(**{**vars(args), "repeats": args.pair_repeats})
+    side_by_side = {"jax": child("jax-pair", pair_args), "torch": torch_side_by_side(args)}
+    for got in side_by_side.values():
+        if "alone_step_s" in got:
+            got["throughput"] = got["clients_at_once"] * got["alone_step_s"] / got["side_by_side_step_s"]
     pieces = ("step_s", "conv1_s", "conv2_s", "dense_s")
     ratio = {k: sides["jax"][k] / sides["torch"][k] for k in pieces
              if k in sides["jax"] and k in sides["torch"]}
@@ -173,12 +289,20 @@ def main(argv: list[str] | None = None) -> dict:
               datetime.UTC).isoformat(timespec="seconds"),
               "device": {"backend": "cpu", "cpu_count": os.cpu_count()}, "loadavg": os.getloadavg(),
               "settings": {"model": args.model, "batch": args.batch, "side": args.side, "repeats": args.repeats,
-                           "threads": 1}, "sides": sides, "jax_over_torch": ratio}
+                           "threads": 1, "local_steps": args.local_steps, "impl": args.impl,
+                           "pair_repeats": args.pair_repeats},
+              "sides": sides, "jax_over_torch": ratio, "side_by_side": side_by_side}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     for k in pieces:
         print(f"{k:9s} jax {sides['jax'].get(k, float('nan')) * 1e3:7.2f} ms  torch "
               f"{sides['torch'].get(k, float('nan')) * 1e3:7.2f} ms  jax/torch {ratio.get(k, float('nan')):.2f}")
+    for name, got in side_by_side.items():
+        if "throughput" in got:
+            print(f"{name:5s} a step alone {got['alone_step_s'] * 1e3:6.2f} ms, {got['clients_at_once']} clients "
+                  f"side by side {got['side_by_side_step_s'] * 1e3:6.2f} ms each: throughput x{got['throughput']:.2f}")
+        else:
+            print(f"{name:5s} side by side failed: {got.get('error')}")
     print(f"wrote {args.out}")
     return result
 

@@ -407,7 +407,32 @@ def peers(results) -> list[str]:
         lines += table(["piece", "XLA:CPU", "PyTorch", "XLA / PyTorch"],
                        [[names[k], num(jx.get(k, 0) * 1e3, 2, " ms"), num(tc.get(k, 0) * 1e3, 2, " ms"),
                          num(d["jax_over_torch"].get(k), 2, "×")] for k in names if k in d["jax_over_torch"]])
+        lines += side_by_side_lines(d)
     return lines
+
+
+def side_by_side_lines(d: dict) -> list[str]:
+    """The profile's clients side by side: a step alone and with one client per core at once, on each side, and the
+    least time a round's steps could take at that rate (``peers_profile``'s bound)."""
+    pair = {k: v for k, v in d.get("side_by_side", {}).items() if "throughput" in v}
+    if len(pair) < 2:
+        return []
+    st, rows = d["settings"], []
+    cores = pair["jax"]["clients_at_once"]
+    bound_rows = [r for r in ("cnn:10", "cnn:50") if st["model"] == "cnn"]
+    for name, label in (("jax", f"XLA:CPU (`{st.get('impl', 'mapped')}`, {cores} devices)"),
+                        ("torch", f"PyTorch ({cores} processes)")):
+        g = pair[name]
+        bounds = [num(int(r.split(":")[1]) * g["steps"] * g["side_by_side_step_s"] / cores, 2, " s")
+                  for r in bound_rows]
+        rows.append([label, num(g["alone_step_s"] * 1e3, 2, " ms"), num(g["side_by_side_step_s"] * 1e3, 2, " ms"),
+                     num(g["throughput"], 2, "×"), *bounds])
+    lines = ["", f"Clients side by side: one client's local training ({pair['jax']['steps']} steps) alone on one "
+             f"core, then one client per core at once, as a round split over the {cores} cores runs them. The last "
+             f"column{'s' if len(bound_rows) > 1 else ''}: the least time a round's steps take at that rate "
+             "(cohort × steps × a step side by side / cores), were nothing else to take time.", ""]
+    return lines + table(["side", "a step alone", "a step side by side (each)", "the cores together",
+                          *[f"{r}'s steps" for r in bound_rows]], rows)
 
 
 def peers_summary(results) -> list[str]:

@@ -75,3 +75,26 @@ def test_the_profile_times_every_piece_of_a_step_on_the_jax_side():
     got = peers_profile.jax_side("cnn", batch=2, side=8, repeats=1)
     assert set(got) == {"step_s", "conv1_s", "conv2_s", "dense_s", "versions"}
     assert all(got[k] > 0 for k in ("step_s", "conv1_s", "conv2_s", "dense_s"))
+
+
+def test_the_profile_times_clients_side_by_side_on_the_jax_side():
+    """One client's local training alone, then one per device at once (here the one CPU device twice: the same
+    code path as one per core)."""
+    from benchmarks import peers_profile
+
+    device = jax.local_devices()[0]
+    got = peers_profile.jax_side_by_side("cnn", batch=2, side=8, steps=2, repeats=1, devices=[device, device])
+    assert got["clients_at_once"] == 2 and got["steps"] == 2 and got["impl"] == "mapped"
+    assert got["alone_step_s"] > 0 and got["side_by_side_step_s"] > 0
+
+
+def test_the_rendered_profile_bounds_a_round_by_its_steps_side_by_side():
+    from benchmarks.render_docs import side_by_side_lines
+
+    pair = {"steps": 10, "clients_at_once": 2, "alone_step_s": 0.008, "side_by_side_step_s": 0.010, "throughput": 1.6}
+    d = {"settings": {"model": "cnn", "impl": "mapped"}, "side_by_side": {"jax": pair, "torch": {**pair,
+         "side_by_side_step_s": 0.012}}}
+    text = "\n".join(side_by_side_lines(d))
+    # cnn:50: 50 clients x 10 steps x 10 ms / 2 cores = 2.5 s; PyTorch's 12 ms: 3.0 s
+    assert "| 8.00 ms | 10.00 ms | 1.60× | 0.50 s | 2.50 s |" in text and "3.00 s |" in text
+    assert side_by_side_lines({"settings": {}, "side_by_side": {"jax": {"error": "x"}}}) == []
