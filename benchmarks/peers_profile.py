@@ -14,7 +14,8 @@ before its library starts.
 
 Then both sides run one client's local training alone on one core, and one client per core all at once, as a round
 split over the cores runs them (JAX: ``--local-steps`` steps in a ``lax.scan`` with the ``--impl`` lowering, on
-each single-threaded XLA:CPU device; PyTorch: one process per core, one thread each, as Flower's actors).  What
+each single-threaded XLA:CPU device, all dispatched together; PyTorch: one process per core, one thread each, as
+Flower's actors, started together), each side timing its local trainings for ``--window`` seconds (medians).  What
 the cores give together (``throughput``: clients at once × a step alone / a step side by side) bounds a round:
 ``cohort × local steps × a step side by side / cores`` seconds, were nothing but the steps to take time.
 """
@@ -104,10 +105,22 @@ def jax_side(model: str, batch: int, side: int, repeats: int) -> dict:
     return out
 
 
-def jax_side_by_side(model: str, batch: int, side: int, steps: int, repeats: int, impl: str = "mapped",
+def window_median(run, window: float) -> tuple[float, int]:
+    """The median seconds of ``run()`` called again and again for ``window`` seconds (at least 3 times), and how
+    many times it ran."""
+    times, end = [], time.time() + window
+    while time.time() < end or len(times) < 3:
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), len(times)
+
+
+def jax_side_by_side(model: str, batch: int, side: int, steps: int, window: float, impl: str = "mapped",
                      devices: list | None = None) -> dict:
     """One client's ``steps`` SGD steps (a ``lax.scan``, as ``fused:1`` trains a client) alone on the first of
-    ``devices`` (default: every local device), then one client on each of them at once.  Seconds a step."""
+    ``devices`` (default: every local device), then one client on each of them at once (dispatched together, then
+    awaited), each timed for ``window`` seconds after a warm-up.  The median seconds a step."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -135,10 +148,11 @@ def jax_side_by_side(model: str, batch: int, side: int, steps: int, repeats: int
         x = jax.random.normal(jax.random.key(1), (batch, side, side, 1))
         args.append(jax.device_put((variables["params"], opt.init(variables["params"]), x, jnp.arange(batch) % 10),
                                    d))
-    alone = best_median(lambda: jax.block_until_ready(train(*args[0])), repeats)
-    together = best_median(lambda: jax.block_until_ready([train(*a) for a in args]), repeats)
+    jax.block_until_ready([train(*a) for a in args])
+    alone, timed_alone = window_median(lambda: jax.block_until_ready(train(*args[0])), window)
+    together, timed_together = window_median(lambda: jax.block_until_ready([train(*a) for a in args]), window)
     return {"impl": impl, "steps": steps, "clients_at_once": len(devices), "alone_step_s": alone / steps,
-            "side_by_side_step_s": together / steps}
+            "side_by_side_step_s": together / steps, "timed": [timed_alone, timed_together]}
 
 
 def torch_side(model: str, batch: int, side: int, repeats: int) -> dict:
@@ -180,9 +194,10 @@ def torch_side(model: str, batch: int, side: int, repeats: int) -> dict:
     return out
 
 
-def torch_local_training(model: str, batch: int, side: int, steps: int, repeats: int, start_at: float = 0.0) -> dict:
-    """One client's ``steps`` SGD steps in this process, one thread: warmed up, then (after ``start_at``, a
-    ``time.time()`` that processes started together wait for) timed as :func:`best_median` does.  Seconds a step."""
+def torch_local_training(model: str, batch: int, side: int, steps: int, window: float, start_at: float = 0.0) -> dict:
+    """One client's ``steps`` SGD steps in this process, one thread, warmed up, then run again and again for
+    ``window`` seconds from ``start_at`` (a ``time.time()`` that processes started together wait for, so that each
+    is busy for the whole of the others' timing).  The median seconds a step."""
     import torch
     import torch.nn as nn
 
@@ -201,7 +216,8 @@ def torch_local_training(model: str, batch: int, side: int, steps: int, repeats:
 
     local_training()
     time.sleep(max(0.0, start_at - time.time()))
-    return {"step_s": best_median(local_training, repeats) / steps}
+    seconds, timed = window_median(local_training, window)
+    return {"step_s": seconds / steps, "timed": timed}
 
 
 def torch_side_by_side(args) -> dict:
@@ -210,7 +226,7 @@ def torch_side_by_side(args) -> dict:
 
     def start(start_at: float) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "benchmarks.peers_profile", "--child", "torch-train", "--model", args.model,
-               "--batch", str(args.batch), "--side", str(args.side), "--repeats", str(args.pair_repeats),
+               "--batch", str(args.batch), "--side", str(args.side), "--window", str(args.window),
                "--local-steps", str(args.local_steps), "--start-at", str(start_at)]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
@@ -225,12 +241,14 @@ def torch_side_by_side(args) -> dict:
         return out
 
     try:
-        [alone] = results([start(0.0)])
-        together = results([start(time.time() + 20.0) for _ in range(cores)])  # all imported and warm by then
+        # alone as side by side: every process imported and warm well before its start
+        [alone] = results([start(time.time() + 20.0)])
+        together = results([start(time.time() + 20.0) for _ in range(cores)])
     except RuntimeError as e:
         return {"error": str(e)}
     return {"steps": args.local_steps, "clients_at_once": cores, "alone_step_s": alone["step_s"],
-            "side_by_side_step_s": statistics.mean(r["step_s"] for r in together)}
+            "side_by_side_step_s": statistics.mean(r["step_s"] for r in together),
+            "timed": [alone["timed"], *(r["timed"] for r in together)]}
 
 
 def child(side_name: str, args) -> dict:
@@ -242,7 +260,7 @@ def child(side_name: str, args) -> dict:
         env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={os.cpu_count() or 1}"
     cmd = [sys.executable, "-m", "benchmarks.peers_profile", "--child", side_name, "--model", args.model,
            "--batch", str(args.batch), "--side", str(args.side), "--repeats", str(args.repeats),
-           "--local-steps", str(args.local_steps), "--impl", args.impl]
+           "--local-steps", str(args.local_steps), "--impl", args.impl, "--window", str(args.window)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROFILE ")), None)
     if line is None:
@@ -259,7 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--local-steps", type=int, default=10, help="a client's steps when clients run side by side")
     p.add_argument("--impl", default="mapped", help="the JAX side's convolution lowering side by side (what the "
                    "split's fused:1 runs)")
-    p.add_argument("--pair-repeats", type=int, default=5, help="timed local trainings a side-by-side measure")
+    p.add_argument("--window", type=float, default=5.0, help="seconds each side times its local trainings alone, "
+                   "and again side by side")
     p.add_argument("--child", choices=("jax", "torch", "jax-pair", "torch-train"), default=None,
                    help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -267,17 +286,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.child:
         if args.child == "jax-pair":
-            got = jax_side_by_side(args.model, args.batch, args.side, args.local_steps, args.repeats, args.impl)
+            got = jax_side_by_side(args.model, args.batch, args.side, args.local_steps, args.window, args.impl)
         elif args.child == "torch-train":
-            got = torch_local_training(args.model, args.batch, args.side, args.local_steps, args.repeats,
+            got = torch_local_training(args.model, args.batch, args.side, args.local_steps, args.window,
                                        args.start_at)
         else:
             got = (jax_side if args.child == "jax" else torch_side)(args.model, args.batch, args.side, args.repeats)
         print("PROFILE " + json.dumps(got))
         return {}
     sides = {name: child(name, args) for name in ("jax", "torch")}
-    pair_args = argparse.Namespace(**{**vars(args), "repeats": args.pair_repeats})
-    side_by_side = {"jax": child("jax-pair", pair_args), "torch": torch_side_by_side(args)}
+    side_by_side = {"jax": child("jax-pair", args), "torch": torch_side_by_side(args)}
     for got in side_by_side.values():
         if "alone_step_s" in got:
             got["throughput"] = got["clients_at_once"] * got["alone_step_s"] / got["side_by_side_step_s"]
@@ -290,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
               "device": {"backend": "cpu", "cpu_count": os.cpu_count()}, "loadavg": os.getloadavg(),
               "settings": {"model": args.model, "batch": args.batch, "side": args.side, "repeats": args.repeats,
                            "threads": 1, "local_steps": args.local_steps, "impl": args.impl,
-                           "pair_repeats": args.pair_repeats},
+                           "window_s": args.window},
               "sides": sides, "jax_over_torch": ratio, "side_by_side": side_by_side}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

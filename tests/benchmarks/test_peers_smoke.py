@@ -83,8 +83,8 @@ def test_the_profile_times_clients_side_by_side_on_the_jax_side():
     from benchmarks import peers_profile
 
     device = jax.local_devices()[0]
-    got = peers_profile.jax_side_by_side("cnn", batch=2, side=8, steps=2, repeats=1, devices=[device, device])
-    assert got["clients_at_once"] == 2 and got["steps"] == 2 and got["impl"] == "mapped"
+    got = peers_profile.jax_side_by_side("cnn", batch=2, side=8, steps=2, window=0.0, devices=[device, device])
+    assert got["clients_at_once"] == 2 and got["steps"] == 2 and got["impl"] == "mapped" and got["timed"] == [3, 3]
     assert got["alone_step_s"] > 0 and got["side_by_side_step_s"] > 0
 
 
@@ -98,3 +98,11 @@ def test_the_rendered_profile_bounds_a_round_by_its_steps_side_by_side():
     # cnn:50: 50 clients x 10 steps x 10 ms / 2 cores = 2.5 s; PyTorch's 12 ms: 3.0 s
     assert "| 8.00 ms | 10.00 ms | 1.60× | 0.50 s | 2.50 s |" in text and "3.00 s |" in text
     assert side_by_side_lines({"settings": {}, "side_by_side": {"jax": {"error": "x"}}}) == []
+
+
+def test_the_profile_times_a_torch_client_for_its_window():
+    pytest.importorskip("torch")  # the peers extra
+    from benchmarks import peers_profile
+
+    got = peers_profile.torch_local_training("cnn", batch=2, side=8, steps=2, window=0.0)
+    assert got["timed"] == 3 and got["step_s"] > 0
