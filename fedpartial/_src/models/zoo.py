@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from fedpartial._src.core.errors import UserError
 from fedpartial._src.models.conv import lowering
+from fedpartial._src.models.pooling import max_pool
 
 __all__ = [
     "CNN2C1F",
@@ -83,7 +84,7 @@ def batch_norm(train: bool, name: str) -> nn.BatchNorm:
 
 
 def _max_pool(x):
-    return nn.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding="VALID")
+    return max_pool(x, (2, 2))  # nn.max_pool's 2x2, stride 2, 'VALID', bit for bit (pooling.py says why not it)
 
 
 def _flatten(x):
