@@ -417,20 +417,24 @@ def side_by_side_lines(d: dict) -> list[str]:
     pair = {k: v for k, v in d.get("side_by_side", {}).items() if "throughput" in v}
     if len(pair) < 2:
         return []
+    from benchmarks.peers_rows import ROWS
+
     st, rows = d["settings"], []
     cores = pair["jax"]["clients_at_once"]
-    bound_rows = [r for r in ("cnn:10", "cnn:50") if st["model"] == "cnn"]
+    # the peer benchmark's rows that train the profiled model on the profiled batches
+    bound_rows = [r for r, spec in ROWS.items()
+                  if (spec.model, spec.side, spec.batch_size) == (st.get("model"), st.get("side"), st.get("batch"))]
     for name, label in (("jax", f"XLA:CPU (`{st.get('impl', 'mapped')}`, {cores} devices)"),
                         ("torch", f"PyTorch ({cores} processes)")):
         g = pair[name]
-        bounds = [num(int(r.split(":")[1]) * g["steps"] * g["side_by_side_step_s"] / cores, 2, " s")
+        bounds = [num(ROWS[r].cohort * ROWS[r].local_steps * g["side_by_side_step_s"] / cores, 2, " s")
                   for r in bound_rows]
         rows.append([label, num(g["alone_step_s"] * 1e3, 2, " ms"), num(g["side_by_side_step_s"] * 1e3, 2, " ms"),
                      num(g["throughput"], 2, "×"), *bounds])
     lines = ["", f"Clients side by side: one client's local training ({pair['jax']['steps']} steps) alone on one "
              f"core, then one client per core at once, as a round split over the {cores} cores runs them. The last "
-             f"column{'s' if len(bound_rows) > 1 else ''}: the least time a round's steps take at that rate "
-             "(cohort × steps × a step side by side / cores), were nothing else to take time.", ""]
+             f"column{'s' if len(bound_rows) > 1 else ''}: the least time a peer benchmark row's steps take at "
+             "that rate (cohort × local steps × a step side by side / cores), were nothing else to take time.", ""]
     return lines + table(["side", "a step alone", "a step side by side (each)", "the cores together",
                           *[f"{r}'s steps" for r in bound_rows]], rows)
 

@@ -91,11 +91,13 @@ def test_the_profile_times_clients_side_by_side_on_the_jax_side():
 def test_the_rendered_profile_bounds_a_round_by_its_steps_side_by_side():
     from benchmarks.render_docs import side_by_side_lines
 
-    pair = {"steps": 10, "clients_at_once": 2, "alone_step_s": 0.008, "side_by_side_step_s": 0.010, "throughput": 1.6}
-    d = {"settings": {"model": "cnn", "impl": "mapped"}, "side_by_side": {"jax": pair, "torch": {**pair,
-         "side_by_side_step_s": 0.012}}}
+    # timed over 5 steps: the bound still counts each row's own 10 local steps
+    pair = {"steps": 5, "clients_at_once": 2, "alone_step_s": 0.008, "side_by_side_step_s": 0.010, "throughput": 1.6}
+    d = {"settings": {"model": "cnn", "impl": "mapped", "side": 28, "batch": 32},
+         "side_by_side": {"jax": pair, "torch": {**pair, "side_by_side_step_s": 0.012}}}
     text = "\n".join(side_by_side_lines(d))
     # cnn:50: 50 clients x 10 steps x 10 ms / 2 cores = 2.5 s; PyTorch's 12 ms: 3.0 s
+    assert "| cnn:10's steps | cnn:50's steps |" in text
     assert "| 8.00 ms | 10.00 ms | 1.60× | 0.50 s | 2.50 s |" in text and "3.00 s |" in text
     assert side_by_side_lines({"settings": {}, "side_by_side": {"jax": {"error": "x"}}}) == []
 

@@ -36,11 +36,6 @@ from fedpartial._src.methods.submodel.fedspu import fedspu
 from fedpartial._src.models.adapter import from_linen
 from tests.conftest import TinyMLP, make_cohort
 
-# The engine's rounds compiled at XLA's optimization level 0, as tests/conftest.py's engine_compiled_at_o0 does in
-# the test processes (it says why that changes nothing a comparison here proves: both sides of each are compiled
-# alike): this process's time is its compilations (measured 60 -> 42 s, every result within its tolerance and every
-# bit-for-bit one still bit for bit)
-base.CPU_COMPILER_OPTIONS = {**base.CPU_COMPILER_OPTIONS, "xla_backend_optimization_level": 0}
 OPT = optax.sgd(0.1, momentum=0.9)
 # Two rounds: the second shows that a round starts from the sharded state the first left (and does not retrace);
 # a third proved nothing more (the runs' time is their compilations, one per program and device count)
@@ -241,6 +236,11 @@ def refusals(model) -> dict:
 
 
 def main() -> None:
+    # The engine's rounds compiled at XLA's optimization level 0, as tests/conftest.py's engine_compiled_at_o0 does
+    # in the test processes (it says why that changes nothing a comparison here proves: both sides of each are
+    # compiled alike): this process's time is its compilations (measured 60 -> 42 s, every result within its
+    # tolerance and every bit-for-bit one still bit for bit).  Here, not at import: only this process's own run.
+    base.CPU_COMPILER_OPTIONS = {**base.CPU_COMPILER_OPTIONS, "xla_backend_optimization_level": 0}
     model = from_linen(TinyMLP(), input_shape=(4,), num_classes=3, sequential=True, name="tiny_mlp")
     results = {"device_count": jax.local_device_count(), "seconds": {}}
     start = time.perf_counter()
