@@ -1,8 +1,8 @@
 """Max pooling over non-overlapping windows, as a reduction over reshaped windows.
 
 ``nn.max_pool(x, w, w, "VALID")`` is XLA's ``reduce_window``, and its gradient a ``select_and_scatter``: on
-XLA:CPU the two took about 40 % of a small CNN's SGD step, and scaled worst of its pieces when clients train side
-by side, one per core (the peer benchmark's CNN, batch 32 of 28×28: 7.6 ms a step alone, 10.4 ms with a client on
+XLA:CPU the two took about 40 % of a small CNN's SGD step, and scaled poorly when clients train side by side, one
+per core (the peer benchmark's CNN, batch 32 of 28×28: 7.6 ms a step alone, 10.4 ms with a client on
 the other core; with :func:`max_pool`, 5.7 and 6.6 ms; ``docs/decisions.md``).  Here each window is a trailing axis
 of a reshape: the forward pass is a ``max`` over it, and the derivative (a :func:`jax.custom_jvp`) passes the
 tangent of each window's first largest element, the element ``select_and_scatter`` chooses.  Values and gradients
