@@ -58,10 +58,11 @@ def test_lowerings_equal_lax_forward_and_gradient(case, inputs):
 
 def test_hybrid_is_lax_for_one_client_and_a_batched_matmul_across_clients(inputs):
     x, xs = inputs
+    wide = nn.Conv(24, (5, 5), conv_general_dilated=lowering("hybrid"))  # over 16 features: not widened
+    w = wide.init(jax.random.key(2), x)
+    np.testing.assert_array_equal(wide.apply(w, x), nn.Conv(24, (5, 5)).apply(w, x))  # lax itself, bit for bit
     conv = nn.Conv(4, (5, 5), conv_general_dilated=lowering("hybrid"))
     v = conv.init(jax.random.key(2), x)
-    plain = nn.Conv(4, (5, 5)).apply(v, x)
-    np.testing.assert_array_equal(conv.apply(v, x), plain)  # one client: lax itself, bit for bit
     vs = jax.tree.map(lambda a: jnp.stack([a] * K), v)
     hlo = jax.jit(jax.vmap(conv.apply)).lower(vs, xs).compile().as_text()
     assert "feature_group_count" not in hlo and "convolution(" not in hlo  # no grouped conv: a batched dot
@@ -82,9 +83,11 @@ def test_zoo_models_keep_their_parameters_and_outputs():
 
 def test_mapped_is_lax_for_one_client_with_plain_gradient_convs_and_a_loop_across_clients(inputs):
     x, xs = inputs
+    wide = nn.Conv(24, (5, 5), conv_general_dilated=lowering("mapped"))  # over 16 features: not widened
+    w = wide.init(jax.random.key(2), x)
+    np.testing.assert_array_equal(wide.apply(w, x), nn.Conv(24, (5, 5)).apply(w, x))  # lax itself, bit for bit
     conv = nn.Conv(4, (5, 5), conv_general_dilated=lowering("mapped"))
     v = conv.init(jax.random.key(2), x)
-    np.testing.assert_array_equal(conv.apply(v, x), nn.Conv(4, (5, 5)).apply(v, x))  # lax itself, bit for bit
     loss = lambda v, x: jnp.sum(jnp.sin(conv.apply(v, x)))  # noqa: E731
     plain_loss = lambda v, x: jnp.sum(jnp.sin(nn.Conv(4, (5, 5)).apply(v, x)))  # noqa: E731
 
@@ -107,3 +110,34 @@ def test_mapped_is_lax_for_one_client_with_plain_gradient_convs_and_a_loop_acros
     got = jax.jit(jax.vmap(jax.vmap(jax.grad(loss))))(vss, xss)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["hybrid", "mapped"])
+def test_a_convolution_of_few_features_runs_widened_on_a_cpu(impl, inputs):
+    """XLA:CPU runs a convolution of at most 16 input and output features on Eigen's kernels, 4x slower than
+    YNNPACK's: on a CPU, the lowerings' convolutions (forward and both gradients) widen such a kernel to 32 output
+    features and slice the result; a wider one, a strided gradient (input dilation: not YNNPACK's) and an
+    accelerator are left alone.  The values are the tests above's (lax's within float32 rounding)."""
+    x, _ = inputs
+
+    def conv_outputs(features, strides=(1, 1)):
+        conv = nn.Conv(features, (3, 3), strides=strides, conv_general_dilated=lowering(impl))
+        v = conv.init(jax.random.key(2), x)
+        grad = jax.grad(lambda v, x: jnp.sum(jnp.sin(conv.apply(v, x))), argnums=(0, 1))
+        hlo = jax.jit(grad).lower(v, x).compile().as_text()
+        return sorted(line.split(" convolution(")[0].split("= ")[-1] for line in hlo.splitlines()
+                      if " convolution(" in line)
+
+    if impl == "mapped":  # forward, and its own two gradient convolutions: the input's and the kernel's
+        assert conv_outputs(4) == ["f32[2,7,7,32]{3,2,1,0}"] * 2 + ["f32[4,3,3,32]{3,2,1,0}"]
+        # stride 2: the input gradient spreads the output's (input dilation) and stays as it was
+        assert sum(",32]" in out for out in conv_outputs(4, (2, 2))) == 2
+    else:  # hybrid's one-client gradient is autodiff's, of the widened forward
+        assert "f32[2,7,7,32]{3,2,1,0}" in conv_outputs(4)
+    assert not any(",32]" in out for out in conv_outputs(24))
+    conv = nn.Conv(4, (3, 3), conv_general_dilated=lowering(impl))
+    v = conv.init(jax.random.key(2), x)
+    traced = jax.jit(conv.apply).trace(v, x)
+    assert "x32xf32>" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    for accelerator in ("cuda", "tpu"):  # lowered for an accelerator, without one here: left alone
+        assert "x32xf32>" not in traced.lower(lowering_platforms=(accelerator,)).as_text()

@@ -21,6 +21,13 @@ result (within float32 rounding) do not change:
 model takes one argument: ``nn.Conv(32, (5, 5), conv_general_dilated=fedpartial.models.conv_lowering("im2col"))``.
 Only channels-last layouts (``NHWC``/``HWIO``, as ``nn.Conv`` uses) without input dilation are rewritten; any
 other call falls back to ``lax.conv_general_dilated``.
+
+On a CPU, ``hybrid``'s and ``mapped``'s own convolutions (one client's forward, ``mapped``'s two gradients) of at
+most 16 input and output features — a first layer on grey or RGB images, say ``nn.Conv(16)`` — widen the kernel
+with zero output features to 32 and slice the result: XLA:CPU hands a convolution to YNNPACK only above 16
+features and runs a smaller one on Eigen's kernels, which took 4x the time with a client on each core.  The sums
+are the same, in YNNPACK's order, so the result is lax's within float32 rounding, not bit for bit; an
+accelerator's lowering is left alone (``lax.platform_dependent``).
 """
 
 from __future__ import annotations
@@ -100,12 +107,55 @@ def _im2col(x, w, spec, precision=None, preferred_element_type=None):
 
 def _lax(x, w, spec, precision=None, preferred_element_type=None):
     kernel, dilation, strides, pads, groups = spec
+    if groups == 1 and preferred_element_type is None:
+        return _channels_last_conv(x, w, strides, pads, None, dilation, precision)
     nd = len(kernel)
     dn = lax.conv_dimension_numbers(x.shape, w.shape, ("N" + "HWD"[:nd] + "C", "HWD"[:nd] + "IO",
                                                        "N" + "HWD"[:nd] + "C"))
     return lax.conv_general_dilated(x, w, strides, pads, rhs_dilation=dilation, dimension_numbers=dn,
                                     feature_group_count=groups, precision=precision,
                                     preferred_element_type=preferred_element_type)
+
+
+#: XLA:CPU hands a float32 2-D convolution to YNNPACK only when it has more than 16 input or output features;
+#: a smaller one runs on Eigen's kernels, which took 4x the time side by side (a client on each core:
+#: ``docs/decisions.md``).  On a CPU such a convolution's kernel gets zero output features up to
+#: ``_PADDED_FEATURES`` (the width YNNPACK ran fastest) and the result is sliced back: the same sums, in
+#: YNNPACK's order (within float32 rounding of Eigen's).
+_SMALL_FEATURES, _PADDED_FEATURES = 16, 32
+
+
+def _runs_small_on_eigen(lhs_shape, kernel_shape, strides, pads, lhs_dilation, dtype) -> bool:
+    """Whether XLA:CPU runs this channels-last convolution on Eigen's kernels only for its few features (and on
+    YNNPACK's with more output features): 2-D, float32, no input dilation, the output and the (dilated) kernel no
+    larger than the input, at most ``_SMALL_FEATURES`` input and output features."""
+    if len(lhs_shape) != 4 or dtype != jnp.float32 or any(d != 1 for d in (lhs_dilation or (1, 1))):
+        return False
+    if max(lhs_shape[-1], kernel_shape[-1]) > _SMALL_FEATURES:
+        return False
+    return all(k <= n and (n + lo + hi - k) // s + 1 <= n
+               for n, k, s, (lo, hi) in zip(lhs_shape[1:3], kernel_shape[:2], strides, pads))
+
+
+def _channels_last_conv(lhs, rhs, strides, pads, lhs_dilation, rhs_dilation, precision):
+    """``lax.conv_general_dilated`` of an ``N...C`` input and a ``...IO`` kernel (no feature groups); on a CPU, a
+    convolution XLA would run on Eigen's kernels for its few features gets its kernel widened to YNNPACK's."""
+    nd = lhs.ndim - 2
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("N" + "HWD"[:nd] + "C", "HWD"[:nd] + "IO",
+                                                           "N" + "HWD"[:nd] + "C"))
+    conv = functools.partial(lax.conv_general_dilated, window_strides=strides, padding=pads,
+                             lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dn,
+                             precision=precision)
+    spans = tuple((k - 1) * d + 1 for k, d in zip(rhs.shape[:nd], rhs_dilation or (1,) * nd))
+    dtype = jnp.result_type(lhs, rhs)
+    if not _runs_small_on_eigen(lhs.shape, (*spans, *rhs.shape[nd:]), strides, pads, lhs_dilation, dtype):
+        return conv(lhs, rhs)
+    features = rhs.shape[-1]
+
+    def widened(a, b):
+        return conv(a, jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(0, _PADDED_FEATURES - features)]))[..., :features]
+
+    return lax.platform_dependent(lhs, rhs, cpu=widened, default=conv)
 
 
 def _conv_args(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
@@ -149,19 +199,15 @@ def _conv_grads(x, w, g, spec, precision=None):
     nd = len(kernel)
     span = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
     sizes, outs = x.shape[1:-1], g.shape[1:-1]
-    dn = lambda a, b: lax.conv_dimension_numbers(a.shape, b.shape, ("N" + "HWD"[:nd] + "C", "HWD"[:nd] + "IO",  # noqa: E731
-                                                                     "N" + "HWD"[:nd] + "C"))
     # input: the output gradient spread by the strides, convolved with the flipped kernel (in and out swapped)
     flipped = jnp.swapaxes(jnp.flip(w, tuple(range(nd))), -1, -2)
     pads_x = [(sp - 1 - lo, n - ((o - 1) * st + 1) + lo) for sp, (lo, _), n, o, st in
               zip(span, pads, sizes, outs, strides)]
-    gx = lax.conv_general_dilated(g, flipped, (1,) * nd, pads_x, lhs_dilation=strides, rhs_dilation=dilation,
-                                  dimension_numbers=dn(g, flipped), precision=precision)
+    gx = _channels_last_conv(g, flipped, (1,) * nd, pads_x, strides, dilation, precision)
     # kernel: input channels as the batch, examples as the features, the output gradient as the kernel
     lhs, rhs = jnp.moveaxis(x, (0, -1), (-1, 0)), jnp.moveaxis(g, 0, -2)
     pads_w = [(lo, sp + (o - 1) * st - n - lo) for sp, (lo, _), n, o, st in zip(span, pads, sizes, outs, strides)]
-    gw = lax.conv_general_dilated(lhs, rhs, dilation, pads_w, rhs_dilation=strides, dimension_numbers=dn(lhs, rhs),
-                                  precision=precision)
+    gw = _channels_last_conv(lhs, rhs, dilation, pads_w, None, strides, precision)
     return gx.astype(x.dtype), jnp.moveaxis(gw, 0, -2).astype(w.dtype)
 
 
