@@ -4,13 +4,13 @@
 XLA:CPU the two took about 40 % of a small CNN's SGD step, and scaled poorly when clients train side by side, one
 per core.  Here the forward pass is the elementwise maximum of the window's ``h·w`` strided slices, and the
 derivative (a :func:`jax.custom_jvp`) passes the tangent of each window's first largest element, the element
-``select_and_scatter`` chooses: differentiated, the forward pass records that element's place in the window (one small integer
-an output), and the backward pass, the JVP's transpose, is one elementwise select over the input's shape.  XLA
-fuses each with the ReLU around it, without transposes.  The peer benchmark's CNN (batch 32 of 28×28, a client on
-each of 2 cores): 9.9 ms a step with ``nn.max_pool``, 6.3 ms with this (6.7 ms with an earlier version that moved
-each window to a trailing axis; ``docs/decisions.md``).  Values and gradients are those of ``nn.max_pool`` bit
-for bit, ties included; being a JVP rule, it also takes forward-mode derivatives (Hessian-vector products) and
-``vmap``.
+``select_and_scatter`` chooses: differentiated, the forward pass records that element's place in the window (one
+small integer an output), and the backward pass, the JVP's transpose, is one elementwise select over the input's
+shape.  XLA fuses each with the ReLU around it, without transposes.  The peer benchmark's CNN (batch 32 of
+28×28, a client on each of 2 cores): 9.9 ms a step with ``nn.max_pool``, 6.3 ms with this (6.7 ms with an earlier
+version that moved each window to a trailing axis; ``docs/decisions.md``).  Values and gradients are those of
+``nn.max_pool`` bit for bit, ties included; being a JVP rule, it also takes forward-mode derivatives
+(Hessian-vector products) and ``vmap``.
 """
 
 from __future__ import annotations
