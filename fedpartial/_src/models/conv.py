@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from typing import Any, Callable
 
 import jax
@@ -123,13 +124,16 @@ def _lax(x, w, spec, precision=None, preferred_element_type=None):
 #: ``_PADDED_FEATURES`` (the width YNNPACK ran fastest) and the result is sliced back: the same sums, in
 #: YNNPACK's order (within float32 rounding of Eigen's).
 _SMALL_FEATURES, _PADDED_FEATURES = 16, 32
+#: measured with jax 0.10, whose XLA:CPU has YNNPACK fusions; on an older one every convolution ran on Eigen,
+#: where widening would only add work, so it is left alone there
+_WIDENS = tuple(map(int, re.match(r"(\d+)\.(\d+)", jax.__version__).groups())) >= (0, 10)
 
 
 def _runs_small_on_eigen(lhs_shape, kernel_shape, strides, pads, lhs_dilation, dtype) -> bool:
     """Whether XLA:CPU runs this channels-last convolution on Eigen's kernels only for its few features (and on
     YNNPACK's with more output features): 2-D, float32, no input dilation, the output and the (dilated) kernel no
     larger than the input, at most ``_SMALL_FEATURES`` input and output features."""
-    if len(lhs_shape) != 4 or dtype != jnp.float32 or any(d != 1 for d in (lhs_dilation or (1, 1))):
+    if not _WIDENS or len(lhs_shape) != 4 or dtype != jnp.float32 or any(d != 1 for d in (lhs_dilation or (1, 1))):
         return False
     if max(lhs_shape[-1], kernel_shape[-1]) > _SMALL_FEATURES:
         return False
